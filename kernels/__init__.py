@@ -1,0 +1,39 @@
+"""cuboid.kernels: Triton kernels with torch references and autograd Functions.
+
+One file per op (DESIGN.md). The public functions choose their backend
+explicitly (see :mod:`cuboid.kernels._backend`). Submodules are imported on
+first use, so ``import cuboid.kernels`` does no work: no Triton import, no
+device probing, no autotuning.
+"""
+from __future__ import annotations
+
+import importlib
+
+from ._backend import BACKENDS, auto_backend, interpreter_active, resolve_backend, use_backend
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "attention": "attention",
+    "attention_ref": "attention",
+    "layer_norm": "norm",
+    "layer_norm_ref": "norm",
+    "rms_norm": "norm",
+    "rms_norm_ref": "norm",
+    "adamw_step": "optim",
+    "lamb_step": "optim",
+    "lars_step": "optim",
+}
+
+# op name -> what `cuboid info` reports backends for
+OPS = ("attention", "layer_norm", "rms_norm", "adamw_step", "lamb_step", "lars_step")
+
+__all__ = ["BACKENDS", "OPS", "auto_backend", "interpreter_active", "resolve_backend", "use_backend", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cuboid.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

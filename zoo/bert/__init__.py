@@ -1,0 +1,1 @@
+"""cuboid.zoo.bert."""
