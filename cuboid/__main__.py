@@ -1,0 +1,5 @@
+import sys
+
+from cuboid.cli import main
+
+sys.exit(main())

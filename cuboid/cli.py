@@ -1,0 +1,98 @@
+"""The ``cuboid`` command.
+
+Subcommands: ``info`` (environment and kernel backends). Later issues add
+``finetune``, ``convert`` and ``plans``.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import Optional, Sequence
+
+
+def _versions() -> list[tuple[str, str]]:
+    import torch
+
+    rows = [("python", platform.python_version()), ("torch", torch.__version__)]
+    try:
+        import triton
+
+        rows.append(("triton", triton.__version__))
+    except ImportError:  # pragma: no cover - triton is a dependency
+        rows.append(("triton", "not installed"))
+    from cuboid import __version__
+
+    rows.append(("cuboid", __version__))
+    return rows
+
+
+def _devices() -> list[tuple[str, str]]:
+    import torch
+
+    rows = [("cpu", f"{torch.get_num_threads()} threads")]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            rows.append((f"cuda:{i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}"))
+    else:
+        rows.append(("cuda", "not available"))
+    return rows
+
+
+def backend_table() -> list[tuple[str, str, str, str]]:
+    """(op, device, backend, why) for every kernel op on every device type here."""
+    import torch
+
+    from cuboid import kernels
+
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    rows = []
+    for op in kernels.OPS:
+        for dev in devices:
+            backend, why = kernels.auto_backend(dev)
+            rows.append((op, dev.type, backend, why))
+    return rows
+
+
+def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from cuboid import kernels
+
+    print("cuboid environment\n")
+    print(_table(_versions(), ("package", "version")))
+    print()
+    print(_table(_devices(), ("device", "details")))
+    print()
+    print(f"Triton interpreter: {'on' if kernels.interpreter_active() else 'off'} (TRITON_INTERPRET at import)")
+    print()
+    print(_table(backend_table(), ("op", "device", "backend", "why")))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cuboid", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here")
+    p_info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
