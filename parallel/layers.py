@@ -1,0 +1,237 @@
+"""The layers the zoo is built from, on one device.
+
+Each layer is a plain ``nn.Module`` that calls the kernels beneath it, plus the
+small interface every parallel mode needs (:class:`ShardedModule`):
+
+- ``role``: what the layer *is* (``column``, ``row``, ``vocab``, ``norm``,
+  ``replicate``), assigned from the model's sharding spec, never from model
+  code;
+- ``full_shape(name)`` / ``shard_slices(name)``: the shape of a parameter's full
+  (unsharded) tensor and which slice of it this rank holds;
+- ``full_tensor(name)``: the full tensor, gathered where it is sharded;
+- ``load_full(name, full)``: copy this rank's slice in from a full tensor, or
+  from anything indexable by ``shard_slices`` (a safetensors ``get_slice``
+  object), so a rank reads only what it owns.
+
+On one device a shard is the whole tensor. The tensor modes subclass these
+layers and override the four methods, so checkpoints and initialisation work
+the same under every plan.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuboid import kernels
+
+ROLES = ("column", "row", "vocab", "norm", "replicate", "embedding")
+
+
+class ShardedModule(nn.Module):
+    """Mixin: the full-tensor interface of a layer whose parameters may be sharded."""
+
+    role: str = "replicate"
+
+    def full_shape(self, name: str) -> torch.Size:
+        return self._param(name).shape
+
+    def shard_slices(self, name: str) -> tuple[slice, ...]:
+        return tuple(slice(0, n) for n in self.full_shape(name))
+
+    def full_tensor(self, name: str) -> torch.Tensor:
+        return self._param(name).detach()
+
+    def load_full(self, name: str, full: Any) -> None:
+        """Copy this rank's part of ``full`` (a tensor or a sliceable object) into ``name``."""
+        param = self._param(name)
+        shape = tuple(self.full_shape(name))
+        full_shape = tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
+        if full_shape != shape:
+            raise ValueError(f"{name}: expected full shape {shape}, got {full_shape}")
+        part = full[self.shard_slices(name)]
+        with torch.no_grad():
+            param.copy_(torch.as_tensor(part).to(param.dtype))
+
+    def _param(self, name: str) -> torch.Tensor:
+        t = self._parameters.get(name)
+        if t is None:
+            t = self._buffers.get(name)
+        if t is None:
+            raise KeyError(f"{type(self).__name__} has no parameter {name!r}")
+        return t
+
+
+class Linear(ShardedModule):
+    """``y = x @ W.T + b`` with W (out_features, in_features), as ``nn.Linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=0.02)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, role={self.role}"
+
+
+class Embedding(ShardedModule):
+    """Lookup table (num_embeddings, dim); also the tied LM head's weight."""
+
+    role = "embedding"
+
+    def __init__(self, num_embeddings: int, dim: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(
+                f"ids must lie in [0, {self.num_embeddings}), got min {int(ids.min())}, max {int(ids.max())}"
+            )
+        return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dim}, role={self.role}"
+
+
+class LayerNorm(ShardedModule):
+    """Layer norm over the last dim, with the residual add fused.
+
+    ``forward(x)`` returns ``norm(x)``; ``forward(x, residual)`` returns
+    ``(norm(x + residual), x + residual)``.
+    """
+
+    role = "norm"
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class RMSNorm(ShardedModule):
+    """RMS norm over the last dim, with the residual add fused (as :class:`LayerNorm`)."""
+
+    role = "norm"
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class Tensor(ShardedModule):
+    """A free-standing learned tensor (ViT's CLS token, position table) as a layer.
+
+    Its last dim is the model's hidden dim, so modes that split the hidden dim
+    can shard it like a norm weight.
+    """
+
+    role = "replicate"
+
+    def __init__(self, *shape: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape, device=device, dtype=dtype))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The attention core: (B, H, T, D) in, (B, H, T, D) out, through the kernel."""
+    return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over rows of (N, V) logits, ``ignore_index`` rows skipped.
+
+    The softmax is computed in fp32 one chunk of rows at a time, in forward and
+    again in backward, so no full fp32 copy of the logits is ever held (at
+    gpt2 vocab, a (8 x 1024, 50257) fp32 copy is 1.6 GB).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index: int, chunk: int):
+        n = logits.shape[0]
+        valid = labels != ignore_index
+        count = valid.sum()
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        lses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            block = logits[s:s + chunk].float()
+            lse = torch.logsumexp(block, dim=-1)
+            lses[s:s + chunk] = lse
+            lab = labels[s:s + chunk]
+            ok = valid[s:s + chunk]
+            picked = block.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
+            total += torch.where(ok, lse - picked, torch.zeros_like(lse)).sum()
+        ctx.save_for_backward(logits, labels, lses, count)
+        ctx.ignore_index, ctx.chunk = ignore_index, chunk
+        return total / count.clamp(min=1) if count > 0 else total * float("nan")
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lses, count = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        scale = grad / count.clamp(min=1)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            block = logits[s:s + ctx.chunk].float()
+            p = torch.exp(block - lses[s:s + ctx.chunk, None])
+            lab = labels[s:s + ctx.chunk]
+            ok = (lab != ctx.ignore_index)
+            p.scatter_add_(1, lab.clamp(min=0).unsqueeze(1), -torch.ones_like(p[:, :1]))
+            p *= (ok.unsqueeze(1) * scale)
+            out[s:s + ctx.chunk] = p.to(out.dtype)
+        return out, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
+                  chunk: Optional[int] = None) -> torch.Tensor:
+    """Mean cross-entropy of (..., V) logits against (...) labels, HF style (-100 ignored).
+
+    NaN when every label is ignored, as ``F.cross_entropy``. Labels outside
+    [0, V) other than ``ignore_index`` are an ``IndexError``.
+    """
+    v = logits.shape[-1]
+    logits = logits.reshape(-1, v)
+    labels = labels.reshape(-1).to(torch.long)
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"cross_entropy: {labels.shape[0]} labels for {logits.shape[0]} rows of logits")
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
+    if bool(bad.any()):
+        raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {v})")
+    if chunk is None:
+        # about 64 MiB of fp32 per chunk
+        chunk = max(1, min(logits.shape[0], (1 << 24) // max(v, 1)))
+    return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, chunk)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU, exact (BERT, ViT) or tanh-approximated (GPT-2's ``gelu_new``)."""
+    return F.gelu(x, approximate=approximate)
+

@@ -1,0 +1,83 @@
+"""Small random Hugging Face models of every supported architecture, and their inputs."""
+import torch
+import transformers as T
+
+SEED = 0
+
+
+def gpt2_config():
+    return T.GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def bert_config(**kw):
+    return T.BertConfig(num_hidden_layers=2, hidden_size=48, num_attention_heads=4, intermediate_size=96,
+                        vocab_size=97, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, **kw)
+
+
+def vit_config(**kw):
+    return T.ViTConfig(num_hidden_layers=2, hidden_size=48, num_attention_heads=4, intermediate_size=96,
+                       image_size=16, patch_size=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       **kw)
+
+
+# name -> (HF class, config factory, task)
+CASES = {
+    "GPT2LMHeadModel": (T.GPT2LMHeadModel, gpt2_config, "causal"),
+    "GPT2Model": (T.GPT2Model, gpt2_config, "base-text"),
+    "BertForMaskedLM": (T.BertForMaskedLM, bert_config, "mlm"),
+    "BertForSequenceClassification": (T.BertForSequenceClassification, lambda: bert_config(num_labels=3), "seqcls"),
+    "BertModel": (T.BertModel, bert_config, "base-text"),
+    "ViTForImageClassification": (T.ViTForImageClassification, lambda: vit_config(num_labels=5), "imgcls"),
+    "ViTModel": (T.ViTModel, vit_config, "base-image"),
+}
+
+
+def make_hf(name):
+    cls, cfg, _ = CASES[name]
+    torch.manual_seed(SEED)
+    model = cls(cfg()).eval()
+    # HF zero-initialises biases and sets norms to 1/0: randomise everything so
+    # a mapping that drops or swaps a tensor cannot pass
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def make_batch(name, labels=True):
+    """HF inputs: odd sequence length 7, right padding in one row, token types."""
+    task = CASES[name][2]
+    g = torch.Generator().manual_seed(1)
+    if task in ("base-image", "imgcls"):
+        batch = {"pixel_values": torch.randn(3, 3, 16, 16, generator=g)}
+        if labels and task == "imgcls":
+            batch["labels"] = torch.tensor([0, 4, 2])
+        return batch
+    ids = torch.randint(1, 97, (3, 7), generator=g)
+    mask = torch.ones(3, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if name.startswith("Bert"):
+        batch["token_type_ids"] = torch.tensor([[0] * 4 + [1] * 3] * 3)
+    if labels:
+        if task == "causal":
+            lab = ids.clone()
+            lab[mask == 0] = -100
+            batch["labels"] = lab
+        elif task == "mlm":
+            lab = torch.full_like(ids, -100)
+            lab[:, 2] = ids[:, 2]
+            lab[0, 5] = ids[0, 5]
+            batch["labels"] = lab
+        elif task == "seqcls":
+            batch["labels"] = torch.tensor([2, 0, 1])
+    return batch
+
+
+def hf_outputs(model, batch):
+    out = model(**batch)
+    if hasattr(out, "logits"):
+        return out.logits, getattr(out, "loss", None)
+    return out.last_hidden_state, None

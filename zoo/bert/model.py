@@ -1,0 +1,76 @@
+"""BERT: token + position + segment embeddings, post-LN blocks, pooler, MLM / classifier heads."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cuboid.parallel import layers as L
+from cuboid.zoo.common import Block, Output, init_parameters, lm_loss, padding_mask
+
+from .config import BertConfig
+
+
+class Bert(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = L.Embedding(c.vocab_size, c.dim)
+        self.pos_emb = L.Embedding(c.n_positions, c.dim)
+        self.type_emb = L.Embedding(c.type_vocab_size, c.dim)
+        self.ln_emb = L.LayerNorm(c.dim, c.eps)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=False, causal=False, dropout=c.dropout)
+            for _ in range(c.n_layers)
+        )
+        self.pooler = L.Linear(c.dim, c.dim) if c.pooler else None
+        if c.head == "mlm":
+            self.mlm_dense = L.Linear(c.dim, c.dim)
+            self.mlm_ln = L.LayerNorm(c.dim, c.eps)
+            self.mlm_bias = L.Tensor(c.vocab_size)  # decoder weight is tok_emb (tied)
+            self.mlm_bias.role = "vocab"
+        elif c.head == "cls":
+            self.classifier = L.Linear(c.dim, c.num_labels)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """BERT init: N(0, 0.02) for linear and embedding weights, zero biases, norms 1/0."""
+        std = self.config.init_std
+
+        def rule(name: str, shape: torch.Size):
+            if name.endswith("bias") or name == "mlm_bias.weight":
+                return "zeros", 0.0
+            if "ln" in name.split(".")[-2]:
+                return "ones", 0.0
+            return "normal", std
+
+        init_parameters(self, rule, seed)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> Output:
+        c = self.config
+        B, T = input_ids.shape  # (B, T)
+        if T > c.n_positions:
+            raise ValueError(f"sequence length {T} exceeds n_positions {c.n_positions}")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.tok_emb(input_ids) + self.pos_emb(position_ids) + self.type_emb(token_type_ids)
+        x = self.drop(self.ln_emb(x))  # (B, T, C)
+        mask = padding_mask(attention_mask)
+        for block in self.blocks:
+            x, _ = block(x, None, mask)
+        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (B, C)
+        if c.head == "mlm":
+            h = self.mlm_ln(L.gelu(self.mlm_dense(x)))
+            logits = torch.nn.functional.linear(h, self.tok_emb.weight, self.mlm_bias())  # (B, T, V)
+            loss = lm_loss(logits, labels, shift=False) if labels is not None else None
+        elif c.head == "cls":
+            logits = self.classifier(self.drop(pooled))  # (B, num_labels)
+            loss = L.cross_entropy(logits, labels) if labels is not None else None
+        else:
+            logits, loss = x, None
+        return Output(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)

@@ -1,0 +1,183 @@
+"""Blocks shared by the zoo models, written like single-device code.
+
+The transformer block comes in two flavours: pre-LN (GPT-2, ViT) and post-LN
+(BERT). Both use the fused residual norm of :class:`cuboid.parallel.layers.LayerNorm`
+and the attention kernel. Submodule names (``attn.qkv``, ``attn.proj``,
+``mlp.fc``, ``mlp.proj``, ``ln1``, ``ln2``) are public: sharding specs and
+checkpoints address them.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuboid.parallel import layers as L
+
+
+@dataclass
+class Output:
+    """What every zoo model returns.
+
+    ``logits``: task logits, or the last hidden states for a base model;
+    ``loss``: mean cross-entropy when ``labels`` were given (-100 ignored);
+    ``pooler_output``: BERT/ViT pooled vector where the model has a pooler.
+    """
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    last_hidden_state: Optional[torch.Tensor] = None
+    pooler_output: Optional[torch.Tensor] = None
+
+
+class MLP(nn.Module):
+    """fc -> GELU -> proj, (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, dim: int, hidden: int, approximate: str = "none", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc = L.Linear(dim, hidden)
+        self.proj = L.Linear(hidden, dim)
+        self.approximate = approximate
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(L.gelu(self.fc(x), self.approximate)))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection.
+
+    ``qkv`` holds [W_q; W_k; W_v] stacked on the output dim, heads contiguous
+    inside each. The number of heads is read off the (possibly sharded)
+    projection, so a column-split ``qkv`` runs its local heads unchanged.
+    """
+
+    def __init__(self, dim: int, n_heads: int, causal: bool, dropout: float = 0.0) -> None:
+        super().__init__()
+        if dim % n_heads:
+            raise ValueError(f"hidden size {dim} is not divisible by {n_heads} heads")
+        self.head_dim = dim // n_heads
+        self.causal = causal
+        self.qkv = L.Linear(dim, 3 * dim)
+        self.proj = L.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv(x)  # (B, T, 3 * H * D)
+        q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        y = L.attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
+        return self.dropout(self.proj(y))
+
+
+class Block(nn.Module):
+    """One transformer block.
+
+    Pre-LN (``pre_ln=True``) carries the residual stream beside the block
+    output so that each norm fuses the residual add:
+    ``forward(x, residual) -> (x', residual')`` where the true hidden state is
+    ``x' + residual'``. Post-LN (BERT) returns the normalised hidden state and
+    ``None``.
+    """
+
+    def __init__(self, dim: int, n_heads: int, mlp_hidden: int, *, eps: float, pre_ln: bool,
+                 causal: bool, approximate: str = "none", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.pre_ln = pre_ln
+        self.ln1 = L.LayerNorm(dim, eps)
+        self.attn = SelfAttention(dim, n_heads, causal, dropout)
+        self.ln2 = L.LayerNorm(dim, eps)
+        self.mlp = MLP(dim, mlp_hidden, approximate, dropout)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None):
+        if self.pre_ln:
+            if residual is None:
+                h, residual = self.ln1(x), x
+            else:
+                h, residual = self.ln1(x, residual)
+            x = self.attn(h, key_padding_mask)
+            h, residual = self.ln2(x, residual)
+            return self.mlp(h), residual
+        x, _ = self.ln1(self.attn(x, key_padding_mask), x)
+        x, _ = self.ln2(self.mlp(x), x)
+        return x, None
+
+
+def padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """HF ``attention_mask`` (B, T), 1 = token, to the kernel's bool key mask; None if all kept."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask.to(torch.bool)
+    return None if bool(mask.all()) else mask
+
+
+# ---------------------------------------------------------------- initialisation
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A seed per (model seed, parameter name): init is the same under any plan or order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def sharded_parameters(model: nn.Module) -> Iterator[tuple[str, L.ShardedModule, str, torch.Tensor]]:
+    """(full name, owning layer, local name, tensor) for every parameter, each once (ties skipped)."""
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        for local, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if not isinstance(mod, L.ShardedModule):
+                raise TypeError(f"{mod_name}.{local} belongs to {type(mod).__name__}, not a cuboid layer")
+            yield (f"{mod_name}.{local}" if mod_name else local), mod, local, p
+
+
+def init_parameters(model: nn.Module, rule: Callable[[str, torch.Size], tuple[str, float]], seed: int) -> None:
+    """Initialise every parameter from ``rule(name, full_shape) -> (kind, value)``.
+
+    kind is ``normal`` (std=value), ``trunc_normal`` (std=value, cut at 2 std),
+    ``zeros`` or ``ones``. Each full tensor is drawn on CPU from its own
+    generator (:func:`param_seed`) and handed to the layer's ``load_full``, so
+    a sharded rank keeps just its slice and holds one full tensor at a time.
+    Meta parameters are materialised first (``to_empty``) where needed.
+    """
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("materialise the model first (model.to_empty(device=...)), then initialise")
+    for name, mod, local, _ in sharded_parameters(model):
+        shape = mod.full_shape(local)
+        kind, value = rule(name, shape)
+        if kind in ("zeros", "ones"):
+            full = torch.zeros(shape) if kind == "zeros" else torch.ones(shape)
+        else:
+            g = torch.Generator().manual_seed(param_seed(seed, name))
+            full = torch.empty(shape)
+            if kind == "normal":
+                full.normal_(0.0, value, generator=g)
+            elif kind == "trunc_normal":
+                nn.init.trunc_normal_(full, std=value, a=-2 * value, b=2 * value, generator=g)
+            else:
+                raise ValueError(f"unknown init kind {kind!r} for {name}")
+        mod.load_full(local, full)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters of the full (unsharded) model, tied weights counted once."""
+    return sum(int(torch.Size(mod.full_shape(local)).numel()) for _, mod, local, _ in sharded_parameters(model))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """Cross-entropy (-100 ignored); ``shift`` predicts token t+1 from position t (causal LM)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return L.cross_entropy(logits, labels)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p, training) if p else x

@@ -1,0 +1,64 @@
+"""GPT-2: learned positions, pre-LN blocks, causal attention, tied LM head."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cuboid.parallel import layers as L
+from cuboid.zoo.common import Block, Output, init_parameters, lm_loss, padding_mask
+
+from .config import GPTConfig
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = L.Embedding(c.vocab_size, c.dim)
+        self.pos_emb = L.Embedding(c.n_positions, c.dim)
+        self.drop = nn.Dropout(c.dropout)
+        approx = "tanh" if c.activation == "gelu_new" else "none"
+        self.blocks = nn.ModuleList(
+            Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=True, causal=True,
+                  approximate=approx, dropout=c.dropout)
+            for _ in range(c.n_layers)
+        )
+        self.ln_f = L.LayerNorm(c.dim, c.eps)
+        # the LM head is the token embedding, transposed (tied)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 init: N(0, 0.02); residual projections N(0, 0.02 / sqrt(2 n_layers)); norms 1/0."""
+        std, n = self.config.init_std, self.config.n_layers
+
+        def rule(name: str, shape: torch.Size):
+            if name.endswith("bias"):
+                return "zeros", 0.0
+            if name.startswith("ln") or ".ln" in name:
+                return "ones", 0.0
+            if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
+                return "normal", std / math.sqrt(2 * n)
+            return "normal", std
+
+        init_parameters(self, rule, seed)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
+        B, T = input_ids.shape  # (B, T)
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))  # (B, T, C)
+        mask = padding_mask(attention_mask)
+        residual = None
+        for block in self.blocks:
+            x, residual = block(x, residual, mask)
+        h, _ = self.ln_f(x, residual)  # (B, T, C)
+        if self.config.head == "none":
+            return Output(logits=h, last_hidden_state=h)
+        logits = torch.nn.functional.linear(h, self.tok_emb.weight)  # (B, T, V), tied head
+        loss = lm_loss(logits, labels, shift=True) if labels is not None else None
+        return Output(logits=logits, loss=loss, last_hidden_state=h)

@@ -1,0 +1,74 @@
+"""ViT: patch embedding (a linear map of flattened patches), CLS token, learned positions, pre-LN blocks."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cuboid.parallel import layers as L
+from cuboid.zoo.common import Block, Output, init_parameters
+
+from .config import ViTConfig
+
+
+def patchify(pixel_values: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, N, C * P * P), patches row-major, each flattened as (C, P, P)."""
+    B, C, H, W = pixel_values.shape
+    x = pixel_values.reshape(B, C, H // patch, patch, W // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // patch) * (W // patch), C * patch * patch)
+
+
+class ViT(nn.Module):
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.patch = L.Linear(c.channels * c.patch_size ** 2, c.dim)  # the conv, as a matmul
+        self.cls_token = L.Tensor(1, 1, c.dim)
+        self.pos_emb = L.Tensor(1, c.n_patches + 1, c.dim)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=True, causal=False, dropout=c.dropout)
+            for _ in range(c.n_layers)
+        )
+        self.ln_f = L.LayerNorm(c.dim, c.eps)
+        self.pooler = L.Linear(c.dim, c.dim) if c.pooler else None
+        if c.head == "cls":
+            self.classifier = L.Linear(c.dim, c.num_labels)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """ViT init (as HF): truncated normal std 0.02 for weights and tokens, zero biases, norms 1/0."""
+        std = self.config.init_std
+
+        def rule(name: str, shape: torch.Size):
+            if name.endswith("bias"):
+                return "zeros", 0.0
+            if name.split(".")[-2].startswith("ln"):
+                return "ones", 0.0
+            return "trunc_normal", std
+
+        init_parameters(self, rule, seed)
+
+    def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Output:
+        c = self.config
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.channels, c.image_size, c.image_size):
+            raise ValueError(
+                f"pixel_values must be (B, {c.channels}, {c.image_size}, {c.image_size}), "
+                f"got {tuple(pixel_values.shape)}"
+            )
+        B = pixel_values.shape[0]
+        x = self.patch(patchify(pixel_values.to(self.patch.weight.dtype), c.patch_size))  # (B, N, C)
+        x = torch.cat([self.cls_token().expand(B, -1, -1), x], dim=1) + self.pos_emb()  # (B, N + 1, C)
+        x = self.drop(x)
+        residual = None
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        h, _ = self.ln_f(x, residual)  # (B, N + 1, C)
+        pooled = torch.tanh(self.pooler(h[:, 0])) if self.pooler is not None else None
+        if c.head == "cls":
+            logits = self.classifier(h[:, 0])  # (B, num_labels)
+            loss = None
+            if labels is not None:
+                loss = L.cross_entropy(logits, labels)
+            return Output(logits=logits, loss=loss, last_hidden_state=h, pooler_output=pooled)
+        return Output(logits=h, last_hidden_state=h, pooler_output=pooled)
