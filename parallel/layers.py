@@ -178,12 +178,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index: int, chunk: int):
         n = logits.shape[0]
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
         valid = labels != ignore_index
         count = valid.sum()
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        lses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=acc, device=logits.device)
+        lses = torch.empty(n, dtype=acc, device=logits.device)
         for s in range(0, n, chunk):
-            block = logits[s:s + chunk].float()
+            block = logits[s:s + chunk].to(acc)
             lse = torch.logsumexp(block, dim=-1)
             lses[s:s + chunk] = lse
             lab = labels[s:s + chunk]
@@ -200,7 +201,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         out = torch.empty_like(logits)
         scale = grad / count.clamp(min=1)
         for s in range(0, logits.shape[0], ctx.chunk):
-            block = logits[s:s + ctx.chunk].float()
+            block = logits[s:s + ctx.chunk].to(lses.dtype)
             p = torch.exp(block - lses[s:s + ctx.chunk, None])
             lab = labels[s:s + ctx.chunk]
             ok = (lab != ctx.ignore_index)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,12 @@ class BertConfig:
     dropout: float = 0.0         # hidden dropout (HF default 0.1; 0 keeps runs deterministic)
     head: str = "mlm"            # "mlm" (BertForMaskedLM), "cls" (BertForSequenceClassification), "none" (BertModel)
     num_labels: int = 2          # classes for head="cls"
-    pooler: bool = True          # tanh pooler on the first token (BertModel, "cls" head)
+    pooler: Optional[bool] = None  # tanh pooler on the first token; None: as HF (all heads but "mlm")
     init_std: float = 0.02       # normal init std
 
     def __post_init__(self) -> None:
+        if self.pooler is None:
+            object.__setattr__(self, "pooler", self.head != "mlm")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.head not in ("mlm", "cls", "none"):
@@ -38,6 +41,8 @@ class BertConfig:
         return {"family": "bert", **asdict(self)}
 
     def replace(self, **changes) -> "BertConfig":
+        if "head" in changes and "pooler" not in changes:
+            changes["pooler"] = None  # re-derive for the new head
         return replace(self, **changes)
 
 

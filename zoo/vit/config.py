@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,12 @@ class ViTConfig:
     dropout: float = 0.0         # hidden dropout
     head: str = "cls"            # "cls" (ViTForImageClassification) or "none" (ViTModel)
     num_labels: int = 1000       # classes for head="cls"
-    pooler: bool = False         # tanh pooler on the CLS token (ViTModel's default add_pooling_layer)
+    pooler: Optional[bool] = None  # tanh pooler on the CLS token; None: as HF (ViTModel only)
     init_std: float = 0.02       # truncated-normal init std
 
     def __post_init__(self) -> None:
+        if self.pooler is None:
+            object.__setattr__(self, "pooler", self.head == "none")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.image_size % self.patch_size:
@@ -42,6 +45,8 @@ class ViTConfig:
         return {"family": "vit", **asdict(self)}
 
     def replace(self, **changes) -> "ViTConfig":
+        if "head" in changes and "pooler" not in changes:
+            changes["pooler"] = None  # re-derive for the new head
         return replace(self, **changes)
 
 

@@ -1,0 +1,125 @@
+"""Zoo models on their own: presets on meta, training, the kernel paths, bad input."""
+import pytest
+import torch
+import transformers as T
+
+import cuboid
+from cuboid import kernels, zoo
+
+HF_CLASSES = {
+    "gpt": (T.GPT2Config, {"lm": T.GPT2LMHeadModel, "none": T.GPT2Model}),
+    "bert": (T.BertConfig, {"mlm": T.BertForMaskedLM, "cls": T.BertForSequenceClassification, "none": T.BertModel}),
+    "vit": (T.ViTConfig, {"cls": T.ViTForImageClassification, "none": T.ViTModel}),
+}
+
+
+@pytest.mark.parametrize("preset", [p for p in zoo.PRESETS if "debug" not in p])
+def test_preset_builds_on_meta_with_hf_parameter_count(preset):
+    model = zoo.build(preset)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    fam = zoo.family_of(model)
+    cfg_cls, classes = HF_CLASSES[fam.name]
+    hf_cfg = cfg_cls(**fam.config_to_hf(model.config))
+    with torch.device("meta"):
+        hf = classes[model.config.head](hf_cfg)
+    assert zoo.count_parameters(model) == sum(p.numel() for p in hf.parameters())
+
+
+def test_gpt2_xl_parameter_count():
+    assert zoo.count_parameters(zoo.build("gpt2-xl")) == 1_557_611_200
+
+
+def batch_for(name, model):
+    g = torch.Generator().manual_seed(0)
+    c = model.config
+    if name.startswith("vit"):
+        return {"pixel_values": torch.randn(8, 3, c.image_size, c.image_size, generator=g),
+                "labels": torch.randint(0, c.num_labels, (8,), generator=g)}
+    ids = torch.randint(0, c.vocab_size, (4, 16), generator=g)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("name", ["gpt-debug", "bert-debug", "vit-debug"])
+def test_tiny_model_trains(name):
+    """20 AdamW steps on one fixed batch: the loss falls to under half its start."""
+    model = cuboid.load(name, seed=1).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batch = batch_for(name, model)
+    losses = []
+    for _ in range(20):
+        loss = model(**batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_init_is_seeded_and_per_parameter():
+    a, b, c = cuboid.load("gpt-debug", seed=3), cuboid.load("gpt-debug", seed=3), cuboid.load("gpt-debug", seed=4)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if pa.std() > 0:
+            assert not torch.equal(pa, pc), n
+    # GPT-2 scaling of the residual projections
+    proj = a.blocks[0].attn.proj.weight
+    assert abs(proj.std().item() - 0.02 / (2 * a.config.n_layers) ** 0.5) < 0.004
+    # init depends on the parameter's name, not on its neighbours: a deeper model
+    # shares its first block with a shallower one
+    deep = cuboid.load("gpt-debug", seed=3, n_layers=3)
+    assert torch.equal(deep.blocks[1].mlp.fc.weight, a.blocks[1].mlp.fc.weight)
+
+
+def test_triton_kernels_compose_in_a_model():
+    """The interpreter's attention and layer norm give the torch path's loss and grads."""
+    model = cuboid.load("gpt-debug", seed=0, n_layers=1, dim=32, n_heads=2, vocab_size=64, n_positions=16)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for backend in ("torch", "triton"):
+        model.zero_grad()
+        with kernels.use_backend(backend):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    assert abs(l0 - l1) < 1e-5 * abs(l0)
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bad_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown model preset 'gpt3'; presets: gpt-debug"):
+        cuboid.load("gpt3")
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        cuboid.load("./nowhere")
+    with pytest.raises(NotImplementedError, match="plan 'tp1d'"):
+        cuboid.load("gpt-debug", plan="tp1d")
+    with pytest.raises(ValueError, match="not divisible by n_heads"):
+        zoo.build("gpt-debug", n_heads=5)
+    gpt = cuboid.load("gpt-debug")
+    with pytest.raises(ValueError, match="exceeds n_positions 128"):
+        gpt(input_ids=torch.zeros(1, 129, dtype=torch.long))
+    with pytest.raises(IndexError, match=r"ids must lie in \[0, 512\)"):
+        gpt(input_ids=torch.full((1, 4), 600))
+    with pytest.raises(IndexError, match=r"label 700 outside \[0, 512\)"):
+        gpt(input_ids=torch.zeros(1, 4, dtype=torch.long), labels=torch.full((1, 4), 700))
+    vit = cuboid.load("vit-debug")
+    with pytest.raises(ValueError, match=r"pixel_values must be \(B, 3, 32, 32\)"):
+        vit(pixel_values=torch.zeros(1, 3, 16, 16))
+
+
+def test_chunked_cross_entropy_matches_torch():
+    from cuboid.parallel.layers import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (37,), generator=g)
+    labels[::5] = -100
+    ours = cross_entropy(logits, labels, chunk=8)
+    ref = torch.nn.functional.cross_entropy(logits, labels)
+    ga, = torch.autograd.grad(ours, logits)
+    gb, = torch.autograd.grad(ref, logits)
+    assert torch.allclose(ours, ref, rtol=1e-12) and torch.allclose(ga, gb, rtol=1e-10, atol=1e-14)
+    half = logits.detach().to(torch.float16).requires_grad_()
+    cross_entropy(half, labels).backward()
+    assert half.grad.dtype == torch.float16
