@@ -168,46 +168,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over rows of (N, V) logits, ``ignore_index`` rows skipped.
+    """Sum of cross-entropy over rows of half-precision (N, V) logits.
 
     The softmax is computed in fp32 one chunk of rows at a time, in forward and
     again in backward, so no full fp32 copy of the logits is ever held (at
-    gpt2 vocab, a (8 x 1024, 50257) fp32 copy is 1.6 GB).
+    gpt2 vocab, a (8 x 1024, 50257) fp32 copy is 1.6 GB). Each chunk runs
+    torch's native log-softmax kernels.
     """
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index: int, chunk: int):
-        n = logits.shape[0]
-        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
-        valid = labels != ignore_index
-        count = valid.sum()
+        acc = torch.promote_types(logits.dtype, torch.float32)
         total = torch.zeros((), dtype=acc, device=logits.device)
-        lses = torch.empty(n, dtype=acc, device=logits.device)
-        for s in range(0, n, chunk):
-            block = logits[s:s + chunk].to(acc)
-            lse = torch.logsumexp(block, dim=-1)
-            lses[s:s + chunk] = lse
-            lab = labels[s:s + chunk]
-            ok = valid[s:s + chunk]
-            picked = block.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
-            total += torch.where(ok, lse - picked, torch.zeros_like(lse)).sum()
-        ctx.save_for_backward(logits, labels, lses, count)
+        for s in range(0, logits.shape[0], chunk):
+            total += F.cross_entropy(logits[s:s + chunk].to(acc), labels[s:s + chunk],
+                                     ignore_index=ignore_index, reduction="sum")
+        ctx.save_for_backward(logits, labels)
         ctx.ignore_index, ctx.chunk = ignore_index, chunk
-        return total / count.clamp(min=1) if count > 0 else total * float("nan")
+        return total
 
     @staticmethod
     def backward(ctx, grad):
-        logits, labels, lses, count = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         out = torch.empty_like(logits)
-        scale = grad / count.clamp(min=1)
         for s in range(0, logits.shape[0], ctx.chunk):
-            block = logits[s:s + ctx.chunk].to(lses.dtype)
-            p = torch.exp(block - lses[s:s + ctx.chunk, None])
-            lab = labels[s:s + ctx.chunk]
-            ok = (lab != ctx.ignore_index)
-            p.scatter_add_(1, lab.clamp(min=0).unsqueeze(1), -torch.ones_like(p[:, :1]))
-            p *= (ok.unsqueeze(1) * scale)
-            out[s:s + ctx.chunk] = p.to(out.dtype)
+            with torch.enable_grad():
+                block = logits[s:s + ctx.chunk].to(grad.dtype).requires_grad_()
+                loss = F.cross_entropy(block, labels[s:s + ctx.chunk], ignore_index=ctx.ignore_index,
+                                       reduction="sum")
+                g, = torch.autograd.grad(loss, block, grad)
+            out[s:s + ctx.chunk] = g
         return out, None, None, None
 
 
@@ -215,6 +205,9 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
                   chunk: Optional[int] = None) -> torch.Tensor:
     """Mean cross-entropy of (..., V) logits against (...) labels, HF style (-100 ignored).
 
+    fp32/fp64 logits use ``F.cross_entropy`` as they are; half-precision logits
+    go through a chunked fp32 computation that never materialises a full fp32
+    copy (``chunk`` rows at a time; default about 64 MiB of fp32 per chunk).
     NaN when every label is ignored, as ``F.cross_entropy``. Labels outside
     [0, V) other than ``ignore_index`` are an ``IndexError``.
     """
@@ -226,10 +219,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
     if bool(bad.any()):
         raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {v})")
+    if logits.dtype in (torch.float32, torch.float64) and chunk is None:
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index)
     if chunk is None:
-        # about 64 MiB of fp32 per chunk
         chunk = max(1, min(logits.shape[0], (1 << 24) // max(v, 1)))
-    return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, chunk)
+    count = (labels != ignore_index).sum()
+    return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, chunk) / count
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

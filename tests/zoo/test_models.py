@@ -121,5 +121,11 @@ def test_chunked_cross_entropy_matches_torch():
     gb, = torch.autograd.grad(ref, logits)
     assert torch.allclose(ours, ref, rtol=1e-12) and torch.allclose(ga, gb, rtol=1e-10, atol=1e-14)
     half = logits.detach().to(torch.float16).requires_grad_()
-    cross_entropy(half, labels).backward()
+    loss = cross_entropy(half, labels, chunk=8)
+    loss.backward()
+    full = half.detach().float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(full, labels)
+    ref.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - ref.item()) < 1e-6
     assert half.grad.dtype == torch.float16
+    assert torch.allclose(half.grad.float(), full.grad, atol=1e-3, rtol=1e-3)
