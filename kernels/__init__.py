@@ -13,8 +13,8 @@ from ._backend import BACKENDS, auto_backend, interpreter_active, resolve_backen
 
 # public name -> submodule that defines it
 _EXPORTS = {
-    "attention": "attention",
-    "attention_ref": "attention",
+    "attention": "flash_attention",
+    "attention_ref": "flash_attention",
     "layer_norm": "norm",
     "layer_norm_ref": "norm",
     "rms_norm": "norm",

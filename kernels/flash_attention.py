@@ -1,0 +1,583 @@
+"""Scaled dot-product attention: FlashAttention-2 Triton kernels + torch reference.
+
+Layout is (batch, heads, seq, head_dim) throughout: ``q`` is (B, H, Sq, D) and
+``k``/``v`` are (B, H, Sk, D); Sq may differ from Sk. ``causal`` is aligned to
+the *end* as in flash-attention: query ``i`` attends key ``j`` iff
+``j <= i + Sk - Sq``. ``key_padding_mask`` is (B, Sk) bool, True = keep.
+
+Besides the output, the kernels return the log-sum-exp of each query row,
+``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over kept keys (natural
+log, fp32), so that partial results over key blocks can be merged exactly (ring
+attention does this), and gradients flow through ``lse`` as well as ``out``.
+A row with no kept key gives ``out = 0``, ``lse = -inf`` and zero gradients.
+
+Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward runs
+an online softmax over key blocks, one program per (query block, batch*head),
+never materializing the (Sq x Sk) matrix; the backward recomputes P from the
+saved lse and is split into a dK/dV kernel (parallel over key blocks) and a dQ
+kernel (parallel over query blocks), so it needs no atomics and is
+deterministic. Tiles are loaded in the input dtype, and every dot product and
+softmax statistic is accumulated in fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import check_floating, check_same_dtype, interpreter_active, resolve_backend
+
+_LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+_LN2 = 0.6931471805599453  # ln(2)
+_OP = "attention"
+
+
+# ----------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q,  # (B, H, Sq, D) input, any strides
+    K,  # (B, H, Sk, D) input, any strides
+    V,  # (B, H, Sk, D) input, any strides
+    O,  # (B, H, Sq, D) output, q's dtype, any strides
+    LSE,  # (B, H, Sq) fp32 output, contiguous
+    MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_mb, stride_mn,
+    H, SEQ_Q, SEQ_K, HEAD_D,
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < SEQ_Q
+    d_ok = offs_d < HEAD_D
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
+
+    hi = SEQ_K
+    if IS_CAUSAL:  # key blocks wholly above the (end-aligned) diagonal are skipped
+        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < SEQ_K
+        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        keep = n_ok[None, :]
+        if HAS_MASK:
+            km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
+            keep = keep & (km != 0)[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) for empty rows
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    O,  # (B, H, Sq, D) forward output, any strides
+    DO,  # (B, H, Sq, D) gradient of the output, any strides
+    DLSE,  # (B, H, Sq) fp32 gradient of lse, contiguous; unused unless HAS_DLSE
+    DELTA,  # (B, H, Sq) fp32 output, contiguous: rowsum(dO * O) - dlse
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H, SEQ_Q, HEAD_D,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < SEQ_Q
+    mask = m_ok[:, None] & (offs_d < HEAD_D)[None, :]
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)  # fp32
+    if HAS_DLSE:
+        delta = delta - tl.load(DLSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
+    tl.store(DELTA + pid_bh * SEQ_Q + offs_m, delta, mask=m_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V,  # (B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D) inputs, any strides
+    DO,  # (B, H, Sq, D) gradient of the output, any strides
+    LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
+    DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
+    DK, DV,  # (B, H, Sk, D) outputs, input dtype, contiguous
+    MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_mb, stride_mn,
+    H, SEQ_Q, SEQ_K, HEAD_D,
+    sm_scale, qk_scale,  # scale, and scale * log2(e)
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program owns a block of keys and loops over the query blocks that see it.
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < SEQ_K
+    d_ok = offs_d < HEAD_D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    keep_n = n_ok
+    if HAS_MASK:
+        km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
+        keep_n = keep_n & (km != 0)
+    q_base = Q + off_b * stride_qb + off_h * stride_qh
+    do_base = DO + off_b * stride_dob + off_h * stride_doh
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo = 0
+    if IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
+        lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, SEQ_Q, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < SEQ_Q
+        qd_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
+        delta = tl.load(DELTA + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2 domain
+        keep = keep_n[:, None] & m_ok[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
+        pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
+        dst = pt * (dpt - delta[None, :])  # dS^T, w.r.t. the scaled scores
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+
+    dk = dk * sm_scale
+    out_offs = pid_bh * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+    tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V,  # (B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D) inputs, any strides
+    DO,  # (B, H, Sq, D) gradient of the output, any strides
+    LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
+    DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
+    DQ,  # (B, H, Sq, D) output, input dtype, contiguous
+    MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_mb, stride_mn,
+    H, SEQ_Q, SEQ_K, HEAD_D,
+    sm_scale, qk_scale,  # scale, and scale * log2(e)
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # One program owns a block of queries and loops over the key blocks it sees.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    off_b = pid_bh // H
+    off_h = pid_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < SEQ_Q
+    d_ok = offs_d < HEAD_D
+    qd_mask = m_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
+    delta = tl.load(DELTA + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
+
+    hi = SEQ_K
+    if IS_CAUSAL:
+        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < SEQ_K
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
+        keep = m_ok[:, None] & n_ok[None, :]
+        if HAS_MASK:
+            km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
+            keep = keep & (km != 0)[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # fp32
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+    dq = dq * sm_scale
+    tl.store(DQ + pid_bh * SEQ_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=qd_mask)
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+# GPU tiles by bytes per tile row (BLOCK_D * element size): (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# Rows fit ~100 KB of shared memory (q tile + pipelined k/v tiles) even for fp32 at D = 256.
+_GPU_FWD = ((128, (128, 64, 4, 3)), (256, (64, 64, 4, 2)), (512, (64, 32, 8, 1)), (1024, (32, 32, 4, 1)))
+_GPU_BWD = ((128, (64, 64, 4, 2)), (256, (64, 64, 8, 1)), (512, (32, 32, 8, 1)), (1024, (32, 32, 4, 1)))
+
+
+def _config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
+    """Fixed block sizes and launch options: a small heuristic, no autotuning.
+
+    The interpreter runs programs one after another in numpy and pays per op,
+    so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
+    causal loop bounds honest in the CPU tests). On GPU the tiles shrink as
+    the head dim and element size grow, to stay within shared memory and
+    registers. The GPU table is untuned.
+    """
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if interpreter_active():
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
+    row_bytes = block_d * (4 if dtype == torch.float32 else 2)
+    table = _GPU_BWD if backward else _GPU_FWD
+    bm, bn, warps, stages = next(cfg for limit, cfg in table if row_bytes <= limit)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    # bf16 arithmetic is broken in the interpreter: upcast the tiles there.
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_active())
+    return dict(UPCAST=upcast, PRECISION="ieee" if upcast else "tf32")
+
+
+def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
+    if mask is None:
+        return fallback, 0, 0
+    return mask, mask.stride(0), mask.stride(1)
+
+
+def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    cfg = _config(D, q.dtype, backward=False)
+    m_ptr, smb, smn = _mask_args(mask_u8, q)
+    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, m_ptr,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
+        H, Sq, Sk, D, scale * _LOG2E,
+        IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg,
+    )
+    return out, lse
+
+
+def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float):
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    cfg = _config(D, q.dtype, backward=True)
+    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    has_dlse = dlse is not None
+    dlse_arg = dlse.to(torch.float32).contiguous() if has_dlse else delta
+    _attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+        out, do, dlse_arg, delta, *out.stride(), *do.stride(), H, Sq, D,
+        HAS_DLSE=has_dlse, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+    )
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, Sk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, H, Sk, D), dtype=v.dtype, device=q.device)
+    m_ptr, smb, smn = _mask_args(mask_u8, q)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn, H, Sq, Sk, D, scale, scale * _LOG2E)
+    flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg, **launch)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, dk, dv, m_ptr, *common, **flags)
+    _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, m_ptr, *common, **flags)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------
+# Validation and the plain-torch reference (also the CPU path)
+# ----------------------------------------------------------------------------
+
+
+def _validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) -> float:
+    """Check the arguments; return the softmax scale to use."""
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    if not triton_path:
+        dtypes = dtypes + (torch.float64,)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_floating(_OP, name, t, dtypes)
+    check_same_dtype(_OP, q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{_OP}: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    for i, what in ((0, "batch"), (1, "heads"), (3, "head_dim")):
+        if not q.shape[i] == k.shape[i] == v.shape[i]:
+            raise ValueError(f"{_OP}: q, k, v must share {what} (dim {i}), got "
+                             f"{q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{_OP}: k and v must have the same sequence length, got {k.shape[2]} and {v.shape[2]}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"{_OP}: sequence lengths must be >= 1, got Sq={q.shape[2]}, Sk={k.shape[2]}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{_OP}: causal must be a bool, got {type(causal).__name__}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+            raise TypeError(f"{_OP}: key_padding_mask must be a bool tensor (True = keep), got {got}")
+        want = (q.shape[0], k.shape[2])
+        if tuple(key_padding_mask.shape) != want:
+            raise ValueError(f"{_OP}: key_padding_mask must have shape (batch, seq_k) = {want}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+    D = q.shape[3]
+    if triton_path and not 16 <= D <= 256:
+        raise ValueError(f"{_OP}: the Triton kernel supports head_dim 16..256, got {D} (use backend='torch')")
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{_OP}: scale must be a positive number, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{_OP}: scale must be positive and finite, got {scale}")
+    return float(scale)
+
+
+def _ref_chunk(q, k, v, keep, scale: float):
+    """Softmax attention for one chunk of queries; ``keep`` broadcasts to (B, H, c, Sk)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, c, Sk)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: shift by 0
+    p = torch.exp(s - m)  # unnormalized; exactly 0 where masked
+    l = p.sum(dim=-1, keepdim=True)
+    empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
+    out = torch.matmul(p, v) / l_safe
+    lse = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l_safe))
+    return out, lse.squeeze(-1)
+
+
+def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
+                  scale: Optional[float] = None, return_lse: bool = False, chunk_size: int = 1024):
+    """Plain-torch attention with the same conventions as :func:`attention`.
+
+    Computes in fp32 (halves are upcast; float64 stays float64), queries in
+    chunks of ``chunk_size`` so that at most a (B, H, chunk, Sk) score matrix is
+    live; when gradients are needed and there are several chunks, each chunk is
+    recomputed in backward (activation checkpointing) so memory stays bounded
+    there too. Differentiable by autograd, including through ``lse``.
+    """
+    scale = _validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
+    if chunk_size < 1:
+        raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
+    key_keep = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    checkpoint = Sq > chunk_size and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses = [], []
+    for start in range(0, Sq, chunk_size):
+        stop = min(Sq, start + chunk_size)
+        keep = torch.ones((1, 1, stop - start, Sk), dtype=torch.bool, device=q.device)
+        if causal:
+            i = torch.arange(start, stop, device=q.device)[:, None]
+            j = torch.arange(Sk, device=q.device)[None, :]
+            keep = keep & (j <= i + (Sk - Sq))
+        if key_keep is not None:
+            keep = keep & key_keep
+        if checkpoint:
+            o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, start:stop], kf, vf, keep, scale,
+                                                     use_reentrant=False)
+        else:
+            o, l = _ref_chunk(qf[:, :, start:stop], kf, vf, keep, scale)
+        outs.append(o)
+        lses.append(l)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    return out, lse
+
+
+def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], scale: float):
+    """The fast torch path when no lse is wanted: torch's fused SDPA, or None where it does not apply.
+
+    SDPA has no lse output and its fully-masked rows are NaN, so rows without a
+    kept key (padded-out batches, causal with Sq > Sk) and float64 go to
+    :func:`attention_ref` instead. SDPA's ``is_causal`` is top-left aligned, so
+    an end-aligned causal mask with Sq != Sk is passed explicitly.
+    """
+    Sq, Sk = q.shape[2], k.shape[2]
+    if q.dtype == torch.float64 or (causal and Sq > Sk):
+        return None
+    if key_padding_mask is not None and not bool(key_padding_mask.any(dim=1).all()):
+        return None
+    mask = None
+    if key_padding_mask is not None:
+        mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    if causal and (Sq != Sk or mask is not None):
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        keep = j <= i + (Sk - Sq)  # (Sq, Sk)
+        mask = keep if mask is None else mask & keep
+        causal = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+# ----------------------------------------------------------------------------
+# Autograd Function and the public entry point
+# ----------------------------------------------------------------------------
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Triton forward/backward; returns (out, lse), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask_u8, causal: bool, scale: float):
+        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, mask_u8)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, mask_u8 = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        if dout.dtype != out.dtype:
+            dout = dout.to(out.dtype)
+        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+              return_lse: bool = False, backend: Optional[str] = None):
+    """Softmax attention ``softmax(scale * q @ k^T) @ v`` over (B, H, S, D) tensors.
+
+    Args:
+        q: (B, H, Sq, D); k, v: (B, H, Sk, D); one float dtype (fp32/fp16/bf16),
+            one device, any strides.
+        causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (end-aligned).
+        key_padding_mask: (B, Sk) bool, True = keep that key.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        return_lse: also return the (B, H, Sq) fp32 natural-log log-sum-exp.
+        backend: ``"triton"``, ``"torch"`` or None for the automatic rule
+            (:func:`cuboid.kernels.resolve_backend`).
+
+    Returns ``out`` (B, H, Sq, D) in q's dtype, or ``(out, lse)``. Rows with no
+    kept key give ``out = 0`` and ``lse = -inf``, with zero gradients.
+    """
+    tensors: Sequence[Optional[torch.Tensor]] = [q, k, v]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if isinstance(key_padding_mask, torch.Tensor):
+        tensors = [q, k, v, key_padding_mask]
+    chosen = resolve_backend(_OP, tensors, backend)
+    if chosen == "torch":
+        if not return_lse:
+            fast = _sdpa_attention(q, k, v, causal, key_padding_mask,
+                                   _validate(q, k, v, causal, key_padding_mask, scale, triton_path=False))
+            if fast is not None:
+                return fast
+        return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                             return_lse=return_lse)
+    scale = _validate(q, k, v, causal, key_padding_mask, scale, triton_path=True)
+    mask_u8 = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
+    out, lse = _FlashAttention.apply(q, k, v, mask_u8, causal, scale)
+    return (out, lse) if return_lse else out
