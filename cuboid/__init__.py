@@ -13,7 +13,8 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, **o
 
     ``plan``: how to spread the model over devices; ``None`` or ``"single"``
     for one device (the parallel plans arrive with ``cuboid.parallel``).
-    ``dtype`` casts parameters; ``device`` defaults to CPU; ``seed`` drives
+    ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no memory,
+    materialise later with ``cuboid.zoo.materialize``); ``seed`` drives
     the initialisation of a fresh model; ``overrides`` change preset fields
     (``num_labels=10``).
     """
@@ -30,4 +31,6 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, **o
             _os.sep in name_or_path or name_or_path.startswith(".")):
         raise FileNotFoundError(f"{name_or_path}: no such model folder")
     model = zoo.build(name_or_path, **overrides)
+    if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
+        return model if dtype is None else model.to(dtype)
     return zoo.materialize(model, device, seed=seed, dtype=dtype)

@@ -22,6 +22,7 @@ _EXPORTS = {
     "adamw_step": "optim",
     "lamb_step": "optim",
     "lars_step": "optim",
+    "grad_norm_sq": "optim",
 }
 
 # op name -> what `cuboid info` reports backends for

@@ -503,7 +503,7 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
     Sq, Sk = q.shape[2], k.shape[2]
     if q.dtype == torch.float64 or (causal and Sq > Sk):
         return None
-    if key_padding_mask is not None and not bool(key_padding_mask.any(dim=1).all()):
+    if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
         return None
     mask = None
     if key_padding_mask is not None:

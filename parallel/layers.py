@@ -98,7 +98,7 @@ class Embedding(ShardedModule):
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        if ids.numel() and not ids.is_meta and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(
                 f"ids must lie in [0, {self.num_embeddings}), got min {int(ids.min())}, max {int(ids.max())}"
             )
@@ -217,7 +217,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     if labels.shape[0] != logits.shape[0]:
         raise ValueError(f"cross_entropy: {labels.shape[0]} labels for {logits.shape[0]} rows of logits")
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
-    if bool(bad.any()):
+    if not labels.is_meta and bool(bad.any()):
         raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {v})")
     if logits.dtype in (torch.float32, torch.float64) and chunk is None:
         return F.cross_entropy(logits, labels, ignore_index=ignore_index)

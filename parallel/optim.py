@@ -1,0 +1,257 @@
+"""Optimizers on the fused multi-tensor kernels: AdamW, LAMB, LARS.
+
+Each class is a ``torch.optim.Optimizer`` whose ``step()`` gathers, per param
+group, the params that have a gradient and their state into lists and calls the
+matching kernel function of :mod:`cuboid.kernels.optim` once for the group (once
+per distinct step count, which is one call unless some params skipped steps).
+The kernel picks Triton on CUDA and the ``torch._foreach_*`` reference on CPU;
+``backend=`` forces one.
+
+State (per param, what ``state_dict()`` saves):
+
+- ``step``: int, the number of steps this param has taken;
+- ``exp_avg`` / ``exp_avg_sq`` (AdamW, LAMB) or ``momentum_buffer`` (LARS): fp32;
+- ``master``: an fp32 copy of an fp16/bf16 param when ``master_weights=True``
+  (the default). The update is applied to the master and the param receives
+  ``master.to(param.dtype)``; fp32 params never get one. The master is taken
+  from the param on its first step, so load model weights before stepping.
+
+``load_state_dict`` keeps that state fp32 (torch's default would cast it to a
+half param's dtype) and copies it, so a loaded optimizer continues exactly as
+the saved one would have.
+
+Param-group keys: AdamW ``lr, betas, eps, weight_decay, maximize``; LAMB
+``lr, betas, eps, weight_decay, trust_ratio``; LARS ``lr, momentum, eta,
+weight_decay, trust_ratio``. ``trust_ratio=False`` makes the group's tensors
+skip the layer-wise ratio (r = 1); :func:`exclude_bias_and_norm` builds the
+usual two groups, with biases and norm weights (ndim <= 1) at
+``weight_decay=0, trust_ratio=False``.
+
+``norm_reducer`` (LAMB, LARS, :func:`clip_grad_norm_`): a callable given the
+fp32 *squared* per-tensor norms (``(2, n)`` for LAMB/LARS, ``(1, n)`` for
+clipping) that returns the reduced tensor, or None after reducing in place.
+Sharded runs all-reduce it over the shard groups so every shard takes the same
+step a single device would; the default None means no reduction. The norms of
+the last step are kept in ``last_norms`` (a list of ``(params, (2, n) norms)``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import importlib
+
+import torch
+
+from cuboid import kernels  # lazy: the kernel module (and Triton) load on the first step
+
+
+def _grad_norm_sq(*args, **kwargs):
+    return importlib.import_module("cuboid.kernels.optim").grad_norm_sq(*args, **kwargs)
+
+__all__ = ["AdamW", "LAMB", "LARS", "exclude_bias_and_norm", "clip_grad_norm_"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """Shared machinery: lazy fp32 state, master weights, per-group list gathering."""
+
+    _state_keys: tuple = ()
+
+    def __init__(self, params, defaults, *, master_weights: bool = True,
+                 norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
+        super().__init__(params, defaults)
+        self.master_weights = bool(master_weights)
+        self.norm_reducer = norm_reducer
+        self.backend = backend
+        self.last_norms: list = []
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = 0
+        for key in self._state_keys:
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if self.master_weights and p.dtype in _HALF:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+
+    def _buckets(self, group) -> dict:
+        """step -> {'params', 'grads', <state keys>, 'master'} lists for one group."""
+        buckets: dict = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            state["step"] += 1
+            b = buckets.setdefault(state["step"], {"params": [], "grads": [], "master": [],
+                                                   **{k: [] for k in self._state_keys}})
+            b["params"].append(p)
+            b["grads"].append(p.grad)
+            b["master"].append(state.get("master"))
+            for k in self._state_keys:
+                b[k].append(state[k])
+        for b in buckets.values():
+            if all(m is None for m in b["master"]):
+                b["master"] = None
+        return buckets
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_norms = []
+        for group in self.param_groups:
+            for step, b in self._buckets(group).items():
+                norms = self._apply(group, step, b)
+                if norms is not None:
+                    self.last_norms.append((b["params"], norms))
+        return loss
+
+    def _apply(self, group, step: int, b: dict):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def load_state_dict(self, state_dict) -> None:
+        saved = state_dict["state"]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            if pid not in saved:
+                continue
+            state = self.state[p]
+            for k, v in saved[pid].items():
+                if k == "step":
+                    state[k] = int(v)  # also accepts torch's tensor steps
+                elif torch.is_tensor(v) and v.is_floating_point():
+                    state[k] = v.detach().to(device=p.device, dtype=torch.float32,
+                                             memory_format=torch.contiguous_format, copy=True)
+
+
+class AdamW(_FusedOptimizer):
+    """AdamW (decoupled weight decay), the same step as ``torch.optim.AdamW``, fused over each group."""
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, maximize: bool = False, master_weights: bool = True,
+                 backend: Optional[str] = None):
+        _check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      maximize=maximize),
+                         master_weights=master_weights, backend=backend)
+
+    def _apply(self, group, step, b):
+        beta1, beta2 = group["betas"]
+        kernels.adamw_step(b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], lr=float(group["lr"]),
+                           beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                           step=step, master_params=b["master"], maximize=group["maximize"],
+                           backend=self.backend)
+
+
+class LAMB(_FusedOptimizer):
+    """LAMB (You et al., arXiv 1904.00962) with Adam bias correction; apex FusedLAMB defaults.
+
+    Unlike apex, no global gradient clipping is built in: call
+    :func:`clip_grad_norm_` before ``step()`` if you want it.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, *, trust_ratio: bool = True, master_weights: bool = True,
+                 norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
+        _check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      trust_ratio=trust_ratio),
+                         master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
+
+    def _apply(self, group, step, b):
+        beta1, beta2 = group["betas"]
+        return kernels.lamb_step(b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"],
+                                 lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                                 weight_decay=group["weight_decay"], step=step,
+                                 trust_ratio=bool(group["trust_ratio"]), master_params=b["master"],
+                                 norm_reducer=self.norm_reducer, backend=self.backend)
+
+
+class LARS(_FusedOptimizer):
+    """LARS (You et al., arXiv 1708.03888): momentum SGD with a layer-wise trust ratio.
+
+    ``r = eta * ||w|| / (||g|| + wd ||w||)``, ``buf = momentum * buf + lr * r *
+    (g + wd w)``, ``w -= buf``; a group with ``trust_ratio=False`` and
+    ``weight_decay=0`` takes plain momentum-SGD steps.
+    """
+
+    _state_keys = ("momentum_buffer",)
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, eta: float = 1e-3,
+                 weight_decay: float = 0.0, *, trust_ratio: bool = True, master_weights: bool = True,
+                 norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
+        _check_hparams(lr=lr, weight_decay=weight_decay, eta=eta)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"LARS: momentum must be in [0, 1), got {momentum}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, eta=eta, weight_decay=weight_decay,
+                                      trust_ratio=trust_ratio),
+                         master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
+
+    def _apply(self, group, step, b):
+        return kernels.lars_step(b["params"], b["grads"], b["momentum_buffer"], lr=float(group["lr"]),
+                                 momentum=group["momentum"], eta=group["eta"],
+                                 weight_decay=group["weight_decay"], trust_ratio=bool(group["trust_ratio"]),
+                                 master_params=b["master"], norm_reducer=self.norm_reducer,
+                                 backend=self.backend)
+
+
+def _check_hparams(*, betas=None, **values) -> None:
+    for name, v in values.items():
+        if not v >= 0.0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    if betas is not None and not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
+
+
+def exclude_bias_and_norm(module_or_named_params, weight_decay: float, **group_options) -> list:
+    """Two param groups: ndim >= 2 weights (decayed, trust ratio on) and the rest.
+
+    Biases and norm weights/bias (ndim <= 1) go in a group with
+    ``weight_decay=0.0, trust_ratio=False`` (they skip decay and the trust ratio,
+    as in the LAMB and LARS papers' large-batch recipes). ``group_options``
+    (e.g. ``lr``) are set on both groups.
+    """
+    named = (module_or_named_params.named_parameters()
+             if isinstance(module_or_named_params, torch.nn.Module) else module_or_named_params)
+    decay, skip = [], []
+    for _, p in named:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else skip).append(p)
+    return [dict(params=decay, weight_decay=weight_decay, **group_options),
+            dict(params=skip, weight_decay=0.0, trust_ratio=False, **group_options)]
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
+                    norm_reducer: Optional[Callable] = None, eps: float = 1e-6,
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """Scale grads in place so their global L2 norm is at most ``max_norm``; return the norm.
+
+    As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``
+    clamped at 1), with the per-tensor squared norms computed by the fused
+    kernel and passed as ``(1, n)`` through ``norm_reducer`` before summing.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    sq = _grad_norm_sq(grads, per_tensor=True, backend=backend).reshape(1, -1)
+    if norm_reducer is not None:
+        out = norm_reducer(sq)
+        sq = sq if out is None else out
+    total = sq.sum().sqrt()
+    coef = torch.clamp(max_norm / (total + eps), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return total
