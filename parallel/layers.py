@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cuboid import kernels
+import cuboid.kernels as kernels
 
 ROLES = ("column", "row", "vocab", "norm", "replicate", "embedding")
 

@@ -42,7 +42,7 @@ import importlib
 
 import torch
 
-from cuboid import kernels  # lazy: the kernel module (and Triton) load on the first step
+import cuboid.kernels as kernels  # lazy: the kernel module (and Triton) load on the first step
 
 
 def _grad_norm_sq(*args, **kwargs):

@@ -114,7 +114,7 @@ def padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tenso
     if attention_mask is None:
         return None
     mask = attention_mask.to(torch.bool)
-    return None if bool(mask.all()) else mask
+    return mask if mask.is_meta or not bool(mask.all()) else None
 
 
 # ---------------------------------------------------------------- initialisation
@@ -170,6 +170,15 @@ def init_parameters(model: nn.Module, rule: Callable[[str, torch.Size], tuple[st
 def count_parameters(model: nn.Module) -> int:
     """Parameters of the full (unsharded) model, tied weights counted once."""
     return sum(int(torch.Size(mod.full_shape(local)).numel()) for _, mod, local, _ in sharded_parameters(model))
+
+
+def count_targets(labels: Optional[torch.Tensor], shift: bool = False) -> int:
+    """How many label positions a mean loss averages over (-100 ignored; shifted for causal LM)."""
+    if labels is None:
+        return 0
+    if shift:
+        labels = labels[:, 1:]
+    return int((labels != -100).sum())
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, init_parameters, lm_loss, padding_mask
+from cuboid.zoo.common import count_targets, Block, Output, init_parameters, lm_loss, padding_mask
 
 from .config import BertConfig
 
@@ -33,6 +33,10 @@ class Bert(nn.Module):
             self.mlm_bias.role = "vocab"
         elif c.head == "cls":
             self.classifier = L.Linear(c.dim, c.num_labels)
+
+    def num_targets(self, batch: dict) -> int:
+        """Label positions the loss of ``batch`` averages over (data parallelism weights by it)."""
+        return count_targets(batch.get("labels"), shift=False)
 
     def init_weights(self, seed: int = 0) -> None:
         """BERT init: N(0, 0.02) for linear and embedding weights, zero biases, norms 1/0."""

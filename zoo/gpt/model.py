@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, init_parameters, lm_loss, padding_mask
+from cuboid.zoo.common import count_targets, Block, Output, init_parameters, lm_loss, padding_mask
 
 from .config import GPTConfig
 
@@ -28,6 +28,10 @@ class GPT(nn.Module):
         )
         self.ln_f = L.LayerNorm(c.dim, c.eps)
         # the LM head is the token embedding, transposed (tied)
+
+    def num_targets(self, batch: dict) -> int:
+        """Label positions the loss of ``batch`` averages over (data parallelism weights by it)."""
+        return count_targets(batch.get("labels"), shift=True)
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 init: N(0, 0.02); residual projections N(0, 0.02 / sqrt(2 n_layers)); norms 1/0."""

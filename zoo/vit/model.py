@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, init_parameters
+from cuboid.zoo.common import count_targets, Block, Output, init_parameters
 
 from .config import ViTConfig
 
@@ -35,6 +35,10 @@ class ViT(nn.Module):
         self.pooler = L.Linear(c.dim, c.dim) if c.pooler else None
         if c.head == "cls":
             self.classifier = L.Linear(c.dim, c.num_labels)
+
+    def num_targets(self, batch: dict) -> int:
+        """Label positions the loss of ``batch`` averages over (data parallelism weights by it)."""
+        return count_targets(batch.get("labels"), shift=False)
 
     def init_weights(self, seed: int = 0) -> None:
         """ViT init (as HF): truncated normal std 0.02 for weights and tokens, zero biases, norms 1/0."""

@@ -1,0 +1,101 @@
+"""``parallelize(model, plan)``: apply a plan to a model, using the model's sharding spec.
+
+In this build the plan's data-parallel axis and activation checkpointing are
+applied; a plan asking for tensor, pipeline or sequence parallelism or ZeRO
+is a ``NotImplementedError`` naming what is missing, never a silent
+single-device run.
+
+Data parallelism is torch's DDP over the mesh's ``dp`` group: gradients are
+averaged in buckets while backward runs. DDP composes with the zoo layers
+because they are plain modules with plain parameters.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from .mesh import Mesh
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """What each layer of a model *is*: module path patterns -> role.
+
+    ``roles`` maps glob patterns (``blocks.*.attn.qkv``) to ``column``,
+    ``row``, ``vocab``, ``embedding``, ``norm`` or ``replicate``; the tensor
+    modes decide what a role means on their grid. ``blocks`` names the
+    repeated blocks (activation checkpointing and pipeline stages cut there).
+    """
+
+    roles: dict = field(default_factory=dict)
+    blocks: str = "blocks"
+
+    def role_of(self, path: str) -> Optional[str]:
+        for pattern, role in self.roles.items():
+            if fnmatch.fnmatchcase(path, pattern):
+                return role
+        return None
+
+    def apply_roles(self, model: nn.Module) -> None:
+        """Set ``role`` on every cuboid layer the spec names."""
+        for path, mod in model.named_modules():
+            role = self.role_of(path)
+            if role is not None and hasattr(mod, "role"):
+                mod.role = role
+
+
+def checkpoint_blocks(model: nn.Module, blocks: str = "blocks") -> int:
+    """Recompute each block of ``model.<blocks>`` in backward instead of storing its activations.
+
+    Each block's ``forward`` is replaced on the instance rather than wrapped
+    in a new module, so module paths (and so checkpoints) do not change.
+    Returns the number of blocks wrapped.
+    """
+    seq = getattr(model, blocks, None)
+    if not isinstance(seq, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no ModuleList {blocks!r} to checkpoint")
+    for block in seq:
+        if getattr(block, "_cuboid_checkpointed", False):
+            continue
+        plain = block.forward
+
+        def forward(*args, _plain=plain, **kwargs):
+            if not torch.is_grad_enabled():
+                return _plain(*args, **kwargs)
+            return checkpoint(_plain, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._cuboid_checkpointed = True
+    return len(seq)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,
+                spec: Optional[ShardingSpec] = None) -> nn.Module:
+    """Apply ``plan`` to ``model``; returns the model to train (a DDP wrapper when dp > 1)."""
+    plan.require_implemented()
+    if mesh is None:
+        mesh = Mesh.build(plan, getattr(model, "config", None))
+    if spec is not None:
+        spec.apply_roles(model)
+    if plan.activation_checkpoint:
+        checkpoint_blocks(model, spec.blocks if spec is not None else "blocks")
+    if mesh.size("dp") > 1:
+        device_ids = None
+        p = next(model.parameters())
+        if p.device.type == "cuda":
+            device_ids = [p.device.index]
+        model = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"),
+                                        bucket_cap_mb=25)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The zoo model inside whatever ``parallelize`` wrapped it in."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,234 @@
+"""A parallel plan: data that says how a model is spread over devices.
+
+A :class:`Plan` is a frozen dataclass that round-trips through dicts, JSON and
+TOML, and parses from the inline ``dp=2,tp=2`` form the CLI takes. It knows
+nothing of any model: :meth:`Plan.validate` takes the model's config (any
+object with ``n_heads``/``dim``/``vocab_size``/``n_layers`` attributes where
+they exist) and the world size, and says in one sentence what does not fit.
+
+Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
+
+- ``dp``: data-parallel replicas (gradients averaged over the ``dp`` group);
+- ``pp``: pipeline stages, with ``microbatches`` and ``schedule``
+  (``gpipe | 1f1b | interleaved``);
+- ``tp``: tensor-parallel ranks laid out by ``tp_mode``: ``1d`` (Megatron),
+  ``2d`` (q x q, tp = q^2), ``2.5d`` (depth x q x q, tp = depth q^2),
+  ``3d`` (q x q x q, tp = q^3);
+- ``sp``: sequence-parallel ranks, ``sp_mode`` ``ring | all_to_all``;
+- ``zero``: 0 (off), 1 (optimizer state sharded over dp), 2 (+ gradients),
+  3 (+ parameters);
+- ``activation_checkpoint``: recompute each block in backward;
+- ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+SP_MODES = ("ring", "all_to_all")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def _int_root(n: int, k: int) -> Optional[int]:
+    r = round(n ** (1.0 / k))
+    for c in (r - 1, r, r + 1):
+        if c > 0 and c ** k == n:
+            return c
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sp: int = 1
+    tp_mode: str = "1d"
+    depth: int = 1                      # 2.5D depth d (tp = d * q * q)
+    sp_mode: str = "ring"
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    activation_checkpoint: bool = False
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "sp", "depth", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"plan field {name} must be a whole number >= 1, got {value!r}")
+        for name, allowed in (("tp_mode", TP_MODES), ("sp_mode", SP_MODES), ("schedule", SCHEDULES),
+                              ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"plan field {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"plan field zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.activation_checkpoint, bool):
+            raise ValueError(f"plan field activation_checkpoint must be true or false, got {self.activation_checkpoint!r}")
+        if self.depth != 1 and self.tp_mode != "2.5d":
+            raise ValueError(f"depth={self.depth} only applies to tp_mode 2.5d, not {self.tp_mode}")
+
+    # ------------------------------------------------------------ shape
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp * self.sp
+
+    @property
+    def tp_grid(self) -> tuple[int, ...]:
+        """The tensor-parallel grid: (tp,) for 1D, (q, q), (d, q, q) or (q, q, q)."""
+        if self.tp_mode == "1d":
+            return (self.tp,)
+        if self.tp_mode == "2d":
+            q = _int_root(self.tp, 2)
+            if q is None:
+                raise ValueError(f"tp_mode 2d needs tp to be a square (q*q), got tp={self.tp}")
+            return (q, q)
+        if self.tp_mode == "2.5d":
+            q = _int_root(self.tp // self.depth, 2) if self.tp % self.depth == 0 else None
+            if q is None:
+                raise ValueError(f"tp_mode 2.5d needs tp = depth*q*q, got tp={self.tp} with depth={self.depth}")
+            return (self.depth, q, q)
+        q = _int_root(self.tp, 3)
+        if q is None:
+            raise ValueError(f"tp_mode 3d needs tp to be a cube (q*q*q), got tp={self.tp}")
+        return (q, q, q)
+
+    def validate(self, model_config: Any = None, world_size: Optional[int] = None) -> "Plan":
+        """Raise a one-sentence ``ValueError`` when the plan does not fit; returns self."""
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(
+                f"plan {self.describe()} needs dp*pp*tp*sp = {self.world_size} processes, "
+                f"but the world size is {world_size}"
+            )
+        grid = self.tp_grid
+        if self.pp > 1 and self.microbatches < self.pp and self.schedule != "gpipe":
+            raise ValueError(f"schedule {self.schedule} with pp={self.pp} needs microbatches >= pp, "
+                             f"got {self.microbatches}")
+        if model_config is not None:
+            heads = getattr(model_config, "n_heads", None)
+            dim = getattr(model_config, "dim", None)
+            layers = getattr(model_config, "n_layers", None)
+            split = self.tp if self.tp_mode == "1d" else grid[-1]
+            if heads is not None and heads % (self.tp if self.tp_mode == "1d" else grid[-1]):
+                raise ValueError(f"{heads} attention heads do not divide over the tensor-parallel split of "
+                                 f"{split} (tp={self.tp}, tp_mode={self.tp_mode})")
+            if dim is not None and self.tp_mode != "1d" and dim % math.prod(grid):
+                raise ValueError(f"hidden size {dim} does not divide over the {self.tp_mode} grid "
+                                 f"{'x'.join(map(str, grid))}")
+            if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * self.tp):
+                raise ValueError(f"all_to_all sequence parallelism needs heads ({heads}) divisible by sp*tp "
+                                 f"= {self.sp * self.tp}")
+            if layers is not None and self.pp > layers:
+                raise ValueError(f"pp={self.pp} stages for a model of {layers} layers")
+        return self
+
+    def unimplemented(self) -> list[str]:
+        """The features this plan asks for that this build does not have yet."""
+        missing = []
+        if self.tp > 1:
+            missing.append(f"tensor parallelism (tp={self.tp}, tp_mode={self.tp_mode})")
+        if self.pp > 1:
+            missing.append(f"pipeline parallelism (pp={self.pp})")
+        if self.sp > 1:
+            missing.append(f"sequence parallelism (sp={self.sp}, sp_mode={self.sp_mode})")
+        if self.zero > 0:
+            missing.append(f"ZeRO stage {self.zero}")
+        return missing
+
+    def require_implemented(self) -> "Plan":
+        missing = self.unimplemented()
+        if missing:
+            raise NotImplementedError(f"plan {self.describe()} needs {', '.join(missing)}, "
+                                      "which this build of cuboid does not have yet")
+        return self
+
+    # ------------------------------------------------------------ (de)serialisation
+
+    def describe(self) -> str:
+        """The inline form, naming only fields that differ from the default."""
+        default = Plan()
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if getattr(self, f.name) != getattr(default, f.name)]
+        return ",".join(parts) or "single"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown plan field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**dict(data))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def to_toml(self) -> str:
+        lines = []
+        for k, v in self.to_dict().items():
+            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str) -> "Plan":
+        import tomllib
+
+        data = tomllib.loads(text)
+        return cls.from_dict(data.get("plan", data))
+
+    @classmethod
+    def parse(cls, spec: Union[str, "Plan", Mapping, None], ready: Optional[Mapping[str, "Plan"]] = None) -> "Plan":
+        """A plan from a Plan, a dict, a ready-plan name, a .json/.toml file, or ``dp=2,tp=2``."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Plan):
+            return spec
+        if isinstance(spec, Mapping):
+            return cls.from_dict(spec)
+        text = str(spec).strip()
+        if ready and text in ready:
+            return ready[text]
+        if text == "single":
+            return cls()
+        if text.endswith((".json", ".toml")):
+            path = Path(text)
+            if not path.is_file():
+                raise ValueError(f"plan file {text} does not exist")
+            body = path.read_text()
+            return cls.from_json(body) if text.endswith(".json") else cls.from_toml(body)
+        if "=" not in text:
+            names = ", ".join(sorted(ready)) if ready else "single"
+            raise ValueError(f"unknown plan {text!r}: give a ready plan ({names}), a .json/.toml file, "
+                             "or fields like dp=2,tp=2")
+        values: dict[str, Any] = {}
+        for part in text.split(","):
+            if "=" not in part:
+                raise ValueError(f"plan part {part!r} is not of the form field=value")
+            key, raw = (s.strip() for s in part.split("=", 1))
+            values[key] = _parse_value(raw)
+        return cls.from_dict(values)
+
+    def replace(self, **changes) -> "Plan":
+        return replace(self, **changes)
+
+
+def _parse_value(raw: str) -> Any:
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(raw)
+    except ValueError:
+        return raw
