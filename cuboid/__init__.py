@@ -34,3 +34,16 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, **o
     if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
         return model if dtype is None else model.to(dtype)
     return zoo.materialize(model, device, seed=seed, dtype=dtype)
+
+
+def finetune(model="vit-debug", data="digits", **options) -> dict:
+    """Fine-tune a zoo model (preset, HF folder or module) on a dataset; returns the final metrics.
+
+    The Python face of ``cuboid finetune``; options are the fields of
+    :class:`cuboid.trainer.FinetuneConfig` (``plan``, ``steps``, ``batch_size``,
+    ``lr``, ``output_dir``, ...). Run it under ``torchrun`` for multi-process
+    plans.
+    """
+    from cuboid.trainer import finetune as _finetune
+
+    return _finetune(model, data, **options)

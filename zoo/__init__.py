@@ -18,6 +18,7 @@ from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
 from .bert.hf import FAMILY as _BERT
 from .bert.model import Bert
 from .common import Output, count_parameters
+from .plans import READY_PLANS, SPECS
 from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
 from .gpt.hf import FAMILY as _GPT
 from .gpt.model import GPT
@@ -32,7 +33,7 @@ _CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT}
 Config = Union[GPTConfig, BertConfig, ViTConfig]
 
 __all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "GPTConfig", "BertConfig", "ViTConfig",
-           "build", "materialize", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
+           "READY_PLANS", "SPECS", "build", "materialize", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
 
 
 def config_of(name_or_config: Union[str, Config], **overrides) -> Config:

@@ -47,7 +47,7 @@ def dp_parity_worker():
     import cuboid
     from cuboid.parallel import Mesh, Plan, parallelize
     from cuboid.parallel.optim import AdamW
-    from cuboid.train import rank_share, split_batch, train_step
+    from cuboid.step import rank_share, split_batch, train_step
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])

@@ -1,0 +1,278 @@
+"""Data for fine-tuning: Hugging Face ``datasets`` in, fixed-shape tensors out.
+
+Sources (:func:`load_source`): an in-memory ``datasets.Dataset`` /
+``DatasetDict``; a local csv / json / jsonl / parquet / text file; a folder
+written by ``save_to_disk``; an ``imagefolder`` folder (one sub-folder per
+class); a folder of data files of one kind; or ``"digits"``, the 8x8
+handwritten digits that ship with scikit-learn (the embedded default).
+
+:func:`prepare` turns a split into a dict of equal-length tensors for a task:
+
+- ``causal``: tokenized text, concatenated and packed into blocks of
+  ``seq_len`` (labels = inputs; the model shifts);
+- ``mlm``: tokenized, padded/truncated to ``seq_len``; masking happens per
+  batch (:func:`mask_tokens`) so every step sees new masks;
+- ``seqcls``: tokenized, padded/truncated, one label per example;
+- ``imgcls``: images resized to the model's size, normalised (mean 0.5,
+  std 0.5, as HF's ViT image processor), one label per example.
+
+:class:`GlobalBatches` draws global batches from the prepared tensors in a
+seeded order per epoch; each data-parallel rank takes its own contiguous share.
+Its position is one integer (batches drawn), so a resumed run sees the same
+batches as one that never stopped.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+TASKS = ("causal", "mlm", "seqcls", "imgcls")
+DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+class DataError(ValueError):
+    """Bad data or a bad column: one line that says what is wrong."""
+
+
+# ---------------------------------------------------------------- sources
+
+
+def digits_dataset():
+    """scikit-learn's 1,797 8x8 handwritten digits as a ``datasets.Dataset`` of grey PIL images."""
+    import datasets
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = [Image.fromarray((img * (255.0 / 16.0)).astype(np.uint8), mode="L") for img in d.images]
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
+    return datasets.Dataset.from_dict({"image": images, "label": d.target.tolist()}, features=features)
+
+
+def load_source(source: Any):
+    """A ``Dataset`` or ``DatasetDict`` from any supported source (see module docstring)."""
+    import datasets
+
+    if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):
+        return source
+    if isinstance(source, dict):
+        return datasets.Dataset.from_dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise DataError(f"data must be a datasets.Dataset, a dict of columns or a path, got {type(source).__name__}")
+    if str(source) == "digits":
+        return digits_dataset()
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"data {source}: no such file or folder")
+    if path.is_file():
+        kind = DATA_FILE_KINDS.get(path.suffix.lower())
+        if kind is None:
+            raise DataError(f"data {source}: unsupported file type {path.suffix!r} "
+                            f"(supported: {', '.join(sorted(DATA_FILE_KINDS))})")
+        return datasets.load_dataset(kind, data_files=str(path))
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        return datasets.load_from_disk(str(path))
+    files = [p for p in path.rglob("*") if p.is_file()]
+    if any(p.suffix.lower() in IMAGE_EXTS for p in files):
+        return datasets.load_dataset("imagefolder", data_dir=str(path))
+    kinds = {DATA_FILE_KINDS[p.suffix.lower()] for p in files if p.suffix.lower() in DATA_FILE_KINDS}
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        ext = [e for e, k in DATA_FILE_KINDS.items() if k == kind]
+        data_files = [str(p) for p in files if p.suffix.lower() in ext]
+        return datasets.load_dataset(kind, data_files=data_files)
+    raise DataError(f"data {source}: a folder with no images and {'mixed' if kinds else 'no'} data files")
+
+
+def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0):
+    """(train, eval) splits: the source's own validation/test split, or a seeded holdout."""
+    import datasets
+
+    if isinstance(data, datasets.DatasetDict):
+        train = data.get("train") or data[next(iter(data))]
+        for name in ("validation", "valid", "eval", "test"):
+            if name in data:
+                return train, data[name]
+        data = train
+    if len(data) == 0:
+        raise DataError("the dataset is empty")
+    if len(data) < 2:
+        raise DataError(f"the dataset has {len(data)} example: too few to hold out an eval split")
+    parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+# ---------------------------------------------------------------- preparation
+
+
+def _need_column(ds, name: str, flag: str) -> None:
+    if name not in ds.column_names:
+        raise DataError(f"column {name!r} not found (columns: {', '.join(ds.column_names)}); set {flag}")
+
+
+def class_names(ds, label_column: str) -> Optional[list]:
+    feat = ds.features.get(label_column)
+    return list(feat.names) if getattr(feat, "names", None) else None
+
+
+def num_classes(ds, label_column: str) -> int:
+    _need_column(ds, label_column, "--label-column")
+    names = class_names(ds, label_column)
+    if names:
+        return len(names)
+    labels = ds[label_column]
+    if not labels:
+        raise DataError("the dataset is empty")
+    if not all(isinstance(x, int) for x in labels):
+        raise DataError(f"column {label_column!r} must hold integer class ids")
+    return max(labels) + 1
+
+
+def _check_labels(labels: torch.Tensor, n: int, column: str) -> None:
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= n):
+        bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+        raise DataError(f"label {bad} in column {column!r} is out of range for a model with {n} classes")
+
+
+def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = None, text_column: str = "text",
+            label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None) -> dict:
+    """A split as a dict of equal-length tensors for ``task`` (see module docstring)."""
+    if task not in TASKS:
+        raise DataError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if len(ds) == 0:
+        raise DataError("the dataset is empty")
+    if task == "imgcls":
+        return _prepare_images(ds, config, image_column, label_column, num_labels)
+    if tokenizer is None:
+        raise DataError(f"task {task} needs a tokenizer: load the model from a folder with tokenizer.json "
+                        "or pass --tokenizer PATH")
+    _need_column(ds, text_column, "--text-column")
+    seq_len = min(seq_len or 128, config.n_positions)
+    texts = [t if isinstance(t, str) else "" for t in ds[text_column]]
+    if task == "causal":
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        eos = tokenizer.eos_token_id
+        flat = [tok for seq in ids for tok in ([*seq, eos] if eos is not None else seq)]
+        n_blocks = len(flat) // seq_len
+        if n_blocks == 0:
+            raise DataError(f"the text has {len(flat)} tokens: fewer than one block of seq_len {seq_len}")
+        block = torch.tensor(flat[:n_blocks * seq_len]).view(n_blocks, seq_len)
+        return {"input_ids": block, "labels": block.clone()}
+    enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
+    out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    if "token_type_ids" in enc:
+        out["token_type_ids"] = enc["token_type_ids"]
+    if task == "seqcls":
+        _need_column(ds, label_column, "--label-column")
+        labels = torch.tensor(ds[label_column])
+        _check_labels(labels, num_labels or config.num_labels, label_column)
+        out["labels"] = labels
+    return out
+
+
+def _prepare_images(ds, config, image_column: str, label_column: str, num_labels: Optional[int]) -> dict:
+    import numpy as np
+
+    _need_column(ds, image_column, "--image-column")
+    _need_column(ds, label_column, "--label-column")
+    size, channels = config.image_size, config.channels
+    mode = "L" if channels == 1 else "RGB"
+    arrays = []
+    for img in ds[image_column]:
+        if not hasattr(img, "convert"):
+            raise DataError(f"column {image_column!r} must hold images, got {type(img).__name__}")
+        img = img.convert(mode).resize((size, size), resample=3)  # bicubic, as HF's ViT processor
+        a = np.asarray(img, dtype=np.float32) / 255.0
+        arrays.append(a[None] if channels == 1 else a.transpose(2, 0, 1))
+    pixels = (torch.from_numpy(np.stack(arrays)) - 0.5) / 0.5  # (N, C, H, W)
+    labels = torch.tensor(ds[label_column])
+    _check_labels(labels, num_labels or config.num_labels, label_column)
+    return {"pixel_values": pixels, "labels": labels}
+
+
+def mask_tokens(batch: dict, tokenizer, generator: torch.Generator, prob: float = 0.15) -> dict:
+    """BERT masking: ``prob`` of real tokens become targets; 80% [MASK], 10% random, 10% kept."""
+    ids = batch["input_ids"].clone()
+    special = torch.zeros_like(ids, dtype=torch.bool)
+    for tok in tokenizer.all_special_ids:
+        special |= ids == tok
+    if "attention_mask" in batch:
+        special |= batch["attention_mask"] == 0
+    chosen = (torch.rand(ids.shape, generator=generator) < prob) & ~special
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    roll = torch.rand(ids.shape, generator=generator)
+    ids = torch.where(chosen & (roll < 0.8), torch.full_like(ids, tokenizer.mask_token_id), ids)
+    random_ids = torch.randint(0, len(tokenizer), ids.shape, generator=generator)
+    ids = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, ids)
+    return {**batch, "input_ids": ids, "labels": labels}
+
+
+# ---------------------------------------------------------------- batching
+
+
+@dataclass
+class GlobalBatches:
+    """Seeded global batches over prepared tensors; ``position`` counts batches drawn."""
+
+    tensors: dict
+    batch_size: int
+    seed: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = len(next(iter(self.tensors.values())))
+        if self.size == 0:
+            raise DataError("the dataset is empty")
+        if self.batch_size > self.size:
+            raise DataError(f"batch size {self.batch_size} is larger than the {self.size} training examples")
+        self.per_epoch = self.size // self.batch_size  # the tail of each epoch is dropped
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+
+    def indices(self, position: int) -> torch.Tensor:
+        epoch, i = divmod(position, self.per_epoch)
+        return self._order(epoch)[i * self.batch_size:(i + 1) * self.batch_size]
+
+    def next(self) -> dict:
+        idx = self.indices(self.position)
+        self.position += 1
+        return {k: v[idx] for k, v in self.tensors.items()}
+
+    @property
+    def epoch(self) -> float:
+        return self.position / self.per_epoch
+
+
+def eval_batches(tensors: dict, batch_size: int, rank: int = 0, world: int = 1):
+    """Deterministic eval batches, this rank's strided share of the examples."""
+    n = len(next(iter(tensors.values())))
+    idx = torch.arange(rank, n, world)
+    for s in range(0, len(idx), batch_size):
+        part = idx[s:s + batch_size]
+        yield {k: v[part] for k, v in tensors.items()}
+
+
+def load_tokenizer(path: Union[str, os.PathLike, None]):
+    """A tokenizer from a local folder or tokenizer.json (no downloads); None if there is none."""
+    if path is None:
+        return None
+    path = Path(path)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if path.is_file() and path.name.endswith(".json"):
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    elif (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() or (path / "vocab.txt").is_file():
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    else:
+        return None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok

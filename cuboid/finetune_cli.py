@@ -1,0 +1,176 @@
+"""``cuboid finetune``: flags, ``--config`` files, and the multi-process launch.
+
+Flags override a YAML/TOML ``--config`` file, which overrides the defaults.
+With no ``--model`` and no ``--data`` the embedded default runs: ``vit-debug``
+on scikit-learn's digits, plan ``dp=2``, 400 steps of 64 at lr 1e-2.
+
+A plan with more than one process, run outside ``torchrun``, re-launches this
+command through torch's own elastic launcher (the code behind ``torchrun``)
+with ``--nproc-per-node`` processes on this machine (loopback rendezvous).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cuboid.trainer import FinetuneConfig
+
+# the embedded default job (no --model, no --data)
+DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "plan": "dp=2", "steps": 400, "batch_size": 64,
+               "lr": 1e-2, "eval_every": 100, "output_dir": "runs/digits-vit"}
+
+FLAGS = [
+    # (flag, type, help)
+    ("--model", str, "a preset (vit-debug, gpt2, bert-base, ...) or a local Hugging Face folder"),
+    ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
+    ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
+    ("--task", str, "causal | mlm | seqcls | imgcls (default: from the model's head)"),
+    ("--steps", int, "optimizer steps (default: from --epochs)"),
+    ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),
+    ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),
+    ("--micro-batch-size", int, "per-process micro-batch; smaller than batch/dp accumulates gradients"),
+    ("--lr", float, "peak learning rate (default 1e-3)"),
+    ("--optimizer", str, "adamw | lamb | lars (default adamw)"),
+    ("--weight-decay", float, "decoupled weight decay, not applied to biases and norms (default 0.01)"),
+    ("--warmup", float, "warmup: a fraction of the steps (< 1) or a step count (default 0.1)"),
+    ("--schedule", str, "cosine | linear | constant after warmup (default cosine)"),
+    ("--max-grad-norm", float, "clip the global gradient norm (default 1.0; 0 turns it off)"),
+    ("--dtype", str, "fp32 | bf16 | fp16 autocast (default: the plan's, fp32)"),
+    ("--eval-every", int, "evaluate every N steps (default: 4 times per run)"),
+    ("--save-every", int, "checkpoint every N steps (default: at the end only)"),
+    ("--keep", int, "checkpoints to keep (default 2)"),
+    ("--output-dir", str, "where checkpoints, metrics.jsonl, curves.png and final/ go"),
+    ("--resume", str, "'latest' (in --output-dir) or a checkpoint folder"),
+    ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
+    ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's)"),
+    ("--tokenizer", str, "a tokenizer folder or tokenizer.json (default: the model folder's)"),
+    ("--text-column", str, "text column (default 'text')"),
+    ("--label-column", str, "label column (default 'label')"),
+    ("--image-column", str, "image column (default 'image')"),
+    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1)"),
+    ("--log-every", int, "write a metrics line every N steps (default 10)"),
+]
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flag, typ, help_ in FLAGS:
+        p.add_argument(flag, type=typ, default=None, help=help_)
+    p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="processes to launch on this machine (default: the plan's world size)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-plot", action="store_true", help="no curves.png")
+    p.set_defaults(func=cmd_finetune)
+    return p
+
+
+def read_config_file(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    text = file.read_text()
+    if file.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    elif file.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ValueError("YAML configs need PyYAML (pip install pyyaml); or use TOML") from e
+        data = yaml.safe_load(text) or {}
+    else:
+        raise ValueError(f"--config {path}: use a .toml, .yaml or .yml file")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: the file must hold a table of keys")
+    data = {k.replace("-", "_"): v for k, v in data.get("finetune", data).items()}
+    if isinstance(data.get("plan"), dict):
+        data["plan"] = dict(data["plan"])
+    known = set(FinetuneConfig.__dataclass_fields__) | {"nproc_per_node"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
+    return data
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Defaults < --config < flags, as FinetuneConfig keyword arguments (+ nproc_per_node)."""
+    values: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    for flag, _, _ in FLAGS:
+        key = flag[2:].replace("-", "_")
+        v = getattr(args, key)
+        if v is not None:
+            values[key] = v
+    if args.nproc_per_node is not None:
+        values["nproc_per_node"] = args.nproc_per_node
+    if "model" not in values and "data" not in values:
+        values = {**DEFAULT_JOB, **values}
+    if values.get("max_grad_norm") == 0:
+        values["max_grad_norm"] = None
+    values["progress"] = not args.no_progress
+    values["plot"] = not args.no_plot
+    return values
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Run ``cuboid <argv>`` in ``nproc`` local processes through torch's elastic launcher."""
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    launch = get_args_parser().parse_args(
+        ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
+         "--module", "cuboid", *argv])
+    try:
+        run(launch)
+    except Exception as e:  # ChildFailedError: the failing rank already printed its error
+        failures = getattr(e, "failures", None)
+        if failures:
+            codes = {f.exitcode for f in failures.values()}
+            return 2 if codes == {2} else 1
+        raise
+    return 0
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from cuboid.trainer import run
+    from cuboid.parallel import Plan
+    from cuboid.zoo import READY_PLANS
+
+    values = resolve(args)
+    nproc = values.pop("nproc_per_node", None)
+    plan = Plan.parse(values.get("plan"), READY_PLANS)
+    under_launcher = "WORLD_SIZE" in os.environ
+    if not under_launcher:
+        if nproc is not None and nproc != plan.world_size:
+            raise ValueError(f"--nproc-per-node {nproc} does not fit plan {plan.describe()}, "
+                             f"which needs {plan.world_size} processes")
+        plan.require_implemented()
+        if plan.world_size > 1:
+            argv = [a for a in sys.argv[1:]]
+            if "finetune" not in argv:
+                argv = ["finetune", *argv]
+            return _launch(plan.world_size, _strip_nproc(argv))
+    cfg = FinetuneConfig(**values)
+    run(cfg)
+    return 0
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc-per-node":
+            skip = True
+            continue
+        if a.startswith("--nproc-per-node="):
+            continue
+        out.append(a)
+    return out

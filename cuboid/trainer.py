@@ -1,0 +1,350 @@
+"""The fine-tune loop: a zoo model, a plan, a dataset -> a trained, checkpointed model.
+
+``cuboid.finetune(model, data, plan=..., ...)`` is the Python API; ``cuboid finetune``
+(cuboid/cli.py) calls it with the flags. Every rank runs this same code; rank 0
+prints, logs and draws. Outputs in ``output_dir``:
+
+- ``checkpoint-<step>/``: sharded safetensors + optimizer + training state
+  (the last ``keep`` are kept), written through ``cuboid.zoo.checkpoint``;
+- ``final/``: the trained model as a Hugging Face folder (config.json +
+  safetensors [+ tokenizer]) that ``transformers`` loads;
+- ``metrics.jsonl``: one JSON object per logged step and per eval;
+- ``curves.png``: train/eval loss and the task metric (needs matplotlib).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from cuboid import data as D
+from cuboid.parallel import Mesh, Plan, parallelize, unwrap
+from cuboid.step import evaluate, rank_share, split_batch, train_step
+
+TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
+HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
+OPTIMIZERS = ("adamw", "lamb", "lars")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class FinetuneConfig:
+    """Every knob of a run; the CLI's flags and ``--config`` files map onto these names."""
+
+    model: str = "vit-debug"
+    data: Any = "digits"
+    plan: Any = None
+    task: Optional[str] = None            # default: from the model's head
+    steps: Optional[int] = None           # optimizer steps; default from epochs
+    epochs: Optional[float] = None        # default 1 when steps is not given
+    batch_size: int = 32                  # global batch (all dp ranks, all micro-batches)
+    micro_batch_size: Optional[int] = None  # per rank; default batch_size / dp (no accumulation)
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.01
+    warmup: float = 0.1                   # fraction of steps (< 1) or a step count (>= 1)
+    schedule: str = "cosine"
+    max_grad_norm: Optional[float] = 1.0
+    dtype: Optional[str] = None           # fp32 | bf16 | fp16 (autocast); default: the plan's
+    eval_every: Optional[int] = None      # default: 4 evals per run
+    save_every: Optional[int] = None      # default: at the end only
+    keep: int = 2                         # checkpoints kept
+    output_dir: str = "runs/finetune"
+    resume: Optional[str] = None          # "latest", a checkpoint folder, or None
+    seed: int = 0
+    seq_len: Optional[int] = None
+    tokenizer: Optional[str] = None
+    text_column: str = "text"
+    label_column: str = "label"
+    image_column: str = "image"
+    eval_fraction: float = 0.1
+    log_every: int = 10
+    progress: bool = True
+    plot: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def _is_main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def log(msg: str) -> None:
+    if _is_main():
+        print(msg, file=sys.stderr, flush=True)
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total: int):
+    def f(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return f
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
+    from cuboid.parallel import optim
+
+    groups = optim.exclude_bias_and_norm(model, weight_decay)
+    if name == "adamw":
+        return optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    if name == "lamb":
+        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay)
+    if name == "lars":
+        return optim.LARS(groups, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+
+
+def _resolve_resume(resume: Optional[str], out: Path) -> Optional[Path]:
+    if resume in (None, "", "none"):
+        return None
+    if resume == "latest":
+        found = _checkpoints(out)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ValueError(f"--resume {resume}: no such checkpoint folder")
+    return path
+
+
+def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device):
+    """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own."""
+    from cuboid import zoo
+
+    if isinstance(cfg.model, nn.Module):
+        model = cfg.model
+        tokenizer = D.load_tokenizer(cfg.tokenizer)
+    elif os.path.isdir(str(cfg.model)):
+        model = zoo.from_hf(cfg.model, device=device)
+        tokenizer = D.load_tokenizer(cfg.tokenizer or cfg.model)
+    else:
+        if cfg.model not in zoo.PRESETS:
+            raise ValueError(f"unknown model {cfg.model!r}: give a preset ({', '.join(zoo.PRESETS)}) "
+                             "or a local Hugging Face folder")
+        base = zoo.config_of(cfg.model)
+        family = zoo.family_of(zoo.build(base)).name
+        overrides = {}
+        if task is not None:
+            overrides["head"] = HEAD_OF_TASK[task]
+        if num_labels is not None and hasattr(base, "num_labels"):
+            overrides["num_labels"] = num_labels
+        model = zoo.materialize(zoo.build(base, **overrides), device, seed=cfg.seed)
+        del family
+        tokenizer = D.load_tokenizer(cfg.tokenizer)
+    family = zoo.family_of(model).name
+    inferred = TASK_OF_HEAD.get((family, model.config.head))
+    if task is None:
+        if inferred is None:
+            raise ValueError(f"the {family} model has head {model.config.head!r}: no task to fine-tune; set --task")
+        task = inferred
+    elif inferred != task:
+        raise ValueError(f"task {task} does not fit the {family} model with head {model.config.head!r}"
+                         + (f" (it does {inferred})" if inferred else ""))
+    return model, tokenizer, task
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", **options) -> dict:
+    """Fine-tune ``model`` on ``data``; returns the final metrics. Options: :class:`FinetuneConfig`."""
+    unknown = sorted(set(options) - set(FinetuneConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"finetune() got unknown options: {', '.join(unknown)}")
+    cfg = FinetuneConfig(model=model, data=data, **options)
+    return run(cfg)
+
+
+def run(cfg: FinetuneConfig) -> dict:
+    from cuboid.zoo import READY_PLANS, checkpoint as ckpt
+
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if cfg.task is not None and cfg.task not in D.TASKS:
+        raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(D.TASKS)}")
+    plan = Plan.parse(cfg.plan, READY_PLANS)
+    if cfg.dtype is not None:
+        plan = plan.replace(dtype=cfg.dtype)
+    dtype = plan.dtype
+    plan.require_implemented()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan.validate(None, world)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+    # data first: the number of classes decides a fresh model's head
+    source = D.load_source(cfg.data)
+    train_ds, eval_ds = D.train_eval_split(source, cfg.eval_fraction, cfg.seed)
+    num_labels = None
+    if cfg.task in ("seqcls", "imgcls") or (cfg.task is None and cfg.label_column in train_ds.column_names):
+        num_labels = D.num_classes(train_ds, cfg.label_column)
+    model, tokenizer, task = _load_model(cfg, cfg.task, num_labels, device)
+    if task in ("seqcls", "imgcls") and num_labels is None:
+        num_labels = D.num_classes(train_ds, cfg.label_column)
+    prep = dict(config=model.config, tokenizer=tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
+                label_column=cfg.label_column, image_column=cfg.image_column,
+                num_labels=getattr(model.config, "num_labels", None))
+    train_t, eval_t = D.prepare(train_ds, task, **prep), D.prepare(eval_ds, task, **prep)
+
+    mesh = Mesh.build(plan, model.config)
+    dp = mesh.size("dp")
+    micro = cfg.micro_batch_size or cfg.batch_size // dp
+    if cfg.batch_size % (dp * micro):
+        raise ValueError(f"global batch {cfg.batch_size} is not a multiple of dp ({dp}) x micro-batch ({micro})")
+    accumulate = cfg.batch_size // (dp * micro)
+    batches = D.GlobalBatches(train_t, cfg.batch_size, seed=cfg.seed)
+    steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * batches.per_epoch))
+    warmup = int(cfg.warmup * steps) if cfg.warmup < 1 else int(cfg.warmup)
+    eval_every = cfg.eval_every or max(1, steps // 4)
+
+    out = Path(cfg.output_dir)
+    if mesh.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    train_model = parallelize(model, plan, mesh)
+    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps))
+    scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
+
+    start = 0
+    resume_from = _resolve_resume(cfg.resume, out)
+    if resume_from is not None:
+        ckpt.load(model, resume_from)
+        state = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)
+        start = int(state["step"])
+        batches.position = int(state["data"]["position"])
+        log(f"resumed from {resume_from} at step {start}")
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"cuboid finetune: {cfg.model} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
+        f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
+        f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
+    metrics_path = out / "metrics.jsonl"
+    history: list[dict] = []
+    bar = None
+    if mesh.is_main and cfg.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps, initial=start, desc="finetune", unit="step", dynamic_ncols=True)
+    unit = "tokens" if task in ("causal", "mlm") else "samples"
+    gen = torch.Generator()
+    last_eval: dict = {}
+    t0, seen = time.perf_counter(), 0
+    for step in range(start, steps):
+        model.train()
+        batch = batches.next()
+        if task == "mlm":
+            gen.manual_seed(cfg.seed * 1_000_003 + step)
+            batch = D.mask_tokens(batch, tokenizer, gen)
+        local = {k: v.to(device) for k, v in rank_share(batch, mesh).items()}
+        result = train_step(train_model, optimizer, split_batch(local, accumulate), mesh,
+                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler)
+        scheduler.step()
+        seen += batch["input_ids"].numel() if unit == "tokens" else cfg.batch_size
+        rate = seen / max(time.perf_counter() - t0, 1e-9)
+        row = {"step": step + 1, "loss": result.loss, "lr": scheduler.get_last_lr()[0], "epoch": batches.epoch,
+               f"{unit}_per_s": rate}
+        if result.grad_norm is not None:
+            row["grad_norm"] = result.grad_norm
+        if not math.isfinite(result.loss):
+            raise FloatingPointError(f"loss is {result.loss} at step {step + 1}: lower --lr or use --dtype fp32")
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            last_eval = evaluate(train_model, D.eval_batches(eval_t, max(micro, 64), mesh.coords["dp"], dp),
+                                 mesh, dtype)
+            row.update(last_eval)
+        if mesh.is_main:
+            history.append(row)
+            if (step + 1) % cfg.log_every == 0 or "eval_loss" in row or step + 1 == steps:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        if bar is not None:
+            post = {"loss": f"{result.loss:.4f}", "lr": f"{row['lr']:.2e}", unit[:3] + "/s": f"{rate:.0f}"}
+            if "accuracy" in last_eval:
+                post["acc"] = f"{last_eval['accuracy']:.3f}"
+            elif "perplexity" in last_eval:
+                post["ppl"] = f"{last_eval['perplexity']:.1f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
+            _save(ckpt, model, optimizer, scheduler, out / f"checkpoint-{step + 1}", step + 1, batches, plan, cfg, mesh)
+    if bar is not None:
+        bar.close()
+    final_ckpt = out / f"checkpoint-{steps}"
+    _save(ckpt, model, optimizer, scheduler, final_ckpt, steps, batches, plan, cfg, mesh)
+    final = out / "final"
+    if mesh.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        ckpt.save(model, final)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(final))
+    mesh.barrier()
+    summary = {"step": steps, "task": task, **last_eval, "checkpoint": str(final_ckpt), "model": str(final)}
+    if mesh.is_main:
+        if cfg.plot:
+            summary["plot"] = plot_curves(metrics_path, out / "curves.png")
+        log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    return summary
+
+
+def _save(ckpt, model, optimizer, scheduler, path: Path, step: int, batches, plan: Plan, cfg: FinetuneConfig,
+          mesh: Mesh) -> None:
+    state = {"step": step, "data": {"position": batches.position}, "plan": plan.to_dict(),
+             "scheduler": scheduler.state_dict()}
+    ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+    if mesh.is_main:
+        for old in _checkpoints(path.parent)[:-max(cfg.keep, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+    mesh.barrier()
+
+
+def plot_curves(metrics_path: Path, png: Path) -> Optional[str]:
+    """Train/eval loss and the task metric against steps; None (with a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("note: matplotlib is not installed, so no plot (pip install 'cuboid[plot]')")
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows]
+    evals = [r for r in rows if "eval_loss" in r]
+    metric = "accuracy" if any("accuracy" in r for r in evals) else "perplexity"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(*zip(*train), label="train loss")
+    if evals:
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+        ax2.plot([r["step"] for r in evals], [r.get(metric) for r in evals], "o-", color="C2")
+    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
+    ax2.set_xlabel("step"), ax2.set_ylabel(f"eval {metric}"), ax2.grid(alpha=0.3)
+    fig.suptitle(f"cuboid finetune: {metrics_path.parent}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return str(png)

@@ -1,0 +1,186 @@
+"""`cuboid finetune` end to end on tiny local models and generated data."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cuboid import data as D
+from cuboid.cli import main
+
+from . import fixtures as F
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def cli(*args, timeout=300):
+    """Run `python -m cuboid ...` in a fresh process; (returncode, stdout, stderr)."""
+    p = subprocess.run([sys.executable, "-m", "cuboid", *args], capture_output=True, text=True, timeout=timeout,
+                       env=ENV)
+    return p.returncode, p.stdout, p.stderr
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory):
+    import datasets
+
+    root = tmp_path_factory.mktemp("text")
+    rows = F.sentences(120)
+    ds = datasets.Dataset.from_dict({"text": [t for t, _ in rows], "label": [y for _, y in rows]})
+    ds.to_csv(str(root / "data.csv"))
+    ds.to_json(str(root / "data.jsonl"))
+    ds.to_parquet(str(root / "data.parquet"))
+    (root / "data.txt").write_text("\n".join(t for t, _ in rows))
+    ds.save_to_disk(str(root / "saved"))
+    return root
+
+
+def test_every_source_kind_loads(text_files, tmp_path):
+    for name in ("data.csv", "data.jsonl", "data.parquet", "data.txt", "saved"):
+        train, held = D.train_eval_split(D.load_source(text_files / name), 0.1, 0)
+        assert len(train) + len(held) == 120, name
+        assert "text" in train.column_names
+    images = D.load_source(F.image_folder(tmp_path / "img"))
+    train, held = D.train_eval_split(images)
+    assert set(train.column_names) == {"image", "label"} and len(train) + len(held) == 24
+    digits = D.load_source("digits")
+    assert len(digits) == 1797 and D.num_classes(digits, "label") == 10
+
+
+def test_causal_lm_single_process_jsonl(text_files, tmp_path):
+    model = F.hf_gpt2_folder(tmp_path / "gpt")
+    out = tmp_path / "run"
+    rc, _, err = cli("finetune", "--model", str(model), "--data", str(text_files / "data.jsonl"), "--steps", "6",
+                     "--batch-size", "4", "--seq-len", "32", "--output-dir", str(out), "--eval-every", "3",
+                     "--no-progress", "--no-plot")
+    assert rc == 0, err
+    rows = metrics(out)
+    assert rows[-1]["step"] == 6 and "perplexity" in rows[-1]
+    assert (out / "checkpoint-6").is_dir() and (out / "final" / "config.json").is_file()
+
+
+def test_mlm_csv_and_seqcls_parquet_predictions_match_transformers(text_files, tmp_path):
+    import transformers as T
+
+    mlm = F.hf_bert_folder(tmp_path / "mlm", head="mlm")
+    rc, _, err = cli("finetune", "--model", str(mlm), "--data", str(text_files / "data.csv"), "--steps", "4",
+                     "--batch-size", "8", "--seq-len", "24", "--output-dir", str(tmp_path / "mlm-run"),
+                     "--no-progress", "--no-plot")
+    assert rc == 0, err
+    assert "perplexity" in metrics(tmp_path / "mlm-run")[-1]
+
+    cls = F.hf_bert_folder(tmp_path / "cls", head="cls")
+    out = tmp_path / "cls-run"
+    rc, _, err = cli("finetune", "--model", str(cls), "--data", str(text_files / "data.parquet"), "--steps", "30",
+                     "--batch-size", "16", "--lr", "3e-3", "--seq-len", "24", "--output-dir", str(out),
+                     "--no-progress", "--no-plot")
+    assert rc == 0, err
+    assert metrics(out)[-1]["accuracy"] > 0.5
+    import cuboid
+
+    ours = cuboid.load(out / "final").eval()
+    theirs = T.AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    tok = T.AutoTokenizer.from_pretrained(out / "final")
+    enc = tok([t for t, _ in F.sentences(8, seed=9)], padding="max_length", max_length=24, truncation=True,
+              return_tensors="pt")
+    with torch.no_grad():
+        a = ours(**enc).logits
+        b = theirs(**enc).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_imagefolder_and_in_memory_api(tmp_path):
+    import datasets
+
+    import cuboid
+
+    folder = F.image_folder(tmp_path / "img")
+    out = tmp_path / "run"
+    rc, _, err = cli("finetune", "--model", "vit-debug", "--data", str(folder), "--steps", "5", "--batch-size", "8",
+                     "--output-dir", str(out), "--no-progress", "--no-plot")
+    assert rc == 0, err
+    assert "accuracy" in metrics(out)[-1]
+    # the Python API on an in-memory Dataset, with gradient accumulation
+    ds = D.load_source(folder)["train"]
+    mem = datasets.Dataset.from_dict({"image": ds["image"], "label": ds["label"]})
+    result = cuboid.finetune("vit-debug", mem, steps=3, batch_size=8, micro_batch_size=4,
+                             output_dir=str(tmp_path / "api"), progress=False, plot=False)
+    assert result["step"] == 3 and 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_dp2_through_the_launcher_resumes_exactly(tmp_path):
+    folder = F.image_folder(tmp_path / "img", per_class=16)
+    common = ["finetune", "--model", "vit-debug", "--data", str(folder), "--batch-size", "8", "--plan", "dp=2",
+              "--lr", "5e-3", "--no-progress", "--no-plot", "--log-every", "1", "--eval-every", "100"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    rc, _, err = cli(*common, "--steps", "6", "--output-dir", str(straight))
+    assert rc == 0, err
+    assert "on 2 process(es)" in err
+    rc, _, err = cli(*common, "--steps", "6", "--save-every", "3", "--output-dir", str(split))
+    assert rc == 0, err
+    # throw away the tail of the second run and resume from its step-3 checkpoint
+    import shutil
+    shutil.rmtree(split / "checkpoint-6")
+    (split / "metrics.jsonl").write_text("".join(line + "\n" for line in
+                                                 (split / "metrics.jsonl").read_text().splitlines()[:3]))
+    rc, _, err = cli(*common, "--steps", "6", "--resume", "latest", "--output-dir", str(split))
+    assert rc == 0, err
+    assert "resumed from" in err
+    a, b = metrics(straight), metrics(split)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "gpt3", "--data", "digits"], "unknown model 'gpt3'"),
+    (["--data", "digits", "--model", "vit-debug", "--plan", "dp=2", "--nproc-per-node", "3"],
+     "--nproc-per-node 3 does not fit plan dp=2"),
+    (["--data", "digits", "--model", "vit-debug", "--plan", "tp=2"], "tensor parallelism"),
+    (["--data", "digits", "--model", "vit-debug", "--label-column", "digit"], "column 'digit' not found"),
+    (["--data", "digits", "--model", "vit-debug", "--plan", "banana"], "unknown plan 'banana'"),
+])
+def test_bad_values_are_one_line_and_exit_2(args, message, capsys, tmp_path):
+    rc = main(["finetune", *args, "--output-dir", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_label_out_of_range_and_empty_dataset(tmp_path, capsys):
+    import datasets
+    import transformers as T
+
+    folder = F.hf_bert_folder(tmp_path / "cls", head="cls", num_labels=2)
+    bad = tmp_path / "bad.csv"
+    datasets.Dataset.from_dict({"text": ["good dog", "bad cat", "sun moon"], "label": [0, 1, 5]}).to_csv(str(bad))
+    rc = main(["finetune", "--model", str(folder), "--data", str(bad), "--steps", "1", "--batch-size", "1",
+               "--eval-fraction", "0.34", "--output-dir", str(tmp_path / "o"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "label 5 in column 'label' is out of range for a model with 2 classes" in err
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    rc = main(["finetune", "--model", str(folder), "--data", str(empty), "--output-dir", str(tmp_path / "o2"),
+               "--no-progress"])
+    assert rc == 2 and "empty" in capsys.readouterr().err
+    del T
+
+
+def test_embedded_default_reaches_90_percent(tmp_path):
+    """The README's main job: vit-debug on the digits with dp=2, >= 90% held-out accuracy."""
+    out = tmp_path / "default"
+    rc, _, err = cli("finetune", "--output-dir", str(out), "--no-progress", timeout=600)
+    assert rc == 0, err
+    final = metrics(out)[-1]
+    assert final["step"] == 400 and final["accuracy"] >= 0.9, final
+    assert (out / "curves.png").is_file()
+    assert (out / "final" / "config.json").is_file()

@@ -1,0 +1,37 @@
+"""Sharding specs and ready plans of the zoo models.
+
+A spec says what each layer *is* (DESIGN.md): the tensor modes read the roles
+to decide how to split a layer on their grid. Ready plans are named plans known
+to work (each one is exercised by a test); ``cuboid plans`` lists them.
+"""
+from __future__ import annotations
+
+from cuboid.parallel.apply import ShardingSpec
+from cuboid.parallel.plan import Plan
+
+_BLOCK_ROLES = {
+    "blocks.*.attn.qkv": "column",
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.fc": "column",
+    "blocks.*.mlp.proj": "row",
+    "blocks.*.ln1": "norm",
+    "blocks.*.ln2": "norm",
+}
+
+SPECS = {
+    "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES}),
+    "bert": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "type_emb": "embedding",
+                                "ln_emb": "norm", "pooler": "replicate", "mlm_dense": "replicate",
+                                "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES}),
+    "vit": ShardingSpec(roles={"patch": "column", "cls_token": "replicate", "pos_emb": "replicate",
+                               "ln_f": "norm", "pooler": "replicate", "classifier": "replicate", **_BLOCK_ROLES}),
+}
+
+# the plans that work in this build, the same for every family
+READY_PLANS = {
+    "single": Plan(),
+    "dp": Plan(dp=2),
+    "dp2": Plan(dp=2),
+    "dp4": Plan(dp=4),
+    "dp2-ckpt": Plan(dp=2, activation_checkpoint=True),
+}
