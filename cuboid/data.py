@@ -265,7 +265,10 @@ def load_tokenizer(path: Union[str, os.PathLike, None]):
     if path is None:
         return None
     path = Path(path)
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    try:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    except ImportError as e:
+        raise DataError("text tasks need transformers for the tokenizer: pip install 'cuboid[text]'") from e
 
     if path.is_file() and path.name.endswith(".json"):
         tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
