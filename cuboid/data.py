@@ -58,6 +58,18 @@ def digits_dataset():
 
 def load_source(source: Any):
     """A ``Dataset`` or ``DatasetDict`` from any supported source (see module docstring)."""
+    try:
+        return _load_source(source)
+    except DataError:
+        raise
+    except ValueError as e:  # datasets' own complaints, made one line that names the source
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "corresponds to no data" in msg:
+            raise DataError(f"data {source}: the dataset is empty") from None
+        raise DataError(f"data {source}: {msg}") from None
+
+
+def _load_source(source: Any):
     import datasets
 
     if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):

@@ -110,10 +110,6 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
     raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
-
-
 def _checkpoints(out: Path) -> list[Path]:
     found = [p for p in out.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
@@ -236,9 +232,9 @@ def run(cfg: FinetuneConfig) -> dict:
     resume_from = _resolve_resume(cfg.resume, out)
     if resume_from is not None:
         ckpt.load(model, resume_from)
-        state = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)
-        start = int(state["step"])
-        batches.position = int(state["data"]["position"])
+        saved = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)["state"]
+        start = int(saved["step"])
+        batches.position = int(saved["data"]["position"])
         log(f"resumed from {resume_from} at step {start}")
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -246,6 +242,11 @@ def run(cfg: FinetuneConfig) -> dict:
         f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
         f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
     metrics_path = out / "metrics.jsonl"
+    if mesh.is_main and metrics_path.exists():
+        # a fresh run starts a fresh log; a resumed one keeps the rows up to where it resumes
+        kept = [line for line in metrics_path.read_text().splitlines()
+                if resume_from is not None and line.strip() and json.loads(line)["step"] <= start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
     history: list[dict] = []
     bar = None
     if mesh.is_main and cfg.progress:
@@ -297,25 +298,22 @@ def run(cfg: FinetuneConfig) -> dict:
     final_ckpt = out / f"checkpoint-{steps}"
     _save(ckpt, model, optimizer, scheduler, final_ckpt, steps, batches, plan, cfg, mesh)
     final = out / "final"
-    if mesh.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        ckpt.save(model, final)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(final))
+    ckpt.save(model, final)  # every rank takes part (gathers); one writes; replaced atomically
+    if mesh.is_main and tokenizer is not None:
+        tokenizer.save_pretrained(str(final))
     mesh.barrier()
-    summary = {"step": steps, "task": task, **last_eval, "checkpoint": str(final_ckpt), "model": str(final)}
+    summary = {"step": steps, "task": task, **last_eval, "checkpoint": str(final_ckpt.resolve()),
+               "model": str(final.resolve())}
     if mesh.is_main:
         if cfg.plot:
-            summary["plot"] = plot_curves(metrics_path, out / "curves.png")
+            summary["plot"] = plot_curves(metrics_path, (out / "curves.png").resolve())
         log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     return summary
 
 
 def _save(ckpt, model, optimizer, scheduler, path: Path, step: int, batches, plan: Plan, cfg: FinetuneConfig,
           mesh: Mesh) -> None:
-    state = {"step": step, "data": {"position": batches.position}, "plan": plan.to_dict(),
-             "scheduler": scheduler.state_dict()}
+    state = {"step": step, "data": {"position": batches.position}, "plan": plan.to_dict()}
     ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
     if mesh.is_main:
         for old in _checkpoints(path.parent)[:-max(cfg.keep, 1)]:
