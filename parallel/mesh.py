@@ -5,6 +5,21 @@ share a tensor-parallel group, the most talkative one). A one-process run has
 no process group at all: every group is ``None`` and every collective is a
 no-op, so single-device code needs no launcher.
 
+The ``tp`` group is further laid out as the plan's ``tp_grid``, last index
+fastest, and the mesh owns a group along each axis of that grid:
+
+- 2D (q, q): tensor rank ``t = i q + j`` sits at row i, column j; ``tp_row``
+  is the q ranks of its row (same i), ``tp_col`` the q ranks of its column
+  (same j);
+- 2.5D (d, q, q) and 3D (q, q, q): ``t = k q^2 + i q + j``; ``tp_dep`` is the
+  ranks with the same (i, j), ``tp_row`` / ``tp_col`` as in 2D inside depth k.
+
+As for every axis, ``coords[name]`` is this rank's index *inside* group
+``name`` (so in 2D ``coords["tp_row"] = j`` and ``coords["tp_col"] = i``), and
+an axis of size one has group ``None``. Every group is registered with
+:func:`cuboid.parallel.comm.name_group` under its axis name, so byte tallies
+read ``dp``, ``tp``, ``tp_row``, ...
+
 :func:`init_distributed` starts ``torch.distributed`` from torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with
 gloo on CPU and NCCL on CUDA.
@@ -19,9 +34,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .plan import Plan
 
 AXES = ("pp", "dp", "sp", "tp")
+TP_AXES = {2: ("tp_col", "tp_row"), 3: ("tp_dep", "tp_col", "tp_row")}  # group along grid dim k varies index k
 
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int]:
@@ -63,20 +80,39 @@ class Mesh:
         """The mesh for ``plan`` over the running world (starting it from the environment if needed)."""
         rank, world = init_distributed()
         plan.validate(model_config, world)
+        return cls.layout(plan, rank, create_groups=world > 1)
+
+    @classmethod
+    def layout(cls, plan: Plan, rank: int = 0, *, create_groups: bool = False) -> "Mesh":
+        """The mesh of ``rank`` in ``plan``'s world: coords and group ranks of every axis.
+
+        Without ``create_groups`` no process group is made (every group is
+        ``None``): the layout alone, for planning and tests.
+        """
         sizes = {"pp": plan.pp, "dp": plan.dp, "sp": plan.sp, "tp": plan.tp}
-        mesh = cls(plan=plan, rank=rank, world_size=world)
-        grid = torch.arange(world).reshape(*(sizes[a] for a in AXES))
-        where = (grid == rank).nonzero()[0].tolist()
-        mesh.coords = dict(zip(AXES, where))
-        for i, axis in enumerate(AXES):
-            # every group along this axis, created on every rank in the same order
-            moved = grid.movedim(i, -1).reshape(-1, sizes[axis])
-            for ranks in moved.tolist():
-                group = dist.new_group(ranks) if world > 1 and sizes[axis] > 1 else None
-                if rank in ranks:
-                    mesh.groups[axis] = group
-                    mesh.group_ranks[axis] = ranks
+        mesh = cls(plan=plan, rank=rank, world_size=plan.world_size)
+        grid = torch.arange(plan.world_size).reshape(*(sizes[a] for a in AXES))
+        mesh._add_groups(grid, AXES, create_groups)
+        tp_grid = plan.tp_grid
+        if len(tp_grid) > 1:
+            mesh._add_groups(grid.reshape(*grid.shape[:3], *tp_grid), ("pp", "dp", "sp") + TP_AXES[len(tp_grid)],
+                             create_groups, skip=3)
         return mesh
+
+    def _add_groups(self, grid: torch.Tensor, axes: tuple, create: bool, skip: int = 0) -> None:
+        """One group along each of ``grid``'s dims from ``skip`` on, created on every rank in the same order."""
+        for i, axis in enumerate(axes):
+            if i < skip:
+                continue
+            size = grid.shape[i]
+            moved = grid.movedim(i, -1).reshape(-1, size)
+            for ranks in moved.tolist():
+                group = dist.new_group(ranks) if create and size > 1 else None
+                if self.rank in ranks:
+                    self.groups[axis] = group
+                    self.group_ranks[axis] = ranks
+                    self.coords[axis] = ranks.index(self.rank)
+                    comm.name_group(group, axis)
 
     def size(self, axis: str) -> int:
         return len(self.group_ranks.get(axis, [self.rank]))

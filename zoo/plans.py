@@ -10,7 +10,7 @@ from cuboid.parallel.apply import ShardingSpec
 from cuboid.parallel.plan import Plan
 
 _BLOCK_ROLES = {
-    "blocks.*.attn.qkv": "column",
+    "blocks.*.attn.qkv": "column_qkv",  # fused [W_q; W_k; W_v]: each of the 3 segments split alike
     "blocks.*.attn.proj": "row",
     "blocks.*.mlp.fc": "column",
     "blocks.*.mlp.proj": "row",

@@ -1,0 +1,404 @@
+"""Every collective of cuboid goes through here: paired autograd Functions that count bytes.
+
+Two kinds of calls, both taking an explicit process group:
+
+- **autograd pairs** (Megatron ``mappings.py`` without its global state), each
+  named for what it does forward and what its backward is:
+
+  ==========================================  ===================  ==================
+  function                                    forward              backward
+  ==========================================  ===================  ==================
+  ``copy_to(x, group)``                       identity             all-reduce
+  ``reduce_from(x, group)``                   all-reduce           identity
+  ``scatter_to(x, group, dim)``               keep own chunk       all-gather
+  ``gather_from(x, group, dim)``              all-gather           keep own chunk
+  ``reduce_scatter_to(x, group, dim)``        reduce-scatter       all-gather
+  ``all_gather_to(x, group, dim)``            all-gather           reduce-scatter
+  ``all_to_all(x, group, scatter_dim,         all-to-all           all-to-all
+  gather_dim)``                                                    (dims swapped)
+  ==========================================  ===================  ==================
+
+  ``gather_from``/``scatter_to`` are the tensor-parallel pair whose backward
+  discards (the gradient of a replicated value is already complete);
+  ``all_gather_to``/``reduce_scatter_to`` are the pair whose backward sums
+  (sequence parallelism, ZeRO-3), the gradient of each copy being partial.
+
+- **plain helpers** (no autograd) for optimizer norms, checkpoint gathering and
+  the like: :func:`all_reduce_`, :func:`broadcast_`, :func:`all_gather_list`,
+  :func:`ring_shift`.
+
+A group of ``None`` or of one rank makes every call a no-op that records
+nothing. (``None`` means *no group*, as on a :class:`~cuboid.parallel.Mesh`
+axis of size one; pass ``torch.distributed.group.WORLD`` for the whole world.)
+Outputs are allocated on the input's device. Chunks along ``dim`` must divide
+evenly; an uneven split is a ``ValueError``.
+
+**Byte convention.** Each call adds to every open :func:`count` tally the bytes
+*this rank sends* under the textbook ring / pipelined algorithms, whatever the
+backend really does, for a group of ``p`` ranks, with ``n`` the size in bytes
+of the *full* tensor named below:
+
+==================  ============================  ===================================
+op key              n is                          bytes sent per rank
+==================  ============================  ===================================
+``all_reduce``      the tensor reduced            ``2 (p - 1) / p * n``
+``all_gather``      the gathered output           ``(p - 1) / p * n``
+``reduce_scatter``  the (unscattered) input       ``(p - 1) / p * n``
+``all_to_all``      the input (= output size)     ``(p - 1) / p * n``
+``broadcast``       the tensor broadcast          ``(p - 1) / p * n`` (the per-rank
+                                                  mean of a chain: all but the
+                                                  last rank forward n)
+``send``            the tensor sent (ring shift)  ``n``
+==================  ============================  ===================================
+
+The autograd pairs record under the collective they run (``copy_to``'s
+backward records an ``all_reduce``). Values are floats (exact whenever the
+formula gives a whole number). Groups are keyed by a human name given with
+:func:`name_group` (the mesh names its groups ``dp``, ``tp``, ``tp_row``, ...);
+an unnamed group is ``group[r0,r1,...]`` (its global ranks).
+
+    with comm.count() as tally:
+        loss.backward()
+    tally.bytes("all_reduce", "tp"), tally.per_group(), tally.total
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
+           "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
+           "name_group", "group_name", "group_size", "group_rank"]
+
+
+# ----------------------------------------------------------------- group names
+
+
+_NAMES: dict[int, tuple[object, str]] = {}  # id(group) -> (group kept alive, name)
+
+
+def name_group(group, name: str) -> None:
+    """Give ``group`` a human name for the tallies (the mesh calls this for its groups)."""
+    if group is not None:
+        _NAMES[id(group)] = (group, name)
+
+
+def group_name(group) -> str:
+    if group is None:
+        return "none"
+    entry = _NAMES.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    try:
+        return "group[" + ",".join(map(str, dist.get_process_group_ranks(group))) + "]"
+    except Exception:  # noqa: BLE001 - a name is only a label
+        return f"group@{id(group):x}"
+
+
+def group_size(group) -> int:
+    """Ranks in ``group``; 1 for ``None``."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This rank's index inside ``group``; 0 for ``None``."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _active(group) -> int:
+    """The group size, or 0 when calls on ``group`` are no-ops."""
+    p = group_size(group)
+    return p if p > 1 else 0
+
+
+# ----------------------------------------------------------------- byte tallies
+
+
+class Tally:
+    """Bytes sent and calls made by this rank, per (op, group name)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict = defaultdict(float)
+        self._calls: dict = defaultdict(int)
+
+    def add(self, op: str, group: str, nbytes: float) -> None:
+        self._bytes[(op, group)] += nbytes
+        self._calls[(op, group)] += 1
+
+    def bytes(self, op: Optional[str] = None, group: Optional[str] = None) -> float:
+        """Bytes sent, summed over the ops/groups that match (``None`` matches all)."""
+        return sum(v for (o, g), v in self._bytes.items()
+                   if (op is None or o == op) and (group is None or g == group))
+
+    def calls(self, op: Optional[str] = None, group: Optional[str] = None) -> int:
+        return sum(v for (o, g), v in self._calls.items()
+                   if (op is None or o == op) and (group is None or g == group))
+
+    def per_op(self) -> dict:
+        out: dict = defaultdict(float)
+        for (o, _), v in self._bytes.items():
+            out[o] += v
+        return dict(out)
+
+    def per_group(self) -> dict:
+        out: dict = defaultdict(float)
+        for (_, g), v in self._bytes.items():
+            out[g] += v
+        return dict(out)
+
+    def items(self) -> dict:
+        """{(op, group): (calls, bytes)}."""
+        return {k: (self._calls[k], v) for k, v in self._bytes.items()}
+
+    @property
+    def total(self) -> float:
+        return sum(self._bytes.values())
+
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{o}@{g}: {c} calls {v:.0f} B" for (o, g), (c, v) in sorted(self.items().items()))
+        return f"Tally({rows or 'empty'})"
+
+
+_TALLIES: list[Tally] = []
+
+
+@contextlib.contextmanager
+def count() -> Iterator[Tally]:
+    """Count the traffic of this rank inside the block; nestable (outer tallies see inner traffic)."""
+    tally = Tally()
+    _TALLIES.append(tally)
+    try:
+        yield tally
+    finally:
+        _TALLIES.remove(tally)
+
+
+def _record(op: str, group, nbytes: float) -> None:
+    if _TALLIES:
+        name = group_name(group)
+        for t in _TALLIES:
+            t.add(op, name, nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------- plain collectives
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce_(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` in place over ``group`` (``sum | max | min | product``); returns ``t``."""
+    p = _active(group)
+    if not p:
+        return t
+    if not t.is_contiguous():
+        raise ValueError("all_reduce_ needs a contiguous tensor (it reduces in place)")
+    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
+    dist.all_reduce(t, op=_OPS[op], group=group)
+    return t
+
+
+def broadcast_(t: torch.Tensor, group, src: int = 0) -> torch.Tensor:
+    """Overwrite ``t`` with the copy of the group's rank ``src`` (an index *inside* the group)."""
+    p = _active(group)
+    if not p:
+        return t
+    _record("broadcast", group, (p - 1) / p * _nbytes(t))
+    dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+    return t
+
+
+def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``t`` (same shape and dtype on all ranks), in group order; ``[t]`` when no-op."""
+    p = _active(group)
+    if not p:
+        return [t]
+    flat = t.contiguous().reshape(-1)
+    out = torch.empty(p * flat.numel(), dtype=t.dtype, device=t.device)
+    _record("all_gather", group, (p - 1) * _nbytes(t))
+    _gather_single(out, flat, group=group)
+    return list(out.view(p, *t.shape).unbind(0))
+
+
+def ring_shift(t: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
+    """Send ``t`` to the rank ``shift`` ahead in the group and return the one ``shift`` behind's."""
+    p = _active(group)
+    if not p:
+        return t
+    r = group_rank(group)
+    to, frm = dist.get_global_rank(group, (r + shift) % p), dist.get_global_rank(group, (r - shift) % p)
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    _record("send", group, _nbytes(t))
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, out, frm, group)]):
+        w.wait()
+    return out
+
+
+def _check_split(x: torch.Tensor, dim: int, p: int, what: str) -> int:
+    if x.shape[dim] % p:
+        raise ValueError(f"{what}: dim {dim} of size {x.shape[dim]} does not split over {p} ranks")
+    return x.shape[dim] // p
+
+
+def _gather(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", group, (p - 1) * _nbytes(moved))
+    _gather_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
+    """Sum over ranks, keeping this rank's chunk along ``dim``."""
+    _check_split(x, dim, p, "reduce_scatter")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", group, (p - 1) / p * _nbytes(moved))
+    _reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _chunk(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
+    n = _check_split(x, dim, p, "scatter")
+    return x.narrow(dim, group_rank(group) * n, n).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    _check_split(x, scatter_dim, p, "all_to_all")
+    send = torch.stack(x.chunk(p, dim=scatter_dim), 0).contiguous()  # (p, ...) chunk i goes to rank i
+    recv = torch.empty_like(send)
+    _record("all_to_all", group, (p - 1) / p * _nbytes(send))
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+# ----------------------------------------------------------------- autograd pairs
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p, dim):
+        ctx.args = (group, p, dim)
+        return _chunk(x, group, p, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, *ctx.args), None, None, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p, dim):
+        ctx.args = (group, p, dim)
+        return _gather(x, group, p, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _chunk(g, *ctx.args), None, None, None
+
+
+class _ReduceScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p, dim):
+        ctx.args = (group, p, dim)
+        return _reduce_scatter(x, group, p, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, *ctx.args), None, None, None
+
+
+class _AllGatherTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p, dim):
+        ctx.args = (group, p, dim)
+        return _gather(x, group, p, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, *ctx.args), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, p, scatter_dim, gather_dim):
+        ctx.args = (group, p, gather_dim, scatter_dim)
+        return _all_to_all(x, group, p, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_to_all(g, *ctx.args), None, None, None, None
+
+
+def copy_to(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a parallel region: identity forward, all-reduce of the gradient backward."""
+    return _CopyTo.apply(x, group) if _active(group) else x
+
+
+def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFrom.apply(x, group) if _active(group) else x
+
+
+def scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated ``x`` along ``dim``; backward all-gathers."""
+    p = _active(group)
+    return _ScatterTo.apply(x, group, p, dim % x.ndim) if p else x
+
+
+def gather_from(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' chunks along ``dim`` into a replicated tensor; backward keeps own chunk."""
+    p = _active(group)
+    return _GatherFrom.apply(x, group, p, dim % x.ndim) if p else x
+
+
+def reduce_scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Sum partial ``x`` over ranks and keep own chunk along ``dim``; backward all-gathers."""
+    p = _active(group)
+    return _ReduceScatterTo.apply(x, group, p, dim % x.ndim) if p else x
+
+
+def all_gather_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim`` whose backward reduce-scatters (each copy's gradient is partial)."""
+    p = _active(group)
+    return _AllGatherTo.apply(x, group, p, dim % x.ndim) if p else x
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``x`` along ``scatter_dim``, send chunk i to rank i, concatenate what arrives along ``gather_dim``."""
+    p = _active(group)
+    return _AllToAll.apply(x, group, p, scatter_dim % x.ndim, gather_dim % x.ndim) if p else x
