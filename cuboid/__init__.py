@@ -8,29 +8,44 @@ __version__ = "0.1.0"
 import os as _os
 
 
-def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, **overrides):
+def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, **overrides):
     """Load a zoo model: a preset name builds a fresh one, a local HF folder loads its weights.
 
-    ``plan``: how to spread the model over devices; ``None`` or ``"single"``
-    for one device (the parallel plans arrive with ``cuboid.parallel``).
-    ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no memory,
-    materialise later with ``cuboid.zoo.materialize``); ``seed`` drives
-    the initialisation of a fresh model; ``overrides`` change preset fields
+    ``plan``: how to spread the model (a :class:`cuboid.parallel.Plan`, a ready
+    plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
+    ``None`` for one device). The model is built on the meta device, sharded
+    for the plan's tensor mode, and only then allocated, so each rank holds and
+    initialises (or reads from the folder) just its own slices, with the same
+    values as the single-device model of the same seed. Multi-process plans run
+    under ``torchrun``; data parallelism is applied by
+    :func:`cuboid.parallel.parallelize` when training.
+
+    ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no
+    memory, materialise later with ``cuboid.zoo.materialize``); ``seed``
+    drives a fresh model's initialisation; ``overrides`` change preset fields
     (``num_labels=10``).
     """
     from cuboid import zoo
+    from cuboid.parallel import Mesh, Plan, shard
 
-    if plan not in (None, "single"):
-        raise NotImplementedError(f"plan {plan!r}: parallel plans are not available in this build yet")
     device = device or "cpu"
+    transform = None
+    if plan is not None:
+        plan = Plan.parse(plan, zoo.READY_PLANS).require_implemented()
+
+        def transform(model):
+            m = mesh or Mesh.build(plan, model.config)
+            return shard(model, plan, m, zoo.spec_of(model))
     if isinstance(name_or_path, (str, _os.PathLike)) and _os.path.isdir(name_or_path):
         if overrides:
             raise ValueError(f"overrides {sorted(overrides)} apply to presets, not to a checkpoint folder")
-        return zoo.from_hf(name_or_path, dtype=dtype, device=device)
+        return zoo.from_hf(name_or_path, dtype=dtype, device=device, transform=transform)
     if isinstance(name_or_path, str) and name_or_path not in zoo.PRESETS and (
             _os.sep in name_or_path or name_or_path.startswith(".")):
         raise FileNotFoundError(f"{name_or_path}: no such model folder")
     model = zoo.build(name_or_path, **overrides)
+    if transform is not None:
+        model = transform(model)
     if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
         return model if dtype is None else model.to(dtype)
     return zoo.materialize(model, device, seed=seed, dtype=dtype)

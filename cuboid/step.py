@@ -51,8 +51,13 @@ def autocast_for(dtype: Optional[str], device: torch.device):
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[dict],
                mesh: Optional[Mesh] = None, *, max_grad_norm: Optional[float] = None,
-               dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None) -> StepResult:
-    """Forward/backward every micro-batch of this rank's share, then one optimizer step."""
+               dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
+               norm_reducer=None) -> StepResult:
+    """Forward/backward every micro-batch of this rank's share, then one optimizer step.
+
+    ``norm_reducer`` (:func:`cuboid.parallel.norm_reducer`) makes the clipping
+    norm the whole model's under tensor parallelism.
+    """
     core = unwrap(model)
     counts = [core.num_targets(b) for b in micro_batches]
     local = sum(counts)
@@ -77,7 +82,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         scaler.unscale_(optimizer)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_([p for p in core.parameters() if p.grad is not None], max_grad_norm))
+        grad_norm = float(clip_grad_norm_([p for p in core.parameters() if p.grad is not None], max_grad_norm,
+                                          norm_reducer=norm_reducer))
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

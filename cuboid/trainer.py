@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cuboid import data as D
-from cuboid.parallel import Mesh, Plan, parallelize, unwrap
+from cuboid.parallel import Mesh, Plan, norm_reducer, parallelize, unwrap
 from cuboid.step import evaluate, rank_share, split_batch, train_step
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
@@ -97,16 +97,21 @@ def lr_lambda(schedule: str, warmup_steps: int, total: int):
     return f
 
 
-def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
+def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float, reducer=None):
+    """AdamW / LAMB / LARS with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
+
+    ``reducer`` (:func:`cuboid.parallel.norm_reducer`) makes LAMB/LARS see whole
+    tensors under tensor parallelism.
+    """
     from cuboid.parallel import optim
 
     groups = optim.exclude_bias_and_norm(model, weight_decay)
     if name == "adamw":
         return optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     if name == "lamb":
-        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay)
+        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay, norm_reducer=reducer)
     if name == "lars":
-        return optim.LARS(groups, lr=lr, weight_decay=weight_decay)
+        return optim.LARS(groups, lr=lr, weight_decay=weight_decay, norm_reducer=reducer)
     raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 
@@ -127,29 +132,34 @@ def _resolve_resume(resume: Optional[str], out: Path) -> Optional[Path]:
     return path
 
 
-def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device):
-    """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own."""
+def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device, plan: Plan,
+                mesh: Mesh):
+    """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own.
+
+    Presets and folders are built on meta and sharded for ``plan`` before
+    allocation (:func:`cuboid.load`); a module passed in is sharded as it is.
+    """
+    import cuboid
     from cuboid import zoo
+    from cuboid.parallel import shard
 
     if isinstance(cfg.model, nn.Module):
-        model = cfg.model
+        model = shard(cfg.model, plan, mesh, zoo.spec_of(cfg.model))
         tokenizer = D.load_tokenizer(cfg.tokenizer)
     elif os.path.isdir(str(cfg.model)):
-        model = zoo.from_hf(cfg.model, device=device)
+        model = cuboid.load(cfg.model, plan, device=device, mesh=mesh)
         tokenizer = D.load_tokenizer(cfg.tokenizer or cfg.model)
     else:
         if cfg.model not in zoo.PRESETS:
             raise ValueError(f"unknown model {cfg.model!r}: give a preset ({', '.join(zoo.PRESETS)}) "
                              "or a local Hugging Face folder")
         base = zoo.config_of(cfg.model)
-        family = zoo.family_of(zoo.build(base)).name
         overrides = {}
         if task is not None:
             overrides["head"] = HEAD_OF_TASK[task]
         if num_labels is not None and hasattr(base, "num_labels"):
             overrides["num_labels"] = num_labels
-        model = zoo.materialize(zoo.build(base, **overrides), device, seed=cfg.seed)
-        del family
+        model = cuboid.load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, **overrides)
         tokenizer = D.load_tokenizer(cfg.tokenizer)
     family = zoo.family_of(model).name
     inferred = TASK_OF_HEAD.get((family, model.config.head))
@@ -191,6 +201,7 @@ def run(cfg: FinetuneConfig) -> dict:
     plan.require_implemented()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan.validate(None, world)
+    mesh = Mesh.build(plan)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -201,7 +212,8 @@ def run(cfg: FinetuneConfig) -> dict:
     num_labels = None
     if cfg.task in ("seqcls", "imgcls") or (cfg.task is None and cfg.label_column in train_ds.column_names):
         num_labels = D.num_classes(train_ds, cfg.label_column)
-    model, tokenizer, task = _load_model(cfg, cfg.task, num_labels, device)
+    model, tokenizer, task = _load_model(cfg, cfg.task, num_labels, device, plan, mesh)
+    plan.validate(model.config, world)
     if task in ("seqcls", "imgcls") and num_labels is None:
         num_labels = D.num_classes(train_ds, cfg.label_column)
     prep = dict(config=model.config, tokenizer=tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
@@ -209,7 +221,6 @@ def run(cfg: FinetuneConfig) -> dict:
                 num_labels=getattr(model.config, "num_labels", None))
     train_t, eval_t = D.prepare(train_ds, task, **prep), D.prepare(eval_ds, task, **prep)
 
-    mesh = Mesh.build(plan, model.config)
     dp = mesh.size("dp")
     micro = cfg.micro_batch_size or cfg.batch_size // dp
     if cfg.batch_size % (dp * micro):
@@ -223,8 +234,11 @@ def run(cfg: FinetuneConfig) -> dict:
     out = Path(cfg.output_dir)
     if mesh.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    train_model = parallelize(model, plan, mesh)
-    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
+    from cuboid import zoo
+
+    train_model = parallelize(model, plan, mesh, zoo.spec_of(model))
+    reducer = norm_reducer(model)
+    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, reducer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps))
     scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
@@ -237,7 +251,7 @@ def run(cfg: FinetuneConfig) -> dict:
         batches.position = int(saved["data"]["position"])
         log(f"resumed from {resume_from} at step {start}")
 
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = zoo.count_parameters(model)
     log(f"cuboid finetune: {cfg.model} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
         f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
         f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
@@ -264,7 +278,7 @@ def run(cfg: FinetuneConfig) -> dict:
             batch = D.mask_tokens(batch, tokenizer, gen)
         local = {k: v.to(device) for k, v in rank_share(batch, mesh).items()}
         result = train_step(train_model, optimizer, split_batch(local, accumulate), mesh,
-                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler)
+                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler, norm_reducer=reducer)
         scheduler.step()
         seen += batch["input_ids"].numel() if unit == "tokens" else cfg.batch_size
         rate = seen / max(time.perf_counter() - t0, 1e-9)

@@ -1,9 +1,18 @@
 """``parallelize(model, plan)``: apply a plan to a model, using the model's sharding spec.
 
-In this build the plan's data-parallel axis and activation checkpointing are
-applied; a plan asking for tensor, pipeline or sequence parallelism or ZeRO
-is a ``NotImplementedError`` naming what is missing, never a silent
-single-device run.
+Two steps, so that big models never exist whole on a rank:
+
+- :func:`shard` changes the model's structure for the tensor modes (1D in
+  this build): it swaps layers for their sharded counterparts by the spec's
+  roles. It works on a meta-device model, which is then materialised shard by
+  shard (``to_empty`` + ``init_weights`` or a checkpoint load, both through
+  the layers' ``load_full``).
+- :func:`parallelize` shards (if not done yet), applies activation
+  checkpointing, and wraps the model for data parallelism.
+
+A plan asking for what this build lacks (2D/2.5D/3D tensor, pipeline or
+sequence parallelism, ZeRO) is a ``NotImplementedError`` naming it, never a
+silent single-device run.
 
 Data parallelism is torch's DDP over the mesh's ``dp`` group: gradients are
 averaged in buckets while backward runs. DDP composes with the zoo layers
@@ -76,14 +85,42 @@ def checkpoint_blocks(model: nn.Module, blocks: str = "blocks") -> int:
     return len(seq)
 
 
+def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> nn.Module:
+    """Swap ``model``'s layers for the plan's tensor-parallel ones (in place; meta models too)."""
+    plan.require_implemented()
+    if mesh.size("tp") == 1:
+        if spec is not None:
+            spec.apply_roles(model)
+        return model
+    if spec is None:
+        raise ValueError(f"plan {plan.describe()} shards layers by role: pass the model's sharding spec")
+    if plan.tp_mode == "1d":
+        from .tensor.d1 import shard_1d
+
+        return shard_1d(model, spec, mesh)
+    raise NotImplementedError(f"{plan.tp_mode} tensor parallelism is not available in this build")
+
+
+def norm_reducer(model: nn.Module):
+    """The ``norm_reducer`` that makes LAMB/LARS trust ratios and gradient clipping see whole tensors."""
+    from .optim import ShardNormReducer
+
+    groups: dict = {}
+    for mod in unwrap(model).modules():
+        if hasattr(mod, "sharded_param_groups"):
+            groups.update({k: g for k, g in mod.sharded_param_groups().items() if g is not None})
+    return ShardNormReducer(groups) if groups else None
+
+
 def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,
                 spec: Optional[ShardingSpec] = None) -> nn.Module:
-    """Apply ``plan`` to ``model``; returns the model to train (a DDP wrapper when dp > 1)."""
+    """Apply ``plan`` to a materialised ``model``; returns the model to train (a DDP wrapper when dp > 1)."""
     plan.require_implemented()
     if mesh is None:
         mesh = Mesh.build(plan, getattr(model, "config", None))
-    if spec is not None:
-        spec.apply_roles(model)
+    shard(model, plan, mesh, spec)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("materialise the model (cuboid.zoo.materialize) before parallelize wraps it for training")
     if plan.activation_checkpoint:
         checkpoint_blocks(model, spec.blocks if spec is not None else "blocks")
     if mesh.size("dp") > 1:

@@ -27,7 +27,7 @@ from torch import nn
 
 import cuboid.kernels as kernels
 
-ROLES = ("column", "row", "vocab", "norm", "replicate", "embedding")
+ROLES = ("column", "column_qkv", "row", "vocab", "norm", "replicate", "embedding")
 
 
 class ShardedModule(nn.Module):
@@ -103,6 +103,21 @@ class Embedding(ShardedModule):
                 f"ids must lie in [0, {self.num_embeddings}), got min {int(ids.min())}, max {int(ids.max())}"
             )
         return F.embedding(ids, self.weight)
+
+    # The tied LM head. Tensor modes override these three so that the loss is
+    # computed on each rank's vocab slice without gathering the logits.
+
+    def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
+        """``h @ W.T (+ bias)``: (.., dim) -> (.., vocab). ``gather=False`` may return a local slice."""
+        return F.linear(h, self.weight, bias)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of (possibly local, ``gather=False``) logits against full labels."""
+        return cross_entropy(logits, labels, ignore_index)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full (.., vocab) logits from what ``lm_logits(gather=False)`` returned."""
+        return logits
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dim}, role={self.role}"

@@ -42,6 +42,8 @@ import importlib
 
 import torch
 
+from cuboid.parallel import comm
+
 import cuboid.kernels as kernels  # lazy: the kernel module (and Triton) load on the first step
 
 
@@ -106,12 +108,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.last_norms = []
         for group in self.param_groups:
             for step, b in self._buckets(group).items():
-                norms = self._apply(group, step, b)
+                norms = self._apply(group, step, b, _reducer_for(self.norm_reducer, b["params"]))
                 if norms is not None:
                     self.last_norms.append((b["params"], norms))
         return loss
 
-    def _apply(self, group, step: int, b: dict):  # pragma: no cover - abstract
+    def _apply(self, group, step: int, b: dict, reducer=None):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def load_state_dict(self, state_dict) -> None:
@@ -144,7 +146,7 @@ class AdamW(_FusedOptimizer):
                                       maximize=maximize),
                          master_weights=master_weights, backend=backend)
 
-    def _apply(self, group, step, b):
+    def _apply(self, group, step, b, reducer=None):
         beta1, beta2 = group["betas"]
         kernels.adamw_step(b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], lr=float(group["lr"]),
                            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
@@ -169,13 +171,13 @@ class LAMB(_FusedOptimizer):
                                       trust_ratio=trust_ratio),
                          master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
 
-    def _apply(self, group, step, b):
+    def _apply(self, group, step, b, reducer=None):
         beta1, beta2 = group["betas"]
         return kernels.lamb_step(b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"],
                                  lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                  weight_decay=group["weight_decay"], step=step,
                                  trust_ratio=bool(group["trust_ratio"]), master_params=b["master"],
-                                 norm_reducer=self.norm_reducer, backend=self.backend)
+                                 norm_reducer=reducer, backend=self.backend)
 
 
 class LARS(_FusedOptimizer):
@@ -198,11 +200,11 @@ class LARS(_FusedOptimizer):
                                       trust_ratio=trust_ratio),
                          master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
 
-    def _apply(self, group, step, b):
+    def _apply(self, group, step, b, reducer=None):
         return kernels.lars_step(b["params"], b["grads"], b["momentum_buffer"], lr=float(group["lr"]),
                                  momentum=group["momentum"], eta=group["eta"],
                                  weight_decay=group["weight_decay"], trust_ratio=bool(group["trust_ratio"]),
-                                 master_params=b["master"], norm_reducer=self.norm_reducer,
+                                 master_params=b["master"], norm_reducer=reducer,
                                  backend=self.backend)
 
 
@@ -232,6 +234,46 @@ def exclude_bias_and_norm(module_or_named_params, weight_decay: float, **group_o
             dict(params=skip, weight_decay=0.0, trust_ratio=False, **group_options)]
 
 
+def _reducer_for(reducer, params):
+    """A plain ``reducer(sq)``, or a param-aware one (``reducer.for_params(params)``)."""
+    if reducer is not None and hasattr(reducer, "for_params"):
+        return reducer.for_params(list(params))
+    return reducer
+
+
+class ShardNormReducer:
+    """A ``norm_reducer`` for sharded parameters: per-tensor squared norms summed over their shards.
+
+    ``groups`` maps ``id(param)`` to the process group its shards are spread
+    over; parameters not in it are replicated and counted once. Optimizers and
+    :func:`clip_grad_norm_` call ``for_params(params)`` to bind the columns of
+    the ``(k, n)`` norms tensor to parameters.
+    """
+
+    def __init__(self, groups: dict) -> None:
+        self.groups = dict(groups)
+
+    def for_params(self, params):
+        cols: dict = {}
+        for i, p in enumerate(params):
+            g = self.groups.get(id(p))
+            if g is not None:
+                cols.setdefault(id(g), (g, []))[1].append(i)
+
+        def reduce(sq: torch.Tensor) -> torch.Tensor:
+            if not cols:
+                return sq
+            sq = sq.clone()
+            for group, idx in cols.values():
+                index = torch.tensor(idx, device=sq.device)
+                part = sq.index_select(1, index).contiguous()
+                comm.all_reduce_(part, group)
+                sq.index_copy_(1, index, part)
+            return sq
+
+        return reduce
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
                     norm_reducer: Optional[Callable] = None, eps: float = 1e-6,
@@ -248,6 +290,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
     if not grads:
         return torch.zeros(())
     sq = _grad_norm_sq(grads, per_tensor=True, backend=backend).reshape(1, -1)
+    norm_reducer = _reducer_for(norm_reducer, [p for p in parameters if p.grad is not None])
     if norm_reducer is not None:
         out = norm_reducer(sq)
         sq = sq if out is None else out

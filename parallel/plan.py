@@ -131,8 +131,8 @@ class Plan:
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.tp > 1:
-            missing.append(f"tensor parallelism (tp={self.tp}, tp_mode={self.tp_mode})")
+        if self.tp > 1 and self.tp_mode != "1d":
+            missing.append(f"{self.tp_mode} tensor parallelism (tp={self.tp})")
         if self.pp > 1:
             missing.append(f"pipeline parallelism (pp={self.pp})")
         if self.sp > 1:

@@ -33,7 +33,7 @@ _CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT}
 Config = Union[GPTConfig, BertConfig, ViTConfig]
 
 __all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "GPTConfig", "BertConfig", "ViTConfig",
-           "READY_PLANS", "SPECS", "build", "materialize", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
+           "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
 
 
 def config_of(name_or_config: Union[str, Config], **overrides) -> Config:
@@ -73,9 +73,19 @@ def family_of(model: nn.Module) -> hf_io.Family:
     raise TypeError(f"{type(model).__name__} is not a zoo model")
 
 
-def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = True) -> nn.Module:
-    """Build the zoo model for a local HF folder (config.json + safetensors) and load its weights."""
-    return hf_io.from_hf(path, list(FAMILIES.values()), dtype=dtype, device=device, strict=strict)
+def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = True,
+            transform=None) -> nn.Module:
+    """Build the zoo model for a local HF folder (config.json + safetensors) and load its weights.
+
+    ``transform(meta_model) -> model`` runs before allocation (sharding for a plan).
+    """
+    return hf_io.from_hf(path, list(FAMILIES.values()), dtype=dtype, device=device, strict=strict,
+                         transform=transform)
+
+
+def spec_of(model: nn.Module):
+    """The sharding spec of a zoo model."""
+    return SPECS[family_of(model).name]
 
 
 def to_hf(model: nn.Module, path: os.PathLike):

@@ -44,23 +44,25 @@ class TensorMap:
     to_zoo: Callable[[Tensors], torch.Tensor] = _identity_in
     to_hf: Callable[[torch.Tensor], Tensors] = _identity_out
     top: bool = False  # a head tensor: stored outside the base model's prefix
+    kind: str = ""     # "transposed" / "stacked" / "reshaped" when built by those helpers (lazy readers use it)
 
 
 def transposed(zoo: str, hf: str) -> TensorMap:
     """A GPT-2 Conv1D weight: HF stores (in, out), the zoo (out, in)."""
-    return TensorMap(zoo, (hf,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()])
+    return TensorMap(zoo, (hf,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()],
+                     kind="transposed")
 
 
 def stacked(zoo: str, hf: Sequence[str]) -> TensorMap:
     """Separate q/k/v tensors stacked on dim 0 into the fused qkv."""
     n = len(hf)
     return TensorMap(zoo, tuple(hf), lambda ts: torch.cat(ts, 0),
-                     lambda t: [c.contiguous() for c in t.chunk(n, 0)])
+                     lambda t: [c.contiguous() for c in t.chunk(n, 0)], kind="stacked")
 
 
 def reshaped(zoo: str, hf: str, zoo_shape: Sequence[int], hf_shape: Sequence[int]) -> TensorMap:
     return TensorMap(zoo, (hf,), lambda ts: ts[0].reshape(*zoo_shape),
-                     lambda t: [t.reshape(*hf_shape).contiguous()])
+                     lambda t: [t.reshape(*hf_shape).contiguous()], kind="reshaped")
 
 
 @dataclass
@@ -228,14 +230,21 @@ def architecture_from_config(cfg: dict, families: Sequence[Family], path: Path) 
 
 
 def from_hf(path: os.PathLike, families: Sequence[Family], *, dtype: Optional[torch.dtype] = None,
-            device=None, strict: bool = True) -> torch.nn.Module:
-    """Build the zoo model for a local HF folder and load its weights."""
+            device=None, strict: bool = True, transform: Optional[Callable] = None) -> torch.nn.Module:
+    """Build the zoo model for a local HF folder and load its weights.
+
+    ``transform(model)`` runs on the meta-device model before anything is
+    allocated (the tensor modes shard there), so a rank allocates and reads only
+    its own slices.
+    """
     path = Path(path)
     cfg = read_config(path)
     family, arch = architecture_from_config(cfg, families, path)
     config = family.config_from_hf(cfg, arch)
     with torch.device("meta"):
         model = family.build(config)
+    if transform is not None:
+        model = transform(model)
     model.to_empty(device=device or "cpu")
     model.init_weights(0)  # anything the checkpoint lacks (strict=False) is initialised, not garbage
     load_hf_weights(model, family, path, strict=strict)

@@ -196,6 +196,10 @@ class _Sharded(L.ShardedModule):
     def full_tensor(self, name: str) -> torch.Tensor:
         return self.full_tensor_like(name, self._param(name))
 
+    def sharded_param_groups(self) -> dict:
+        """``id(param) -> group`` for the parameters split here (norms sum over that group)."""
+        return {id(p): self.group for name, p in self.named_parameters(recurse=False) if name in self._splits}
+
     def _init_params(self, specs: dict, device, dtype) -> None:
         """Create parameters (local shapes) and fill them from a N(0, 0.02)/zeros full tensor draw."""
         for name, (shape, kind) in specs.items():
@@ -362,8 +366,16 @@ class VocabEmbedding(_Sharded, L.Embedding):
     def lm_loss(self, h: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy of the tied head's logits for ``h`` (.., H) against ``labels`` (..)."""
-        return vocab_parallel_cross_entropy(self.lm_logits(h, bias, gather=False), labels, self.group,
-                                            self.local_start, self.num_embeddings, ignore_index)
+        return self.loss_from_logits(self.lm_logits(h, bias, gather=False), labels, ignore_index)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Vocab-parallel cross-entropy of local (.., Vp/p) logits; never gathers them."""
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.local_start, self.num_embeddings,
+                                            ignore_index)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full (.., V) logits from local ones, padding cut."""
+        return comm.gather_from(logits, self.group, -1)[..., :self.num_embeddings]
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (local {self.local_vocab}, rows {self.vocab_start}:{self.vocab_end}), "

@@ -104,8 +104,8 @@ def test_bad_inputs_are_clear_errors():
         cuboid.load("gpt3")
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         cuboid.load("./nowhere")
-    with pytest.raises(NotImplementedError, match="plan 'tp1d'"):
-        cuboid.load("gpt-debug", plan="tp1d")
+    with pytest.raises(NotImplementedError, match="2d tensor parallelism"):
+        cuboid.load("gpt-debug", plan="tp=4,tp_mode=2d")
     with pytest.raises(ValueError, match="not divisible by n_heads"):
         zoo.build("gpt-debug", n_heads=5)
     gpt = cuboid.load("gpt-debug")

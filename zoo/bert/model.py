@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import count_targets, Block, Output, init_parameters, lm_loss, padding_mask
+from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask
 
 from .config import BertConfig
 
@@ -70,8 +70,9 @@ class Bert(nn.Module):
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (B, C)
         if c.head == "mlm":
             h = self.mlm_ln(L.gelu(self.mlm_dense(x)))
-            logits = torch.nn.functional.linear(h, self.tok_emb.weight, self.mlm_bias())  # (B, T, V)
-            loss = lm_loss(logits, labels, shift=False) if labels is not None else None
+            local = self.tok_emb.lm_logits(h, self.mlm_bias(), gather=False)  # (B, T, V); a vocab slice under tp
+            loss = self.tok_emb.loss_from_logits(local, labels) if labels is not None else None
+            logits = self.tok_emb.gather_logits(local)
         elif c.head == "cls":
             logits = self.classifier(self.drop(pooled))  # (B, num_labels)
             loss = L.cross_entropy(logits, labels) if labels is not None else None

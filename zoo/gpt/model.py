@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import count_targets, Block, Output, init_parameters, lm_loss, padding_mask
+from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask
 
 from .config import GPTConfig
 
@@ -63,6 +63,8 @@ class GPT(nn.Module):
         h, _ = self.ln_f(x, residual)  # (B, T, C)
         if self.config.head == "none":
             return Output(logits=h, last_hidden_state=h)
-        logits = torch.nn.functional.linear(h, self.tok_emb.weight)  # (B, T, V), tied head
-        loss = lm_loss(logits, labels, shift=True) if labels is not None else None
-        return Output(logits=logits, loss=loss, last_hidden_state=h)
+        local = self.tok_emb.lm_logits(h, gather=False)  # (B, T, V) tied head; a vocab slice under tp
+        loss = None
+        if labels is not None:  # token t predicts token t + 1
+            loss = self.tok_emb.loss_from_logits(local[:, :-1], labels[:, 1:])
+        return Output(logits=self.tok_emb.gather_logits(local), loss=loss, last_hidden_state=h)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import count_targets, Block, Output, init_parameters
+from cuboid.zoo.common import Block, Output, count_targets, init_parameters
 
 from .config import ViTConfig
 

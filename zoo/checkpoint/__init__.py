@@ -1,0 +1,46 @@
+"""Sharded safetensors checkpoints in the Hugging Face layout, from and into any plan.
+
+    save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None) -> Path
+    load(model, path, *, strict=True, verify=False) -> {"missing", "unexpected", "mismatched"}
+    load_training_state(path, model, optimizer=None, scheduler=None, *, rng=True) -> dict
+    verify(path, *, require_checksums=True) -> {"path", "files", "tensors", "bytes"}
+    convert(src, dst, *, max_shard_size=None, dtype=None, progress=True, overwrite=False) -> Path
+
+On disk (``transformers.AutoModel*.from_pretrained(path)`` loads the model part)::
+
+    path/
+      config.json                          HF config (torch_dtype = the parameters' dtype)
+      model-00001-of-0000N.safetensors     model tensors under HF names, tied weights once
+      ...
+      model.safetensors.index.json         weight_map; metadata: total_size, files (size +
+                                           SHA-256 of every other file): the commit file,
+                                           written last
+      (or model.safetensors alone when it fits: its header metadata "cuboid" holds the
+       SHA-256 of its data section and the records of the other files)
+      optimizer-0000i-of-0000M.safetensors full optimizer state per zoo parameter name
+      optimizer.safetensors.index.json     + param groups, per-param steps, class
+      trainer_state.json                   step, scheduler, RNG of every rank, caller's
+                                           state (data position), plan, config, world size
+
+Modules: :mod:`.planner` (which tensor in which file, from shapes only, on
+``huggingface_hub``'s splitter), :mod:`.format` (streaming safetensors writer,
+byte checks), :mod:`.writer` (the save loop: rank 0 writes everything, every
+rank gathers every tensor in the same order), :mod:`.folder` (the atomic
+replace protocol and what a crash leaves), :mod:`.reader` (validation,
+verify, load through ``shard_slices``), :mod:`.state` (optimizer, RNG,
+training state), :mod:`.convert`.
+
+Checkpoint code reaches parameters only through the layers' full-tensor
+interface (``full_shape``, ``shard_slices``, ``full_tensor``, ``load_full``;
+``full_tensor_like`` for sharded optimizer state), so the tensor and pipeline
+modes plug in without changes here.
+"""
+from .convert import convert
+from .folder import resolve
+from .format import CheckpointError
+from .reader import TensorFolder, load, verify
+from .state import load_training_state
+from .writer import save
+
+__all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve", "CheckpointError",
+           "TensorFolder"]

@@ -1,0 +1,147 @@
+"""Converting checkpoint folders: sharded <-> single file, dtype casts; streaming.
+
+:func:`convert` reads any safetensors model folder (cuboid's or one written
+by ``transformers``), one tensor at a time through ``safe_open`` (mmap), casts
+it if asked, and appends it to the output file through the streaming writer,
+so the peak memory is **one source tensor plus its cast copy** (no copy
+without a cast), whatever the model size: the output header is planned from
+shapes and dtypes alone, and no output buffer is assembled. Tensor names are
+kept as they are. The output is a cuboid checkpoint (checksums recorded),
+written atomically like :func:`save`; ``config.json`` and the other small
+files are copied (``torch_dtype`` updated on a cast); optimizer and training
+state are not (they belong to the original dtype).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import folder as folder_mod
+from .format import CheckpointError, FileRecord, fsync_file, sha256_file, write_bytes
+from .planner import Size, Source, meta, plan_shards
+from .reader import TensorFolder
+from .writer import Job, finish, write_model_files
+
+DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+               "half": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp64": torch.float64, "float64": torch.float64}
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".md", ".py", ".jinja")  # configs, tokenizers, cards
+
+
+def _copied(p: Path) -> bool:
+    """Small companion files that travel with the weights (not weights, not training state)."""
+    return (p.is_file() and p.suffix in _COPY_SUFFIXES and p.name != "config.json" and not p.name.startswith(".")
+            and not p.name.endswith(".index.json") and p.name != "trainer_state.json")
+
+
+def parse_dtype(dtype) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPE_NAMES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPE_NAMES)}") from None
+
+
+def _read_tensor(folder: TensorFolder, name: str) -> torch.Tensor:
+    """One source tensor (instrumented by the tests: at most one is alive at a time)."""
+    return folder.get_tensor(name)
+
+
+def _fetch(folder: TensorFolder, name: str, dtype: Optional[torch.dtype]):
+    def fetch():
+        t = _read_tensor(folder, name)
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        return [t]
+
+    return fetch
+
+
+def _config(src: Path, dtype: Optional[torch.dtype]) -> Optional[bytes]:
+    path = src / "config.json"
+    if not path.is_file():
+        return None
+    if dtype is None:
+        return path.read_bytes()
+    cfg = json.loads(path.read_text())
+    name = str(dtype).replace("torch.", "")
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:  # transformers >= 5 writes "dtype"
+        cfg["dtype"] = name
+    return (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+
+
+def convert(src, dst, *, max_shard_size: Size = None, dtype=None, progress: bool = True,
+            overwrite: bool = False) -> Path:
+    """Rewrite the model folder ``src`` as ``dst``.
+
+    ``max_shard_size=None``: one ``model.safetensors``; a size ("2GB", bytes):
+    HF-style shards + index (one file if it all fits). ``dtype`` ("bf16",
+    ``torch.float16``, ...) casts floating-point tensors. ``dst`` must not exist
+    unless ``overwrite``. Memory: see the module docstring. Returns ``dst``.
+    """
+    src_root = folder_mod.resolve(src)
+    dst = Path(dst).absolute()
+    cast = parse_dtype(dtype)
+    if dst.resolve() == src_root.resolve():
+        raise CheckpointError(f"{dst}: source and destination are the same folder")
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists (pass overwrite=True / --overwrite to replace it)")
+    folder = TensorFolder(src_root, "model")
+    sources, total = [], 0
+    for file in folder.files:  # file order, then offset order: sequential reads
+        folder._open(file)
+        header = folder._headers[file]
+        names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        for name in names:
+            if folder.weight_map.get(name) != file:
+                continue
+            shape, sdtype = folder.shape_dtype(name)
+            out = cast if cast is not None and sdtype.is_floating_point else sdtype
+            m = meta(shape, out)
+            total += m.numel() * m.element_size()
+            sources.append(Source((name,), (m,), _fetch(folder, name, cast)))
+    plan = plan_shards(sources, "model", max_shard_size)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {src_root.name}", leave=False)
+    job = Job(True)
+    try:
+        job.tmp = job.call(folder_mod.begin, dst)
+        extra = {}
+        cfg = _config(src_root, cast)
+        if cfg is not None:
+            rec = job.file("config.json", write_bytes, job.tmp / "config.json", cfg)
+            if rec is not None:
+                extra["config.json"] = rec
+        for p in sorted(src_root.iterdir()):
+            if _copied(p):
+                rec = job.file(p.name, lambda p=p: _copy(p, job.tmp / p.name))
+                if rec is not None:
+                    extra[p.name] = rec
+        write_model_files(plan, sources, job, extra, bar)
+        job.call(folder_mod.commit, job.tmp, dst)
+    except BaseException:
+        if job.tmp is not None:
+            folder_mod.abort(job.tmp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    finish(job, 1, dst)
+    return dst
+
+
+def _copy(src: Path, dst: Path) -> FileRecord:
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        fsync_file(f)
+    return FileRecord(dst.stat().st_size, sha256_file(dst))

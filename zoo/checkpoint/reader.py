@@ -1,0 +1,295 @@
+"""Reading checkpoint folders: validated lazy access, :func:`verify`, :func:`load`.
+
+:class:`TensorFolder` opens a ``{stem}.safetensors`` file or a
+``{stem}.safetensors.index.json`` with its shards (cuboid's or anyone's),
+checking before any tensor is read that every shard name stays inside the
+folder, every named shard exists, has the size the index recorded (cuboid
+indexes record sizes and SHA-256s under ``metadata.files``), has a valid
+safetensors header and holds the tensors the index says it holds. Tensors are
+read through ``safe_open`` (mmap): ``get_slice`` reads only the rows asked for.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from safetensors import safe_open
+
+from ..common import sharded_parameters
+from .. import hf_io
+from .folder import resolve
+from .format import CheckpointError, DTYPE_OF_NAME, data_end, read_header, sha256_file
+from .planner import family_of, hf_prefix, meta
+
+COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkpoint's record
+
+
+def check_name(folder: Path, file: str, what: str) -> None:
+    p = Path(file)
+    if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file:
+        raise CheckpointError(f"{folder}: shard name {file!r} for {what} escapes the folder")
+
+
+class TensorFolder:
+    """Name-addressed tensors of one file set (``stem`` "model" or "optimizer") in ``path``."""
+
+    def __init__(self, path: Path, stem: str = "model") -> None:
+        self.path = Path(path)
+        self.stem = stem
+        self.index_path = self.path / f"{stem}.safetensors.index.json"
+        single = f"{stem}.safetensors"
+        self.metadata: dict = {}
+        self._headers: Dict[str, dict] = {}
+        self._handles: Dict[str, object] = {}
+        self._checked: set = set()
+        if self.index_path.is_file():
+            try:
+                index = json.loads(self.index_path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.index_path}: not valid JSON ({e})") from None
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise CheckpointError(f"{self.index_path}: no weight_map of tensor -> file names")
+            for name, file in wm.items():
+                check_name(self.path, file, name)
+            self.weight_map: Dict[str, str] = dict(wm)
+            self.metadata = index.get("metadata") or {}
+            self.single = False
+        elif (self.path / single).is_file():
+            self._check_file(single)
+            self.weight_map = {k: single for k in self._headers[single] if k != "__metadata__"}
+            record = self._headers[single].get("__metadata__", {}).get(COMMIT_KEY)
+            self.metadata = json.loads(record) if record else {}
+            self.single = True
+        else:
+            extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
+                self.path.glob("*.bin")) else ""
+            raise CheckpointError(f"{self.path}: no {single} or {self.index_path.name}{extra}")
+
+    @property
+    def files(self) -> List[str]:
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    @property
+    def records(self) -> Dict[str, dict]:
+        files = self.metadata.get("files")
+        return files if isinstance(files, dict) else {}
+
+    def _check_file(self, file: str) -> None:
+        """Existence, recorded size, header validity, data extent; once per file."""
+        if file in self._checked:
+            return
+        full = self.path / file
+        if not full.is_file():
+            raise CheckpointError(f"{self.path}: the index names {file}, which does not exist (missing shard)")
+        size = full.stat().st_size
+        rec = self.records.get(file)
+        if rec is not None and rec.get("size") != size:
+            raise CheckpointError(f"{full}: {size} bytes, the index recorded {rec.get('size')} "
+                                  f"({'truncated' if size < rec.get('size', 0) else 'wrong size'})")
+        n, header = read_header(full)
+        if 8 + n + data_end(header) != size:
+            raise CheckpointError(f"{full}: the header describes {8 + n + data_end(header)} bytes, "
+                                  f"the file has {size} (truncated or wrong size)")
+        self._headers[file] = header
+        self._checked.add(file)
+
+    def _open(self, file: str):
+        h = self._handles.get(file)
+        if h is None:
+            self._check_file(file)
+            try:
+                h = safe_open(str(self.path / file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{self.path / file}: not a valid safetensors file ({e})") from None
+            stored = set(h.keys())
+            listed = [n for n, f in self.weight_map.items() if f == file and n not in stored]
+            if listed:
+                raise CheckpointError(f"{self.path / file}: the index lists {', '.join(listed[:5])} "
+                                      f"in this file, which does not hold {'them' if len(listed) > 1 else 'it'}")
+            self._handles[file] = h
+        return h
+
+    def keys(self) -> List[str]:
+        return list(self.weight_map)
+
+    def get_slice(self, name: str):
+        """The lazy view of ``name``: ``get_shape()``, ``get_dtype()``, and ``[slices]`` reads."""
+        return self._open(self.weight_map[name]).get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._open(self.weight_map[name]).get_tensor(name)
+
+    def shape_dtype(self, name: str):
+        sl = self.get_slice(name)
+        return tuple(sl.get_shape()), DTYPE_OF_NAME.get(sl.get_dtype(), sl.get_dtype())
+
+
+# ------------------------------------------------------------------------ verify
+
+
+def _check_record(path: Path, file: str, rec: Optional[dict], data_hash: bool = False) -> int:
+    full = path / file
+    if rec is None:
+        raise CheckpointError(f"{full}: no SHA-256 recorded (not written by cuboid; "
+                              "`cuboid convert` it to add checksums)")
+    if not full.is_file():
+        raise CheckpointError(f"{path}: the checkpoint records {file}, which does not exist")
+    size = full.stat().st_size
+    if "size" in rec and size != rec["size"]:
+        raise CheckpointError(f"{full}: {size} bytes, recorded {rec['size']} (truncated or wrong size)")
+    start = 8 + read_header(full)[0] if data_hash else 0
+    got = sha256_file(full, start)
+    if got != rec.get("sha256"):
+        raise CheckpointError(f"{full}: SHA-256 mismatch (corrupted): recorded {rec.get('sha256')}, got {got}")
+    return size
+
+
+def verify(path, *, require_checksums: bool = True) -> dict:
+    """Check every file of a checkpoint against its recorded size and SHA-256.
+
+    Reads every byte once. Covers the model files, every file the commit file
+    records (config.json, the optimizer shards and index, trainer_state.json)
+    and the optimizer shards its index records. Structural checks come first
+    (shard names inside the folder, shards present, headers valid, index and
+    headers agree). ``require_checksums=False`` accepts files without a record
+    (folders written by ``transformers``) after the structural checks.
+    Returns {"path", "files", "tensors", "bytes"}; raises
+    :class:`CheckpointError` naming the first bad file.
+    """
+    root = resolve(path)
+    hashed: Dict[str, int] = {}
+    tensors = 0
+
+    def check(file: str, rec: Optional[dict], data_hash: bool = False) -> None:
+        if file not in hashed and (rec is not None or require_checksums):
+            hashed[file] = _check_record(root, file, rec, data_hash)
+
+    sets = [TensorFolder(root, "model")]
+    if (root / "optimizer.safetensors.index.json").is_file():
+        sets.append(TensorFolder(root, "optimizer"))
+    for ts in sets:
+        for file in ts.files:
+            ts._open(file)
+            tensors += sum(1 for k in ts._headers[file] if k != "__metadata__")
+        for file in ts.files:
+            if ts.single:
+                sha = ts.metadata.get("data_sha256")
+                check(file, {"sha256": sha} if sha else None, data_hash=True)
+            else:
+                check(file, ts.records.get(file))
+        for file, rec in ts.records.items():
+            check_name(root, file, "a recorded file")
+            check(file, rec if isinstance(rec, dict) else {})
+    for name in ("config.json", "trainer_state.json"):
+        if (root / name).is_file():
+            try:
+                json.loads((root / name).read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{root / name}: not valid JSON ({e})") from None
+    return {"path": str(root), "files": len(hashed), "tensors": tensors, "bytes": sum(hashed.values())}
+
+
+_verify = verify
+
+
+# -------------------------------------------------------------------------- load
+
+
+class TransposedSlice:
+    """A lazy 2-D slice object seen transposed: ``[a, b]`` reads ``[b, a]`` from the file and returns its ``.t()``.
+
+    GPT-2's Conv1D weights are stored (in, out), the zoo's are (out, in): the
+    layer's ``load_full`` slices this like the full zoo tensor, reads only its
+    part, and its ``copy_`` does the transposition (no full temporary).
+    """
+
+    def __init__(self, sl) -> None:
+        self._sl = sl
+
+    def get_shape(self):
+        return list(reversed(self._sl.get_shape()))
+
+    def get_dtype(self):
+        return self._sl.get_dtype()
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, tuple):
+            idx = (idx,)
+        idx = idx + (slice(None),) * (2 - len(idx))
+        return self._sl[idx[1], idx[0]].t()
+
+
+def _kind(dtype) -> str:
+    if not isinstance(dtype, torch.dtype):
+        return str(dtype)
+    return "float" if dtype.is_floating_point else ("complex" if dtype.is_complex else "int")
+
+
+def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = False) -> dict:
+    """Load a cuboid or Hugging Face checkpoint folder into ``model``, built under any plan.
+
+    Every layer is asked for its part through the full-tensor interface:
+    tensors stored as they are, and GPT-2's transposed Conv1D weights (through
+    :class:`TransposedSlice`), go to ``load_full`` as lazy ``safe_open``
+    slices, so each rank reads only its ``shard_slices`` from the mmap. The
+    other transforms (BERT/ViT query/key/value stacked into ``qkv``, the ViT
+    patch reshape) are read whole, transformed, and handed over as a full
+    tensor: the peak is one such tensor (a (3d, d) qkv: 31 MB fp32 at
+    vit-huge), never a layer stack or the model.
+    Floating-point tensors are cast to the parameter's dtype (a bf16
+    checkpoint loads into an fp32 model); a non-float tensor for a float
+    parameter is a mismatch.
+
+    Every problem is collected first: missing, unexpected and mis-shaped keys
+    (with both shapes and dtypes). ``strict`` raises a :class:`CheckpointError`
+    naming all of them and loads nothing; ``strict=False`` loads what fits and
+    returns them. ``verify=True`` runs :func:`verify` first (reads every byte).
+    Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
+    """
+    root = resolve(path)
+    if verify:
+        _verify(root)
+    folder = TensorFolder(root, "model")
+    family = family_of(model)
+    stored = hf_io._normalise_keys(folder, family)
+    prefix = hf_prefix(model, family)
+    params = {name: (mod, local, p) for name, mod, local, p in sharded_parameters(model)}
+    used, missing, mismatched, loads = set(), [], [], []
+    covered = set()
+    for row in family.tensor_maps(model.config):
+        if row.zoo not in params:
+            continue
+        covered.add(row.zoo)
+        mod, local, p = params[row.zoo]
+        expect = [tuple(m.shape) for m in row.to_hf(meta(mod.full_shape(local), p.dtype))]
+        absent = [h for h in row.hf if h not in stored]
+        if absent:
+            missing.extend(h if row.top else prefix + h for h in absent)
+            continue
+        used.update(row.hf)
+        bad = []
+        for h, want in zip(row.hf, expect):
+            shape, dtype = folder.shape_dtype(stored[h])
+            if shape != want or _kind(dtype) != _kind(p.dtype):
+                bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype}, model {want} {p.dtype}")
+        if bad:
+            mismatched.extend(bad)
+            continue
+        loads.append((row, mod, local))
+    missing.extend(n for n in params if n not in covered)
+    unexpected = [k for k in stored if k not in used and not k.endswith(tuple(family.ignored))]
+    problems = {"missing": missing, "unexpected": [stored[k] for k in unexpected], "mismatched": mismatched}
+    if strict and any(problems.values()):
+        lines = [f"{kind}: {', '.join(v)}" for kind, v in problems.items() if v]
+        raise CheckpointError(f"{root}: checkpoint does not fit the {family.name} model; " + "; ".join(lines))
+    for row, mod, local in loads:
+        if row.to_zoo is hf_io._identity_in and len(mod.full_shape(local)) > 0:
+            mod.load_full(local, folder.get_slice(stored[row.hf[0]]))  # this rank's slices only
+        elif row.kind == "transposed" and len(mod.full_shape(local)) == 2:
+            mod.load_full(local, TransposedSlice(folder.get_slice(stored[row.hf[0]])))
+        else:
+            mod.load_full(local, row.to_zoo([folder.get_tensor(stored[h]) for h in row.hf]))
+    return problems

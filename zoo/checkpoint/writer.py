@@ -1,0 +1,188 @@
+"""Writing checkpoints: :func:`save`, and the shard writer the converter shares.
+
+Every rank runs the same loop over the same plan: for each file, for each
+tensor in the file's order, fetch its source (one ``full_tensor`` call per zoo
+parameter; at most one source's tensors are alive at a time). Only rank 0
+writes: it creates the temporary folder, writes each file through
+:class:`~.format.StreamWriter` (one tensor in memory at a time, never a whole
+shard), commits (:mod:`.folder`), then broadcasts its outcome, which is the
+barrier the other ranks wait at; a failure on rank 0 is raised on every rank.
+A rank-0 I/O error does not stop the loop: the fetches (collectives under
+tensor parallelism) go on to the end so no rank is left waiting in one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+from . import folder as folder_mod
+from .format import HASH_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
+from .planner import ShardPlan, Size, Source, family_of, model_sources, plan_shards
+from .reader import COMMIT_KEY
+from .state import TRAINER_STATE, dist_info, optimizer_sources, training_record
+
+INDEX = "model.safetensors.index.json"
+
+
+class Job:
+    """The writing side of a save: active on rank 0 only, remembers the first error."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.error: Optional[BaseException] = None
+        self.tmp: Optional[Path] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.active and self.error is None
+
+    def call(self, fn: Callable, *args):
+        if not self.ok:
+            return None
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by finish()
+            self.error = e
+            return None
+
+    def file(self, name: str, fn: Callable, *args) -> Optional[FileRecord]:
+        rec = self.call(fn, *args)
+        if rec is not None:
+            self.call(folder_mod.hook, f"file:{name}")
+        return rec
+
+
+def write_shards(plan: ShardPlan, sources: Sequence[Source], job: Job,
+                 metadata_for: Callable[[str], Dict[str, str]], progress=None) -> Dict[str, FileRecord]:
+    """Write ``plan``'s files into ``job.tmp``; every rank fetches every source in the same order."""
+    where = {n: (src, i) for src in sources for i, n in enumerate(src.names)}
+    records: Dict[str, FileRecord] = {}
+    cur_src, cur = None, None
+    for fname, names in plan.files.items():
+        entries = [(n, plan.metas[n].dtype, tuple(plan.metas[n].shape)) for n in names]
+        w = job.call(lambda: StreamWriter(job.tmp / fname, entries, metadata_for(fname)))
+        for n, _, _ in layout(entries):
+            src, i = where[n]
+            if src is not cur_src:
+                cur = None  # release the previous source before fetching the next
+                cur = src.fetch()
+                cur_src = src
+            if w is not None and job.ok:
+                job.call(w.write, n, cur[i])
+            if progress is not None:
+                progress.update(int(cur[i].numel() * cur[i].element_size()))
+        if w is not None:
+            if job.ok:
+                rec = job.file(fname, w.close)
+                if rec is not None:
+                    records[fname] = rec
+            else:
+                w.abort()
+    return records
+
+
+def write_model_files(plan: ShardPlan, sources: Sequence[Source], job: Job,
+                      extra: Dict[str, FileRecord], progress=None) -> None:
+    """The model's files, the commit file last: the index, or the single file that records the rest."""
+    if plan.sharded:
+        shards = write_shards(plan, sources, job, lambda f: {"format": "pt"}, progress)
+        files = {**extra, **shards}
+        index = {"metadata": {"total_size": plan.total_size, "format": "cuboid", "version": 1,
+                              "files": {f: r.to_json() for f, r in sorted(files.items())}},
+                 "weight_map": dict(sorted(plan.weight_map.items()))}
+        job.file(INDEX, lambda: write_json(job.tmp / INDEX, index))
+    else:
+        record = json.dumps({"version": 1, "data_sha256": HASH_PLACEHOLDER,
+                             "files": {f: r.to_json() for f, r in sorted(extra.items())}}, sort_keys=True)
+        write_shards(plan, sources, job, lambda f: {"format": "pt", COMMIT_KEY: record}, progress)
+
+
+def finish(job: Job, world: int, path: Path) -> None:
+    """Clean up after a failure, and raise rank 0's outcome on every rank (the barrier)."""
+    if job.error is not None and job.tmp is not None:
+        folder_mod.abort(job.tmp)
+    if world > 1:
+        import torch.distributed as dist
+
+        msg = [f"{type(job.error).__name__}: {job.error}" if job.error is not None else None]
+        dist.broadcast_object_list(msg, src=0)
+        if job.error is None and msg[0] is not None:
+            raise CheckpointError(f"rank 0 failed to write {path}: {msg[0]}")
+    if job.error is not None:
+        raise job.error
+
+
+def hf_config(model: torch.nn.Module) -> dict:
+    family = family_of(model)
+    cfg = family.config_to_hf(model.config)
+    cfg["architectures"] = [family.architecture_of(model.config)]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    return cfg
+
+
+def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimizer=None, scheduler=None,
+         state: Optional[dict] = None) -> Path:
+    """Save ``model`` (and optionally its training state) as a sharded safetensors folder.
+
+    Layout (Hugging Face's, so ``transformers.AutoModel*.from_pretrained(path)``
+    loads it): ``config.json``; ``model-0000i-of-0000N.safetensors`` +
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``,
+    and ``metadata.files``: size and SHA-256 of every other file), or one
+    ``model.safetensors`` when everything fits in ``max_shard_size`` (HF units:
+    "5GB" = 5e9 bytes), whose header metadata ``cuboid`` records the SHA-256 of
+    its data section and the other files. Tensors are under the model's HF
+    names; tied weights are stored once.
+
+    ``optimizer`` / ``scheduler`` / ``state`` (a dict of JSON values: the data
+    position, ``step``) add the training state of :mod:`.state`.
+
+    Call it on every rank of an initialised process group with the same
+    arguments: every rank gathers every tensor in the same order, rank 0
+    writes, all return once the checkpoint is committed. The write is atomic
+    (:mod:`.folder`). Returns ``path``.
+    """
+    path = Path(path).absolute()
+    rank, world = dist_info()
+    msources = model_sources(model)
+    mplan = plan_shards(msources, "model", max_shard_size)
+    oplan, osources, oinfo = None, [], None
+    if optimizer is not None:
+        osources, oinfo = optimizer_sources(model, optimizer)
+        oplan = plan_shards(osources, "optimizer", max_shard_size)
+    training = optimizer is not None or scheduler is not None or state is not None
+    trainer = training_record(model, optimizer, scheduler, state, world) if training else None
+    cfg = hf_config(model)
+
+    job = Job(rank == 0)
+    try:
+        job.tmp = job.call(folder_mod.begin, path)
+        extra: Dict[str, FileRecord] = {}
+        rec = job.file("config.json", lambda: write_json(job.tmp / "config.json", cfg))
+        if rec is not None:
+            extra["config.json"] = rec
+        if oplan is not None:
+            shards = write_shards(oplan, osources, job, lambda f: {"format": "pt"})
+            extra.update(shards)
+            index = {"metadata": {"total_size": oplan.total_size, "format": "cuboid", "version": 1,
+                                  "files": {f: r.to_json() for f, r in sorted(shards.items())}, "optimizer": oinfo},
+                     "weight_map": dict(sorted(oplan.weight_map.items()))}
+            name = "optimizer.safetensors.index.json"
+            rec = job.file(name, lambda: write_json(job.tmp / name, index))
+            if rec is not None:
+                extra[name] = rec
+        if trainer is not None:
+            rec = job.file(TRAINER_STATE, lambda: write_json(job.tmp / TRAINER_STATE, trainer))
+            if rec is not None:
+                extra[TRAINER_STATE] = rec
+        write_model_files(mplan, msources, job, extra)
+        job.call(folder_mod.commit, job.tmp, path)
+    except BaseException:
+        if job.tmp is not None:
+            folder_mod.abort(job.tmp)
+        raise
+    finish(job, world, path)
+    return path
