@@ -8,10 +8,14 @@ small interface every parallel mode needs (:class:`ShardedModule`):
   code;
 - ``full_shape(name)`` / ``shard_slices(name)``: the shape of a parameter's full
   (unsharded) tensor and which slice of it this rank holds;
-- ``full_tensor(name)``: the full tensor, gathered where it is sharded;
+- ``full_tensor(name)``: the full tensor, gathered where it is sharded (a
+  collective under the tensor modes: every rank calls it in the same order);
+  ``full_tensor_like(name, local)`` does the same for a tensor shaped like the
+  parameter (its gradient, its optimizer state);
 - ``load_full(name, full)``: copy this rank's slice in from a full tensor, or
   from anything indexable by ``shard_slices`` (a safetensors ``get_slice``
-  object), so a rank reads only what it owns.
+  object), so a rank reads only what it owns; ``local_part(name, full)``
+  returns that slice without copying it in.
 
 On one device a shard is the whole tensor. The tensor modes subclass these
 layers and override the four methods, so checkpoints and initialisation work
@@ -44,6 +48,14 @@ class ShardedModule(nn.Module):
     def full_tensor(self, name: str) -> torch.Tensor:
         return self._param(name).detach()
 
+    def full_tensor_like(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of a local one shaped like parameter ``name`` (its grad, its Adam state)."""
+        return local.detach()
+
+    def local_part(self, name: str, full: Any) -> torch.Tensor:
+        """This rank's local tensor of ``name`` from a full tensor or a sliceable (safetensors) object."""
+        return torch.as_tensor(full[self.shard_slices(name)])
+
     def load_full(self, name: str, full: Any) -> None:
         """Copy this rank's part of ``full`` (a tensor or a sliceable object) into ``name``."""
         param = self._param(name)
@@ -51,9 +63,8 @@ class ShardedModule(nn.Module):
         full_shape = tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
         if full_shape != shape:
             raise ValueError(f"{name}: expected full shape {shape}, got {full_shape}")
-        part = full[self.shard_slices(name)]
         with torch.no_grad():
-            param.copy_(torch.as_tensor(part).to(param.dtype))
+            param.copy_(self.local_part(name, full).to(param.dtype))
 
     def _param(self, name: str) -> torch.Tensor:
         t = self._parameters.get(name)

@@ -1,15 +1,17 @@
 """Converting checkpoint folders: sharded <-> single file, dtype casts; streaming.
 
 :func:`convert` reads any safetensors model folder (cuboid's or one written
-by ``transformers``), one tensor at a time through ``safe_open`` (mmap), casts
-it if asked, and appends it to the output file through the streaming writer,
-so the peak memory is **one source tensor plus its cast copy** (no copy
-without a cast), whatever the model size: the output header is planned from
-shapes and dtypes alone, and no output buffer is assembled. Tensor names are
-kept as they are. The output is a cuboid checkpoint (checksums recorded),
-written atomically like :func:`save`; ``config.json`` and the other small
-files are copied (``torch_dtype`` updated on a cast); optimizer and training
-state are not (they belong to the original dtype).
+by ``transformers``) one tensor at a time through ``safe_open`` (mmap), casts
+it if asked, and appends it to the output file through the streaming writer.
+The output header is planned from shapes and dtypes alone and no output
+buffer is assembled, so the peak memory is **one source tensor plus its cast
+copy**, whatever the model size (``safe_open`` tensors are backed by the
+mmap'd file: without a cast nothing is allocated beyond page cache). Tensor
+names are kept as they are. The output is a cuboid checkpoint (checksums
+recorded), written atomically like :func:`save`; ``config.json`` and the
+other small files (tokenizer, generation config) are copied, ``torch_dtype``
+updated on a cast; optimizer and training state are not (they belong to the
+original dtype).
 """
 from __future__ import annotations
 

@@ -237,7 +237,7 @@ def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = Fa
     slices, so each rank reads only its ``shard_slices`` from the mmap. The
     other transforms (BERT/ViT query/key/value stacked into ``qkv``, the ViT
     patch reshape) are read whole, transformed, and handed over as a full
-    tensor: the peak is one such tensor (a (3d, d) qkv: 31 MB fp32 at
+    tensor: the peak is one such tensor (a (3d, d) qkv: 20 MB fp32 at
     vit-huge), never a layer stack or the model.
     Floating-point tensors are cast to the parameter's dtype (a bf16
     checkpoint loads into an fp32 model); a non-float tensor for a float

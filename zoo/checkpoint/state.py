@@ -17,7 +17,9 @@ Beside the model files a training checkpoint holds:
 
 Optimizer state of a parameter whose shard is smaller than its full shape
 (tensor-parallel modes) is gathered by the layer's ``full_tensor_like(name,
-local)`` and read back through ``shard_slices``; a layer without it is an
+local)`` (a collective: every rank calls it in the same order) and read back
+through the layer's ``local_part(name, sliceable)`` (packed segments, padding)
+or, without one, ``shard_slices``; a layer without ``full_tensor_like`` is an
 error at planning time. Single-device and data-parallel runs (every rank a
 full replica) need nothing more. ZeRO-sharded optimizer state is not covered.
 """
@@ -118,6 +120,21 @@ def optimizer_sources(model: torch.nn.Module, optimizer) -> Tuple[List[Source], 
                      "tensors": tensor_keys}
 
 
+def _local_part(mod, local: str, sl, what: str) -> torch.Tensor:
+    """This rank's local tensor, shaped like the parameter, from a lazy slice of the full one.
+
+    The tensor modes' ``local_part`` assembles packed segments (a list of
+    slice tuples) and zero padding; a plain tuple of slices is read directly.
+    """
+    if hasattr(mod, "local_part"):
+        return mod.local_part(local, sl)
+    slices = mod.shard_slices(local)
+    if not isinstance(slices, tuple):
+        raise CheckpointError(f"{what}: {type(mod).__name__}.shard_slices is not one tuple of slices; "
+                              "the layer needs local_part(name, full)")
+    return sl[slices]
+
+
 def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
     """Restore ``optimizer`` from the checkpoint, each rank reading its parameters' slices."""
     ts = TensorFolder(root, "optimizer")
@@ -148,7 +165,7 @@ def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
                 shape, _ = ts.shape_dtype(stored)
                 full = tuple(mod.full_shape(local))
                 if shape == full and full != tuple(p.shape):  # sharded parameter: this rank's part only
-                    st[key] = ts.get_slice(stored)[mod.shard_slices(local)]
+                    st[key] = _local_part(mod, local, ts.get_slice(stored), stored)
                 else:
                     st[key] = ts.get_tensor(stored)
                 if shape == full and tuple(st[key].shape) != tuple(p.shape):

@@ -1,0 +1,96 @@
+"""2.5D tensor parallelism (Tesseract, Wang et al., arXiv 2105.14500) on a d x q x q grid of ``tp``.
+
+**Grid.** Tensor rank ``t = k q^2 + i q + j`` sits at depth k, row i, column j
+of the mesh's ``tp_grid`` (d, q, q): ``tp_row`` (same k, i; indexed by j),
+``tp_col`` (same k, j; by i), ``tp_dep`` (same i, j; by k). Each depth k is
+a 2D grid of :mod:`.d2`, and the layers are :mod:`.d2`'s with the depth axis
+switched on (thin subclasses).
+
+**Layout.** The input X is split into d q row blocks and q column blocks, the
+d q row blocks stacked as d layers of q: rank (k, i, j) holds
+``X[k q + i, j]`` = (B / (d q), T, H / q): batch block ``k q + i``, hidden
+block j (:func:`.grid.split_input` splits model inputs so). Weights are cut
+over (i, j) exactly as in 2D, (in/q, out/q) blocks (vectors in q^2 pieces),
+and *replicated over depth*: each depth layer runs SUMMA on its own batch
+rows, and every parameter's gradient is all-reduced over ``tp_dep`` inside
+the layer's backward (a ``copy_to`` on the local shard), so gradients are
+complete when backward ends, with no extra step. Losses average over all
+d q batch blocks (``tp_col`` then ``tp_dep``).
+
+**Communication** per rank, in :mod:`cuboid.parallel.comm`'s convention:
+every formula of :mod:`.d2` holds with N = B T / (d q) local rows, plus in
+backward ``2 (d - 1) / d * b`` times the layer's local parameter elements
+over ``tp_dep``, ``a = (q - 1) / q``:
+
+- ``Linear2p5D`` (in -> out): forward ``a b (N in + out in / q + out / q)``;
+  backward ``a b (N in + out in / q + out / q) + 2 (d-1)/d b (out in + out) / q^2``;
+- ``LayerNorm2p5D`` (H): forward ``16 a N + 2 a b H / q``; backward
+  ``16 a N + 2 a b H / q + 2 (d-1)/d b 2 H / q^2``;
+- ``VocabEmbedding2p5D``: the 2D lookup / head bytes, backward
+  ``+ 2 (d-1)/d b Vp H / q^2`` (once per use of the table); ``lm_loss``
+  forward adds ``2 (d-1)/d * 8`` (loss sum and count over ``tp_dep``);
+- ``Embedding2p5D`` / ``Tensor2p5D`` (M elements): ``a b M / q`` each way,
+  backward ``+ 2 (d-1)/d b M / q^2``; ``Head2p5D`` (H -> C): 2D's, backward
+  ``+ 2 (d-1)/d b (C H / q^2 + C)``.
+
+Against 2D on the same P = d q^2 ranks (side Q = q sqrt(d)), a Linear's
+activation gather shrinks from ``B T in / Q`` to ``B T in / (d q)`` (by
+sqrt(d)) while its weight gather grows from ``out in / Q`` to ``out in / q``
+and the depth all-reduce of the 1/q^2 weight shards is added: depth pays off
+when activations outweigh weights (large B T), Tesseract's trade.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from cuboid.parallel.tensor.d2 import (_shard, Embedding2D, Head2D, LayerNorm2D, Linear2D, Tensor2D, VocabEmbedding2D,
+                                       VocabTensor2D)
+from cuboid.parallel.tensor.grid import Grid, batch_mean, cross_entropy, gather_output, split_input
+
+__all__ = ["Linear2p5D", "LayerNorm2p5D", "VocabEmbedding2p5D", "VocabTensor2p5D", "Embedding2p5D", "Tensor2p5D",
+           "Head2p5D", "shard_2p5d", "split_input", "gather_output", "cross_entropy", "batch_mean", "Grid"]
+
+
+class Linear2p5D(Linear2D):
+    """:class:`.d2.Linear2D` on depth layer k's batch rows; weight grads all-reduced over ``tp_dep``."""
+
+    _MODE = "2.5d"
+
+
+class LayerNorm2p5D(LayerNorm2D):
+    """:class:`.d2.LayerNorm2D` with depth; w, b grads all-reduced over ``tp_dep``."""
+
+    _MODE = "2.5d"
+
+
+class VocabEmbedding2p5D(VocabEmbedding2D):
+    """:class:`.d2.VocabEmbedding2D` with depth: ids (B/(dq), T); the loss averages over all d q blocks."""
+
+    _MODE = "2.5d"
+
+
+class VocabTensor2p5D(VocabTensor2D):
+    _MODE = "2.5d"
+
+
+class Embedding2p5D(Embedding2D):
+    _MODE = "2.5d"
+
+
+class Tensor2p5D(Tensor2D):
+    _MODE = "2.5d"
+
+
+class Head2p5D(Head2D):
+    """:class:`.d2.Head2D` with depth: (B/(dq), .., C) replicated over the row."""
+
+    _MODE = "2.5d"
+
+
+CLASSES = {"linear": Linear2p5D, "norm": LayerNorm2p5D, "vocab": VocabEmbedding2p5D, "vocab_tensor": VocabTensor2p5D,
+           "embedding": Embedding2p5D, "tensor": Tensor2p5D, "head": Head2p5D}
+
+
+def shard_2p5d(model: nn.Module, spec, mesh_or_grid) -> nn.Module:
+    """:func:`.d2.shard_2d` with the 2.5D layers, on a 2.5D Mesh (or a :class:`Grid` with depth)."""
+    return _shard(model, spec, Grid.of(mesh_or_grid), CLASSES, "2.5D")
