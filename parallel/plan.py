@@ -114,8 +114,8 @@ class Plan:
             heads = getattr(model_config, "n_heads", None)
             dim = getattr(model_config, "dim", None)
             layers = getattr(model_config, "n_layers", None)
-            split = self.tp if self.tp_mode == "1d" else grid[-1]
-            if heads is not None and heads % (self.tp if self.tp_mode == "1d" else grid[-1]):
+            split = self.tp if self.tp_mode == "1d" else grid[-1]  # ranks that split the heads
+            if heads is not None and heads % split:
                 raise ValueError(f"{heads} attention heads do not divide over the tensor-parallel split of "
                                  f"{split} (tp={self.tp}, tp_mode={self.tp_mode})")
             if dim is not None and self.tp_mode != "1d" and dim % math.prod(grid):

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cuboid.parallel import layers as L
@@ -179,14 +178,3 @@ def count_targets(labels: Optional[torch.Tensor], shift: bool = False) -> int:
     if shift:
         labels = labels[:, 1:]
     return int((labels != -100).sum())
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-    """Cross-entropy (-100 ignored); ``shift`` predicts token t+1 from position t (causal LM)."""
-    if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
-    return L.cross_entropy(logits, labels)
-
-
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    return F.dropout(x, p, training) if p else x

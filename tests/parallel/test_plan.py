@@ -1,0 +1,68 @@
+"""Plan: data that round-trips, parses, and says in one sentence what does not fit."""
+import json
+
+import pytest
+
+from cuboid import zoo
+from cuboid.parallel import Plan
+
+
+def test_round_trips_dict_json_toml_inline(tmp_path):
+    plan = Plan(dp=2, tp=8, tp_mode="2.5d", depth=2, zero=1, activation_checkpoint=True, dtype="bf16")
+    assert Plan.from_dict(plan.to_dict()) == plan
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_toml(plan.to_toml()) == plan
+    assert Plan.parse(plan.describe()) == plan
+    (tmp_path / "p.json").write_text(plan.to_json())
+    (tmp_path / "p.toml").write_text("[plan]\n" + plan.to_toml())
+    assert Plan.parse(str(tmp_path / "p.json")) == plan == Plan.parse(str(tmp_path / "p.toml"))
+    assert plan.world_size == 16 and plan.tp_grid == (2, 2, 2)
+    assert Plan.parse("tp1d", zoo.READY_PLANS) == Plan(tp=2)
+    assert Plan().describe() == "single" and Plan.parse(None) == Plan()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"dp": 0}, "dp must be a whole number >= 1"),
+    ({"tp_mode": "4d"}, "tp_mode must be one of 1d, 2d, 2.5d, 3d"),
+    ({"zero": 4}, "zero must be 0, 1, 2 or 3"),
+    ({"depth": 2}, "depth=2 only applies to tp_mode 2.5d"),
+    ({"dtype": "fp8"}, "dtype must be one of"),
+])
+def test_bad_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Plan(**kwargs)
+
+
+def test_parse_errors():
+    with pytest.raises(ValueError, match="unknown plan 'tp9'"):
+        Plan.parse("tp9", zoo.READY_PLANS)
+    with pytest.raises(ValueError, match=r"unknown plan field\(s\) pipeline"):
+        Plan.parse("pipeline=2")
+    with pytest.raises(ValueError, match="is not of the form field=value"):
+        Plan.parse("dp=2,tp")
+    with pytest.raises(ValueError, match="does not exist"):
+        Plan.parse("missing.toml")
+
+
+@pytest.mark.parametrize("plan,world,message", [
+    (Plan(dp=2, tp=2), 2, r"needs dp\*pp\*tp\*sp = 4 processes, but the world size is 2"),
+    (Plan(tp=3, tp_mode="2d"), None, "tp_mode 2d needs tp to be a square"),
+    (Plan(tp=4, tp_mode="3d"), None, "tp_mode 3d needs tp to be a cube"),
+    (Plan(tp=8, tp_mode="2.5d", depth=3), None, "tp_mode 2.5d needs tp = depth"),
+    (Plan(tp=3), None, "4 attention heads do not divide over the tensor-parallel split of 3"),
+    (Plan(pp=4, microbatches=4), None, "pp=4 stages for a model of 2 layers"),
+    (Plan(pp=2, microbatches=1), None, "needs microbatches >= pp"),
+])
+def test_validate_says_what_does_not_fit(plan, world, message):
+    config = zoo.config_of("gpt-debug")
+    with pytest.raises(ValueError, match=message):
+        plan.validate(config, world)
+
+
+def test_unbuilt_modes_are_named_not_run():
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        Plan(pp=2, microbatches=2).require_implemented()
+    with pytest.raises(NotImplementedError, match="ZeRO stage 2"):
+        Plan(dp=2, zero=2).require_implemented()
+    assert Plan(dp=2, tp=2).require_implemented() == Plan(dp=2, tp=2)
+    assert json.loads(Plan(dp=2).to_json())["dp"] == 2
