@@ -34,13 +34,14 @@ Head2D's small bias is replicated. A parameter whose last dim is hidden is
 stored as 1/q^2 pieces and all-gathered over ``tp_col`` where it is used (its
 gradient reduce-scattered back), as Colossal-AI does for biases and norms.
 
-**SUMMA.** ``Y[i, j] = sum_k X[i, k] W[k, j]``: the q broadcast steps of each
-row and column are fused into one all-gather of X over ``tp_row`` (the
-whole ``in`` dim of batch block i) and one of W over ``tp_col`` (output block
-j, whole ``in``); the bytes sent are those of the q broadcasts. Backward is
-the two reduce-scatters (``comm.all_gather_to``'s pair). The gathered tensors
-are kept for backward; ``recompute=True`` keeps only the local blocks and
-gathers them again in backward (Optimus' memory, at twice the traffic).
+**SUMMA.** With A = W^T, ``Y[i, j] = sum_k X[i, k] A[k, j]``: the q
+broadcast steps of each row and column are fused into one all-gather of X
+over ``tp_row`` (the whole ``in`` dim of batch block i) and one of W over
+``tp_col`` (output block j, whole ``in``); the bytes sent are those of the q
+broadcasts. Backward is the two reduce-scatters (``comm.all_gather_to``'s
+pair). The gathered tensors are kept for backward; ``recompute=True`` keeps
+only the local blocks and gathers them again in backward (Optimus' memory, at
+twice the traffic).
 
 **Communication** per rank, in :mod:`cuboid.parallel.comm`'s convention, for
 a local activation of N rows (N = B T / q), elements of b bytes,
@@ -69,7 +70,8 @@ a local activation of N rows (N = B T / q), elements of b bytes,
 - ``Embedding2D`` (n, H): ``a b n H / q`` each way; ``Tensor2D`` of M
   elements: ``a b M / q`` each way.
 - ``Head2D`` (H -> C): forward ``a b C H / q + 2 a b N C``; backward
-  ``a b C H / q + 2 a b C``. Its ``loss_from_logits`` adds ``2 a * 8``.
+  ``a b C H / q + 2 a b C`` (``input_is_parallel=False`` adds ``a b N H``, the
+  input grad's all-gather). Its ``loss_from_logits`` adds ``2 a * 8``.
 
 A pre-LN block (qkv, proj, fc, proj of width 4H; biases and norms aside)
 thus sends ``a b (7 N H + 12 H^2 / q)`` each way, against 1D's

@@ -123,8 +123,8 @@ class _Sharded3D(_Sharded):
         self._set_group(mesh.group("tp"))
         self._cube = _Group(mesh)
         self.q = mesh.size("tp_row")
-        if self.q ** 3 != self.tp_size or not all(mesh.size(a) == self.q for a in AXES):
-            raise ValueError(f"3D layers need a q x q x q tensor mesh (tp_mode 3d), got tp={self.tp_size} "
+        if self.q ** 3 != mesh.size("tp") or not all(mesh.size(a) == self.q for a in AXES):
+            raise ValueError(f"3D layers need a q x q x q tensor mesh (tp_mode 3d), got tp={mesh.size('tp')} "
                              f"with grid {[mesh.size(a) for a in AXES]}")
         self.coord = {a: mesh.coords.get(a, 0) for a in AXES}
 
@@ -156,7 +156,7 @@ class _Sharded3D(_Sharded):
     def _padded(self, c: _Cut) -> int:
         return -(-c.full // c.pad_to) * c.pad_to
 
-    def _block(self, c: _Cut) -> int:
+    def _block(self, c: _Cut) -> int:  # local length of each packed segment along c.dim
         n, blocks = self._padded(c), self.q ** len(c.axes)
         if n % (c.parts * blocks):
             raise ValueError(f"{type(self).__name__}: size {c.full} does not split into {c.parts} segment(s) "
@@ -183,7 +183,7 @@ class _Sharded3D(_Sharded):
     def replicas(self, name: str) -> int:
         """How many tp ranks hold the same copy of parameter ``name``'s local tensor."""
         cuts = self._splits.get(name, ())
-        return self.tp_size // self.q ** sum(len(c.axes) for c in cuts)
+        return self.q ** (3 - sum(len(c.axes) for c in cuts))
 
     # ------------------------------------------------------------ ShardedModule
 
@@ -260,13 +260,16 @@ def _check_ids(ids: torch.Tensor, n: int) -> None:
 
 _LINEAR_ARGS = staticmethod(lambda m: (m.in_features, m.out_features, m.bias is not None))
 _TABLE_ARGS = staticmethod(lambda m: (m.num_embeddings, m.dim))
-_TENSOR_ARGS = staticmethod(lambda m: tuple(m.weight.shape))
 
 # ---------------------------------------------------------------- linear
 
 
 class _Linear3DFn(torch.autograd.Function):
-    """The 3D matmul of :class:`Linear3D` (layout and traffic in the module docstring)."""
+    """The 3D matmul of :class:`Linear3D` (layout and traffic in the module docstring).
+
+    Under autocast the product runs in the autocast dtype; backward computes in
+    the gradient's dtype and returns each gradient in its input's dtype.
+    """
 
     @staticmethod
     def forward(ctx, x, w, b, g_in, g_out, g_dep):
@@ -274,24 +277,24 @@ class _Linear3DFn(torch.autograd.Function):
         wg = comm.gather_from(w, g_dep, 1)                          # (O/q, K/q)
         y = comm.reduce_scatter_to(F.linear(xg, wg), g_in, 0)       # (N/q^2, .., O/q)
         if b is not None:
-            y = y + b
+            y = y + b.to(y.dtype)
         ctx.save_for_backward(xg, wg)
-        ctx.groups, ctx.has_bias = (g_in, g_out, g_dep), b is not None
+        ctx.groups, ctx.dtypes = (g_in, g_out, g_dep), (x.dtype, w.dtype, b.dtype if b is not None else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xg, wg = ctx.saved_tensors
-        g_in, g_out, g_dep = ctx.groups
+        xg, wg = (t.to(dy.dtype) for t in ctx.saved_tensors)
+        (g_in, g_out, g_dep), (tx, tw, tb) = ctx.groups, ctx.dtypes
         dyg = comm.gather_from(dy.contiguous(), g_in, 0)            # (N/q, .., O/q)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = comm.reduce_scatter_to(dyg @ wg, g_out, 0)         # (N/q^2, .., K/q)
+            dx = comm.reduce_scatter_to(dyg @ wg, g_out, 0).to(tx)  # (N/q^2, .., K/q)
         rows = dyg.reshape(-1, dyg.shape[-1])
         if ctx.needs_input_grad[1]:
-            dw = comm.reduce_scatter_to(rows.t() @ xg.reshape(-1, xg.shape[-1]), g_dep, 1)  # (O/q, K/q^2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = comm.all_reduce_(rows.sum(0), g_dep)
+            dw = comm.reduce_scatter_to(rows.t() @ xg.reshape(-1, xg.shape[-1]), g_dep, 1).to(tw)  # (O/q, K/q^2)
+        if tb is not None and ctx.needs_input_grad[2]:
+            db = comm.all_reduce_(rows.sum(0), g_dep).to(tb)
         return dx, dw, db, None, None, None
 
 
@@ -451,21 +454,29 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
         return f"{self.num_embeddings} (local {tuple(self.weight.shape)}), {self.dim}, q={self.q}"
 
 
-class VocabTensor3D(_Sharded3D, L.Tensor):
-    """A learned vocab-last tensor (BERT's MLM bias) cut like the head's logits: block j of Vp/q over ``tp_row``."""
+class Tensor3D(_Sharded3D, L.Tensor):
+    """A free-standing hidden-last tensor (ViT's CLS token, position table): last dim cut over ``tp_col``."""
 
-    role = "vocab"
+    role = "replicate"
+    _axis, _others, _vocab = "tp_col", ("tp_dep", "tp_row"), False
 
     def __init__(self, *shape: int, mesh, device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
-        w = self._cut("weight", tuple(shape), (-1, ("tp_row",), 1, self.q ** 2))
+        w = self._cut("weight", tuple(shape), (-1, (self._axis,), 1, self.q ** 2 if self._vocab else 1))
         self._init_params({"weight": (w, "zeros")}, device, dtype)
 
-    _args = _TENSOR_ARGS
+    _args = staticmethod(lambda m: tuple(m.weight.shape))
 
     def forward(self) -> torch.Tensor:
-        return self._rep(self.weight, "tp_dep", "tp_col")
+        return self._rep(self.weight, *self._others)
+
+
+class VocabTensor3D(Tensor3D):
+    """A learned vocab-last tensor (BERT's MLM bias) cut like the head's logits: block j of Vp/q over ``tp_row``."""
+
+    role = "vocab"
+    _axis, _others, _vocab = "tp_row", ("tp_dep", "tp_col"), True
 
 
 # ---------------------------------------------------------------- hidden-split tables
@@ -491,23 +502,6 @@ class Embedding3D(_Sharded3D, L.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _check_ids(ids, self.num_embeddings)
         return F.embedding(ids, self._rep(self.weight, "tp_dep", "tp_row"))
-
-
-class Tensor3D(_Sharded3D, L.Tensor):
-    """A free-standing hidden-last tensor (ViT's CLS token, position table): last dim cut over ``tp_col``."""
-
-    role = "replicate"
-
-    def __init__(self, *shape: int, mesh, device=None, dtype=None) -> None:
-        L.ShardedModule.__init__(self)
-        self._set_mesh(mesh)
-        w = self._cut("weight", tuple(shape), (-1, ("tp_col",)))
-        self._init_params({"weight": (w, "zeros")}, device, dtype)
-
-    _args = _TENSOR_ARGS
-
-    def forward(self) -> torch.Tensor:
-        return self._rep(self.weight, "tp_dep", "tp_row")
 
 
 class Head3D(_Sharded3D, L.Linear):
@@ -574,7 +568,7 @@ def split_input(x: torch.Tensor, mesh, dim: int = 0, *, layout: str = "block", h
 
 
 def gather_output(y: torch.Tensor, mesh, dim: int = 0, *, layout: str = "block", hidden: bool = False) -> torch.Tensor:
-    """The replicated full tensor of a batch-split ``y`` (and feature-split, with ``hidden``); inverse of split_input."""
+    """The replicated full tensor of a batch-split ``y`` (feature-split too with ``hidden``); undoes split_input."""
     batch, feat = _layout(layout)
     if hidden:
         y = comm.gather_from(y, mesh.group(feat), -1)
@@ -584,13 +578,6 @@ def gather_output(y: torch.Tensor, mesh, dim: int = 0, *, layout: str = "block",
 
 
 # ---------------------------------------------------------------- whole models
-
-
-def _hidden_size(model: nn.Module) -> Optional[int]:
-    dim = getattr(getattr(model, "config", None), "dim", None)
-    if dim is None:
-        dim = next((m.dim for m in model.modules() if isinstance(m, L.LayerNorm)), None)
-    return dim
 
 
 def shard_3d(model: nn.Module, spec, mesh) -> nn.Module:
@@ -607,7 +594,8 @@ def shard_3d(model: nn.Module, spec, mesh) -> nn.Module:
     sliced into the new layers; a meta model stays on meta (``to_empty`` then
     ``init_weights`` fill it through ``load_full``).
     """
-    hidden = _hidden_size(model)
+    hidden = getattr(getattr(model, "config", None), "dim", None)  # else the first norm's width
+    hidden = hidden or next((m.dim for m in model.modules() if isinstance(m, L.LayerNorm)), None)
     for path, mod in list(model.named_modules()):
         role = spec.role_of(path) if path else None
         if role is None or isinstance(mod, _Sharded3D):
@@ -649,16 +637,12 @@ def grad_norm_reducer(model: nn.Module, params, mesh):
     shard replicated on r ranks counts once and the global norm is the
     single-device one.
     """
-    params = list(params)
-    copies: dict = {}
-    for mod in model.modules():
-        for name, p in mod.named_parameters(recurse=False):
-            copies[id(p)] = mod.replicas(name) if isinstance(mod, _Sharded3D) else mesh.size("tp")
+    params, tp = list(params), mesh.size("tp")
+    copies = {id(p): mod.replicas(name) if isinstance(mod, _Sharded3D) else tp
+              for mod in model.modules() for name, p in mod.named_parameters(recurse=False)}
 
     def reduce(sq: torch.Tensor) -> torch.Tensor:
-        with_grad = [p for p in params if p.grad is not None]
-        w = torch.tensor([1.0 / copies.get(id(p), mesh.size("tp")) for p in with_grad], dtype=sq.dtype,
-                         device=sq.device)
-        return comm.all_reduce_((sq * w).contiguous(), mesh.group("tp"))
+        w = [1.0 / copies.get(id(p), tp) for p in params if p.grad is not None]
+        return comm.all_reduce_((sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).contiguous(), mesh.group("tp"))
 
     return reduce
