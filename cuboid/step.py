@@ -52,11 +52,13 @@ def autocast_for(dtype: Optional[str], device: torch.device):
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[dict],
                mesh: Optional[Mesh] = None, *, max_grad_norm: Optional[float] = None,
                dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
-               norm_reducer=None) -> StepResult:
+               norm_reducer=None, split_inputs=None) -> StepResult:
     """Forward/backward every micro-batch of this rank's share, then one optimizer step.
 
     ``norm_reducer`` (:func:`cuboid.parallel.norm_reducer`) makes the clipping
-    norm the whole model's under tensor parallelism.
+    norm the whole model's under tensor parallelism; ``split_inputs``
+    (:func:`cuboid.parallel.input_splitter`) gives the 2D/2.5D/3D modes their
+    batch blocks after the targets were counted on the whole share.
     """
     core = unwrap(model)
     counts = [core.num_targets(b) for b in micro_batches]
@@ -72,7 +74,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             with autocast_for(dtype, device):
-                loss = model(**batch).loss
+                loss = model(**(split_inputs(batch) if split_inputs else batch)).loss
             if n == 0:
                 loss = loss.nan_to_num(0.0) * 0.0  # keep every rank in the all-reduce
             weighted = loss.float() * (n * dp / total)
@@ -113,7 +115,7 @@ def rank_share(batch: dict, mesh: Optional[Mesh]) -> dict:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = None,
-             dtype: Optional[str] = None) -> dict:
+             dtype: Optional[str] = None, split_inputs=None) -> dict:
     """Mean loss over label positions and, for classification, accuracy, reduced over dp."""
     core = unwrap(model)
     was_training = core.training
@@ -123,7 +125,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
     for batch in batches:
         n = core.num_targets(batch)
         with autocast_for(dtype, device):
-            out = core(**batch)
+            out = core(**(split_inputs(batch) if split_inputs else batch))
         if n:
             loss_sum += float(out.loss) * n
             n_sum += n

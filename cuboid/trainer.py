@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cuboid import data as D
-from cuboid.parallel import Mesh, Plan, norm_reducer, parallelize, unwrap
+from cuboid.parallel import Mesh, Plan, input_splitter, norm_reducer, parallelize, unwrap
 from cuboid.step import evaluate, rank_share, split_batch, train_step
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
@@ -226,6 +226,9 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.batch_size % (dp * micro):
         raise ValueError(f"global batch {cfg.batch_size} is not a multiple of dp ({dp}) x micro-batch ({micro})")
     accumulate = cfg.batch_size // (dp * micro)
+    if micro % plan.batch_parts:
+        raise ValueError(f"the micro-batch of {micro} per data-parallel rank does not split into the "
+                         f"{plan.batch_parts} batch blocks of {plan.tp_mode} tensor parallelism")
     batches = D.GlobalBatches(train_t, cfg.batch_size, seed=cfg.seed)
     steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * batches.per_epoch))
     warmup = int(cfg.warmup * steps) if cfg.warmup < 1 else int(cfg.warmup)
@@ -237,7 +240,8 @@ def run(cfg: FinetuneConfig) -> dict:
     from cuboid import zoo
 
     train_model = parallelize(model, plan, mesh, zoo.spec_of(model))
-    reducer = norm_reducer(model)
+    reducer = norm_reducer(model, mesh)
+    splitter = input_splitter(plan, mesh)
     optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, reducer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps))
     scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
@@ -278,7 +282,8 @@ def run(cfg: FinetuneConfig) -> dict:
             batch = D.mask_tokens(batch, tokenizer, gen)
         local = {k: v.to(device) for k, v in rank_share(batch, mesh).items()}
         result = train_step(train_model, optimizer, split_batch(local, accumulate), mesh,
-                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler, norm_reducer=reducer)
+                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler, norm_reducer=reducer,
+                            split_inputs=splitter)
         scheduler.step()
         seen += batch["input_ids"].numel() if unit == "tokens" else cfg.batch_size
         rate = seen / max(time.perf_counter() - t0, 1e-9)
@@ -290,7 +295,7 @@ def run(cfg: FinetuneConfig) -> dict:
             raise FloatingPointError(f"loss is {result.loss} at step {step + 1}: lower --lr or use --dtype fp32")
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             last_eval = evaluate(train_model, D.eval_batches(eval_t, max(micro, 64), mesh.coords["dp"], dp),
-                                 mesh, dtype)
+                                 mesh, dtype, splitter)
             row.update(last_eval)
         if mesh.is_main:
             history.append(row)

@@ -98,15 +98,69 @@ def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]
         from .tensor.d1 import shard_1d
 
         return shard_1d(model, spec, mesh)
-    raise NotImplementedError(f"{plan.tp_mode} tensor parallelism is not available in this build")
+    if plan.tp_mode == "2d":
+        from .tensor.d2 import shard_2d
+
+        return shard_2d(model, spec, mesh)
+    if plan.tp_mode == "2.5d":
+        from .tensor.d2p5 import shard_2p5d
+
+        return shard_2p5d(model, spec, mesh)
+    from .tensor.d3 import shard_3d
+
+    return shard_3d(model, spec, mesh)
 
 
-def norm_reducer(model: nn.Module):
+def input_splitter(plan: Plan, mesh: Mesh):
+    """``batch -> batch``: the model inputs each rank feeds its layers under the plan's tensor mode.
+
+    1D keeps activations replicated, so the dp share goes in whole; 2D, 2.5D
+    and 3D split the batch dim over their grid (labels too: their losses take
+    the mean over the whole share). Targets are counted before the split.
+    """
+    if mesh.size("tp") == 1 or plan.tp_mode == "1d":
+        return None
+    if plan.tp_mode in ("2d", "2.5d"):
+        from .tensor.grid import split_input
+
+        return lambda batch: {k: split_input(v, mesh, 0) for k, v in batch.items()}
+    from .tensor.d3 import split_input as split3
+
+    def split(batch: dict) -> dict:
+        out = {}
+        for k, v in batch.items():
+            if k == "attention_mask":  # attention runs on the "inner" batch chunk
+                out[k] = split3(v, mesh, 0, layout="inner")
+            elif k == "labels" and v.dim() == 1:  # the 3D classifier's logits are whole on every rank
+                out[k] = v
+            else:
+                out[k] = split3(v, mesh, 0)
+        return out
+
+    return split
+
+
+class _BoundReducer:
+    """Adapts a ``make(params) -> reducer`` function to the optimizers' ``for_params`` protocol."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def for_params(self, params):
+        return self.make(params)
+
+
+def norm_reducer(model: nn.Module, mesh: Optional[Mesh] = None):
     """The ``norm_reducer`` that makes LAMB/LARS trust ratios and gradient clipping see whole tensors."""
     from .optim import ShardNormReducer
 
+    core = unwrap(model)
+    if mesh is not None and mesh.plan.tp_mode == "3d" and mesh.size("tp") > 1:
+        from .tensor.d3 import grad_norm_reducer
+
+        return _BoundReducer(lambda params: grad_norm_reducer(core, params, mesh))
     groups: dict = {}
-    for mod in unwrap(model).modules():
+    for mod in core.modules():
         if hasattr(mod, "sharded_param_groups"):
             groups.update({k: g for k, g in mod.sharded_param_groups().items() if g is not None})
     return ShardNormReducer(groups) if groups else None

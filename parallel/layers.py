@@ -92,6 +92,15 @@ class Linear(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    # As a classifier head. Tensor modes whose activations are batch-split
+    # override these to average over the whole batch and gather the rows.
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        return cross_entropy(logits, labels, ignore_index)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, role={self.role}"
 

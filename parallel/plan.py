@@ -23,7 +23,6 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -99,6 +98,14 @@ class Plan:
             raise ValueError(f"tp_mode 3d needs tp to be a cube (q*q*q), got tp={self.tp}")
         return (q, q, q)
 
+    @property
+    def batch_parts(self) -> int:
+        """How many blocks the tensor mode cuts each dp rank's batch into (1 for 1D)."""
+        if self.tp == 1 or self.tp_mode == "1d":
+            return 1
+        grid = self.tp_grid
+        return {"2d": grid[0], "2.5d": grid[0] * grid[1], "3d": grid[0] ** 2}[self.tp_mode]
+
     def validate(self, model_config: Any = None, world_size: Optional[int] = None) -> "Plan":
         """Raise a one-sentence ``ValueError`` when the plan does not fit; returns self."""
         if world_size is not None and world_size != self.world_size:
@@ -118,9 +125,10 @@ class Plan:
             if heads is not None and heads % split:
                 raise ValueError(f"{heads} attention heads do not divide over the tensor-parallel split of "
                                  f"{split} (tp={self.tp}, tp_mode={self.tp_mode})")
-            if dim is not None and self.tp_mode != "1d" and dim % math.prod(grid):
-                raise ValueError(f"hidden size {dim} does not divide over the {self.tp_mode} grid "
-                                 f"{'x'.join(map(str, grid))}")
+            hidden_parts = 1 if self.tp_mode == "1d" else grid[-1] ** (3 if self.tp_mode == "3d" else 2)
+            if dim is not None and dim % hidden_parts:
+                raise ValueError(f"hidden size {dim} does not divide into the {hidden_parts} blocks the "
+                                 f"{self.tp_mode} grid {'x'.join(map(str, grid))} needs")
             if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * self.tp):
                 raise ValueError(f"all_to_all sequence parallelism needs heads ({heads}) divisible by sp*tp "
                                  f"= {self.sp * self.tp}")
@@ -131,8 +139,6 @@ class Plan:
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.tp > 1 and self.tp_mode != "1d":
-            missing.append(f"{self.tp_mode} tensor parallelism (tp={self.tp})")
         if self.pp > 1:
             missing.append(f"pipeline parallelism (pp={self.pp})")
         if self.sp > 1:

@@ -37,4 +37,7 @@ READY_PLANS = {
     "tp1d": Plan(tp=2),
     "tp1d-4": Plan(tp=4),
     "dp2-tp2": Plan(dp=2, tp=2),
+    "tp2d": Plan(tp=4, tp_mode="2d"),
+    "tp2.5d": Plan(tp=8, tp_mode="2.5d", depth=2),
+    "tp3d": Plan(tp=8, tp_mode="3d"),
 }

@@ -421,8 +421,10 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
         logits = comm.reduce_scatter_to(F.linear(hg, self._block_weight()), self._g("tp_col"), 0)
         if bias is not None:
             logits = logits + bias
-        if not gather:
-            return logits
+        return logits if not gather else self.gather_logits(logits)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full (B, .., V) logits on every rank from the local inner-layout ones, padding cut."""
         full = comm.gather_from(logits, self._g("tp_row"), -1)[..., :self.num_embeddings]
         return gather_output(full, self._cube.group, 0, layout="inner")
 
@@ -433,7 +435,10 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
         Logits stay split (vocab over ``tp_row``, rows over ``tp_dep`` x
         ``tp_col``); every rank returns the same loss (NaN if every label is ignored).
         """
-        logits = self.lm_logits(h, bias, gather=False)
+        return self.loss_from_logits(self.lm_logits(h, bias, gather=False), labels, ignore_index)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Vocab-parallel cross-entropy of local inner-layout logits against block-layout labels; never gathers."""
         with torch.no_grad():  # block-layout labels (chunk k q + j) -> the logits' chunk k q + i
             labels = comm.gather_from(labels, self._g("tp_row"), 0)
             labels = labels.chunk(self.q, 0)[self.coord["tp_col"]] if self.q > 1 else labels

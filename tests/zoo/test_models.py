@@ -104,8 +104,10 @@ def test_bad_inputs_are_clear_errors():
         cuboid.load("gpt3")
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         cuboid.load("./nowhere")
-    with pytest.raises(NotImplementedError, match="2d tensor parallelism"):
-        cuboid.load("gpt-debug", plan="tp=4,tp_mode=2d")
+    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
+        cuboid.load("gpt-debug", plan="pp=2,microbatches=2")
+    with pytest.raises(ValueError, match="needs dp\\*pp\\*tp\\*sp = 4 processes, but the world size is 1"):
+        cuboid.load("gpt-debug", plan="tp2d")
     with pytest.raises(ValueError, match="not divisible by n_heads"):
         zoo.build("gpt-debug", n_heads=5)
     gpt = cuboid.load("gpt-debug")

@@ -74,8 +74,9 @@ class Bert(nn.Module):
             loss = self.tok_emb.loss_from_logits(local, labels) if labels is not None else None
             logits = self.tok_emb.gather_logits(local)
         elif c.head == "cls":
-            logits = self.classifier(self.drop(pooled))  # (B, num_labels)
-            loss = L.cross_entropy(logits, labels) if labels is not None else None
+            local = self.classifier(self.drop(pooled))  # (B, num_labels); batch rows split under 2D/3D
+            loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
+            logits = self.classifier.gather_logits(local)
         else:
             logits, loss = x, None
         return Output(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)

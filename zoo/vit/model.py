@@ -70,9 +70,8 @@ class ViT(nn.Module):
         h, _ = self.ln_f(x, residual)  # (B, N + 1, C)
         pooled = torch.tanh(self.pooler(h[:, 0])) if self.pooler is not None else None
         if c.head == "cls":
-            logits = self.classifier(h[:, 0])  # (B, num_labels)
-            loss = None
-            if labels is not None:
-                loss = L.cross_entropy(logits, labels)
-            return Output(logits=logits, loss=loss, last_hidden_state=h, pooler_output=pooled)
+            local = self.classifier(h[:, 0])  # (B, num_labels); batch rows split under 2D/3D
+            loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
+            return Output(logits=self.classifier.gather_logits(local), loss=loss, last_hidden_state=h,
+                          pooler_output=pooled)
         return Output(logits=h, last_hidden_state=h, pooler_output=pooled)
