@@ -1,6 +1,6 @@
 """Communication per rank of one transformer block, measured beside the modes' formulas.
 
-A gpt2-sized block (hidden 768, 12 heads, MLP 3072; batch 8 x seq 64, fp32)
+A gpt2-sized block (hidden 768, MLP 3072, 16 heads of 48 so 1D tp=8 divides them; 8 x 64 tokens, fp32)
 runs forward and backward on gloo ranks of this machine under each tensor
 mode; ``cuboid.parallel.comm.count()`` tallies the bytes every rank sends (the
 ring convention of comm.py). The formulas are the sums of the per-layer costs
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-H, HEADS, MLP, B, T, BYTES = 768, 12, 3072, 8, 64, 4
+H, HEADS, MLP, B, T, BYTES = 768, 16, 3072, 8, 64, 4  # 16 heads of 48 so that tp=8 divides them
 # the block's layers: (kind, in, out) in the order the block runs them
 LINEARS = [(H, 3 * H), (H, H), (H, MLP), (MLP, H)]
 
