@@ -273,10 +273,7 @@ def _zoo_checks(name, shard, grid, out, meta_check=True, **overrides):
     batch = _batch(name, ref)
     local = {k: split_input(v, grid) for k, v in batch.items()}
     out_ref, out_tp = ref(**batch), model(**local)  # the zoo forward itself, on batch-split inputs
-    logits, loss = out_tp.logits, out_tp.loss
-    if hasattr(model, "classifier"):  # classification: loss and logits through the Head2D
-        loss = model.classifier.loss_from_logits(logits, local["labels"])
-        logits = model.classifier.gather_logits(logits)
+    logits, loss = out_tp.logits, out_tp.loss  # the models route heads through the layers: whole batch
     out_ref.loss.backward()
     loss.backward()
     out[key + " loss"] = (rel(loss, out_ref.loss), TOL)
