@@ -185,3 +185,26 @@ def test_embedded_default_reaches_90_percent(tmp_path):
     assert final["step"] == 400 and final["accuracy"] >= 0.9, final
     assert (out / "curves.png").is_file()
     assert (out / "final" / "config.json").is_file()
+
+
+def test_tp2d_on_4_processes_matches_single_and_loads_in_transformers(tmp_path):
+    """`--plan tp2d --nproc-per-node 4`: the same losses as one process, and an HF-loadable final model."""
+    import transformers as T
+
+    import cuboid
+
+    folder = F.image_folder(tmp_path / "img", per_class=16)
+    common = ["finetune", "--model", "vit-debug", "--data", str(folder), "--batch-size", "8", "--steps", "3",
+              "--lr", "5e-3", "--no-progress", "--no-plot", "--log-every", "1"]
+    rc, _, err = cli(*common, "--plan", "tp2d", "--nproc-per-node", "4", "--output-dir", str(tmp_path / "tp"))
+    assert rc == 0, err
+    assert "on 4 process(es)" in err
+    rc, _, err = cli(*common, "--plan", "single", "--output-dir", str(tmp_path / "one"))
+    assert rc == 0, err
+    a, b = metrics(tmp_path / "tp"), metrics(tmp_path / "one")
+    assert all(abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]) for x, y in zip(a, b)) and len(a) == 3
+    hf = T.AutoModelForImageClassification.from_pretrained(tmp_path / "tp" / "final").eval()
+    ours = cuboid.load(tmp_path / "one" / "final").eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(hf(pixel_values=x).logits, ours(pixel_values=x).logits, atol=1e-5, rtol=1e-5)
