@@ -19,7 +19,8 @@ The model is fp32 (gpt2-medium: 355M parameters, 1.4 GB).
 - save: ``cuboid.zoo.checkpoint.save`` vs ``save_pretrained`` (same
   ``max_shard_size``); cuboid fsyncs every file and hashes every byte (HF does
   neither), so it pays for durability and integrity here.
-- load: build + materialise + ``checkpoint.load`` vs ``from_pretrained``
+- load: build + materialise + ``checkpoint.load`` vs ``from_pretrained``, each followed by one read of
+  every parameter (HF may leave weights mmap-backed and unread until first use)
   (both into a fresh model, both from the page cache: the files were just
   written, so this is CPU/memcpy throughput, not the disk).
 - convert (sharded -> single file) and verify: cuboid only.
@@ -46,6 +47,12 @@ HERE = Path(__file__).resolve().parent
 
 def _status(key: str) -> int:
     return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def _touch(model) -> float:
+    """Read every parameter once: from_pretrained can leave weights mmap-backed and unread, so a
+    load is timed up to a model whose bytes have actually been read, for both libraries."""
+    return float(sum(p.detach().float().sum() for p in model.parameters()))
 
 
 def _reset_peak() -> int:
@@ -146,6 +153,7 @@ def worker(op: str, preset: str, root: Path, shard: str) -> dict:
         model = zoo.build(preset)
         model.to_empty(device="cpu")
         checkpoint.load(model, ours)
+        _touch(model)
         seconds, path = time.perf_counter() - t0, ours
     elif op == "hf-load":
         import transformers as T
@@ -155,6 +163,7 @@ def worker(op: str, preset: str, root: Path, shard: str) -> dict:
         anon0 = anon.peak
         t0 = time.perf_counter()
         model = T.AutoModelForCausalLM.from_pretrained(theirs)
+        _touch(model)
         seconds, path = time.perf_counter() - t0, theirs
     elif op == "cuboid-convert":
         before, anon = _reset_peak(), AnonPeak()
