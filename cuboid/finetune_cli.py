@@ -43,7 +43,7 @@ FLAGS = [
     ("--save-every", int, "checkpoint every N steps (default: at the end only)"),
     ("--keep", int, "checkpoints to keep (default 2)"),
     ("--output-dir", str, "where checkpoints, metrics.jsonl, curves.png and final/ go"),
-    ("--resume", str, "'latest' (in --output-dir) or a checkpoint folder"),
+    ("--resume", str, "continue from a checkpoint: bare --resume or 'latest' takes the newest in --output-dir"),
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
     ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's)"),
     ("--tokenizer", str, "a tokenizer folder or tokenizer.json (default: the model folder's)"),
@@ -59,6 +59,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, typ, help_ in FLAGS:
+        if flag == "--resume":  # a bare --resume means the latest checkpoint in --output-dir
+            p.add_argument(flag, type=typ, default=None, nargs="?", const="latest", help=help_)
+            continue
         p.add_argument(flag, type=typ, default=None, help=help_)
     p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")
     p.add_argument("--nproc-per-node", type=int, default=None,

@@ -159,6 +159,8 @@ class LayerNorm(ShardedModule):
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None and residual.dtype != x.dtype:
+            x = x.to(residual.dtype)  # under autocast the residual stream keeps its (wider) dtype
         return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
@@ -176,6 +178,8 @@ class RMSNorm(ShardedModule):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None and residual.dtype != x.dtype:
+            x = x.to(residual.dtype)  # under autocast the residual stream keeps its (wider) dtype
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
 
 

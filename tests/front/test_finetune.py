@@ -208,3 +208,46 @@ def test_tp2d_on_4_processes_matches_single_and_loads_in_transformers(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(hf(pixel_values=x).logits, ours(pixel_values=x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("task,source,extra", [
+    ("causal", "data.jsonl", ["--seq-len", "32", "--optimizer", "lamb"]),
+    ("mlm", "data.csv", ["--seq-len", "24", "--dtype", "bf16"]),
+    ("seqcls", "data.parquet", ["--seq-len", "24", "--optimizer", "lars", "--lr", "0.5"]),
+])
+def test_text_tasks_dp2_under_the_launcher(task, source, extra, text_files, tmp_path):
+    """Every text task on 2 processes: checkpoints kept to --keep, metrics logged, final model written."""
+    folder = F.hf_gpt2_folder(tmp_path / "m") if task == "causal" else \
+        F.hf_bert_folder(tmp_path / "m", head="mlm" if task == "mlm" else "cls")
+    out = tmp_path / "run"
+    rc, _, err = cli("finetune", "--model", str(folder), "--data", str(text_files / source), "--steps", "4",
+                     "--batch-size", "8", "--plan", "dp2", "--save-every", "1", "--keep", "2",
+                     "--output-dir", str(out), "--no-progress", "--no-plot", "--log-every", "1", *extra)
+    assert rc == 0, err
+    assert "on 2 process(es)" in err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert ("accuracy" if task == "seqcls" else "perplexity") in rows[-1]
+    assert (out / "final" / "tokenizer.json").is_file()
+
+
+def test_config_file_with_flag_override_and_bare_resume(tmp_path):
+    folder = F.image_folder(tmp_path / "img")
+    cfg = tmp_path / "job.toml"
+    out = tmp_path / "run"
+    cfg.write_text(f'model = "vit-debug"\ndata = "{folder}"\nsteps = 3\nbatch-size = 8\nlr = 0.5\n'
+                   f'output-dir = "{out}"\nsave-every = 2\n')
+    rc, _, err = cli("finetune", "--config", str(cfg), "--lr", "1e-3", "--no-progress", "--no-plot",
+                     "--log-every", "1")
+    assert rc == 0, err
+    assert metrics(out)[0]["lr"] <= 1e-3  # the flag overrode the file's 0.5
+    rc, _, err = cli("finetune", "--config", str(cfg), "--steps", "4", "--resume", "--no-progress", "--no-plot",
+                     "--log-every", "1")
+    assert rc == 0, err
+    assert "resumed from" in err and "checkpoint-3" in err
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('modell = "vit-debug"\n')
+    rc, _, err = cli("finetune", "--config", str(bad))
+    assert rc == 2 and "unknown key(s) modell" in err
