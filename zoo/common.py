@@ -166,6 +166,17 @@ def init_parameters(model: nn.Module, rule: Callable[[str, torch.Size], tuple[st
         mod.load_full(local, full)
 
 
+def standard_rule(kind: str, std: float, zero: tuple = ()) -> Callable[[str, torch.Size], tuple]:
+    """BERT/ViT-style init: biases (and ``zero`` names) 0, norm weights 1, other weights ``kind`` with ``std``."""
+    def rule(name: str, shape: torch.Size):
+        if name.endswith("bias") or name in zero:
+            return "zeros", 0.0
+        if name.split(".")[-2].startswith("ln") or "_ln" in name.split(".")[-2]:
+            return "ones", 0.0
+        return kind, std
+    return rule
+
+
 def count_parameters(model: nn.Module) -> int:
     """Parameters of the full (unsharded) model, tied weights counted once."""
     return sum(int(torch.Size(mod.full_shape(local)).numel()) for _, mod, local, _ in sharded_parameters(model))

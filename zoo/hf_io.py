@@ -47,6 +47,11 @@ class TensorMap:
     kind: str = ""     # "transposed" / "stacked" / "reshaped" when built by those helpers (lazy readers use it)
 
 
+def weight_bias(zoo: str, hf: str) -> List[TensorMap]:
+    """The ``.weight`` and ``.bias`` rows of a layer stored as it is."""
+    return [TensorMap(f"{zoo}.weight", (f"{hf}.weight",)), TensorMap(f"{zoo}.bias", (f"{hf}.bias",))]
+
+
 def transposed(zoo: str, hf: str) -> TensorMap:
     """A GPT-2 Conv1D weight: HF stores (in, out), the zoo (out, in)."""
     return TensorMap(zoo, (hf,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()],

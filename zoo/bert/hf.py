@@ -1,7 +1,7 @@
 """BERT <-> Hugging Face BertModel / BertForMaskedLM / BertForSequenceClassification."""
 from __future__ import annotations
 
-from cuboid.zoo.hf_io import Family, TensorMap, stacked
+from cuboid.zoo.hf_io import Family, TensorMap, weight_bias, stacked
 
 from .config import BertConfig
 from .model import Bert
@@ -47,35 +47,32 @@ def architecture_of(c: BertConfig) -> str:
     return {"mlm": "BertForMaskedLM", "cls": "BertForSequenceClassification", "none": "BertModel"}[c.head]
 
 
-def _norm(z: str, h: str) -> list[TensorMap]:
-    return [TensorMap(f"{z}.weight", (f"{h}.weight",)), TensorMap(f"{z}.bias", (f"{h}.bias",))]
-
 
 def tensor_maps(c: BertConfig) -> list[TensorMap]:
     e = "embeddings."
     rows = [TensorMap("tok_emb.weight", (e + "word_embeddings.weight",)),
             TensorMap("pos_emb.weight", (e + "position_embeddings.weight",)),
             TensorMap("type_emb.weight", (e + "token_type_embeddings.weight",)),
-            *_norm("ln_emb", e + "LayerNorm")]
+            *weight_bias("ln_emb", e + "LayerNorm")]
     for i in range(c.n_layers):
         z, h = f"blocks.{i}.", f"encoder.layer.{i}."
         a = h + "attention.self."
         rows += [stacked(z + "attn.qkv.weight", [a + "query.weight", a + "key.weight", a + "value.weight"]),
                  stacked(z + "attn.qkv.bias", [a + "query.bias", a + "key.bias", a + "value.bias"]),
-                 *_norm(z + "attn.proj", h + "attention.output.dense"),
-                 *_norm(z + "ln1", h + "attention.output.LayerNorm"),
-                 *_norm(z + "mlp.fc", h + "intermediate.dense"),
-                 *_norm(z + "mlp.proj", h + "output.dense"),
-                 *_norm(z + "ln2", h + "output.LayerNorm")]
+                 *weight_bias(z + "attn.proj", h + "attention.output.dense"),
+                 *weight_bias(z + "ln1", h + "attention.output.LayerNorm"),
+                 *weight_bias(z + "mlp.fc", h + "intermediate.dense"),
+                 *weight_bias(z + "mlp.proj", h + "output.dense"),
+                 *weight_bias(z + "ln2", h + "output.LayerNorm")]
     if c.pooler:
-        rows += _norm("pooler", "pooler.dense")
+        rows += weight_bias("pooler", "pooler.dense")
     if c.head == "mlm":
         t = "cls.predictions."
         rows += [TensorMap(r.zoo, r.hf, top=True) for r in
-                 _norm("mlm_dense", t + "transform.dense") + _norm("mlm_ln", t + "transform.LayerNorm")]
+                 weight_bias("mlm_dense", t + "transform.dense") + weight_bias("mlm_ln", t + "transform.LayerNorm")]
         rows.append(TensorMap("mlm_bias.weight", (t + "bias",), top=True))
     elif c.head == "cls":
-        rows += [TensorMap(r.zoo, r.hf, top=True) for r in _norm("classifier", "classifier")]
+        rows += [TensorMap(r.zoo, r.hf, top=True) for r in weight_bias("classifier", "classifier")]
     return rows
 
 

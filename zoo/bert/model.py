@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask
+from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask, standard_rule
 
 from .config import BertConfig
 
@@ -40,16 +40,7 @@ class Bert(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """BERT init: N(0, 0.02) for linear and embedding weights, zero biases, norms 1/0."""
-        std = self.config.init_std
-
-        def rule(name: str, shape: torch.Size):
-            if name.endswith("bias") or name == "mlm_bias.weight":
-                return "zeros", 0.0
-            if "ln" in name.split(".")[-2]:
-                return "ones", 0.0
-            return "normal", std
-
-        init_parameters(self, rule, seed)
+        init_parameters(self, standard_rule("normal", self.config.init_std, zero=("mlm_bias.weight",)), seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,

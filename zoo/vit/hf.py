@@ -1,7 +1,7 @@
 """ViT <-> Hugging Face ViTModel / ViTForImageClassification."""
 from __future__ import annotations
 
-from cuboid.zoo.hf_io import Family, TensorMap, reshaped, stacked
+from cuboid.zoo.hf_io import Family, TensorMap, weight_bias, reshaped, stacked
 
 from .config import ViTConfig
 from .model import ViT
@@ -40,9 +40,6 @@ def architecture_of(c: ViTConfig) -> str:
     return "ViTForImageClassification" if c.head == "cls" else "ViTModel"
 
 
-def _wb(z: str, h: str) -> list[TensorMap]:
-    return [TensorMap(f"{z}.weight", (f"{h}.weight",)), TensorMap(f"{z}.bias", (f"{h}.bias",))]
-
 
 def tensor_maps(c: ViTConfig) -> list[TensorMap]:
     e, p = "embeddings.", c.patch_size
@@ -51,21 +48,21 @@ def tensor_maps(c: ViTConfig) -> list[TensorMap]:
             reshaped("patch.weight", e + "patch_embeddings.projection.weight",
                      (c.dim, c.channels * p * p), (c.dim, c.channels, p, p)),
             TensorMap("patch.bias", (e + "patch_embeddings.projection.bias",)),
-            *_wb("ln_f", "layernorm")]
+            *weight_bias("ln_f", "layernorm")]
     for i in range(c.n_layers):
         z, h = f"blocks.{i}.", f"encoder.layer.{i}."
         a = h + "attention.attention."
-        rows += [*_wb(z + "ln1", h + "layernorm_before"),
+        rows += [*weight_bias(z + "ln1", h + "layernorm_before"),
                  stacked(z + "attn.qkv.weight", [a + "query.weight", a + "key.weight", a + "value.weight"]),
                  stacked(z + "attn.qkv.bias", [a + "query.bias", a + "key.bias", a + "value.bias"]),
-                 *_wb(z + "attn.proj", h + "attention.output.dense"),
-                 *_wb(z + "ln2", h + "layernorm_after"),
-                 *_wb(z + "mlp.fc", h + "intermediate.dense"),
-                 *_wb(z + "mlp.proj", h + "output.dense")]
+                 *weight_bias(z + "attn.proj", h + "attention.output.dense"),
+                 *weight_bias(z + "ln2", h + "layernorm_after"),
+                 *weight_bias(z + "mlp.fc", h + "intermediate.dense"),
+                 *weight_bias(z + "mlp.proj", h + "output.dense")]
     if c.pooler:
-        rows += _wb("pooler", "pooler.dense")
+        rows += weight_bias("pooler", "pooler.dense")
     if c.head == "cls":
-        rows += [TensorMap(r.zoo, r.hf, top=True) for r in _wb("classifier", "classifier")]
+        rows += [TensorMap(r.zoo, r.hf, top=True) for r in weight_bias("classifier", "classifier")]
     return rows
 
 

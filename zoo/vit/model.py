@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, count_targets, init_parameters
+from cuboid.zoo.common import Block, Output, count_targets, init_parameters, standard_rule
 
 from .config import ViTConfig
 
@@ -42,16 +42,7 @@ class ViT(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """ViT init (as HF): truncated normal std 0.02 for weights and tokens, zero biases, norms 1/0."""
-        std = self.config.init_std
-
-        def rule(name: str, shape: torch.Size):
-            if name.endswith("bias"):
-                return "zeros", 0.0
-            if name.split(".")[-2].startswith("ln"):
-                return "ones", 0.0
-            return "trunc_normal", std
-
-        init_parameters(self, rule, seed)
+        init_parameters(self, standard_rule("trunc_normal", self.config.init_std), seed)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Output:
         c = self.config
