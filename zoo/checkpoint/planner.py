@@ -76,7 +76,7 @@ def plan_shards(sources: Sequence[Source], stem: str, max_shard_size: Size) -> S
 
 
 def family_of(model: torch.nn.Module) -> hf_io.Family:
-    from cuboid import zoo  # late: zoo/__init__ may import this package
+    import cuboid.zoo as zoo  # late: zoo/__init__ may import this package
 
     return zoo.family_of(model)
 
