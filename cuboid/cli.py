@@ -8,6 +8,7 @@ plans). Bad values are one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 from typing import Optional, Sequence
@@ -120,7 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError, KeyError, IndexError) as e:
         msg = e.args[0] if e.args else str(e)
-        print(f"cuboid {args.command}: error: {msg}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike: one line, from rank 0
+            print(f"cuboid {args.command}: error: {msg}", file=sys.stderr)
         return 2
 
 

@@ -122,8 +122,12 @@ def resolve(args: argparse.Namespace) -> dict:
 
 def _launch(nproc: int, argv: list[str]) -> int:
     """Run ``cuboid <argv>`` in ``nproc`` local processes through torch's elastic launcher."""
+    import logging
+
     from torch.distributed.run import get_args_parser, run
 
+    # the failing rank prints its own one-line error; the agent's report of it is noise
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     launch = get_args_parser().parse_args(

@@ -251,3 +251,11 @@ def test_config_file_with_flag_override_and_bare_resume(tmp_path):
     bad.write_text('modell = "vit-debug"\n')
     rc, _, err = cli("finetune", "--config", str(bad))
     assert rc == 2 and "unknown key(s) modell" in err
+
+
+def test_bad_value_under_the_launcher_is_one_line(tmp_path):
+    rc, _, err = cli("finetune", "--model", "vit-debug", "--data", "digits", "--plan", "dp2", "--label-column",
+                     "nope", "--output-dir", str(tmp_path), "--no-progress")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2
+    assert lines == ["cuboid finetune: error: column 'nope' not found (columns: image, label); set --label-column"]
