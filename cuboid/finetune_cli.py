@@ -138,8 +138,9 @@ def _launch(nproc: int, argv: list[str]) -> int:
     except Exception as e:  # ChildFailedError: the failing rank already printed its error
         failures = getattr(e, "failures", None)
         if failures:
+            # a rank that failed on a bad value exits 2; the others may be killed after it
             codes = {f.exitcode for f in failures.values()}
-            return 2 if codes == {2} else 1
+            return 2 if 2 in codes else 1
         raise
     return 0
 
