@@ -91,7 +91,9 @@ def cmd_plans(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from cuboid.finetune_cli import add_parser as add_finetune
 
-    parser = argparse.ArgumentParser(prog="cuboid", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="cuboid", description="cuboid: fine-tune and convert GPT, BERT and ViT models under parallel plans "
+                                   "(data and 1D/2D/2.5D/3D tensor parallelism) on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_finetune(sub)
     p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here")
