@@ -52,10 +52,8 @@ def worker(kind: str, job: str, steps: int, out: str) -> None:
     model, tensors = build(job)
     cfg = JOBS[job]
     if kind == "cuboid":
-        import datasets  # noqa: F401
-
         from cuboid import data as D
-        from cuboid.parallel import Mesh, Plan, parallelize, unwrap  # noqa: F401
+        from cuboid.parallel import Mesh, Plan, parallelize
         from cuboid.step import rank_share, train_step
         from cuboid.trainer import make_optimizer
 

@@ -29,13 +29,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     from cuboid.parallel import Mesh, Plan, shard
 
     device = device or "cpu"
-    transform = None
-    if plan is not None:
-        plan = Plan.parse(plan, zoo.READY_PLANS).require_implemented()
+    plan = None if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
 
-        def transform(model):
-            m = mesh or Mesh.build(plan, model.config)
-            return shard(model, plan, m, zoo.spec_of(model))
+    transform = None if plan is None else (  # runs on the meta model, before anything is allocated
+        lambda model: shard(model, plan, mesh or Mesh.build(plan, model.config), zoo.spec_of(model)))
     if isinstance(name_or_path, (str, _os.PathLike)) and _os.path.isdir(name_or_path):
         if overrides:
             raise ValueError(f"overrides {sorted(overrides)} apply to presets, not to a checkpoint folder")

@@ -109,10 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class UsageError(ValueError):
-    """A bad command-line value: printed as one line, exit code 2."""
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from cuboid import data as D
-from cuboid.parallel import Mesh, Plan, input_splitter, norm_reducer, parallelize, unwrap
+from cuboid.parallel import Mesh, Plan, input_splitter, norm_reducer, parallelize
 from cuboid.step import evaluate, rank_share, split_batch, train_step
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
@@ -71,7 +71,6 @@ class FinetuneConfig:
     log_every: int = 10
     progress: bool = True
     plot: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- pieces

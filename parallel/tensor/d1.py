@@ -172,15 +172,6 @@ class _Sharded(L.ShardedModule):
         sl = self.shard_slices(name)
         return sl if isinstance(sl, list) else [sl]
 
-    def load_full(self, name: str, full: Any) -> None:
-        param = self._param(name)
-        shape = tuple(self.full_shape(name))
-        got = tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
-        if got != shape:
-            raise ValueError(f"{name}: expected full shape {shape}, got {got}")
-        with torch.no_grad():
-            param.copy_(self.local_part(name, full).to(param.dtype))
-
     def full_tensor_like(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of a local one shaped like parameter ``name`` (its grad, its Adam state)."""
         s = self._splits.get(name)

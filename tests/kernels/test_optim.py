@@ -114,7 +114,6 @@ def test_lars_matches_float64_rule(backend):
     ps = _grouped_params()
     init = [p.detach().clone() for p in ps]
     grads = _grads(GROUP0 + GROUP1, 5)
-    n0 = len(GROUP0)
     opt = LARS(exclude_bias_and_norm([(str(i), p) for i, p in enumerate(ps)], weight_decay=1e-2),
                lr=0.5, momentum=0.9, eta=0.02, backend=backend)
     _run(opt, ps, grads)
@@ -123,6 +122,7 @@ def test_lars_matches_float64_rule(backend):
     want = _lars64(init, grads, 0.5, 0.9, 0.02, wds, trusts)
     for p, w in zip(ps, want):
         torch.testing.assert_close(p.double(), w, rtol=1e-5, atol=1e-6)
+    assert opt.last_norms[0][1].shape == (2, sum(trusts))  # the decayed, trust-ratio group
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -8,7 +8,6 @@ the same process. Loss per step and every parameter afterwards (gathered with
 (see test_data_parallel.py); LAMB on one plan checks the trust-ratio norms are
 reduced across shards.
 """
-import pytest
 import torch
 
 from .launch import run_world
