@@ -140,30 +140,17 @@ def input_splitter(plan: Plan, mesh: Mesh):
     return split
 
 
-class _BoundReducer:
-    """Adapts a ``make(params) -> reducer`` function to the optimizers' ``for_params`` protocol."""
-
-    def __init__(self, make) -> None:
-        self.make = make
-
-    def for_params(self, params):
-        return self.make(params)
-
-
 def norm_reducer(model: nn.Module, mesh: Optional[Mesh] = None):
-    """The ``norm_reducer`` that makes LAMB/LARS trust ratios and gradient clipping see whole tensors."""
+    """An explicit ``norm_reducer`` for ``model``'s parameters (None when all are whole).
+
+    Optimizers and clipping already read each parameter's ``placement``; this
+    is the same rule as an object, for callers that pass reducers around.
+    """
+    from .layers import placement_of
     from .optim import ShardNormReducer
 
-    core = unwrap(model)
-    if mesh is not None and mesh.plan.tp_mode == "3d" and mesh.size("tp") > 1:
-        from .tensor.d3 import grad_norm_reducer
-
-        return _BoundReducer(lambda params: grad_norm_reducer(core, params, mesh))
-    groups: dict = {}
-    for mod in core.modules():
-        if hasattr(mod, "sharded_param_groups"):
-            groups.update({k: g for k, g in mod.sharded_param_groups().items() if g is not None})
-    return ShardNormReducer(groups) if groups else None
+    placements = {id(p): placement_of(p) for p in unwrap(model).parameters() if placement_of(p) is not None}
+    return ShardNormReducer(placements) if placements else None
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,

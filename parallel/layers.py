@@ -23,6 +23,7 @@ the same under every plan.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -34,10 +35,46 @@ import cuboid.kernels as kernels
 ROLES = ("column", "column_qkv", "row", "vocab", "norm", "replicate", "embedding")
 
 
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where the pieces of a sharded parameter live, as far as norms are concerned.
+
+    ``group``: the process group over which the parameter's distinct shards
+    lie (a squared norm sums over it); ``copies``: how many ranks of that group
+    hold each shard (the sum is divided by it). A parameter without a
+    placement is whole on every rank that holds it. Every cuboid layer sets
+    ``param.placement`` on its parameters (again after ``to``/``to_empty``,
+    which make new parameter objects), so optimizers, clipping and checkpoints
+    find it from the parameter alone.
+    """
+
+    group: Any
+    copies: int = 1
+
+
+def placement_of(param: torch.Tensor) -> Optional[Placement]:
+    """The :class:`Placement` a cuboid layer gave ``param`` (None: whole on every rank)."""
+    return getattr(param, "placement", None)
+
+
 class ShardedModule(nn.Module):
     """Mixin: the full-tensor interface of a layer whose parameters may be sharded."""
 
     role: str = "replicate"
+
+    def norm_placement(self, name: str) -> Optional[Placement]:
+        """The :class:`Placement` of parameter ``name`` (None on one device: it is whole)."""
+        return None
+
+    def tag_placements(self) -> None:
+        """Set ``placement`` on this layer's own parameters (see :class:`Placement`)."""
+        for name, p in self.named_parameters(recurse=False):
+            p.placement = self.norm_placement(name)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.tag_placements()  # .to() / .to_empty() may have made new parameter objects
+        return out
 
     def full_shape(self, name: str) -> torch.Size:
         return self._param(name).shape

@@ -31,7 +31,10 @@ usual two groups, with biases and norm weights (ndim <= 1) at
 fp32 *squared* per-tensor norms (``(2, n)`` for LAMB/LARS, ``(1, n)`` for
 clipping) that returns the reduced tensor, or None after reducing in place.
 Sharded runs all-reduce it over the shard groups so every shard takes the same
-step a single device would; the default None means no reduction. The norms of
+step a single device would. The default (None) reads each parameter's own
+``placement`` (set by the tensor-parallel layers): a sharded model built
+with ``cuboid.load(name, plan=...)`` takes the single-device step with
+``LAMB(model.parameters())`` and no other argument. The norms of
 the last step are kept in ``last_norms`` (a list of ``(params, (2, n) norms)``).
 """
 from __future__ import annotations
@@ -43,6 +46,7 @@ import importlib
 import torch
 
 from cuboid.parallel import comm
+from cuboid.parallel.layers import placement_of
 
 import cuboid.kernels as kernels  # lazy: the kernel module (and Triton) load on the first step
 
@@ -235,8 +239,11 @@ def exclude_bias_and_norm(module_or_named_params, weight_decay: float, **group_o
 
 
 def _reducer_for(reducer, params):
-    """A plain ``reducer(sq)``, or a param-aware one (``reducer.for_params(params)``)."""
-    if reducer is not None and hasattr(reducer, "for_params"):
+    """A plain ``reducer(sq)``, a param-aware one (``reducer.for_params(params)``), or, by default,
+    the one the parameters' own placements call for (None when every parameter is whole)."""
+    if reducer is None:
+        return ShardNormReducer.for_placements(params)
+    if hasattr(reducer, "for_params"):
         return reducer.for_params(list(params))
     return reducer
 
@@ -244,34 +251,47 @@ def _reducer_for(reducer, params):
 class ShardNormReducer:
     """A ``norm_reducer`` for sharded parameters: per-tensor squared norms summed over their shards.
 
-    ``groups`` maps ``id(param)`` to the process group its shards are spread
-    over; parameters not in it are replicated and counted once. Optimizers and
+    ``placements`` maps ``id(param)`` to a :class:`~cuboid.parallel.layers.Placement`
+    (the group its shards lie over, and how many ranks of it hold each shard);
+    parameters not in it are whole and counted once. Optimizers and
     :func:`clip_grad_norm_` call ``for_params(params)`` to bind the columns of
-    the ``(k, n)`` norms tensor to parameters.
+    the ``(k, n)`` norms tensor to parameters. With no explicit reducer they
+    use :meth:`for_placements`, which reads each parameter's own ``placement``.
     """
 
-    def __init__(self, groups: dict) -> None:
-        self.groups = dict(groups)
+    def __init__(self, placements: dict) -> None:
+        self.placements = dict(placements)
 
     def for_params(self, params):
-        cols: dict = {}
-        for i, p in enumerate(params):
-            g = self.groups.get(id(p))
-            if g is not None:
-                cols.setdefault(id(g), (g, []))[1].append(i)
+        return _placement_reduce([self.placements.get(id(p)) for p in params])
 
-        def reduce(sq: torch.Tensor) -> torch.Tensor:
-            if not cols:
-                return sq
-            sq = sq.clone()
-            for group, idx in cols.values():
-                index = torch.tensor(idx, device=sq.device)
-                part = sq.index_select(1, index).contiguous()
-                comm.all_reduce_(part, group)
-                sq.index_copy_(1, index, part)
-            return sq
+    @staticmethod
+    def for_placements(params):
+        """The reducer for ``params`` as their ``placement`` attributes say; None if all are whole."""
+        return _placement_reduce([placement_of(p) for p in params])
 
-        return reduce
+
+def _placement_reduce(placements: list):
+    cols: dict = {}
+    for i, pl in enumerate(placements):
+        if pl is not None and pl.group is not None:
+            cols.setdefault((id(pl.group), pl.copies), (pl, []))[1].append(i)
+    if not cols:
+        return None
+
+    def reduce(sq: torch.Tensor) -> torch.Tensor:
+        sq = sq.clone()
+        for pl, idx in cols.values():
+            index = torch.tensor(idx, device=sq.device)
+            part = sq.index_select(1, index)
+            if pl.copies != 1:
+                part = part / pl.copies
+            part = part.contiguous()
+            comm.all_reduce_(part, pl.group)
+            sq.index_copy_(1, index, part)
+        return sq
+
+    return reduce
 
 
 @torch.no_grad()
@@ -284,8 +304,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
     clamped at 1), with the per-tensor squared norms computed by the fused
     kernel and passed as ``(1, n)`` through ``norm_reducer`` before summing.
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())

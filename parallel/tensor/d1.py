@@ -187,9 +187,9 @@ class _Sharded(L.ShardedModule):
     def full_tensor(self, name: str) -> torch.Tensor:
         return self.full_tensor_like(name, self._param(name))
 
-    def sharded_param_groups(self) -> dict:
-        """``id(param) -> group`` for the parameters split here (norms sum over that group)."""
-        return {id(p): self.group for name, p in self.named_parameters(recurse=False) if name in self._splits}
+    def norm_placement(self, name: str) -> Optional[L.Placement]:
+        """Split parameters: their shards lie over the ``tp`` group; the rest are whole."""
+        return L.Placement(self.group) if name in self._splits and self.tp_size > 1 else None
 
     def _init_params(self, specs: dict, device, dtype) -> None:
         """Create parameters (local shapes) and fill them from a N(0, 0.02)/zeros full tensor draw."""
@@ -199,6 +199,7 @@ class _Sharded(L.ShardedModule):
                 continue
             p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
             setattr(self, name, p)
+        self.tag_placements()
         if any(p.device.type == "meta" for p in self.parameters(recurse=False)):
             return
         for name, (shape, kind) in specs.items():

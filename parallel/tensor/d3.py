@@ -180,6 +180,11 @@ class _Sharded3D(_Sharded):
             new.role = role
         return new
 
+    def norm_placement(self, name: str) -> Optional[L.Placement]:
+        """Every parameter: shards over ``tp``, each held by ``replicas(name)`` ranks of it."""
+        copies = self.replicas(name)
+        return None if copies == self.q ** 3 else L.Placement(self.group, copies)
+
     def replicas(self, name: str) -> int:
         """How many tp ranks hold the same copy of parameter ``name``'s local tensor."""
         cuts = self._splits.get(name, ())

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuboid.parallel import comm
+from cuboid.parallel import layers as L
 from cuboid.parallel.tensor.d1 import _copy_params, _Sharded
 
 __all__ = ["Grid", "split_input", "gather_output", "batch_mean", "cross_entropy"]
@@ -234,9 +235,9 @@ class _GridSharded(_Sharded):
                     full[fsl] = rows[i][lsl]
         return full
 
-    def sharded_param_groups(self) -> dict:
-        """``id(param) -> group`` of the split parameters: their shards lie on the grid's plane."""
-        return {id(p): self.grid.plane for name, p in self.named_parameters(recurse=False) if name in self._splits}
+    def norm_placement(self, name: str) -> Optional[L.Placement]:
+        """Split parameters: their q^2 shards lie on the grid's plane (replicated over depth)."""
+        return L.Placement(self.grid.plane) if name in self._splits and self.grid.q > 1 else None
 
     # ------------------------------------------------------------ forward helpers
 
