@@ -9,7 +9,8 @@ import os as _os
 
 
 def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, **overrides):
-    """Load a zoo model: a preset name builds a fresh one, a local HF folder loads its weights.
+    """Load a zoo model, ready to train under ``plan``: a preset name builds a fresh one, a local HF
+    or cuboid checkpoint folder loads its weights.
 
     ``plan``: how to spread the model (a :class:`cuboid.parallel.Plan`, a ready
     plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
@@ -17,35 +18,88 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     for the plan's tensor mode, and only then allocated, so each rank holds and
     initialises (or reads from the folder) just its own slices, with the same
     values as the single-device model of the same seed. Multi-process plans run
-    under ``torchrun``; data parallelism is applied by
-    :func:`cuboid.parallel.parallelize` when training.
+    under ``torchrun``.
+
+    The returned model is a drop-in for the single-device one
+    (:func:`cuboid.parallel.prepare`): it carries ``model.plan`` and
+    ``model.mesh``, takes this rank's dp share (:func:`rank_share`) in the
+    single-device format, returns single-device outputs, and averages
+    gradients over ``dp`` in backward; cuboid's optimizers and clipping find
+    each parameter's sharding themselves.
 
     ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no
-    memory, materialise later with ``cuboid.zoo.materialize``); ``seed``
-    drives a fresh model's initialisation; ``overrides`` change preset fields
-    (``num_labels=10``).
+    memory, shapes only; materialise with ``cuboid.zoo.materialize`` and then
+    ``cuboid.parallel.prepare``); ``seed`` drives a fresh model's
+    initialisation; ``overrides`` change preset fields (``num_labels=10``).
     """
     from cuboid import zoo
-    from cuboid.parallel import Mesh, Plan, shard
+    from cuboid.parallel import Mesh, Plan, prepare, shard
 
     device = device or "cpu"
-    plan = None if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
+    plan = Plan() if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
+    single = plan.world_size == 1
+    if mesh is None and single:
+        mesh = Mesh.layout(plan)  # no process group, even under torchrun
 
-    transform = None if plan is None else (  # runs on the meta model, before anything is allocated
-        lambda model: shard(model, plan, mesh or Mesh.build(plan, model.config), zoo.spec_of(model)))
+    def transform(model):  # runs on the meta model, before anything is allocated
+        nonlocal mesh
+        mesh = mesh or Mesh.build(plan, model.config)
+        return shard(model, plan, mesh, zoo.spec_of(model))
+
     if isinstance(name_or_path, (str, _os.PathLike)) and _os.path.isdir(name_or_path):
         if overrides:
             raise ValueError(f"overrides {sorted(overrides)} apply to presets, not to a checkpoint folder")
-        return zoo.from_hf(name_or_path, dtype=dtype, device=device, transform=transform)
-    if isinstance(name_or_path, str) and name_or_path not in zoo.PRESETS and (
-            _os.sep in name_or_path or name_or_path.startswith(".")):
-        raise FileNotFoundError(f"{name_or_path}: no such model folder")
-    model = zoo.build(name_or_path, **overrides)
-    if transform is not None:
-        model = transform(model)
-    if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
-        return model if dtype is None else model.to(dtype)
-    return zoo.materialize(model, device, seed=seed, dtype=dtype)
+        model = zoo.from_hf(name_or_path, dtype=dtype, device=device, transform=transform)
+    else:
+        if isinstance(name_or_path, str) and name_or_path not in zoo.PRESETS and (
+                _os.sep in name_or_path or name_or_path.startswith(".")):
+            raise FileNotFoundError(f"{name_or_path}: no such model folder")
+        model = transform(zoo.build(name_or_path, **overrides))
+        if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
+            model.plan, model.mesh = plan, mesh
+            return model if dtype is None else model.to(dtype)
+        model = zoo.materialize(model, device, seed=seed, dtype=dtype)
+    if str(device) == "meta":
+        model.plan, model.mesh = plan, mesh
+        return model
+    return prepare(model, plan, mesh, zoo.spec_of(model))
+
+
+def rank_share(model_or_mesh, global_batch: dict) -> dict:
+    """This rank's dp share of a global batch (the whole batch on one device).
+
+    ``model_or_mesh``: a model from :func:`load` (its ``mesh``), a
+    :class:`~cuboid.parallel.Mesh` or None. Every tensor is cut along dim 0
+    into ``dp`` equal contiguous parts; a batch that does not divide is a
+    ``ValueError``.
+    """
+    from cuboid.step import rank_share as _share
+
+    return _share(global_batch, getattr(model_or_mesh, "mesh", model_or_mesh))
+
+
+def train_step(model, optimizer, global_batch: dict, **options):
+    """One optimizer step of ``model`` on ``global_batch``: exactly the single-device step, under any plan.
+
+    Every rank passes the same global batch; the step takes this rank's dp
+    share, runs ``microbatches`` forward/backward passes (default: the
+    plan's), clips (``max_grad_norm``), steps the optimizer and zeroes the
+    gradients. Returns a :class:`cuboid.step.StepResult` whose ``loss`` is
+    the single-device loss of the global batch. Options: ``microbatches``,
+    ``max_grad_norm``, ``scaler`` (a ``torch.amp.GradScaler`` for fp16),
+    ``dtype`` (autocast: ``bf16`` / ``fp16``; default the plan's).
+    """
+    from cuboid.step import train_step as _step
+
+    return _step(model, optimizer, global_batch, **options)
+
+
+def evaluate(model, batches, **options) -> dict:
+    """Mean loss (and accuracy for one-label-per-example tasks) over ``batches`` of this rank's data,
+    reduced over dp: see :func:`cuboid.step.evaluate`."""
+    from cuboid.step import evaluate as _evaluate
+
+    return _evaluate(model, batches, **options)
 
 
 def finetune(model="vit-debug", data="digits", **options) -> dict:

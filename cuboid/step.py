@@ -1,16 +1,19 @@
-"""One optimizer step over a global batch, the same on one process and under data parallelism.
+"""One optimizer step over a global batch, the same on one process and under every plan.
 
-The global batch is split into micro-batches, each rank holding its own
-share. The loss of every micro-batch is a mean over its label positions; to
-take exactly the single-process step (the mean over *all* label positions of
-the global batch), each micro-batch loss is weighted by its share of the
-global count of positions before backward:
+Every rank passes the same global batch; :func:`train_step` takes this rank's
+dp share (:func:`rank_share`) and splits it into micro-batches. The loss of
+every micro-batch is a mean over its label positions; to take exactly the
+single-process step (the mean over *all* label positions of the global
+batch), each micro-batch loss is weighted by its share of the global count
+of positions before backward:
 
     backward(loss_i * n_i * dp / N)      N = sum of n_i over micro-batches and ranks
 
-DDP then averages over the ``dp`` ranks, so the gradient is
-``grad(sum_i loss_i * n_i) / N``, the single-process gradient. Micro-batches
-but the last run under ``no_sync`` (one all-reduce per step).
+The model (prepared by ``cuboid.load``) averages gradients over the ``dp``
+ranks, so the gradient is ``grad(sum_i loss_i * n_i) / N``, the
+single-process gradient. Micro-batches but the last run without the dp
+all-reduce (one all-reduce per step). What the tensor modes split (batch
+blocks under 2D/3D) the model splits itself.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cuboid.parallel import Mesh, unwrap
+from cuboid.parallel import Mesh, comm, set_gradient_sync, unwrap
 from cuboid.parallel.optim import clip_grad_norm_
 
 
@@ -34,11 +37,19 @@ class StepResult:
     grad_norm: Optional[float]
 
 
-def _all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], axis: str = "dp") -> list[float]:
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(unwrap(model).parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], device: torch.device,
+                    axis: str = "dp") -> list[float]:
+    """Sum ``values`` over ``axis``; the tensor lives on ``device`` (NCCL needs CUDA tensors)."""
     if mesh is None or mesh.size(axis) == 1:
         return list(values)
-    t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, group=mesh.group(axis))
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    t = torch.tensor(list(values), dtype=dtype, device=device)
+    comm.all_reduce_(t, mesh.group(axis))
     return t.tolist()
 
 
@@ -49,50 +60,79 @@ def autocast_for(dtype: Optional[str], device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[dict],
-               mesh: Optional[Mesh] = None, *, max_grad_norm: Optional[float] = None,
-               dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
-               norm_reducer=None, split_inputs=None) -> StepResult:
-    """Forward/backward every micro-batch of this rank's share, then one optimizer step.
+def sync_found_inf(scaler, optimizer, mesh: Optional[Mesh]) -> None:
+    """Make an fp16 grad scaler's inf check agree on every rank (max over the world) after ``unscale_``.
 
-    ``norm_reducer`` (:func:`cuboid.parallel.norm_reducer`) makes the clipping
-    norm the whole model's under tensor parallelism; ``split_inputs``
-    (:func:`cuboid.parallel.input_splitter`) gives the 2D/2.5D/3D modes their
-    batch blocks after the targets were counted on the whole share.
+    Under tensor parallelism each rank sees only its shards' gradients; an inf
+    in one shard must make every rank skip the step, or the shards diverge.
+    (torch's ``ShardedGradScaler`` does the same for FSDP.)
+    """
+    if mesh is None or mesh.world_size == 1 or not dist.is_initialized():
+        return
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    if state is None or "found_inf_per_device" not in state:
+        raise RuntimeError("sync_found_inf: call scaler.unscale_(optimizer) first")
+    for found in state["found_inf_per_device"].values():
+        comm.all_reduce_(found, dist.group.WORLD, "max")
+
+
+def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Optional[Mesh]:
+    return mesh if mesh is not None else getattr(unwrap(model), "mesh", None)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: dict, *,
+               microbatches: Optional[int] = None, max_grad_norm: Optional[float] = None,
+               dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
+               mesh: Optional[Mesh] = None) -> StepResult:
+    """This rank's share of ``global_batch`` forward and backward in ``microbatches`` parts, then one step.
+
+    ``mesh`` and ``dtype`` default to the model's (``model.mesh``,
+    ``model.plan.dtype``); ``microbatches`` to the plan's. Clipping reduces the
+    norm over every shard of every parameter (their placements say how).
     """
     core = unwrap(model)
+    mesh = _mesh_of(model, mesh)
+    plan = getattr(core, "plan", None)
+    dtype = dtype if dtype is not None else getattr(plan, "dtype", None)
+    parts = microbatches or getattr(plan, "microbatches", 1) or 1
+    share = rank_share(global_batch, mesh)
+    micro_batches = split_batch(share, parts) if parts > 1 else [share]
+    device = _device_of(model)
     counts = [core.num_targets(b) for b in micro_batches]
-    local = sum(counts)
-    total, = _all_reduce_sum([local], mesh)
+    total, = _all_reduce_sum([sum(counts)], mesh, device)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp") if mesh is not None else 1
-    device = next(core.parameters()).device
     loss_sum = 0.0
-    for i, (batch, n) in enumerate(zip(micro_batches, counts)):
-        last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
-            with autocast_for(dtype, device):
-                loss = model(**(split_inputs(batch) if split_inputs else batch)).loss
-            if n == 0:
-                loss = loss.nan_to_num(0.0) * 0.0  # keep every rank in the all-reduce
-            weighted = loss.float() * (n * dp / total)
-            (scaler.scale(weighted) if scaler is not None else weighted).backward()
-        loss_sum += float(loss.detach()) * n
+    try:
+        for i, (batch, n) in enumerate(zip(micro_batches, counts)):
+            last = i == len(micro_batches) - 1
+            set_gradient_sync(model, last)
+            sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
+            with sync:
+                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                with autocast_for(dtype, device):
+                    loss = model(**batch).loss
+                if n == 0:
+                    loss = loss.nan_to_num(0.0) * 0.0  # keep every rank in the collectives
+                weighted = loss.float() * (n * dp / total)
+                (scaler.scale(weighted) if scaler is not None else weighted).backward()
+            loss_sum += float(loss.detach()) * n
+    finally:
+        set_gradient_sync(model, True)
     if scaler is not None:
         scaler.unscale_(optimizer)
+        sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_([p for p in core.parameters() if p.grad is not None], max_grad_norm,
-                                          norm_reducer=norm_reducer))
+        grad_norm = float(clip_grad_norm_([p for p in core.parameters() if p.grad is not None], max_grad_norm))
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_total, = _all_reduce_sum([loss_sum], mesh)
+    loss_total, = _all_reduce_sum([loss_sum], mesh, device)
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
 
 
@@ -110,22 +150,32 @@ def rank_share(batch: dict, mesh: Optional[Mesh]) -> dict:
     if mesh is None or mesh.size("dp") == 1:
         return batch
     dp, r = mesh.size("dp"), mesh.coords["dp"]
+    size = next(iter(batch.values())).shape[0]
+    if size % dp:
+        raise ValueError(f"a global batch of {size} does not split into {dp} equal data-parallel shares")
     return split_batch(batch, dp)[r]
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = None,
-             dtype: Optional[str] = None, split_inputs=None) -> dict:
-    """Mean loss over label positions and, for classification, accuracy, reduced over dp."""
+             dtype: Optional[str] = None) -> dict:
+    """Mean loss over label positions and, for classification, accuracy, reduced over dp.
+
+    ``batches`` are this rank's own (any size: the model pads what its plan
+    splits); every rank of a tensor-parallel group must see the same ones.
+    """
     core = unwrap(model)
+    mesh = _mesh_of(model, mesh)
+    dtype = dtype if dtype is not None else getattr(getattr(core, "plan", None), "dtype", None)
     was_training = core.training
     core.eval()
-    device = next(core.parameters()).device
+    device = _device_of(model)
     loss_sum = n_sum = correct = seen = 0.0
     for batch in batches:
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         n = core.num_targets(batch)
         with autocast_for(dtype, device):
-            out = core(**(split_inputs(batch) if split_inputs else batch))
+            out = core(**batch)
         if n:
             loss_sum += float(out.loss) * n
             n_sum += n
@@ -133,7 +183,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
         if labels is not None and labels.dim() == 1:  # one label per example: accuracy
             correct += float((out.logits.argmax(-1) == labels).sum())
             seen += labels.numel()
-    loss_sum, n_sum, correct, seen = _all_reduce_sum([loss_sum, n_sum, correct, seen], mesh)
+    loss_sum, n_sum, correct, seen = _all_reduce_sum([loss_sum, n_sum, correct, seen], mesh, device)
     if was_training:
         core.train()
     metrics = {"eval_loss": loss_sum / max(n_sum, 1)}

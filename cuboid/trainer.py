@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from cuboid import data as D
-from cuboid.parallel import Mesh, Plan, input_splitter, norm_reducer, parallelize
-from cuboid.step import evaluate, rank_share, split_batch, train_step
+from cuboid.parallel import Mesh, Plan, prepare
+from cuboid.step import evaluate, train_step
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
 HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
@@ -96,11 +96,11 @@ def lr_lambda(schedule: str, warmup_steps: int, total: int):
     return f
 
 
-def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float, reducer=None):
+def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
     """AdamW / LAMB / LARS with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
 
-    ``reducer`` (:func:`cuboid.parallel.norm_reducer`) makes LAMB/LARS see whole
-    tensors under tensor parallelism.
+    Built the plain way: under tensor parallelism the optimizers read each
+    parameter's placement to see whole-tensor norms.
     """
     from cuboid.parallel import optim
 
@@ -108,9 +108,9 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float, 
     if name == "adamw":
         return optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     if name == "lamb":
-        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay, norm_reducer=reducer)
+        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay, )
     if name == "lars":
-        return optim.LARS(groups, lr=lr, weight_decay=weight_decay, norm_reducer=reducer)
+        return optim.LARS(groups, lr=lr, weight_decay=weight_decay, )
     raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 
@@ -225,9 +225,6 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.batch_size % (dp * micro):
         raise ValueError(f"global batch {cfg.batch_size} is not a multiple of dp ({dp}) x micro-batch ({micro})")
     accumulate = cfg.batch_size // (dp * micro)
-    if micro % plan.batch_parts:
-        raise ValueError(f"the micro-batch of {micro} per data-parallel rank does not split into the "
-                         f"{plan.batch_parts} batch blocks of {plan.tp_mode} tensor parallelism")
     batches = D.GlobalBatches(train_t, cfg.batch_size, seed=cfg.seed)
     steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * batches.per_epoch))
     warmup = int(cfg.warmup * steps) if cfg.warmup < 1 else int(cfg.warmup)
@@ -238,10 +235,8 @@ def run(cfg: FinetuneConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     from cuboid import zoo
 
-    train_model = parallelize(model, plan, mesh, zoo.spec_of(model))
-    reducer = norm_reducer(model, mesh)
-    splitter = input_splitter(plan, mesh)
-    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay, reducer)
+    model = prepare(model, plan, mesh, zoo.spec_of(model))  # a no-op for what cuboid.load returned
+    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps))
     scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
@@ -279,10 +274,8 @@ def run(cfg: FinetuneConfig) -> dict:
         if task == "mlm":
             gen.manual_seed(cfg.seed * 1_000_003 + step)
             batch = D.mask_tokens(batch, tokenizer, gen)
-        local = {k: v.to(device) for k, v in rank_share(batch, mesh).items()}
-        result = train_step(train_model, optimizer, split_batch(local, accumulate), mesh,
-                            max_grad_norm=cfg.max_grad_norm, dtype=dtype, scaler=scaler, norm_reducer=reducer,
-                            split_inputs=splitter)
+        result = train_step(model, optimizer, batch, microbatches=accumulate, max_grad_norm=cfg.max_grad_norm,
+                            dtype=dtype, scaler=scaler, mesh=mesh)
         scheduler.step()
         seen += batch["input_ids"].numel() if unit == "tokens" else cfg.batch_size
         rate = seen / max(time.perf_counter() - t0, 1e-9)
@@ -293,8 +286,7 @@ def run(cfg: FinetuneConfig) -> dict:
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step + 1}: lower --lr or use --dtype fp32")
         if (step + 1) % eval_every == 0 or step + 1 == steps:
-            last_eval = evaluate(train_model, D.eval_batches(eval_t, max(micro, 64), mesh.coords["dp"], dp),
-                                 mesh, dtype, splitter)
+            last_eval = evaluate(model, D.eval_batches(eval_t, max(micro, 64), mesh.coords["dp"], dp), mesh, dtype)
             row.update(last_eval)
         if mesh.is_main:
             history.append(row)

@@ -1,22 +1,25 @@
-"""``parallelize(model, plan)``: apply a plan to a model, using the model's sharding spec.
+"""Apply a plan to a model, using the model's sharding spec: ``shard`` then ``prepare``.
 
 Two steps, so that big models never exist whole on a rank:
 
-- :func:`shard` changes the model's structure for the tensor modes (1D in
-  this build): it swaps layers for their sharded counterparts by the spec's
+- :func:`shard` changes the model's structure for the tensor modes (1D, 2D,
+  2.5D, 3D): it swaps layers for their sharded counterparts by the spec's
   roles. It works on a meta-device model, which is then materialised shard by
   shard (``to_empty`` + ``init_weights`` or a checkpoint load, both through
   the layers' ``load_full``).
-- :func:`parallelize` shards (if not done yet), applies activation
-  checkpointing, and wraps the model for data parallelism.
+- :func:`prepare` makes the materialised model a drop-in for the
+  single-device one (``cuboid.load`` calls both): it records ``model.plan``
+  and ``model.mesh``, splits the batch and gathers outputs for the modes that
+  cut the batch, applies activation checkpointing, and averages gradients
+  over ``dp``.
 
-A plan asking for what this build lacks (2D/2.5D/3D tensor, pipeline or
-sequence parallelism, ZeRO) is a ``NotImplementedError`` naming it, never a
-silent single-device run.
+A plan asking for what this build lacks (pipeline or sequence parallelism,
+ZeRO) is a ``NotImplementedError`` naming it, never a silent single-device
+run.
 
-Data parallelism is torch's DDP over the mesh's ``dp`` group: gradients are
-averaged in buckets while backward runs. DDP composes with the zoo layers
-because they are plain modules with plain parameters.
+Data parallelism is torch's composable DDP (``replicate``) over the mesh's
+``dp`` group: gradients are averaged in buckets while backward runs, and the
+model keeps its class and parameter names (checkpoints do not change).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel  # only to unwrap models users wrapped themselves
 from torch.utils.checkpoint import checkpoint
 
 from .mesh import Mesh
@@ -111,33 +114,87 @@ def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]
     return shard_3d(model, spec, mesh)
 
 
-def input_splitter(plan: Plan, mesh: Mesh):
-    """``batch -> batch``: the model inputs each rank feeds its layers under the plan's tensor mode.
+class BatchSplit:
+    """Model-level input split and output gather for the tensor modes that cut the batch (2D, 2.5D, 3D).
 
-    1D keeps activations replicated, so the dp share goes in whole; 2D, 2.5D
-    and 3D split the batch dim over their grid (labels too: their losses take
-    the mean over the whole share). Targets are counted before the split.
+    Installed by :func:`prepare` as a forward pre-hook and a forward hook, so
+    that a user feeds the model its whole dp share in the single-device format
+    and gets single-device outputs back:
+
+    - before forward, every tensor input whose dim 0 is the batch is padded to
+      a multiple of the mode's batch blocks (labels with -100, other inputs by
+      repeating the last row, so padded rows never count in a loss) and this
+      rank keeps its block (3D: attention masks in the ``inner`` layout and
+      one-per-example labels whole, as its layers expect);
+    - after forward, hidden-state fields of the :class:`Output` (in the mode's
+      activation layout) and the logits are gathered to whole tensors *when
+      read*, padding rows cut. The loss is already the mean over the whole
+      share. Training that reads only ``loss`` gathers nothing.
+    """
+
+    def __init__(self, plan: Plan, mesh: Mesh) -> None:
+        self.plan, self.mesh, self.parts = plan, mesh, plan.batch_parts
+        self._sizes: list = []  # batch size of each forward in flight (a stack: forwards may nest)
+
+    def _split(self, key, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.tp_mode in ("2d", "2.5d"):
+            from .tensor.grid import split_input
+
+            return split_input(x, self.mesh, 0)
+        from .tensor.d3 import split_input
+
+        if key == "labels" and x.dim() == 1:  # the 3D classifier's logits are whole on every rank
+            return x
+        return split_input(x, self.mesh, 0, layout="inner" if key == "attention_mask" else "block")
+
+    def _prepare(self, key, x, batch: int, pad: int):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch:
+            return x
+        if pad:
+            fill = torch.full_like(x[:1], -100) if key == "labels" else x[-1:]
+            x = torch.cat([x, fill.expand(pad, *x.shape[1:])])
+        return self._split(key, x)
+
+    def before(self, module, args, kwargs):
+        first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+        batch = first.shape[0] if first is not None else 0
+        pad = (-batch) % self.parts
+        self._sizes.append((batch, pad))
+        args = tuple(self._prepare(None, v, batch, pad) for v in args)
+        kwargs = {k: self._prepare(k, v, batch, pad) for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _gather_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.tp_mode in ("2d", "2.5d"):
+            from .tensor.grid import gather_output
+
+            return gather_output(x, self.mesh, 0, hidden=True)
+        from .tensor.d3 import gather_output
+
+        return gather_output(x, self.mesh, 0, layout="block", hidden=True)
+
+    def after(self, module, args, kwargs, output):
+        batch, pad = self._sizes.pop()
+        if not hasattr(output, "defer"):
+            return output
+        for name in ("logits", "last_hidden_state", "pooler_output"):
+            if not output.is_deferred(name):  # a plain tensor field is an activation in the mode's layout
+                output.defer(name, self._gather_hidden)
+            if pad:
+                output.defer(name, lambda t: t[:batch])
+        return output
+
+
+def input_splitter(plan: Plan, mesh: Mesh):
+    """``batch -> batch``: this rank's block of a batch under the plan's tensor mode (None when none is cut).
+
+    :func:`prepare` installs the same split on the model itself, so callers
+    of a prepared model never need this; it remains for layer-level tests.
     """
     if mesh.size("tp") == 1 or plan.tp_mode == "1d":
         return None
-    if plan.tp_mode in ("2d", "2.5d"):
-        from .tensor.grid import split_input
-
-        return lambda batch: {k: split_input(v, mesh, 0) for k, v in batch.items()}
-    from .tensor.d3 import split_input as split3
-
-    def split(batch: dict) -> dict:
-        out = {}
-        for k, v in batch.items():
-            if k == "attention_mask":  # attention runs on the "inner" batch chunk
-                out[k] = split3(v, mesh, 0, layout="inner")
-            elif k == "labels" and v.dim() == 1:  # the 3D classifier's logits are whole on every rank
-                out[k] = v
-            else:
-                out[k] = split3(v, mesh, 0)
-        return out
-
-    return split
+    split = BatchSplit(plan, mesh)
+    return lambda batch: {k: split._split(k, v) for k, v in batch.items()}
 
 
 def norm_reducer(model: nn.Module, mesh: Optional[Mesh] = None):
@@ -153,27 +210,66 @@ def norm_reducer(model: nn.Module, mesh: Optional[Mesh] = None):
     return ShardNormReducer(placements) if placements else None
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,
-                spec: Optional[ShardingSpec] = None) -> nn.Module:
-    """Apply ``plan`` to a materialised ``model``; returns the model to train (a DDP wrapper when dp > 1)."""
+def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Optional[ShardingSpec] = None) -> nn.Module:
+    """Make a materialised model (sharded for ``plan`` if it is not yet) a drop-in for the single-device one.
+
+    In place, and returns ``model`` itself (same class, same parameter names):
+
+    - ``model.plan`` and ``model.mesh`` are set;
+    - under 2D/2.5D/3D a :class:`BatchSplit` takes the dp share in and gives
+      single-device outputs back;
+    - the plan's activation checkpointing is applied per block;
+    - with ``dp > 1``, torch's composable DDP (``replicate``) averages
+      gradients over the mesh's ``dp`` group during backward;
+    - every parameter carries its placement (optimizers and clipping read it).
+
+    Calling it again with the same plan does nothing; a model prepared for one
+    device (``cuboid.load(name)``) may be prepared again for a plan.
+    """
+    done = getattr(model, "_cuboid_prepared", None)
+    if done is not None and (done == plan or plan.world_size == 1):
+        return model
+    if done is not None and done.world_size > 1:
+        raise ValueError(f"the model is already prepared for plan {done.describe()}; load it again for "
+                         f"plan {plan.describe()}")
     plan.require_implemented()
     if mesh is None:
         mesh = Mesh.build(plan, getattr(model, "config", None))
     shard(model, plan, mesh, spec)
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError("materialise the model (cuboid.zoo.materialize) before parallelize wraps it for training")
+        raise ValueError("materialise the model (cuboid.zoo.materialize) before preparing it for training")
+    for mod in model.modules():
+        if hasattr(mod, "tag_placements"):
+            mod.tag_placements()
+    model.plan, model.mesh = plan, mesh
+    if mesh.size("tp") > 1 and plan.tp_mode != "1d":
+        split = BatchSplit(plan, mesh)
+        model.register_forward_pre_hook(split.before, with_kwargs=True)
+        model.register_forward_hook(split.after, with_kwargs=True)
     if plan.activation_checkpoint:
         checkpoint_blocks(model, spec.blocks if spec is not None else "blocks")
     if mesh.size("dp") > 1:
-        device_ids = None
+        from torch.distributed._composable import replicate
+
         p = next(model.parameters())
-        if p.device.type == "cuda":
-            device_ids = [p.device.index]
-        model = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"),
-                                        bucket_cap_mb=25)
+        replicate(model, process_group=mesh.group("dp"), bucket_cap_mb=25,
+                  **({"device_id": p.device} if p.device.type == "cuda" else {}))
+    model._cuboid_prepared = plan
     return model
 
 
+def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,
+                spec: Optional[ShardingSpec] = None) -> nn.Module:
+    """Older name of :func:`prepare` (which ``cuboid.load`` already calls); returns the model itself."""
+    return prepare(model, plan, mesh, spec)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn the dp gradient all-reduce of the next backward on or off (gradient accumulation)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The zoo model inside whatever ``parallelize`` wrapped it in."""
+    """The zoo model inside a torch DDP wrapper (``prepare`` itself never wraps)."""
     return model.module if isinstance(model, DistributedDataParallel) else model

@@ -52,6 +52,33 @@ class Placement:
     copies: int = 1
 
 
+class Deferred:
+    """A value made when it is first read, e.g. whole logits gathered from vocab shards.
+
+    Reading runs collectives under tensor parallelism, so every rank of the
+    group must read it (in the same order). The grad mode of the moment it was
+    created is kept, so a deferred gather stays differentiable.
+    """
+
+    __slots__ = ("fn", "args", "grad")
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args, self.grad = fn, args, torch.is_grad_enabled()
+
+    def resolve(self):
+        with torch.set_grad_enabled(self.grad):
+            return self.fn(*self.args)
+
+    def then(self, fn) -> "Deferred":
+        """A deferred ``fn(value)``."""
+        return Deferred(lambda: fn(self.resolve()))
+
+
+def lazy(fn, *args) -> Deferred:
+    """``fn(*args)``, computed when read (see :class:`Deferred`)."""
+    return Deferred(fn, *args)
+
+
 def placement_of(param: torch.Tensor) -> Optional[Placement]:
     """The :class:`Placement` a cuboid layer gave ``param`` (None: whole on every rank)."""
     return getattr(param, "placement", None)

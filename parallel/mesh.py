@@ -114,6 +114,9 @@ class Mesh:
                     self.coords[axis] = ranks.index(self.rank)
                     comm.name_group(group, axis)
 
+    def __deepcopy__(self, memo):
+        return self  # process groups cannot be copied; a model copy shares its mesh
+
     def size(self, axis: str) -> int:
         return len(self.group_ranks.get(axis, [self.rank]))
 

@@ -20,17 +20,42 @@ from cuboid.parallel import layers as L
 
 @dataclass
 class Output:
-    """What every zoo model returns.
+    """What every zoo model returns, with single-device shapes and values under every plan.
 
     ``logits``: task logits, or the last hidden states for a base model;
     ``loss``: mean cross-entropy when ``labels`` were given (-100 ignored);
     ``pooler_output``: BERT/ViT pooled vector where the model has a pooler.
+
+    Fields may be stored as :class:`~cuboid.parallel.layers.Deferred` and are
+    made on first read: under tensor parallelism the whole logits are gathered
+    from vocab (or batch) shards only when someone reads ``out.logits``, so a
+    training step that only uses ``out.loss`` never gathers them. Reading such
+    a field is a collective: every rank of the model reads it.
     """
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
     last_hidden_state: Optional[torch.Tensor] = None
     pooler_output: Optional[torch.Tensor] = None
+
+    def __getattribute__(self, name: str):
+        value = object.__getattribute__(self, name)
+        if isinstance(value, L.Deferred):
+            value = value.resolve()
+            object.__setattr__(self, name, value)
+        return value
+
+    def is_deferred(self, name: str) -> bool:
+        """Whether field ``name`` has not been made yet (reading it would gather)."""
+        return isinstance(object.__getattribute__(self, name), L.Deferred)
+
+    def defer(self, name: str, fn) -> None:
+        """Replace field ``name`` by a deferred ``fn(value)`` (None stays None)."""
+        value = object.__getattribute__(self, name)
+        if value is None:
+            return
+        d = value.then(fn) if isinstance(value, L.Deferred) else L.Deferred(fn, value)
+        object.__setattr__(self, name, d)
 
 
 class MLP(nn.Module):

@@ -30,7 +30,6 @@ class Bert(nn.Module):
             self.mlm_dense = L.Linear(c.dim, c.dim)
             self.mlm_ln = L.LayerNorm(c.dim, c.eps)
             self.mlm_bias = L.Tensor(c.vocab_size)  # decoder weight is tok_emb (tied)
-            self.mlm_bias.role = "vocab"
         elif c.head == "cls":
             self.classifier = L.Linear(c.dim, c.num_labels)
 
@@ -63,11 +62,11 @@ class Bert(nn.Module):
             h = self.mlm_ln(L.gelu(self.mlm_dense(x)))
             local = self.tok_emb.lm_logits(h, self.mlm_bias(), gather=False)  # (B, T, V); a vocab slice under tp
             loss = self.tok_emb.loss_from_logits(local, labels) if labels is not None else None
-            logits = self.tok_emb.gather_logits(local)
+            logits = L.lazy(self.tok_emb.gather_logits, local)  # made when read
         elif c.head == "cls":
             local = self.classifier(self.drop(pooled))  # (B, num_labels); batch rows split under 2D/3D
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            logits = self.classifier.gather_logits(local)
+            logits = L.lazy(self.classifier.gather_logits, local)
         else:
             logits, loss = x, None
         return Output(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)

@@ -67,4 +67,4 @@ class GPT(nn.Module):
         loss = None
         if labels is not None:  # token t predicts token t + 1
             loss = self.tok_emb.loss_from_logits(local[:, :-1], labels[:, 1:])
-        return Output(logits=self.tok_emb.gather_logits(local), loss=loss, last_hidden_state=h)
+        return Output(logits=L.lazy(self.tok_emb.gather_logits, local), loss=loss, last_hidden_state=h)  # made when read

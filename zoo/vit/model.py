@@ -63,6 +63,6 @@ class ViT(nn.Module):
         if c.head == "cls":
             local = self.classifier(h[:, 0])  # (B, num_labels); batch rows split under 2D/3D
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            return Output(logits=self.classifier.gather_logits(local), loss=loss, last_hidden_state=h,
+            return Output(logits=L.lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h,
                           pooler_output=pooled)
         return Output(logits=h, last_hidden_state=h, pooler_output=pooled)
