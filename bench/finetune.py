@@ -53,20 +53,20 @@ def worker(kind: str, job: str, steps: int, out: str) -> None:
     cfg = JOBS[job]
     if kind == "cuboid":
         from cuboid import data as D
-        from cuboid.parallel import Mesh, Plan, parallelize
-        from cuboid.step import rank_share, train_step
+        from cuboid.parallel import Mesh, Plan, prepare
+        from cuboid.step import train_step
         from cuboid.trainer import make_optimizer
 
         plan = Plan(dp=world)
         mesh = Mesh.build(plan, model.config)
-        train = parallelize(model, plan, mesh)
+        train = prepare(model, plan, mesh)
         opt = make_optimizer("adamw", model, cfg["lr"], 0.01)
         batches = D.GlobalBatches(tensors, cfg["batch"], seed=0)
         t0 = None
         for step in range(steps + 5):
             if step == 5:
                 t0 = time.perf_counter()
-            train_step(train, opt, [rank_share(batches.next(), mesh)], mesh, max_grad_norm=1.0)
+            train_step(train, opt, batches.next(), max_grad_norm=1.0)
         elapsed = time.perf_counter() - t0
     else:
         import transformers as T

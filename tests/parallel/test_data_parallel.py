@@ -45,9 +45,8 @@ def rel(a, b):
 
 def dp_parity_worker():
     import cuboid
-    from cuboid.parallel import Mesh, Plan, parallelize
+    from cuboid.parallel import Mesh, Plan, prepare
     from cuboid.parallel.optim import AdamW
-    from cuboid.step import rank_share, split_batch, train_step
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else int(__import__("os").environ["WORLD_SIZE"])
@@ -59,13 +58,13 @@ def dp_parity_worker():
             ref = cuboid.load(name, seed=0).train()
             model = copy.deepcopy(ref)
             batch = global_batch(name, ref)
-            dp_model = parallelize(model, plan, mesh)
+            dp_model = prepare(model, plan, mesh)  # a single-device model prepared again for dp
+            assert dp_model is model and model.plan == plan
             opt_ref, opt = (AdamW(m.parameters(), lr=1e-2, eps=1e-3) for m in (ref, model))
             loss_err = 0.0
             for _ in range(STEPS):
-                r_ref = train_step(ref, opt_ref, [batch], None, max_grad_norm=1.0)
-                r_dp = train_step(dp_model, opt, split_batch(rank_share(batch, mesh), accumulate), mesh,
-                                  max_grad_norm=1.0)
+                r_ref = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0)
+                r_dp = cuboid.train_step(dp_model, opt, batch, microbatches=accumulate, max_grad_norm=1.0)
                 assert r_ref.targets == r_dp.targets
                 loss_err = max(loss_err, abs(r_dp.loss - r_ref.loss) / abs(r_ref.loss))
             param_err = max(rel(p, q) for p, q in zip(model.parameters(), ref.parameters()))
