@@ -218,6 +218,9 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
     - ``model.plan`` and ``model.mesh`` are set;
     - under 2D/2.5D/3D a :class:`BatchSplit` takes the dp share in and gives
       single-device outputs back;
+    - dropout masks follow the layout (:class:`~cuboid.parallel.layers.Dropout`):
+      the default generator is made equal over ``tp`` (replicated
+      activations drop alike) and batch-block layouts draw per-rank masks;
     - the plan's activation checkpointing is applied per block;
     - with ``dp > 1``, torch's composable DDP (``replicate``) averages
       gradients over the mesh's ``dp`` group during backward;
@@ -242,6 +245,14 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if hasattr(mod, "tag_placements"):
             mod.tag_placements()
     model.plan, model.mesh = plan, mesh
+    if mesh.size("tp") > 1:
+        from .layers import Dropout, sync_rng
+
+        sync_rng(mesh.group("tp"))  # replicated activations drop the same elements on every tp rank
+        if plan.tp_mode != "1d":  # every activation is a distinct block: independent masks
+            for mod in model.modules():
+                if isinstance(mod, Dropout):
+                    mod.sharded_rank = mesh.coords["tp"]
     if mesh.size("tp") > 1 and plan.tp_mode != "1d":
         split = BatchSplit(plan, mesh)
         model.register_forward_pre_hook(split.before, with_kwargs=True)

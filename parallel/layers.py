@@ -264,6 +264,57 @@ class Tensor(ShardedModule):
         return self.weight
 
 
+class Dropout(nn.Module):
+    """Dropout whose masks follow the activation's layout under tensor parallelism (Megatron's RNG idea).
+
+    ``sharded_rank`` None (one device, and 1D, whose dropouts all act on
+    replicated activations): masks come from the default generator, which
+    :func:`sync_rng` makes equal on every rank of a tensor-parallel group, so
+    the replicas of an activation drop the same elements (and a 1D run drops
+    exactly what one device with the same seed drops). An int (2D, 2.5D, 3D,
+    where each rank holds a distinct block): the mask comes from a generator
+    seeded by one draw of the default generator and this rank's index, so the
+    blocks get independent masks. Both draw from the default generator, whose
+    state activation checkpointing saves and restores, so a recomputed block
+    drops the same elements.
+    """
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+        self.sharded_rank: Optional[int] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.sharded_rank is None:
+            return F.dropout(x, self.p, True)
+        draw = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))  # replayed under checkpoint recompute
+        g = torch.Generator(device=x.device).manual_seed((draw * 1_000_003 + self.sharded_rank) % (1 << 63))
+        keep = torch.empty(x.shape, device=x.device).bernoulli_(1.0 - self.p, generator=g)
+        return x * keep.to(x.dtype) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}" + ("" if self.sharded_rank is None else f", sharded_rank={self.sharded_rank}")
+
+
+def sync_rng(group) -> None:
+    """Give every rank of ``group`` the default (CPU and current CUDA) generator state of its first rank."""
+    from cuboid.parallel import comm
+
+    if comm.group_size(group) <= 1:
+        return
+    state = torch.get_rng_state()
+    comm.broadcast_(state, group, 0)
+    torch.set_rng_state(state)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state().cuda()
+        comm.broadcast_(cuda, group, 0)
+        torch.cuda.set_rng_state(cuda.cpu())
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention core: (B, H, T, D) in, (B, H, T, D) out, through the kernel."""

@@ -66,7 +66,7 @@ class MLP(nn.Module):
         self.fc = L.Linear(dim, hidden)
         self.proj = L.Linear(hidden, dim)
         self.approximate = approximate
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = L.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(L.gelu(self.fc(x), self.approximate)))
@@ -88,7 +88,7 @@ class SelfAttention(nn.Module):
         self.causal = causal
         self.qkv = L.Linear(dim, 3 * dim)
         self.proj = L.Linear(dim, dim)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = L.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -20,7 +20,7 @@ class Bert(nn.Module):
         self.pos_emb = L.Embedding(c.n_positions, c.dim)
         self.type_emb = L.Embedding(c.type_vocab_size, c.dim)
         self.ln_emb = L.LayerNorm(c.dim, c.eps)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = L.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=False, causal=False, dropout=c.dropout)
             for _ in range(c.n_layers)

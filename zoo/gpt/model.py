@@ -19,7 +19,7 @@ class GPT(nn.Module):
         self.config = c = config
         self.tok_emb = L.Embedding(c.vocab_size, c.dim)
         self.pos_emb = L.Embedding(c.n_positions, c.dim)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = L.Dropout(c.dropout)
         approx = "tanh" if c.activation == "gelu_new" else "none"
         self.blocks = nn.ModuleList(
             Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=True, causal=True,

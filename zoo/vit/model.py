@@ -26,7 +26,7 @@ class ViT(nn.Module):
         self.patch = L.Linear(c.channels * c.patch_size ** 2, c.dim)  # the conv, as a matmul
         self.cls_token = L.Tensor(1, 1, c.dim)
         self.pos_emb = L.Tensor(1, c.n_patches + 1, c.dim)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = L.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=True, causal=False, dropout=c.dropout)
             for _ in range(c.n_layers)
