@@ -1,6 +1,6 @@
 """Backend choice for every kernel: Triton or the plain-torch reference.
 
-The rule (DESIGN.md, "kernels/"):
+The rule (the README's "Kernel backends"):
 
 - CUDA tensors run the Triton kernel;
 - CPU tensors run the torch reference, unless the Triton interpreter was asked

@@ -1,6 +1,6 @@
 """Sharding specs and ready plans of the zoo models.
 
-A spec says what each layer *is* (DESIGN.md): the tensor modes read the roles
+A spec says what each layer *is* (docs/architecture.md): the tensor modes read the roles
 to decide how to split a layer on their grid. Ready plans are named plans known
 to work (each one is exercised by a test); ``cuboid plans`` lists them.
 """
