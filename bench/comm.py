@@ -1,11 +1,15 @@
-"""Communication per rank of one transformer block, measured beside the modes' formulas.
+"""Communication per rank of one GPT training step, measured beside each mode's ``bytes_per_step``.
 
-A gpt2-sized block (hidden 768, MLP 3072, 16 heads of 48 so 1D tp=8 divides them; 8 x 64 tokens, fp32)
-runs forward and backward on gloo ranks of this machine under each tensor
-mode; ``cuboid.parallel.comm.count()`` tallies the bytes every rank sends (the
-ring convention of comm.py). The formulas are the sums of the per-layer costs
-stated in each mode's docstring (tensor/d1.py, d2.py, d2p5.py, d3.py). Larger
-sizes, not run here, come from the formulas alone.
+A GPT of gpt2 width (hidden 768, MLP 3072, 16 heads of 48 so that 1D tp=8
+divides them; 2 blocks, a vocabulary of 8192, 8 x 64 tokens) runs one forward
++ backward (the vocab-parallel loss; logits never gathered) on gloo ranks of
+this machine under each tensor mode, in fp32 and under bf16 autocast;
+``cuboid.parallel.comm.count()`` tallies the bytes every rank sends (the ring
+convention of comm.py). The formula column is
+``cuboid.parallel.tensor.bytes_per_step``, the same function the tests hold
+to the tallies, summed from each mode's per-layer ``Costs``. Larger sizes (gpt2
+itself, 12 blocks, vocabulary 50257, 8 x 1024 tokens), not run here, come
+from the formula alone.
 
     python bench/comm.py [--out bench/comm.json]
 """
@@ -19,73 +23,42 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-H, HEADS, MLP, B, T, BYTES = 768, 16, 3072, 8, 64, 4  # 16 heads of 48 so that tp=8 divides them
-# the block's layers: (kind, in, out) in the order the block runs them
-LINEARS = [(H, 3 * H), (H, H), (H, MLP), (MLP, H)]
+B, T = 8, 64
+SMALL = dict(vocab_size=8192, n_positions=T, dim=768, n_layers=2, n_heads=16)  # gpt2 width, 16 heads of 48
+GPT2 = dict(vocab_size=50257, n_positions=1024, dim=768, n_layers=12, n_heads=12)
 
 
-def formula(mode: str, tp: int, depth: int = 1, h: int = H, mlp: int = MLP, rows: int = B * T) -> float:
-    """Bytes one rank sends for one forward + backward of the block (weights with biases, 2 norms)."""
-    linears = [(h, 3 * h), (h, h), (h, mlp), (mlp, h)]
-    if mode == "1d":
-        p = tp
-        return 4 * 2 * (p - 1) / p * rows * h * BYTES  # 2 all-reduces forward, 2 backward
-    if mode in ("2d", "2.5d"):
-        d = depth if mode == "2.5d" else 1
-        q = round((tp // d) ** 0.5)
-        a, n = (q - 1) / q, rows / (q * d)
-        total = 0.0
-        for k, o in linears:
-            total += 2 * a * BYTES * (n * k + o * k / q + o / q)
-            if d > 1:
-                total += 2 * (d - 1) / d * BYTES * (o * k / q ** 2 + o / q ** 2)
-        for _ in range(2):  # layer norms: fp32 statistics over the row + the gathered weight/bias
-            total += 2 * (16 * a * n + 2 * a * BYTES * h / q)
-            if d > 1:
-                total += 2 * (d - 1) / d * BYTES * 2 * h / q ** 2
-        return total
-    q = round(tp ** (1 / 3))
-    total = 0.0
-    for k, o in linears:
-        total += 2 * (q - 1) / q ** 3 * BYTES * (rows * k + k * o + rows * o) + 2 * (q - 1) / q ** 2 * o * BYTES
-    for _ in range(2):
-        total += 2 * 16 * (q - 1) * rows / q ** 3 + 8 * (q - 1) * h * BYTES / q ** 2
-    return total
+def formula(mode: str, tp: int, depth: int = 1, config: dict = SMALL, batch: int = B, seq: int = T,
+            bf16: bool = False) -> float:
+    """Bytes one rank sends in one training step, from the mode's ``bytes_per_step``."""
+    import torch
+
+    from cuboid.parallel import Plan
+    from cuboid.parallel.tensor import bytes_per_step
+    from cuboid.zoo import GPTConfig
+
+    return bytes_per_step(GPTConfig(**config), Plan(tp=tp, tp_mode=mode, depth=depth), batch, seq,
+                          autocast=torch.bfloat16 if bf16 else None)
 
 
 def worker(mode: str, tp: int, depth: int):
     import torch
 
-    from cuboid.parallel import Mesh, Plan, comm, shard
-    from cuboid.zoo.common import Block
+    from cuboid import zoo
+    from cuboid.parallel import Mesh, Plan, comm, input_splitter
+    from cuboid.parallel.tensor import shard_model
 
     plan = Plan(tp=tp, tp_mode=mode, depth=depth)
     mesh = Mesh.build(plan)
-
-    class One(torch.nn.Module):  # a one-block model, so the zoo's block spec applies
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList([Block(H, HEADS, MLP, eps=1e-5, pre_ln=True, causal=True)])
-
-    from cuboid.zoo.plans import _BLOCK_ROLES
-    from cuboid.parallel.apply import ShardingSpec
-
-    torch.manual_seed(0)
-    model = shard(One(), plan, mesh, ShardingSpec(roles=dict(_BLOCK_ROLES)))
-    x = torch.randn(B, T, H)
-    if mode in ("2d", "2.5d"):
-        from cuboid.parallel.tensor.grid import split_input
-        x = split_input(x, mesh, 0, hidden=True)
-    elif mode == "3d":
-        from cuboid.parallel.tensor.d3 import split_input
-        x = split_input(x, mesh, 0, hidden=True)
-    x = x.detach().requires_grad_()
-    # one full step through the block's norms: ln1 -> attn -> ln2 -> mlp (pre-LN, residual fused)
-    block = model.blocks[0]
-    with comm.count() as tally:
-        y, residual = block(x, None)
-        (y.sum() + residual.sum()).backward()
-    return tally.total, tally.per_op()
+    model = zoo.materialize(shard_model(zoo.build(zoo.GPTConfig(**SMALL)), zoo.SPECS["gpt"], mesh), seed=0)
+    ids = torch.randint(0, SMALL["vocab_size"], (B, T), generator=torch.Generator().manual_seed(0))
+    batch = (input_splitter(plan, mesh) or (lambda b: b))({"input_ids": ids, "labels": ids})
+    totals = []
+    for bf16 in (False, True):
+        with comm.count() as tally, torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(**batch).loss.float().backward()
+        totals.append((tally.total, tally.per_op()))
+    return totals
 
 
 RUNS = [("1d", 4, 1), ("1d", 8, 1), ("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
@@ -101,23 +74,26 @@ def main() -> None:
 
     rows = []
     for mode, tp, depth in RUNS:
-        results = run_world(worker, tp, mode, tp, depth, timeout=600)
-        measured = max(r[0] for r in results)
-        rows.append({"mode": mode, "tp": tp, "depth": depth, "measured_bytes": measured,
-                     "formula_bytes": formula(mode, tp, depth), "per_op_rank0": results[0][1]})
-    for mode, tp, depth in FORMULA_ONLY:
-        rows.append({"mode": mode, "tp": tp, "depth": depth, "measured_bytes": None,
-                     "formula_bytes": formula(mode, tp, depth)})
-    print(f"\nbytes sent per rank, one forward+backward of a gpt2-sized block (H={H}, MLP={MLP}, "
-          f"{B}x{T} tokens, fp32)\n")
-    print("| mode | tp | measured MB | formula MB | measured/formula |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+        results = run_world(worker, tp, mode, tp, depth, timeout=900)
+        for k, bf16 in enumerate((False, True)):
+            rows.append({"model": "small", "mode": mode, "tp": tp, "depth": depth, "bf16": bf16,
+                         "measured_bytes": max(r[k][0] for r in results),
+                         "formula_bytes": formula(mode, tp, depth, bf16=bf16), "per_op_rank0": results[0][k][1]})
+    for mode, tp, depth in RUNS + FORMULA_ONLY:
+        for bf16 in (False, True):
+            rows.append({"model": "gpt2", "mode": mode, "tp": tp, "depth": depth, "bf16": bf16, "measured_bytes": None,
+                         "formula_bytes": formula(mode, tp, depth, GPT2, 8, 1024, bf16)})
+    print(f"\nbytes sent per rank, one training step (forward + backward); small: gpt2 width, "
+          f"{SMALL['n_layers']} blocks, vocab {SMALL['vocab_size']}, {B}x{T} tokens; gpt2: 12 blocks, "
+          f"vocab 50257, 8x1024 tokens (formula only)\n")
+    print("| model | mode | tp | dtype | measured MB | formula MB | measured/formula |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
     for r in rows:
-        m = r["measured_bytes"]
-        f = r["formula_bytes"]
+        m, f = r["measured_bytes"], r["formula_bytes"]
         tp = f"{r['tp']}" + (f" (d={r['depth']})" if r["mode"] == "2.5d" else "")
-        print(f"| {r['mode']} | {tp} | {m / 1e6:.3f} | {f / 1e6:.3f} | {m / f:.4f} |" if m is not None else
-              f"| {r['mode']} | {tp} | - | {f / 1e6:.3f} | - |")
+        dtype = "bf16 autocast" if r["bf16"] else "fp32"
+        measured = f"{m / 1e6:.3f} | {f / 1e6:.3f} | {m / f:.4f}" if m is not None else f"- | {f / 1e6:.3f} | -"
+        print(f"| {r['model']} | {r['mode']} | {tp} | {dtype} | {measured} |")
     Path(args.out).write_text(json.dumps(rows, indent=2, default=str))
 
 

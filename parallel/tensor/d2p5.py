@@ -17,21 +17,12 @@ the layer's backward (a ``copy_to`` on the local shard), so gradients are
 complete when backward ends, with no extra step. Losses average over all
 d q batch blocks (``tp_col`` then ``tp_dep``).
 
-**Communication** per rank, in :mod:`cuboid.parallel.comm`'s convention:
-every formula of :mod:`.d2` holds with N = B T / (d q) local rows, plus in
-backward ``2 (d - 1) / d * b`` times the layer's local parameter elements
-over ``tp_dep``, ``a = (q - 1) / q``:
-
-- ``Linear2p5D`` (in -> out): forward ``a b (N in + out in / q + out / q)``;
-  backward ``a b (N in + out in / q + out / q) + 2 (d-1)/d b (out in + out) / q^2``;
-- ``LayerNorm2p5D`` (H): forward ``16 a N + 2 a b H / q``; backward
-  ``16 a N + 2 a b H / q + 2 (d-1)/d b 2 H / q^2``;
-- ``VocabEmbedding2p5D``: the 2D lookup / head bytes, backward
-  ``+ 2 (d-1)/d b Vp H / q^2`` (once per use of the table); ``lm_loss``
-  forward adds ``2 (d-1)/d * 8`` (loss sum and count over ``tp_dep``);
-- ``Embedding2p5D`` / ``Tensor2p5D`` (M elements): ``a b M / q`` each way,
-  backward ``+ 2 (d-1)/d b M / q^2``; ``Head2p5D`` (H -> C): 2D's, backward
-  ``+ 2 (d-1)/d b (C H / q^2 + C)``.
+**Communication** (exact bytes per layer: :class:`.grid.Costs` with depth d;
+per training step: :func:`bytes_per_step`): every layer moves what its 2D
+counterpart moves on its own batch rows (N = B T / (d q) local rows), and in
+backward every parameter's local piece adds one gradient all-reduce over
+``tp_dep`` (``2 (d-1)/d`` times its bytes, once per use); the losses add an
+fp32 (sum, count) pair over ``tp_dep``.
 
 Against 2D on the same P = d q^2 ranks (side Q = q sqrt(d)), a Linear's
 activation gather shrinks from ``B T in / Q`` to ``B T in / (d q)`` (by
@@ -41,14 +32,16 @@ when activations outweigh weights (large B T), Tesseract's trade.
 """
 from __future__ import annotations
 
-from torch import nn
+import torch
 
-from cuboid.parallel.tensor.d2 import (_shard, Embedding2D, Head2D, LayerNorm2D, Linear2D, Tensor2D, VocabEmbedding2D,
+from cuboid.parallel.tensor.d2 import (Embedding2D, Head2D, LayerNorm2D, Linear2D, Tensor2D, VocabEmbedding2D,
                                        VocabTensor2D)
-from cuboid.parallel.tensor.grid import Grid, batch_mean, cross_entropy, gather_output, split_input
+from cuboid.parallel.tensor.engine import Mode, parallelize_module, step_bytes
+from cuboid.parallel.tensor.grid import Costs, Grid, batch_mean, cross_entropy, gather_output, split_input, styles
 
 __all__ = ["Linear2p5D", "LayerNorm2p5D", "VocabEmbedding2p5D", "VocabTensor2p5D", "Embedding2p5D", "Tensor2p5D",
-           "Head2p5D", "shard_2p5d", "split_input", "gather_output", "cross_entropy", "batch_mean", "Grid"]
+           "Head2p5D", "shard_2p5d", "bytes_per_step", "split_input", "gather_output", "cross_entropy", "batch_mean",
+           "Grid", "CLASSES", "STYLES", "MODE"]
 
 
 class Linear2p5D(Linear2D):
@@ -91,6 +84,15 @@ CLASSES = {"linear": Linear2p5D, "norm": LayerNorm2p5D, "vocab": VocabEmbedding2
            "embedding": Embedding2p5D, "tensor": Tensor2p5D, "head": Head2p5D}
 
 
-def shard_2p5d(model: nn.Module, spec, mesh_or_grid) -> nn.Module:
+STYLES = styles(CLASSES)
+MODE = Mode("2.5D", STYLES, Grid.of, Costs.of)
+
+
+def shard_2p5d(model, spec, mesh_or_grid):
     """:func:`.d2.shard_2d` with the 2.5D layers, on a 2.5D Mesh (or a :class:`Grid` with depth)."""
-    return _shard(model, spec, Grid.of(mesh_or_grid), CLASSES, "2.5D")
+    return parallelize_module(model, spec, MODE, Grid.of(mesh_or_grid))
+
+
+def bytes_per_step(config, plan, batch: int, seq: int, *, dtype=torch.float32, autocast=None) -> float:
+    """Bytes one rank sends in a GPT-shaped training step under 2.5D (:func:`.engine.step_bytes`)."""
+    return step_bytes(Costs.of(plan, dtype, autocast), config, batch, seq)

@@ -37,41 +37,30 @@ linears compose with nothing in between; ``packed=3`` (fused qkv) gives rank
 (k, i, j) the j-th 1/q of each of W_q, W_k, W_v (stored [q_j; k_j; v_j]), i.e.
 whole heads, and attention runs on its local heads and batch chunk.
 
-**Communication** per rank in :mod:`cuboid.parallel.comm`'s convention, with N
-the rows of the *full* activation (B T), b bytes per element (activations and
-weights alike), q the cube side:
+**Communication** (exact bytes per layer: :class:`Costs`, in
+:mod:`cuboid.parallel.comm`'s convention; per training step:
+:func:`bytes_per_step`). A Linear3D gathers its input rows over the out axis
+and its weight over ``tp_dep`` and reduce-scatters the product over the in
+axis; backward gathers the output gradient over the in axis and
+reduce-scatters dx over the out axis and dW over ``tp_dep`` (a bias adds one
+all-reduce over ``tp_dep``): every term is ``(q-1)/q^3`` of a full tensor, so
+the four linears of a block of width H, MLP 4H, move about
+``2 (q-1)/q^3 * 16 N H b`` per step when N >> H (1D: ``8 (p-1)/p N H b``).
+LayerNorm3D all-reduces two fp32 sums per row over ``tp_col`` each way and
+its weight and bias gradients over ``tp_dep`` and ``tp_row``. The vocab table
+gathers the ids over ``tp_row``, its vocab block over ``tp_dep``, and
+reduce-scatters the looked-up rows; the tied head is a column Linear3D
+(K = H, O = Vp, no bias), and the loss gathers the labels, all-reduces fp32
+statistics over ``tp_row`` and an fp32 (sum, count) pair over ``tp_col`` and
+``tp_dep``. Hidden-split tables and tensors move nothing forward and
+all-reduce their gradients over the two axes they are replicated on. Under
+bf16 autocast every matmul operand (inputs, weights) is gathered in bf16.
 
-- Linear3D (K in, O out): forward ``(q-1)/q^3 * b * (N K + K O + N O)``;
-  backward ``(q-1)/q^3 * b * (N O + K O + N K) + 2 (q-1)/q^2 * O b``
-  (the ``N K`` term only when the input needs a gradient, the last term only
-  with a bias). The four linears of a block of width H, MLP 4H, move
-  ``2 (q-1)/q^3 * b * 16 N H`` per step when N >> H (1D: ``8 (p-1)/p * N H b``).
-- LayerNorm3D (width H; fp32 statistics): forward ``16 (q-1) N / q^3``
-  (an all-reduce over tp_col of (N/q^2, 2) fp32 sums); backward the same plus
-  ``8 (q-1) H b / q^2`` (weight and bias grads all-reduced over tp_dep and
-  tp_row; ``4 (q-1) H b / q^2`` without a bias).
-- VocabEmbedding3D (Vp padded rows, int64 ids) lookup: forward
-  ``(q-1)/q^3 * b * (Vp H + N H) + 8 (q-1) N / q^2``, backward
-  ``(q-1)/q^3 * b * (N H + Vp H)``. ``lm_logits(gather=False)`` costs a
-  column Linear3D with K = H, O = Vp, no bias; ``lm_loss`` adds the labels'
-  gather ``8 (q-1) N / q^2``, the vocab-parallel statistics over tp_row
-  ``24 (q-1) N / q^3`` and two all-reduces of an fp32 (sum, count) pair
-  ``2 * 2 (q-1)/q * 8``; a bias adds ``4 (q-1) Vp b / q^2`` backward.
-- Embedding3D (P x H) and Tensor3D (M elements, hidden-last): forward 0,
-  backward ``4 (q-1) P H b / q^2`` (``4 (q-1) M b / q^2``).
-- Head3D ``hidden -> replicated`` (C outputs): forward
-  ``(q-1) N K b / q^3 + (q-1) N K b / q^2 + 2 (q-1)/q * N C b``, backward 0;
-  ``hidden -> hidden``: forward ``(q-1) N K b / q^3``, backward the same plus
-  ``4 (q-1) (O K + O) b / q^2``; ``full -> hidden``: forward 0, backward
-  ``4 (q-1) (O K + O) b / q^2`` (+ ``2 (q-1) N K b / q^3`` for an input grad).
-
-**Parameters.** Every layer keeps the single-device full-tensor interface
-(``full_shape``, ``shard_slices`` — a list for packed qkv —, ``local_part``,
-``load_full``, ``full_tensor``, ``full_tensor_like``), generalising
-:class:`~cuboid.parallel.tensor.d1._Sharded` to cuts along one or two dims,
-each over one or two cube axes. Gradients of replicated copies come out whole
-and equal on every copy. ``replicas(name)`` says how many tp ranks hold the
-same shard (for norms: :func:`grad_norm_reducer`).
+**Parameters.** Every layer is a thin user of :class:`~.base.Sharded`: its
+parameters are cut along one or two dims, each over one or two cube axes
+(:class:`~.base.Cut`), and replicated over the others; ``replicas(name)``
+says how many tp ranks hold the same piece, and ``Placement(tp, replicas)``
+tells norms to count each piece once.
 
 **Padding.** A vocabulary V is padded to ``Vp = ceil(V / q^2) q^2`` rows; pad
 rows are zero, never looked up, masked out of the loss (-inf), cut from
@@ -80,32 +69,24 @@ gradients are exactly zero.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
-from cuboid.parallel.tensor.d1 import _copy_params, _Group, _has_row_sibling, _Sharded, _VocabParallelCE
+from cuboid.parallel.tensor import engine
+from cuboid.parallel.tensor.base import Axes, Cut, Sharded, VocabParallel, check_ids, to_compute
+from cuboid.parallel.tensor.engine import (ANY, Mode, Style, hidden_last, no_row_sibling, parallelize_module,
+                                           step_bytes, takes_hidden)
 
 __all__ = ["Linear3D", "LayerNorm3D", "VocabEmbedding3D", "VocabTensor3D", "Embedding3D", "Tensor3D", "Head3D",
-           "split_input", "gather_output", "shard_3d", "grad_norm_reducer", "LAYOUTS"]
+           "split_input", "gather_output", "shard_3d", "cube", "Costs", "bytes_per_step", "LAYOUTS", "STYLES", "MODE"]
 
 AXES = ("tp_dep", "tp_col", "tp_row")
 # layout -> (batch axes, major first; feature axis)
 LAYOUTS = {"block": (("tp_dep", "tp_row"), "tp_col"), "inner": (("tp_dep", "tp_col"), "tp_row")}
-
-
-@dataclass(frozen=True)
-class _Cut:
-    dim: int           # the cut dim of the full tensor
-    full: int          # its real (unpadded) size
-    axes: tuple        # cube axes whose coordinates index the block, major first
-    parts: int = 1     # packed segments, each cut alike
-    pad_to: int = 1    # pad ``full`` up to a multiple of this (vocab)
 
 
 def _layout(name: str) -> tuple:
@@ -114,22 +95,35 @@ def _layout(name: str) -> tuple:
     return LAYOUTS[name]
 
 
-class _Sharded3D(_Sharded):
-    """The full-tensor interface for parameters cut over the cube's axes (replicated over the others)."""
+def cube(mesh) -> Axes:
+    """The cube's :class:`~.base.Axes` of a 3D Mesh (shard group: ``tp``); Axes are returned as they are."""
+    if isinstance(mesh, Axes):
+        return mesh
+    q = mesh.size("tp_row")
+    if q ** 3 != mesh.size("tp") or not all(mesh.size(a) == q for a in AXES):
+        raise ValueError(f"3D layers need a q x q x q tensor mesh (tp_mode 3d), got tp={mesh.size('tp')} "
+                         f"with grid {[mesh.size(a) for a in AXES]}")
+    return Axes.of_mesh(mesh, AXES, shard_group=mesh.group("tp"))
 
-    _splits: dict  # name -> tuple of _Cut; names not in it are whole on every rank
+
+class Sharded3D(Sharded):
+    """A 3D layer: built on ``mesh=`` (a 3D Mesh or its :func:`cube`)."""
+
+    _where = "mesh"
 
     def _set_mesh(self, mesh) -> None:
-        self._set_group(mesh.group("tp"))
-        self._cube = _Group(mesh)
-        self.q = mesh.size("tp_row")
-        if self.q ** 3 != mesh.size("tp") or not all(mesh.size(a) == self.q for a in AXES):
-            raise ValueError(f"3D layers need a q x q x q tensor mesh (tp_mode 3d), got tp={mesh.size('tp')} "
-                             f"with grid {[mesh.size(a) for a in AXES]}")
-        self.coord = {a: mesh.coords.get(a, 0) for a in AXES}
+        self._setup(cube(mesh))
+
+    @property
+    def q(self) -> int:
+        return self.axes.size("tp_row")
+
+    @property
+    def coord(self) -> dict:
+        return self.axes.coords()
 
     def _g(self, axis: str):
-        return self._cube.group.group(axis)
+        return self.axes.group(axis)
 
     def _rep(self, t: Optional[torch.Tensor], *axes: str) -> Optional[torch.Tensor]:
         """``t`` replicated over ``axes``: identity forward, gradient summed over those groups."""
@@ -137,134 +131,6 @@ class _Sharded3D(_Sharded):
             t = comm.copy_to(t, self._g(a)) if t is not None else None
         return t
 
-    def _coords_of(self, t: int) -> dict:
-        q = self.q
-        return {"tp_dep": t // (q * q), "tp_col": t // q % q, "tp_row": t % q}
-
-    # ------------------------------------------------------------ cuts
-
-    def _cut(self, name: str, full_shape, *cuts) -> tuple:
-        """Register cuts ``(dim, axes[, parts[, pad_to]])`` of parameter ``name``; returns its local shape."""
-        made = tuple(_Cut(c[0] % len(full_shape), full_shape[c[0]], *c[1:]) for c in cuts)
-        self._splits[name] = made
-        self._full_shapes[name] = torch.Size(full_shape)
-        shape = list(full_shape)
-        for c in made:
-            shape[c.dim] = self._block(c) * c.parts
-        return tuple(shape)
-
-    def _padded(self, c: _Cut) -> int:
-        return -(-c.full // c.pad_to) * c.pad_to
-
-    def _block(self, c: _Cut) -> int:  # local length of each packed segment along c.dim
-        n, blocks = self._padded(c), self.q ** len(c.axes)
-        if n % (c.parts * blocks):
-            raise ValueError(f"{type(self).__name__}: size {c.full} does not split into {c.parts} segment(s) "
-                             f"over {blocks} ranks of {'x'.join(c.axes)}")
-        return n // c.parts // blocks
-
-    def _starts(self, c: _Cut, coords: dict) -> list[int]:
-        """Padded start of the block held at ``coords``, per packed segment."""
-        n, seg = self._block(c), self._padded(c) // c.parts
-        idx = sum(coords[a] * self.q ** (len(c.axes) - 1 - d) for d, a in enumerate(c.axes))
-        return [g * seg + idx * n for g in range(c.parts)]
-
-    @classmethod
-    def from_full(cls, old: nn.Module, mesh, **kwargs):
-        """The layer for single-device ``old`` (meta stays meta), holding this rank's part of its weights."""
-        w = old.weight
-        new = cls(*cls._args(old), mesh=mesh, device="meta", dtype=w.dtype, **kwargs)
-        role = new.role
-        new = _copy_params(new.to_empty(device=w.device) if w.device.type != "meta" else new, old)
-        if isinstance(new, Linear3D):  # its role is its orientation, not the old layer's label
-            new.role = role
-        return new
-
-    def norm_placement(self, name: str) -> Optional[L.Placement]:
-        """Every parameter: shards over ``tp``, each held by ``replicas(name)`` ranks of it."""
-        copies = self.replicas(name)
-        return None if copies == self.q ** 3 else L.Placement(self.group, copies)
-
-    def replicas(self, name: str) -> int:
-        """How many tp ranks hold the same copy of parameter ``name``'s local tensor."""
-        cuts = self._splits.get(name, ())
-        return self.q ** (3 - sum(len(c.axes) for c in cuts))
-
-    # ------------------------------------------------------------ ShardedModule
-
-    def shard_slices(self, name: str) -> Union[tuple, list]:
-        """Slices of the real full tensor held here: a tuple, or a list (one per packed segment).
-
-        Along a padded dim the slice covers real rows only (it may be empty); the
-        local tensor is that slice followed by zero rows.
-        """
-        cuts = self._splits.get(name)
-        if cuts is None:
-            return L.ShardedModule.shard_slices(self, name)
-        out = [[slice(0, n) for n in self.full_shape(name)]]
-        for c in cuts:
-            n = self._block(c)
-            spans = [slice(min(s, c.full), min(s + n, c.full)) for s in self._starts(c, self.coord)]
-            out = [sl[:c.dim] + [sp] + sl[c.dim + 1:] for sl in out for sp in spans]
-        out = [tuple(sl) for sl in out]
-        return out[0] if len(out) == 1 else out
-
-    def local_part(self, name: str, full: Any) -> torch.Tensor:
-        """This rank's local tensor (packed, zero-padded) from a full tensor or a safetensors slice."""
-        cuts = self._splits.get(name)
-        if cuts is None:
-            return torch.as_tensor(full[tuple(slice(0, n) for n in self.full_shape(name))])
-        shape = list(self.full_shape(name))
-        for c in cuts:
-            shape[c.dim] = self._block(c) * c.parts
-        packed = next((c for c in cuts if c.parts > 1), None)
-        pieces = []
-        for g, sl in enumerate(self._list_slices(name)):
-            if all(s.stop > s.start for s in sl):
-                pieces.append((g, torch.as_tensor(full[sl])))
-        dtype = pieces[0][1].dtype if pieces else (full.dtype if isinstance(full, torch.Tensor) else torch.float32)
-        device = full.device if isinstance(full, torch.Tensor) else None
-        out = torch.zeros(shape, dtype=dtype, device=device)
-        for g, piece in pieces:
-            dst = [slice(0, n) for n in piece.shape]
-            if packed is not None:
-                n = self._block(packed)
-                dst[packed.dim] = slice(g * n, (g + 1) * n)
-            out[tuple(dst)] = piece
-        return out
-
-    def full_tensor_like(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of a local one shaped like parameter ``name`` (its grad, its Adam state)."""
-        cuts = self._splits.get(name)
-        if cuts is None:
-            return local.detach()
-        shards = comm.all_gather_list(local.detach(), self.group)
-        shape = list(self.full_shape(name))
-        for c in cuts:
-            shape[c.dim] = self._padded(c)
-        full = torch.zeros(shape, dtype=local.dtype, device=local.device)
-        for t, shard in enumerate(shards):
-            coords = self._coords_of(t)
-            dst, src = [[slice(None)] * len(shape)], [[slice(None)] * len(shape)]
-            for c in cuts:
-                n = self._block(c)
-                spans = [(slice(s, s + n), slice(g * n, (g + 1) * n)) for g, s in enumerate(self._starts(c, coords))]
-                dst = [d[:c.dim] + [a] + d[c.dim + 1:] for d in dst for a, _ in spans]
-                src = [s[:c.dim] + [b] + s[c.dim + 1:] for s in src for _, b in spans]
-            for d, s in zip(dst, src):
-                full[tuple(d)] = shard[tuple(s)]
-        for c in cuts:
-            full = full.narrow(c.dim, 0, c.full)
-        return full
-
-
-def _check_ids(ids: torch.Tensor, n: int) -> None:
-    if ids.numel() and not ids.is_meta and (int(ids.min()) < 0 or int(ids.max()) >= n):
-        raise IndexError(f"ids must lie in [0, {n}), got min {int(ids.min())}, max {int(ids.max())}")
-
-
-_LINEAR_ARGS = staticmethod(lambda m: (m.in_features, m.out_features, m.bias is not None))
-_TABLE_ARGS = staticmethod(lambda m: (m.num_embeddings, m.dim))
 
 # ---------------------------------------------------------------- linear
 
@@ -303,7 +169,7 @@ class _Linear3DFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class Linear3D(_Sharded3D, L.Linear):
+class Linear3D(Sharded3D, L.Linear):
     """3D linear: ``role="column"`` maps the block layout to inner, ``"row"`` inner to block.
 
     ``role="column_qkv"`` is a column layer with ``packed=3`` (fused qkv). The
@@ -321,16 +187,14 @@ class Linear3D(_Sharded3D, L.Linear):
         self.role, self.in_features, self.out_features = role, in_features, out_features
         self.packed = packed or (3 if role == "column_qkv" else 1)
         self.in_axis, self.out_axis = ("tp_row", "tp_col") if role == "row" else ("tp_col", "tp_row")
-        w = self._cut("weight", (out_features, in_features), (0, (self.out_axis,), self.packed),
-                      (1, (self.in_axis, "tp_dep")))
-        b = self._cut("bias", (out_features,), (0, (self.out_axis,), self.packed)) if bias else None
+        w = self._cut("weight", (out_features, in_features), Cut(0, (self.out_axis,), self.packed),
+                      Cut(1, (self.in_axis, "tp_dep")))
+        b = self._cut("bias", (out_features,), Cut(0, (self.out_axis,), self.packed)) if bias else None
         self._init_params({"weight": (w, "normal"), "bias": (b, "zeros")}, device, dtype)
 
-    _args = _LINEAR_ARGS
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear3DFn.apply(x, self.weight, self.bias, self._g(self.in_axis), self._g(self.out_axis),
-                                 self._g("tp_dep"))
+        return _Linear3DFn.apply(to_compute(x), to_compute(self.weight), self.bias, self._g(self.in_axis),
+                                 self._g(self.out_axis), self._g("tp_dep"))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {tuple(self.weight.shape)}), "
@@ -340,7 +204,7 @@ class Linear3D(_Sharded3D, L.Linear):
 # ---------------------------------------------------------------- norm
 
 
-class LayerNorm3D(_Sharded3D, L.LayerNorm):
+class LayerNorm3D(Sharded3D, L.LayerNorm):
     """Layer norm over a hidden dim split over ``tp_col`` (block layout), residual add fused.
 
     ``forward(x)`` -> ``norm(x)``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``.
@@ -354,11 +218,9 @@ class LayerNorm3D(_Sharded3D, L.LayerNorm):
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
         self.dim, self.eps = dim, eps
-        w = self._cut("weight", (dim,), (0, ("tp_col",)))
-        b = self._cut("bias", (dim,), (0, ("tp_col",))) if bias else None
+        w = self._cut("weight", (dim,), Cut(0, ("tp_col",)))
+        b = self._cut("bias", (dim,), Cut(0, ("tp_col",))) if bias else None
         self._init_params({"weight": (w, "ones"), "bias": (b, "zeros")}, device, dtype)
-
-    _args = staticmethod(lambda m: (m.dim, m.eps, m.bias is not None))
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         h = x if residual is None else x + residual
@@ -381,7 +243,7 @@ class LayerNorm3D(_Sharded3D, L.LayerNorm):
 # ---------------------------------------------------------------- vocabulary
 
 
-class VocabEmbedding3D(_Sharded3D, L.Embedding):
+class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
     """Token table (V, H), also the tied LM head: rank (k, i, j) holds vocab chunk j q + k, features i.
 
     Lookup takes ids in the block layout and returns (.., H/q) in the block layout.
@@ -393,25 +255,21 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
         self.num_embeddings, self.dim = num_embeddings, dim
-        w = self._cut("weight", (num_embeddings, dim), (0, ("tp_row", "tp_dep"), 1, self.q ** 2), (1, ("tp_col",)))
-        self.local_vocab = w[0] * self.q  # rows of the tp_dep-gathered block j
-        self.local_start = self.coord["tp_row"] * self.local_vocab
+        q = self.q
+        w = self._cut("weight", (num_embeddings, dim), Cut(0, ("tp_row", "tp_dep"), pad=q * q), Cut(1, ("tp_col",)))
+        self._set_vocab(w[0] * q, self.coord["tp_row"] * w[0] * q)  # the tp_dep-gathered block j
         self._init_params({"weight": (w, "normal")}, device, dtype)
 
-    _args = _TABLE_ARGS
-
-    def _block_weight(self) -> torch.Tensor:
-        return comm.all_gather_to(self.weight, self._g("tp_dep"), 0)  # (Vp/q, H/q): vocab block j
+    def _block_weight(self, matmul: bool = False) -> torch.Tensor:
+        w = to_compute(self.weight) if matmul else self.weight
+        return comm.all_gather_to(w, self._g("tp_dep"), 0)  # (Vp/q, H/q): vocab block j
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, self.num_embeddings)
+        check_ids(ids, self.num_embeddings)
         row = self._g("tp_row")
         with torch.no_grad():
             ids = comm.gather_from(ids, row, 0)                    # (N/q, ..): batch block k
-        local = ids - self.local_start
-        outside = (local < 0) | (local >= self.local_vocab)
-        out = F.embedding(local.masked_fill(outside, 0), self._block_weight())
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)         # (N/q, .., H/q) partial over j
+        out = self._lookup(ids, self._block_weight())             # (N/q, .., H/q) partial over j
         return comm.reduce_scatter_to(out, row, 0)                # (N/q^2, .., H/q): block layout
 
     def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
@@ -422,8 +280,8 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
         :class:`VocabTensor3D`'s output). ``gather=True``: the full (B, .., V)
         logits on every rank, padding cut. Training should use :meth:`lm_loss`.
         """
-        hg = comm.all_gather_to(h, self._g("tp_row"), 0)             # (N/q, .., H/q)
-        logits = comm.reduce_scatter_to(F.linear(hg, self._block_weight()), self._g("tp_col"), 0)
+        hg = comm.all_gather_to(to_compute(h), self._g("tp_row"), 0)             # (N/q, .., H/q)
+        logits = comm.reduce_scatter_to(F.linear(hg, self._block_weight(matmul=True)), self._g("tp_col"), 0)
         if bias is not None:
             logits = logits + bias
         return logits if not gather else self.gather_logits(logits)
@@ -431,40 +289,24 @@ class VocabEmbedding3D(_Sharded3D, L.Embedding):
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (B, .., V) logits on every rank from the local inner-layout ones, padding cut."""
         full = comm.gather_from(logits, self._g("tp_row"), -1)[..., :self.num_embeddings]
-        return gather_output(full, self._cube.group, 0, layout="inner")
+        return gather_output(full, self.axes, 0, layout="inner")
 
-    def lm_loss(self, h: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy of the tied head for ``h`` (.., H/q) and ``labels`` (..), both in the block layout.
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Vocab-parallel cross-entropy of local inner-layout logits against block-layout labels; never gathers.
 
         Logits stay split (vocab over ``tp_row``, rows over ``tp_dep`` x
         ``tp_col``); every rank returns the same loss (NaN if every label is ignored).
         """
-        return self.loss_from_logits(self.lm_logits(h, bias, gather=False), labels, ignore_index)
-
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocab-parallel cross-entropy of local inner-layout logits against block-layout labels; never gathers."""
         with torch.no_grad():  # block-layout labels (chunk k q + j) -> the logits' chunk k q + i
             labels = comm.gather_from(labels, self._g("tp_row"), 0)
             labels = labels.chunk(self.q, 0)[self.coord["tp_col"]] if self.q > 1 else labels
-        vl = logits.shape[-1]
-        flat, labels = logits.reshape(-1, vl), labels.reshape(-1).to(torch.long)
-        if labels.shape[0] != flat.shape[0]:
-            raise ValueError(f"lm_loss: {labels.shape[0]} labels for {flat.shape[0]} rows of logits")
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= self.num_embeddings))
-        if not labels.is_meta and bool(bad.any()):
-            raise IndexError(f"lm_loss: label {int(labels[bad][0])} outside [0, {self.num_embeddings})")
-        total = _VocabParallelCE.apply(flat, labels, self._g("tp_row"), self.local_start, self.num_embeddings,
-                                       ignore_index)
-        stats = torch.stack([total, (labels != ignore_index).sum().to(total.dtype)])
+        total, count = self._ce_sum(logits, labels, self._g("tp_row"), ignore_index)
+        stats = torch.stack([total, count.to(total.dtype)])
         stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_col")), self._g("tp_dep"))
         return stats[0] / stats[1]
 
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings} (local {tuple(self.weight.shape)}), {self.dim}, q={self.q}"
 
-
-class Tensor3D(_Sharded3D, L.Tensor):
+class Tensor3D(Sharded3D, L.Tensor):
     """A free-standing hidden-last tensor (ViT's CLS token, position table): last dim cut over ``tp_col``."""
 
     role = "replicate"
@@ -473,10 +315,8 @@ class Tensor3D(_Sharded3D, L.Tensor):
     def __init__(self, *shape: int, mesh, device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
-        w = self._cut("weight", tuple(shape), (-1, (self._axis,), 1, self.q ** 2 if self._vocab else 1))
+        w = self._cut("weight", tuple(shape), Cut(-1, (self._axis,), pad=self.q ** 2 if self._vocab else 1))
         self._init_params({"weight": (w, "zeros")}, device, dtype)
-
-    _args = staticmethod(lambda m: tuple(m.weight.shape))
 
     def forward(self) -> torch.Tensor:
         return self._rep(self.weight, *self._others)
@@ -492,7 +332,7 @@ class VocabTensor3D(Tensor3D):
 # ---------------------------------------------------------------- hidden-split tables
 
 
-class Embedding3D(_Sharded3D, L.Embedding):
+class Embedding3D(Sharded3D, L.Embedding):
     """Position / type table (P, H) with features cut over ``tp_col``, replicated over tp_dep x tp_row.
 
     Ids may be in the block layout (B/q^2, T) or broadcast (1, T); the output is (.., H/q).
@@ -504,17 +344,15 @@ class Embedding3D(_Sharded3D, L.Embedding):
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
         self.num_embeddings, self.dim = num_embeddings, dim
-        w = self._cut("weight", (num_embeddings, dim), (1, ("tp_col",)))
+        w = self._cut("weight", (num_embeddings, dim), Cut(1, ("tp_col",)))
         self._init_params({"weight": (w, "normal")}, device, dtype)
 
-    _args = _TABLE_ARGS
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_ids(ids, self.num_embeddings)
+        check_ids(ids, self.num_embeddings)
         return F.embedding(ids, self._rep(self.weight, "tp_dep", "tp_row"))
 
 
-class Head3D(_Sharded3D, L.Linear):
+class Head3D(Sharded3D, L.Linear):
     """The small linears at a model's edges, on batch-split (block layout) rows.
 
     - ``in_layout="hidden", out_layout="replicated"`` (classifier): input
@@ -540,18 +378,16 @@ class Head3D(_Sharded3D, L.Linear):
         self.in_layout, self.out_layout = in_layout, out_layout
         shape = (out_features, in_features)
         if out_layout == "replicated":
-            w, b = self._cut("weight", shape, (1, ("tp_col",))), ((out_features,) if bias else None)
+            w, b = self._cut("weight", shape, Cut(1, ("tp_col",))), ((out_features,) if bias else None)
         else:
-            w = self._cut("weight", shape, (0, ("tp_col",)))
-            b = self._cut("bias", (out_features,), (0, ("tp_col",))) if bias else None
+            w = self._cut("weight", shape, Cut(0, ("tp_col",)))
+            b = self._cut("bias", (out_features,), Cut(0, ("tp_col",))) if bias else None
         self._init_params({"weight": (w, "normal"), "bias": (b, "zeros")}, device, dtype)
 
-    _args = _LINEAR_ARGS
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        col = self._g("tp_col")
+        col, x = self._g("tp_col"), to_compute(x)
         if self.out_layout == "replicated":
-            xg = gather_output(x, self._cube.group, 0)                  # (B, .., K/q)
+            xg = gather_output(x, self.axes, 0)                         # (B, .., K/q)
             y = comm.reduce_from(F.linear(xg, self.weight), col)        # (B, .., C)
             return y + self.bias if self.bias is not None else y
         x = comm.all_gather_to(x, col, -1) if self.in_layout == "hidden" else comm.copy_to(x, col)  # (.., K)
@@ -587,72 +423,105 @@ def gather_output(y: torch.Tensor, mesh, dim: int = 0, *, layout: str = "block",
     return y
 
 
+# ---------------------------------------------------------------- traffic
+
+
+class Costs(engine.Costs):
+    """(forward, backward) bytes per rank of each 3D layer, for ``n`` rows (B T) counted whole.
+
+    A gather or reduce-scatter of a full tensor's 1/q^2 pieces over one axis
+    sends ``e = (q-1)/q^3`` of it; an all-reduce of a 1/q piece ``2 s``, with
+    ``s = (q-1)/q^2``. Matmul operands move ``c`` bytes, parameters ``b``,
+    ids and labels 8, statistics fp32.
+    """
+
+    def __init__(self, q: int, dtype: torch.dtype = torch.float32, autocast: Optional[torch.dtype] = None) -> None:
+        super().__init__(dtype, autocast)
+        self.q, self.e, self.s = q, (q - 1) / q ** 3, (q - 1) / q ** 2
+
+    @classmethod
+    def of(cls, plan, dtype=torch.float32, autocast=None) -> "Costs":
+        return cls(plan.tp_grid[-1], dtype, autocast)
+
+    def _padded(self, v: int) -> int:
+        return -(-v // self.q ** 2) * self.q ** 2
+
+    def linear(self, role: str, k: int, o: int, n: int, *, bias: bool = True, dx: bool = True) -> tuple:
+        """x over the out axis, W over tp_dep, the product reduce-scattered; backward the mirror (+ db)."""
+        fwd = self.e * self.c * (n * k + k * o + n * o)
+        bwd = self.e * self.c * (n * o + k * o + (n * k if dx else 0)) + (2 * self.s * o * self.c if bias else 0.0)
+        return fwd, bwd
+
+    def norm(self, h: int, n: int, bias: bool = True) -> tuple:
+        stats = 16 * self.e * n  # an fp32 (N/q^2, 2) all-reduce over tp_col
+        return stats, stats + 4 * (1 + bias) * self.s * h * self.b
+
+    def lookup(self, v: int, h: int, n: int) -> tuple:
+        vp = self._padded(v)
+        return self.e * self.b * (vp * h + n * h) + 8 * self.s * n, self.e * self.b * (n * h + vp * h)
+
+    def lm_loss(self, v: int, h: int, n: int, labels: int, bias: bool = False) -> tuple:
+        """The tied head (a column Linear3D, K = H, O = Vp, no bias) and the loss over ``labels`` rows."""
+        vp, q = self._padded(v), self.q
+        head = self.e * self.c * (n * h + h * vp + n * vp)
+        fwd = head + 8 * self.s * labels + 24 * self.e * labels + 2 * 2 * (q - 1) / q * 8
+        return fwd, head + (4 * self.s * vp * self.b if bias else 0.0)
+
+    def embedding(self, rows: int, h: int) -> tuple:
+        return self.tensor(rows * h)
+
+    def tensor(self, m: int) -> tuple:
+        """A hidden-last parameter of ``m`` elements: its gradient all-reduced over the two other axes."""
+        return 0.0, 4 * self.s * m * self.b
+
+    def head(self, k: int, o: int, n: int, in_layout: str = "hidden", out_layout: str = "replicated", *,
+             bias: bool = True, dx: bool = True) -> tuple:
+        c = self.c
+        if out_layout == "replicated":  # rows gathered over tp_row and tp_dep, partial logits over tp_col
+            return (self.e + self.s) * n * k * c + 2 * (self.q - 1) / self.q * n * o * c, 0.0
+        weights = 4 * self.s * (o * k + (o if bias else 0)) * self.b
+        if in_layout == "hidden":
+            return self.e * n * k * c, self.e * n * k * c + weights
+        return 0.0, (2 * self.e * n * k * c if dx else 0.0) + weights
+
+
+def bytes_per_step(config, plan, batch: int, seq: int, *, dtype=torch.float32, autocast=None) -> float:
+    """Bytes one rank sends in a GPT-shaped training step under 3D (:func:`.engine.step_bytes`)."""
+    return step_bytes(Costs.of(plan, dtype, autocast), config, batch, seq)
+
+
 # ---------------------------------------------------------------- whole models
 
 
-def shard_3d(model: nn.Module, spec, mesh) -> nn.Module:
-    """Replace the layers named by ``spec`` with their 3D counterparts, in place; returns ``model``.
+def _head_out(s) -> dict:
+    return {"in_layout": "hidden", "out_layout": "hidden" if s.module.out_features == s.hidden else "replicated"}
 
-    Roles: ``column`` / ``column_qkv`` / ``row`` -> :class:`Linear3D` (a column
-    layer with no ``row`` sibling, as ViT's patch embedding, -> :class:`Head3D`
-    full -> hidden); ``vocab`` -> :class:`VocabEmbedding3D` / :class:`VocabTensor3D`;
+
+STYLES = (
+    # a column layer with no row sibling (ViT's patch projection) takes whole features to the block layout
+    Style(("column",), L.Linear, Head3D, lambda s: {"in_layout": "full", "out_layout": "hidden"}, no_row_sibling),
+    Style(("column", "column_qkv", "row"), L.Linear, Linear3D, lambda s: {"role": s.role}),
+    Style(("vocab",), L.Embedding, VocabEmbedding3D),
+    Style(("vocab",), L.Tensor, VocabTensor3D),
+    Style(("embedding",), L.Embedding, Embedding3D),
+    Style(("norm",), L.LayerNorm, LayerNorm3D),
+    Style(("replicate",), L.Linear, Head3D, _head_out, takes_hidden),
+    Style(("replicate",), L.Tensor, Tensor3D, when=hidden_last),
+    Style(("replicate",), ANY, None),  # other replicated layers stay whole
+)
+MODE = Mode("3D", STYLES, cube, Costs.of)
+
+
+def shard_3d(model, spec, mesh):
+    """Replace the layers named by ``spec`` with their 3D counterparts (:data:`STYLES`), in place.
+
+    ``column`` / ``column_qkv`` / ``row`` -> :class:`Linear3D` (a column layer
+    with no ``row`` sibling, as ViT's patch embedding, -> :class:`Head3D` full
+    -> hidden); ``vocab`` -> :class:`VocabEmbedding3D` / :class:`VocabTensor3D`;
     ``embedding`` -> :class:`Embedding3D`; ``norm`` -> :class:`LayerNorm3D`;
     ``replicate`` Linear taking the hidden -> :class:`Head3D` (hidden -> hidden
     when it also returns the hidden size, else hidden -> replicated);
     ``replicate`` Tensor whose last dim is the hidden -> :class:`Tensor3D`.
-    Other ``replicate`` layers stay whole. A materialised model's weights are
-    sliced into the new layers; a meta model stays on meta (``to_empty`` then
-    ``init_weights`` fill it through ``load_full``).
+    Other ``replicate`` layers stay whole.
     """
-    hidden = getattr(getattr(model, "config", None), "dim", None)  # else the first norm's width
-    hidden = hidden or next((m.dim for m in model.modules() if isinstance(m, L.LayerNorm)), None)
-    for path, mod in list(model.named_modules()):
-        role = spec.role_of(path) if path else None
-        if role is None or isinstance(mod, _Sharded3D):
-            continue
-        kind = type(mod)
-        if role in ("column", "column_qkv", "row") and kind is L.Linear:
-            if role == "column" and not _has_row_sibling(spec, path, model):
-                new = Head3D.from_full(mod, mesh, in_layout="full", out_layout="hidden")
-            else:
-                new = Linear3D.from_full(mod, mesh, role=role)
-        elif role == "vocab" and kind is L.Embedding:
-            new = VocabEmbedding3D.from_full(mod, mesh)
-        elif role == "vocab" and kind is L.Tensor:
-            new = VocabTensor3D.from_full(mod, mesh)
-        elif role == "embedding" and kind is L.Embedding:
-            new = Embedding3D.from_full(mod, mesh)
-        elif role == "norm" and kind is L.LayerNorm:
-            new = LayerNorm3D.from_full(mod, mesh)
-        elif role == "replicate" and kind is L.Linear and mod.in_features == hidden:
-            out = "hidden" if mod.out_features == hidden else "replicated"
-            new = Head3D.from_full(mod, mesh, in_layout="hidden", out_layout=out)
-        elif role == "replicate" and kind is L.Tensor and mod.weight.shape[-1] == hidden:
-            new = Tensor3D.from_full(mod, mesh)
-        elif role == "replicate" and isinstance(mod, L.ShardedModule):
-            mod.role = role
-            continue
-        else:
-            raise TypeError(f"{path}: role {role!r} does not apply to a {kind.__name__} in 3D tensor parallelism")
-        new.role = role
-        parent, _, leaf = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
-    return model
-
-
-def grad_norm_reducer(model: nn.Module, params, mesh):
-    """A ``norm_reducer`` for :func:`cuboid.parallel.optim.clip_grad_norm_` (``params``, same list).
-
-    Sums the squared norms over ``tp``, each weighted by 1 / (its copies), so a
-    shard replicated on r ranks counts once and the global norm is the
-    single-device one.
-    """
-    params, tp = list(params), mesh.size("tp")
-    copies = {id(p): mod.replicas(name) if isinstance(mod, _Sharded3D) else tp
-              for mod in model.modules() for name, p in mod.named_parameters(recurse=False)}
-
-    def reduce(sq: torch.Tensor) -> torch.Tensor:
-        w = [1.0 / copies.get(id(p), tp) for p in params if p.grad is not None]
-        return comm.all_reduce_((sq * torch.tensor(w, dtype=sq.dtype, device=sq.device)).contiguous(), mesh.group("tp"))
-
-    return reduce
+    return parallelize_module(model, spec, MODE, cube(mesh))

@@ -1,13 +1,15 @@
 """The q x q tensor grid shared by the 2D (:mod:`.d2`) and 2.5D (:mod:`.d2p5`) modes.
 
-- :class:`Grid`: the groups of one rank's grid: ``row`` (the mesh's ``tp_row``,
-  q ranks with the same i, indexed by j), ``col`` (``tp_col``, same j, indexed
-  by i) and ``dep`` (``tp_dep``, same (i, j), indexed by the depth k; ``None``
-  in 2D), plus ``plane`` (the q^2 ranks with the same k, over which a split
-  parameter's shards lie: the mesh's ``tp`` group in 2D).
-- :class:`_GridSharded`: d1's full-tensor machinery generalised to parameters
-  cut along *several* dims, each over one grid axis or over both (j outer, i
-  inner: q^2 pieces), with packed segments and vocabulary padding.
+- :class:`Grid`: the :class:`~.base.Axes` of one rank's grid: ``row`` (the
+  mesh's ``tp_row``, q ranks with the same i, indexed by j), ``col``
+  (``tp_col``, same j, indexed by i) and ``dep`` (``tp_dep``, same (i, j),
+  indexed by the depth k; ``None`` in 2D), plus ``plane`` (the q^2 ranks with
+  the same k, over which a split parameter's pieces lie: the mesh's ``tp``
+  group in 2D), the ``shard_group`` of the grid's cuts.
+- :class:`GridSharded`: the base of the 2D / 2.5D layers (a thin user of
+  :class:`~.base.Sharded`) with the depth and vector-gather helpers.
+- :func:`styles`: the role -> layer table both modes apply, over a mode's
+  classes; :class:`Costs`: their per-layer traffic (2D is depth 1).
 - :func:`split_input` / :func:`gather_output`: the batch split of model inputs
   (batch block ``k q + i`` on rank (k, i, j)) and its inverse.
 - :func:`batch_mean`, :func:`cross_entropy`: means over the whole batch of
@@ -15,23 +17,22 @@
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
-from cuboid.parallel.tensor.d1 import _copy_params, _Sharded
+from cuboid.parallel.tensor import engine
+from cuboid.parallel.tensor.base import Axes, Sharded, to_compute
+from cuboid.parallel.tensor.engine import Style, no_row_sibling, row_sibling, square
 
-__all__ = ["Grid", "split_input", "gather_output", "batch_mean", "cross_entropy"]
+__all__ = ["Grid", "GridSharded", "split_input", "gather_output", "batch_mean", "cross_entropy", "styles", "Costs"]
 
 
-class Grid:
+class Grid(Axes):
     """Groups and coordinates of this rank on a (d x) q x q tensor grid; a 1 x 1 grid by default.
 
     Sizes and coordinates come from the mesh's layout (so a layout-only mesh
@@ -50,6 +51,9 @@ class Grid:
         self.k = comm.group_rank(dep) if k is None else k
         if q is None and comm.group_size(col) != self.q:
             raise ValueError(f"row and column groups differ in size ({self.q} vs {comm.group_size(col)})")
+        # the plane's rank is i q + j: its pieces are numbered over (col, row)
+        super().__init__({"tp_row": (row, self.q, self.j), "tp_col": (col, self.q, self.i),
+                          "tp_dep": (dep, self.d, self.k)}, ("tp_col", "tp_row"), plane)
 
     @classmethod
     def from_mesh(cls, mesh) -> "Grid":
@@ -84,9 +88,6 @@ class Grid:
         """This rank's batch block, k q + i."""
         return self.k * self.q + self.i
 
-    def __deepcopy__(self, memo):
-        return self
-
     def __repr__(self) -> str:
         return f"Grid(d={self.d}, q={self.q}; k={self.k}, i={self.i}, j={self.j})"
 
@@ -113,154 +114,47 @@ def _plane_group(mesh):
     return mine
 
 
-# ---------------------------------------------------------------- parameters cut over the grid
+# ---------------------------------------------------------------- layers on the grid
 
 
-@dataclass(frozen=True)
-class _Cut:
-    dim: int            # the cut dim of the full tensor
-    full: int           # its full (unpadded) size
-    axes: tuple         # grid axes cutting it, outer first: ("row",) by j, ("col",) by i, ("row", "col") by j q + i
-    parts: int = 1      # packed segments along dim, each cut alike
-    pad: int = 0        # pad ``full`` up to a multiple of this (vocab); 0: it must divide
+class GridSharded(Sharded):
+    """Base of the 2D / 2.5D layers: built on ``grid=`` (a 2D / 2.5D Mesh or a :class:`Grid`).
 
-
-class _GridSharded(_Sharded):
-    """d1's full-tensor interface for parameters cut along several dims over the grid.
-
-    ``_splits[name]`` is a tuple of :class:`_Cut` (one per cut dim). A split
-    parameter is cut over both grid axes (its q^2 shards lie on the ``plane``)
-    and replicated over depth; a name not in ``_splits`` is replicated over the
-    whole grid. ``shard_slices`` is one tuple of slices, or a list of them (one
-    per packed segment); padding rows are zero in the local tensor and absent
-    from the full one.
+    Split parameters are cut over both grid axes (their q^2 pieces lie on the
+    ``plane``: ``Placement(plane)``) and replicated over depth; ``_MODE``
+    ("2d" or "2.5d") refuses a grid of the wrong depth.
     """
 
+    _where = "grid"
     _MODE = "2d"
 
     def _set_grid(self, mesh_or_grid) -> None:
         grid = Grid.of(mesh_or_grid)
         if self._MODE == "2d" and grid.d > 1:
             raise ValueError(f"{type(self).__name__} is a 2D layer; a grid of depth {grid.d} needs the 2.5D layers")
-        self.grid = grid
-        self._set_group(grid.plane)
-        self.tp_size, self.tp_rank = grid.q * grid.q, grid.j * grid.q + grid.i
-        self._local_shapes: dict = {}
+        self._setup(grid)
 
-    # ------------------------------------------------------------ cuts
-
-    def _count(self, c: _Cut) -> int:
-        return self.grid.q ** len(c.axes)
-
-    def _index(self, c: _Cut, i: int, j: int) -> int:
-        idx = 0
-        for a in c.axes:
-            idx = idx * self.grid.q + (j if a == "row" else i)
-        return idx
-
-    def _cut_len(self, name: str, c: _Cut) -> int:
-        n = self._count(c)
-        if c.pad:
-            m = max(c.pad, n)
-            return -(-c.full // m) * m // n
-        if c.full % (c.parts * n):
-            raise ValueError(f"{type(self).__name__}.{name}: dim {c.dim} of size {c.full} does not split into "
-                             f"{c.parts} segment(s) over {n} ranks of the {self.grid.q} x {self.grid.q} grid")
-        return c.full // c.parts // n
-
-    def _add_cuts(self, name: str, full_shape, *cuts: _Cut) -> tuple:
-        """Register ``name`` (full shape, cuts); returns its local shape."""
-        shape = list(full_shape)
-        cuts = tuple(replace(c, dim=c.dim % len(full_shape)) for c in cuts)
-        for c in cuts:
-            shape[c.dim] = self._cut_len(name, c) * c.parts
-        self._splits[name] = cuts
-        self._full_shapes[name] = torch.Size(full_shape)
-        self._local_shapes[name] = tuple(shape)
-        return tuple(shape)
-
-    def _blocks(self, name: str, i: int, j: int) -> list:
-        """[(full slices, local slices)] of the pieces rank (i, j) holds, real rows only."""
-        full_shape = self.full_shape(name)
-        per_cut = []
-        for c in self._splits[name]:
-            n, idx = self._cut_len(name, c), self._index(c, i, j)
-            if c.pad:
-                a, b = min(idx * n, c.full), min((idx + 1) * n, c.full)
-                per_cut.append([(c.dim, a, b, 0)])
-            else:
-                seg = c.full // c.parts
-                per_cut.append([(c.dim, g * seg + idx * n, g * seg + (idx + 1) * n, g * n) for g in range(c.parts)])
-        out = []
-        for combo in itertools.product(*per_cut):
-            fsl = [slice(0, s) for s in full_shape]
-            lsl = [slice(0, s) for s in full_shape]
-            for dim, a, b, at in combo:
-                fsl[dim], lsl[dim] = slice(a, b), slice(at, at + b - a)
-            out.append((tuple(fsl), tuple(lsl)))
-        return out
-
-    # ------------------------------------------------------------ ShardedModule
-
-    def shard_slices(self, name: str) -> Union[tuple, list]:
-        if name not in self._splits:
-            return super(_Sharded, self).shard_slices(name)
-        out = [f for f, _ in self._blocks(name, self.grid.i, self.grid.j)]
-        return out[0] if len(out) == 1 else out
-
-    def local_part(self, name: str, full: Any) -> torch.Tensor:
-        """This rank's local tensor (packed, zero-padded) from a full tensor or a safetensors slice."""
-        if name not in self._splits:
-            return torch.as_tensor(full[tuple(slice(0, n) for n in self.full_shape(name))])
-        pieces = [(lsl, torch.as_tensor(full[fsl])) for fsl, lsl in self._blocks(name, self.grid.i, self.grid.j)
-                  if all(s.stop > s.start for s in fsl)]
-        is_t = isinstance(full, torch.Tensor)
-        dtype = pieces[0][1].dtype if pieces else (full.dtype if is_t else torch.float32)
-        device = pieces[0][1].device if pieces else (full.device if is_t else None)
-        out = torch.zeros(self._local_shapes[name], dtype=dtype, device=device)
-        for lsl, piece in pieces:
-            out[lsl] = piece
-        return out
-
-    def full_tensor_like(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of a local one shaped like parameter ``name`` (a collective over the plane)."""
-        if name not in self._splits:
-            return local.detach()
-        by_i = torch.stack(comm.all_gather_list(local.detach(), self.grid.col))  # (q, *local)
-        by_ji = comm.all_gather_list(by_i, self.grid.row)                            # q x (q, *local)
-        full = torch.zeros(self.full_shape(name), dtype=local.dtype, device=local.device)
-        for j, rows in enumerate(by_ji):
-            for i in range(rows.shape[0]):
-                for fsl, lsl in self._blocks(name, i, j):
-                    full[fsl] = rows[i][lsl]
-        return full
-
-    def norm_placement(self, name: str) -> Optional[L.Placement]:
-        """Split parameters: their q^2 shards lie on the grid's plane (replicated over depth)."""
-        return L.Placement(self.grid.plane) if name in self._splits and self.grid.q > 1 else None
-
-    # ------------------------------------------------------------ forward helpers
+    @property
+    def grid(self) -> "Grid":
+        return self.axes
 
     def _dep(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Enter the depth replicas: backward sums the parameter's gradient over ``dep``."""
         return None if t is None else comm.copy_to(t, self.grid.dep)
 
-    def _vec(self, t: Optional[torch.Tensor], parts: int = 1) -> Optional[torch.Tensor]:
-        """A parameter cut on its last dim by (j, i) -> its j-block (gathered over ``col``), segments in order."""
+    def _vec(self, t: Optional[torch.Tensor], parts: int = 1, matmul: bool = False) -> Optional[torch.Tensor]:
+        """A parameter cut on its last dim by (j, i) -> its j-block (gathered over ``col``), segments in order.
+
+        ``matmul``: bound for a matmul, so cast to the autocast dtype before the gather.
+        """
         if t is None:
             return None
-        t = comm.all_gather_to(self._dep(t), self.grid.col, -1)
+        t = self._dep(t)
+        t = comm.all_gather_to(to_compute(t) if matmul else t, self.grid.col, -1)
         q = self.grid.q
         if parts > 1 and q > 1:  # [i][segment] -> [segment][i]
             t = t.unflatten(-1, (q, parts, -1)).transpose(-3, -2).flatten(-3)
         return t
-
-
-def copy_from_full(cls, module: nn.Module, mesh_or_grid, *args, **kwargs):
-    """``cls`` built like ``module`` on ``mesh_or_grid`` (on meta, then allocated where module lives) and filled."""
-    w = module.weight
-    new = cls(*args, grid=Grid.of(mesh_or_grid), device="meta", dtype=w.dtype, **kwargs)
-    return _copy_params(new.to_empty(device=w.device) if w.device.type != "meta" else new, module)
 
 
 # ---------------------------------------------------------------- batch split
@@ -288,8 +182,7 @@ def gather_output(x: torch.Tensor, mesh_or_grid, dim: int = 0, hidden: bool = Fa
 def batch_mean(total: torch.Tensor, count: torch.Tensor, mesh_or_grid) -> torch.Tensor:
     """``sum(total) / sum(count)`` over the batch blocks (``col`` then ``dep``); grads flow to ``total``.
 
-    One all-reduce of 2 fp32 values per batch group: ``2 (q-1)/q * 8`` bytes
-    over ``tp_col`` and ``2 (d-1)/d * 8`` over ``tp_dep``.
+    One all-reduce of 2 fp32 values over each batch group (:meth:`Costs.mean`).
     """
     g = Grid.of(mesh_or_grid)
     s = torch.stack([total.float(), count.to(torch.float32)])
@@ -306,3 +199,96 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh_or_grid, igno
     labels = labels.reshape(-1).to(torch.long)
     total = F.cross_entropy(logits.reshape(-1, c).float(), labels, ignore_index=ignore_index, reduction="sum")
     return batch_mean(total, (labels != ignore_index).sum(), mesh_or_grid)
+
+
+# ---------------------------------------------------------------- the table and the traffic
+
+
+def styles(classes: dict) -> tuple:
+    """The 2D / 2.5D role -> layer table over a mode's ``classes`` (:data:`.d2.CLASSES`, :data:`.d2p5.CLASSES`)."""
+    return (
+        Style(("column_qkv", "row"), L.Linear, classes["linear"], lambda s: {"packed": s.packed}),
+        Style(("column",), L.Linear, classes["linear"], when=row_sibling),
+        # a column layer taking a model input (ViT's patches): whole input features, replicated over the row
+        Style(("column",), L.Linear, classes["linear"], lambda s: {"input_is_parallel": False}, no_row_sibling),
+        Style(("vocab",), L.Embedding, classes["vocab"]),
+        Style(("vocab",), L.Tensor, classes["vocab_tensor"]),
+        Style(("embedding",), L.Embedding, classes["embedding"]),
+        Style(("norm",), L.LayerNorm, classes["norm"]),
+        Style(("replicate",), L.Linear, classes["linear"], when=square),  # hidden -> hidden stays in the layout
+        Style(("replicate",), L.Linear, classes["head"]),
+        Style(("replicate",), L.Tensor, classes["tensor"]),
+    )
+
+
+class Costs(engine.Costs):
+    """(forward, backward) bytes per rank of each 2D / 2.5D layer, for ``n`` rows (B T) counted whole.
+
+    ``a = (q - 1) / q``; ``r = n / (d q)`` local rows; ``e = 2 (d - 1) / d``
+    (a gradient all-reduce over depth, in the parameter's dtype, of the local
+    piece: ``/ q^2`` of the full parameter). Gathers of matmul operands move
+    ``c`` bytes, the rest ``b``; statistics are fp32.
+    """
+
+    def __init__(self, q: int, d: int = 1, dtype: torch.dtype = torch.float32,
+                 autocast: Optional[torch.dtype] = None) -> None:
+        super().__init__(dtype, autocast)
+        self.q, self.d, self.a, self.e = q, d, (q - 1) / q, 2 * (d - 1) / d
+
+    @classmethod
+    def of(cls, plan, dtype=torch.float32, autocast=None) -> "Costs":
+        grid = plan.tp_grid
+        return cls(grid[-1], grid[0] if len(grid) == 3 else 1, dtype, autocast)
+
+    def _padded(self, v: int) -> int:
+        return -(-v // self.q ** 2) * self.q ** 2
+
+    def linear(self, role: str, k: int, o: int, n: int, *, bias: bool = True, dx: bool = True,
+               input_is_parallel: bool = True, recompute: bool = False) -> tuple:
+        """SUMMA: x over the row, W and b over the column; backward the reduce-scatters (+ depth)."""
+        a, q, r = self.a, self.q, n / (self.d * self.q)
+        w = a * self.c * (o * k / q + (o / q if bias else 0))
+        x = a * self.c * r * k
+        fwd = w + (x if input_is_parallel else 0.0)
+        bwd = w + ((x if input_is_parallel else 2 * x) if dx else 0.0) + self.e * self.b * (o * k + o * bias) / q ** 2
+        return fwd, bwd + (fwd if recompute else 0.0)
+
+    def norm(self, h: int, n: int, bias: bool = True) -> tuple:
+        """Two fp32 statistics all-reduced over the row each way; w (and b) gathered over the column."""
+        stats, w = 2 * 2 * self.a * 4 * n / (self.d * self.q), (1 + bias) * h / self.q
+        return stats + self.a * self.b * w, stats + self.a * self.b * w + self.e * self.b * w / self.q
+
+    def lookup(self, v: int, h: int, n: int) -> tuple:
+        """The table's vocab block gathered over the column, the partial rows reduce-scattered over the row."""
+        vp, r = self._padded(v), n / (self.d * self.q)
+        fwd = self.a * self.b * (vp * h / self.q + r * h)
+        return fwd, fwd + self.e * self.b * vp * h / self.q ** 2
+
+    def lm_loss(self, v: int, h: int, n: int, labels: int, bias: bool = False) -> tuple:
+        """The tied head (a SUMMA product, bias gathered), cross-entropy statistics over the row, and the
+        batch mean (an fp32 pair over the column and the depth)."""
+        vp, a, q, r = self._padded(v), self.a, self.q, n / (self.d * self.q)
+        head = a * self.c * (r * h + vp * h / q) + (a * self.b * vp / q if bias else 0.0)
+        fwd = head + 2 * a * 12 * labels / (self.d * q) + self.mean()
+        return fwd, head + self.e * self.b * (vp * h + (vp if bias else 0)) / q ** 2
+
+    def mean(self) -> float:
+        """:func:`batch_mean`: an fp32 (sum, count) pair all-reduced over the column, then the depth."""
+        return 2 * self.a * 8 + self.e * 8
+
+    def embedding(self, rows: int, h: int) -> tuple:
+        return self.tensor(rows * h)
+
+    def tensor(self, m: int) -> tuple:
+        """A hidden-last parameter of ``m`` elements gathered over the column where it is used."""
+        return self.a * self.b * m / self.q, self.a * self.b * m / self.q + self.e * self.b * m / self.q ** 2
+
+    def head(self, h: int, c: int, n: int, *, bias: bool = True, input_is_parallel: bool = True,
+             loss: bool = False) -> tuple:
+        """Head2D (H -> C): W gathered over the column, the partial logits all-reduced over the row;
+        backward the weight's reduce-scatter and the bias' all-reduces. ``loss``: with its batch mean."""
+        a, q, r = self.a, self.q, n / (self.d * self.q)
+        fwd = a * self.c * c * h / q + 2 * a * self.c * r * c + (self.mean() if loss else 0.0)
+        bwd = a * self.c * c * h / q + self.e * self.b * c * h / q ** 2 + (0.0 if input_is_parallel else
+                                                                            a * self.c * r * h)
+        return fwd, bwd + ((2 * a + self.e) * self.b * c if bias else 0.0)

@@ -45,6 +45,7 @@ def _param_err(sharded, ref):
 def _layer_checks(group, p, r, out):
     from cuboid.parallel import comm, layers as L
     from cuboid.parallel.tensor import ColumnLinear, RowLinear, VocabEmbedding, vocab_parallel_cross_entropy
+    from cuboid.parallel.tensor.d1 import Costs
 
     torch.manual_seed(0)  # same full layers and inputs on every rank
     B, T, H, HID = 3, 5, 12, 16
@@ -93,7 +94,7 @@ def _layer_checks(group, p, r, out):
         out[key + " dbias"] = (rel(row.bias.grad, row_full.bias.grad), TOL)
         row_full.zero_grad()
 
-    # Column -> Row MLP: values, grads, and the bytes of the docstring formula
+    # Column -> Row MLP: values, grads, and the bytes of d1.Costs (fp32, then bf16 autocast: half)
     fc, proj = L.Linear(H, HID), L.Linear(HID, H)
     c, w = ColumnLinear.from_full(fc, group), RowLinear.from_full(proj, group)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -102,14 +103,23 @@ def _layer_checks(group, p, r, out):
         with comm.count() as inner:
             yb = w(F.gelu(c(xb)))
         yb.square().sum().backward()
-    A = 2 * (p - 1) / p * B * T * H * 4
     out["mlp dx"] = (rel(xb.grad, xa.grad), TOL)
     out["mlp dfc"] = (rel(c.full_tensor_like("weight", c.weight.grad), fc.weight.grad), TOL)
     out["mlp dproj"] = (rel(w.full_tensor_like("weight", w.weight.grad), proj.weight.grad), TOL)
-    out["mlp bytes fwd+bwd == 2A"] = (abs(tally.bytes("all_reduce", "tp") - 2 * A), 0.0)
-    out["mlp bytes total == 2A"] = (abs(tally.total - 2 * A), 0.0)
-    out["mlp calls == 2"] = (abs(tally.calls() - 2), 0.0)
-    out["mlp fwd bytes == A (nested tally)"] = (abs(inner.total - A), 0.0)
+    for dtype, fp32 in ((None, None), (torch.bfloat16, tally.total)):
+        costs = Costs(p, autocast=dtype)
+        (f1, b1), (f2, b2) = costs.linear("column", H, HID, B * T), costs.linear("row", HID, H, B * T)
+        if dtype is not None:
+            with comm.count() as tally, torch.autocast("cpu", dtype=dtype):
+                with comm.count() as inner:
+                    yb = w(F.gelu(c(xb)))
+                yb.float().square().sum().backward()
+            out["mlp bf16 bytes are half the fp32 ones"] = (abs(2 * tally.total - fp32), 0.0)
+        key = f"mlp {dtype or 'fp32'}"
+        out[key + " bytes fwd+bwd"] = (abs(tally.bytes("all_reduce", "tp") - f1 - b1 - f2 - b2), 0.0)
+        out[key + " bytes total"] = (abs(tally.total - f1 - b1 - f2 - b2), 0.0)
+        out[key + " calls == 2"] = (abs(tally.calls() - 2), 0.0)
+        out[key + " fwd bytes (nested tally)"] = (abs(inner.total - f1 - f2), 0.0)
 
     # vocab embedding, head and loss; padded vocabularies (10, 5) must never leak
     for V in (10, 5, 8):
@@ -139,8 +149,7 @@ def _layer_checks(group, p, r, out):
         with comm.count() as tally:
             loss_b = ve.lm_loss(hb, labels)
             loss_b.backward()
-        n_rows = B * T
-        expect = 2 * (p - 1) / p * (B * T * H * 4 + 12 * n_rows)
+        expect = sum(Costs(p).lm_loss(V, H, B * T, B * T))
         out[key + " loss"] = (rel(loss_b, loss_a), TOL)
         out[key + " loss dh"] = (rel(hb.grad, ha.grad), TOL)
         out[key + " loss dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
@@ -165,17 +174,12 @@ def _layer_checks(group, p, r, out):
         out[key + " ce sparse grad"] = (rel(lg.grad, dl), TOL)
 
 
-def _gpt_loss(model, batch):
-    """The GPT loss with the vocab-parallel tied head (GPT.forward's own head is single-device)."""
-    h = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return model.tok_emb.lm_loss(h[:, :-1], batch["labels"][:, 1:])
-
-
 def _gpt_checks(group, p, r, out):
     import cuboid
     from cuboid import zoo
-    from cuboid.parallel.optim import AdamW, clip_grad_norm_
-    from cuboid.parallel.tensor import grad_norm_reducer, shard_1d
+    from cuboid.parallel import Plan, comm
+    from cuboid.parallel.optim import LAMB, AdamW, clip_grad_norm_
+    from cuboid.parallel.tensor import bytes_per_step, shard_1d
     from cuboid.zoo.common import sharded_parameters
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -206,23 +210,34 @@ def _gpt_checks(group, p, r, out):
         mask[1, 9:] = 0
         mask[3, 5:] = 0
         batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-        opt_ref = AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
-        opt = AdamW(model.parameters(), lr=1e-2, eps=1e-3)
+        # AdamW for the vocab that divides, LAMB (per-tensor trust ratios: sharded norms) for the padded one;
+        # optimizers and clipping read each parameter's placement: no reducer is passed
+        make = (lambda ps: AdamW(ps, lr=1e-2, eps=1e-3)) if vocab == 512 else \
+            (lambda ps: LAMB(ps, lr=1e-2, eps=1e-3, weight_decay=0.01))
+        opt_ref, opt = make(ref.parameters()), make(model.parameters())
         params = list(model.parameters())
         for step in range(3):
             loss_ref = ref(**batch).loss
-            loss = _gpt_loss(model, batch)
+            with comm.count() as tally:
+                loss = model(**batch).loss  # the zoo forward: vocab-parallel loss, logits never gathered
+                loss.backward()
             loss_ref.backward()
-            loss.backward()
             if step == 0:
                 out[key + " loss"] = (rel(loss, loss_ref), TOL)
                 out[key + " grads"] = (_grad_err(model, ref), TOL)
+                expect = bytes_per_step(ref.config, Plan(tp=p), *ids.shape)
+                out[key + " step bytes == bytes_per_step"] = (abs(tally.total - expect) / expect, 1e-12)
             n_ref = clip_grad_norm_(list(ref.parameters()), 0.5)
-            n_tp = clip_grad_norm_(params, 0.5, norm_reducer=grad_norm_reducer(model, params, group))
+            n_tp = clip_grad_norm_(params, 0.5)
             out[f"{key} grad norm {step}"] = (rel(n_tp, n_ref), TOL)
             opt_ref.step(), opt.step()
             opt_ref.zero_grad(), opt.zero_grad()
-        out[key + " params after 3 AdamW steps"] = (_param_err(model, ref), TOL)
+        out[key + " params after 3 steps"] = (_param_err(model, ref), 3e-5 if vocab != 512 else TOL)
+        with comm.count() as tally, torch.autocast("cpu", dtype=torch.bfloat16):  # matmul operands move in bf16
+            model(**batch).loss.float().backward()
+        expect = bytes_per_step(ref.config, Plan(tp=p), *ids.shape, autocast=torch.bfloat16)
+        out[key + " bf16 step bytes == bytes_per_step"] = (abs(tally.total - expect) / expect, 1e-12)
+        model.zero_grad()
         start = cuboid.load("gpt-debug", seed=0, vocab_size=vocab)
         moved = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), start.parameters()))
         out[key + " params moved (negated)"] = (-moved, -1e-3)

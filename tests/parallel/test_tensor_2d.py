@@ -3,8 +3,9 @@
 Each world is started once; one worker runs every check and returns
 {check: (error, tolerance)}. Every layer's forward and backward (gradients
 gathered to full tensors) match the single-device layer holding the same full
-weights, fp32 1e-5 relative; byte counts of a forward + backward equal the
-docstring formulas of d2 / d2p5 exactly; sliced / gathered weights are exact.
+weights, fp32 1e-5 relative; byte counts of a forward + backward equal
+``grid.Costs`` (per layer) and ``bytes_per_step`` (a GPT training step)
+exactly, and halve under bf16 autocast; sliced / gathered weights are exact.
 The 2.5D world (8 processes on few cores) runs a smaller but real subset.
 """
 import copy
@@ -50,9 +51,9 @@ def _grads(mod, ref, out, key, names=("weight", "bias")):
 
 def _linear_checks(C, grid, out, variants):
     from cuboid.parallel import comm, layers as L
+    from cuboid.parallel.tensor.grid import Costs
 
-    loc, q, d = Local(grid), grid.q, grid.d
-    a, a_dep, N = (q - 1) / q, (d - 1) / d, B * T // (d * q)
+    loc = Local(grid)
     for packed, parallel, recompute in variants:
         full = L.Linear(IN, OUT)  # packed=3: three segments of OUT / 3
         with torch.no_grad():
@@ -72,23 +73,23 @@ def _linear_checks(C, grid, out, variants):
         out[key + " out"] = (rel(yb, loc(ya, packed)), TOL)
         out[key + " dx"] = (rel(xb.grad, loc(xa.grad) if parallel else loc.batch(xa.grad)), TOL)
         _grads(lin, full, out, key)
-        o = full.out_features
-        weights = a * 4 * (o * IN / q + o / q)
-        acts = a * 4 * N * IN
-        f_bytes = weights + (acts if parallel else 0.0)
-        b_bytes = weights + (acts if parallel else 2 * acts) + 2 * a_dep * 4 * (o * IN + o) / q ** 2
-        if recompute:
-            b_bytes += f_bytes
+        costs = Costs(grid.q, grid.d)
+        f_bytes, b_bytes = costs.linear("column", IN, OUT, B * T, input_is_parallel=parallel, recompute=recompute)
         out[key + " fwd bytes"] = (abs(fwd.total - f_bytes), 0.0)
         out[key + " bwd bytes"] = (abs(tally.total - fwd.total - b_bytes), 0.0)
-        out[key + " dep bytes"] = (abs(tally.bytes(group="tp_dep") - 2 * a_dep * 4 * (o * IN + o) / q ** 2), 0.0)
+        if (packed, parallel, recompute) == (1, True, False):  # bf16 autocast: every gather moves half the bytes
+            with comm.count() as half, torch.autocast("cpu", dtype=torch.bfloat16):
+                lin(xb).float().sum().backward()
+            out[key + " bf16 bytes are half"] = (abs(2 * half.total - tally.total), 0.0)
+            bf16 = Costs(grid.q, grid.d, autocast=torch.bfloat16).linear("column", IN, OUT, B * T)
+            out[key + " bf16 bytes"] = (abs(half.total - sum(bf16)), 0.0)
 
 
 def _norm_checks(C, grid, out):
     from cuboid.parallel import comm, layers as L
+    from cuboid.parallel.tensor.grid import Costs
 
-    loc, q, d = Local(grid), grid.q, grid.d
-    a, a_dep, N = (q - 1) / q, (d - 1) / d, B * T // (d * q)
+    loc = Local(grid)
     full = L.LayerNorm(H)
     with torch.no_grad():
         full.weight.normal_(), full.bias.normal_()
@@ -114,11 +115,9 @@ def _norm_checks(C, grid, out):
                 with comm.count() as fwd:
                     yb = ln(xb)
                 (yb * loc(g)).sum().backward()
-            f_bytes = 2 * 2 * a * 4 * N + 2 * a * 4 * H / q
-            b_bytes = f_bytes + 2 * a_dep * 4 * 2 * H / q ** 2
+            f_bytes, b_bytes = Costs(grid.q, grid.d).norm(H, B * T)
             out[key + " fwd bytes"] = (abs(fwd.total - f_bytes), 0.0)
             out[key + " bwd bytes"] = (abs(tally.total - fwd.total - b_bytes), 0.0)
-            out[key + " stats bytes"] = (abs(tally.bytes("all_reduce", "tp_row") - 4 * 2 * a * 4 * N), 0.0)
         out[key + " out"] = (rel(yb, loc(ya)), TOL)
         out[key + " dx"] = (rel(xb.grad, loc(xa.grad)), TOL)
         _grads(ln, full, out, key)
@@ -126,9 +125,10 @@ def _norm_checks(C, grid, out):
 
 def _vocab_checks(C, grid, out, vocabs):
     from cuboid.parallel import comm, layers as L
+    from cuboid.parallel.tensor.grid import Costs
 
     loc, q, d = Local(grid), grid.q, grid.d
-    a, N = (q - 1) / q, B * T // (d * q)
+    costs = Costs(q, d)
     for V in vocabs:
         key = f"vocab {V}"
         emb, bias = L.Embedding(V, H), L.Tensor(V)
@@ -147,7 +147,7 @@ def _vocab_checks(C, grid, out, vocabs):
             yb = ve(loc.batch(ids))
         (yb * loc(g)).sum().backward()
         out[key + " lookup"] = (rel(yb, loc(ya)), TOL)
-        out[key + " lookup fwd bytes"] = (abs(tally.total - a * 4 * (Vp * H / q + N * H)), 0.0)
+        out[key + " lookup fwd bytes"] = (abs(tally.total - costs.lookup(V, H, B * T)[0]), 0.0)
         out[key + " lookup dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
         emb.zero_grad(), ve.zero_grad()
         # tied head + loss, -100 labels; the first batch block has none at all
@@ -164,11 +164,9 @@ def _vocab_checks(C, grid, out, vocabs):
             with comm.count() as fwd:
                 loss_b = ve.lm_loss(hb, loc.batch(labels), bias=vt())
             loss_b.backward()
-        head = a * 4 * (N * H + Vp * H / q + Vp / q)
-        dep = (d - 1) / d
-        out[key + " loss fwd bytes"] = (abs(fwd.total - head - 2 * a * 12 * N - 2 * a * 8 - 2 * dep * 8), 0.0)
-        out[key + " loss bwd bytes"] = (abs(tally.total - fwd.total - head - 2 * dep * 4 * (Vp * H + Vp) / q ** 2),
-                                        0.0)
+        f_bytes, b_bytes = costs.lm_loss(V, H, B * T, B * T, bias=True)
+        out[key + " loss fwd bytes"] = (abs(fwd.total - f_bytes), 0.0)
+        out[key + " loss bwd bytes"] = (abs(tally.total - fwd.total - b_bytes), 0.0)
         out[key + " loss"] = (rel(loss_b, loss_a), TOL)
         out[key + " loss dh"] = (rel(hb.grad, loc(ha.grad)), TOL)
         out[key + " loss dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
@@ -182,7 +180,7 @@ def _vocab_checks(C, grid, out, vocabs):
 def _small_checks(C, grid, out):
     """Embedding2D, Tensor2D, Head2D + the batch-mean cross-entropy, split_input / gather_output."""
     from cuboid.parallel import comm, layers as L
-    from cuboid.parallel.tensor.grid import cross_entropy, gather_output, split_input
+    from cuboid.parallel.tensor.grid import Costs, cross_entropy, gather_output, split_input
 
     loc = Local(grid)
     pos = L.Embedding(6, H)
@@ -213,14 +211,12 @@ def _small_checks(C, grid, out):
     xa, xb = x.clone().requires_grad_(), loc(x).clone().requires_grad_()
     ya = full(xa)
     F.cross_entropy(ya, labels).backward()
-    q, a, dep, N = grid.q, (grid.q - 1) / grid.q, (grid.d - 1) / grid.d, B // grid.batch_parts
     with comm.count() as tally:
         with comm.count() as fwd:
             yb = head(xb)
             loss = head.loss_from_logits(yb, loc.batch(labels))
         loss.backward()
-    f_bytes = a * 4 * C_ * H / q + 2 * a * 4 * N * C_ + 2 * a * 8 + 2 * dep * 8
-    b_bytes = a * 4 * C_ * H / q + 2 * a * 4 * C_ + 2 * dep * 4 * (C_ * H / q ** 2 + C_)
+    f_bytes, b_bytes = Costs(grid.q, grid.d).head(H, C_, B, loss=True)
     out["head fwd bytes"] = (abs(fwd.total - f_bytes), 0.0)
     out["head bwd bytes"] = (abs(tally.total - fwd.total - b_bytes), 0.0)
     out["head out"] = (rel(yb, loc.batch(ya)), TOL)
@@ -253,11 +249,13 @@ def _batch(name, ref):
 
 def _zoo_checks(name, shard, grid, out, meta_check=True, **overrides):
     """A whole zoo model sharded by its spec: meta init, the zoo forward on batch-split inputs, loss,
-    logits, every gathered grad and the clipped grad norm, against the single-device model."""
+    logits, every gathered grad and the clipped grad norm (no reducer: the parameters' placements),
+    against the single-device model; a GPT step's bytes against ``bytes_per_step``."""
     import cuboid
     from cuboid import zoo
-    from cuboid.parallel import norm_reducer
+    from cuboid.parallel import Plan, comm
     from cuboid.parallel.optim import clip_grad_norm_
+    from cuboid.parallel.tensor import bytes_per_step
     from cuboid.parallel.tensor.grid import split_input
     from cuboid.zoo.common import sharded_parameters
 
@@ -272,10 +270,16 @@ def _zoo_checks(name, shard, grid, out, meta_check=True, **overrides):
                                        sharded_parameters(meta)), 0.0)
     batch = _batch(name, ref)
     local = {k: split_input(v, grid) for k, v in batch.items()}
-    out_ref, out_tp = ref(**batch), model(**local)  # the zoo forward itself, on batch-split inputs
+    out_ref = ref(**batch)
+    with comm.count() as tally:  # a training step: the logits are not gathered until read
+        out_tp = model(**local)  # the zoo forward itself, on batch-split inputs
+        out_tp.loss.backward()
     logits, loss = out_tp.logits, out_tp.loss  # the models route heads through the layers: whole batch
     out_ref.loss.backward()
-    loss.backward()
+    if name.startswith("gpt"):
+        plan = Plan(tp=grid.d * grid.q ** 2, tp_mode="2.5d" if grid.d > 1 else "2d", depth=grid.d)
+        expect = bytes_per_step(ref.config, plan, *batch["input_ids"].shape)
+        out[key + " step bytes == bytes_per_step"] = (abs(tally.total - expect) / expect, 1e-12)
     out[key + " loss"] = (rel(loss, out_ref.loss), TOL)
     out[key + " logits"] = (rel(logits, out_ref.logits), TOL)
     out[key + " hidden (local block)"] = (rel(out_tp.last_hidden_state, Local(grid)(out_ref.last_hidden_state)), TOL)
@@ -283,8 +287,13 @@ def _zoo_checks(name, shard, grid, out, meta_check=True, **overrides):
                                for n, mod, local, p in sharded_parameters(model)), TOL)
     params = list(model.parameters())
     n_ref = clip_grad_norm_(list(ref.parameters()), 0.5)
-    n_tp = clip_grad_norm_(params, 0.5, norm_reducer=norm_reducer(model))
+    n_tp = clip_grad_norm_(params, 0.5)
     out[key + " grad norm"] = (rel(n_tp, n_ref), TOL)
+    if name.startswith("gpt"):  # under bf16 autocast the matmul operands are gathered in bf16
+        with comm.count() as tally, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**local).loss.float().backward()
+        expect = bytes_per_step(ref.config, plan, *batch["input_ids"].shape, autocast=torch.bfloat16)
+        out[key + " bf16 step bytes == bytes_per_step"] = (abs(tally.total - expect) / expect, 1e-12)
 
 
 def tp2d_worker():
@@ -299,6 +308,11 @@ def tp2d_worker():
     _norm_checks(d2.CLASSES, grid, out)
     _vocab_checks(d2.CLASSES, grid, out, (10, 5, 8))
     _small_checks(d2.CLASSES, grid, out)
+    from cuboid.parallel import layers as L
+
+    full = L.Linear(8, 24)  # a grid given only its row and column groups gathers full tensors over each
+    bare = d2.Linear2D.from_full(full, Grid(grid.row, grid.col), packed=3)
+    out["grid without plane: full_tensor"] = (rel(bare.full_tensor("weight"), full.weight), 0.0)
     _zoo_checks("gpt-debug", d2.shard_2d, grid, out, vocab_size=510)  # vocab pads to 512
     _zoo_checks("bert-debug", d2.shard_2d, grid, out, vocab_size=510)  # MLM head, tied, with its bias
     _zoo_checks("bert-debug", d2.shard_2d, grid, out, head="cls", num_labels=3)  # pooler + classifier

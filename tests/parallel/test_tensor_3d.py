@@ -2,8 +2,9 @@
 
 One world of 8 gloo ranks is started once; one worker runs every check and
 returns {check: (error, tolerance)}. Tolerance: 1e-5 relative (fp32) for
-values, exact for byte counts (the formulas of d3's docstring), for sliced /
-gathered weights and for padding.
+values, exact for byte counts (``d3.Costs`` per layer, ``bytes_per_step`` for a
+GPT training step; half under bf16 autocast), for sliced / gathered weights
+and for padding.
 """
 import copy
 import os
@@ -25,7 +26,7 @@ def _layer_checks(mesh, out):
     q = mesh.size("tp_row")
     i, j, k = (mesh.coords[a] for a in ("tp_col", "tp_row", "tp_dep"))
     B, T = 4, 3                      # N = 12 rows; B splits over q^2 = 4
-    N, b = B * T, 4                  # fp32
+    N = B * T                        # rows, fp32
 
     def split(t, layout="block", hidden=True):
         return d3.split_input(t.detach(), mesh, layout=layout, hidden=hidden).clone().requires_grad_()
@@ -42,6 +43,7 @@ def _layer_checks(mesh, out):
             out[f"{key} {name} local_part"] = (rel(new.local_part(name, p.detach()), new._param(name)), 0.0)
 
     torch.manual_seed(0)  # same full layers and inputs on every rank
+    costs = d3.Costs(q)
 
     # Linear3D: column (block -> inner), packed qkv, row (inner -> block)
     for role, K, O in (("column", 8, 12), ("column_qkv", 8, 24), ("row", 12, 8)):
@@ -85,14 +87,19 @@ def _layer_checks(mesh, out):
             with comm.count() as fwd:
                 y = lin(xs)
             y.square().sum().backward()
-        f = (q - 1) / q ** 3 * b * (N * K + K * O + N * O)
-        bwd = (q - 1) / q ** 3 * b * (N * O + K * O + (N * K if needs_dx else 0)) + 2 * (q - 1) / q ** 2 * O * b
+        f, bwd = costs.linear("column", K, O, N, dx=needs_dx)
         key = f"linear bytes (dx={needs_dx})"
         out[key + " fwd"] = (abs(fwd.total - f), 0.0)
         out[key + " bwd"] = (abs(tally.total - fwd.total - bwd), 0.0)
         out[key + " calls"] = (abs(tally.calls() - (7 if needs_dx else 6)), 0.0)
         out[key + " groups"] = (abs(fwd.calls(group="tp_dep") + fwd.calls(group="tp_row")
                                     + fwd.calls(group="tp_col") - 3), 0.0)
+        if needs_dx:  # bf16 autocast: every operand and gradient moves in 2 bytes
+            with comm.count() as half, torch.autocast("cpu", dtype=torch.bfloat16):
+                lin(xs).float().square().sum().backward()
+            out[key + " bf16 is half"] = (abs(2 * half.total - tally.total), 0.0)
+            out[key + " bf16"] = (abs(half.total - sum(d3.Costs(q, autocast=torch.bfloat16).linear("column", K, O, N))),
+                                  0.0)
 
     # LayerNorm3D, plain and with the fused residual, and its exact traffic
     H = 8
@@ -114,8 +121,8 @@ def _layer_checks(mesh, out):
     out["norm dx"] = (rel(xs.grad, own(x.grad, "block")), TOL)
     out["norm dresidual"] = (rel(rs.grad, own(res.grad, "block")), TOL)
     check_params("norm", ln3, ln)
-    out["norm bytes fwd"] = (abs(fwd.total - 16 * (q - 1) * N / q ** 3), 0.0)
-    bwd = 16 * (q - 1) * N / q ** 3 + 8 * (q - 1) * H * b / q ** 2
+    f, bwd = costs.norm(H, N)
+    out["norm bytes fwd"] = (abs(fwd.total - f), 0.0)
     out["norm bytes bwd"] = (abs(tally.total - fwd.total - bwd), 0.0)
     ln.zero_grad(), ln3.zero_grad()
     xs2 = split(x)
@@ -143,9 +150,9 @@ def _layer_checks(mesh, out):
                 yb = ve(ids_b)
             (yb * g_b).sum().backward()
         (ya * g).sum().backward()
-        f = (q - 1) / q ** 3 * b * (vp * H + N * H) + 8 * (q - 1) * N / q ** 2
+        f, bwd = costs.lookup(V, H, N)
         out[key + " lookup bytes fwd"] = (abs(fwd.total - f), 0.0)
-        out[key + " lookup bytes bwd"] = (abs(tally.total - fwd.total - (q - 1) / q ** 3 * b * (N * H + vp * H)), 0.0)
+        out[key + " lookup bytes bwd"] = (abs(tally.total - fwd.total - bwd), 0.0)
         out[key + " lookup"] = (rel(yb, own(ya, "block")), TOL)
         out[key + " dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
         emb.zero_grad(), ve.zero_grad()
@@ -162,10 +169,9 @@ def _layer_checks(mesh, out):
             with comm.count() as fwd:
                 loss_b = ve.lm_loss(hs, labels_b, bias=vb())
             loss_b.backward()
-        head = (q - 1) / q ** 3 * b * (N * H + H * vp + N * vp)  # a column Linear3D, K = H, O = Vp, no bias
-        f = head + 8 * (q - 1) * N / q ** 2 + 24 * (q - 1) * N / q ** 3 + 2 * 2 * (q - 1) / q * 8
+        f, bwd = costs.lm_loss(V, H, N, N, bias=True)
         out[key + " loss bytes fwd"] = (abs(fwd.total - f), 0.0)
-        out[key + " loss bytes bwd"] = (abs(tally.total - fwd.total - head - 4 * (q - 1) * vp * b / q ** 2), 0.0)
+        out[key + " loss bytes bwd"] = (abs(tally.total - fwd.total - bwd), 0.0)
         out[key + " loss"] = (rel(loss_b, loss_a), TOL)
         out[key + " loss dh"] = (rel(hs.grad, own(h.grad, "block")), TOL)
         out[key + " loss dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
@@ -194,7 +200,7 @@ def _layer_checks(mesh, out):
     check_params("embedding", pe3, pe)
     with comm.count() as tally:
         (pe3(pos) * own(g, "block")).sum().backward()
-    out["embedding bytes bwd"] = (abs(tally.total - 4 * (q - 1) * 6 * H * b / q ** 2), 0.0)
+    out["embedding bytes bwd"] = (abs(tally.total - costs.embedding(6, H)[1]), 0.0)
     tok = L.Tensor(1, T, H)
     with torch.no_grad():
         tok.weight.normal_()
@@ -222,11 +228,7 @@ def _layer_checks(mesh, out):
             (yb * g_b).sum().backward()
         (ya * g).sum().backward()
         key = f"head {in_l}->{out_l}"
-        weights = 4 * (q - 1) * (O * K + O) * b / q ** 2
-        f, bwd = {"replicated": ((q - 1) * N * K * b / q ** 3 + (q - 1) * N * K * b / q ** 2
-                                 + 2 * (q - 1) / q * N * O * b, 0.0),
-                  "hidden": ((q - 1) * N * K * b / q ** 3, (q - 1) * N * K * b / q ** 3 + weights),
-                  "full": (0.0, 2 * (q - 1) * N * K * b / q ** 3 + weights)}["full" if in_l == "full" else out_l]
+        f, bwd = costs.head(K, O, N, in_l, out_l)
         out[key + " bytes fwd"] = (abs(fwd.total - f), 0.0)
         out[key + " bytes bwd"] = (abs(tally.total - fwd.total - bwd), 0.0)
         out[key + " out"] = (rel(yb, ya if out_l == "replicated" else own(ya, "block")), TOL)
@@ -244,9 +246,10 @@ def _layer_checks(mesh, out):
 def _model_checks(mesh, out):
     import cuboid
     from cuboid import zoo
+    from cuboid.parallel import comm
     from cuboid.parallel.optim import AdamW, clip_grad_norm_
-    from cuboid.parallel.tensor import d3
-    from cuboid.zoo.common import padding_mask, sharded_parameters
+    from cuboid.parallel.tensor import bytes_per_step, d3
+    from cuboid.zoo.common import sharded_parameters
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -274,23 +277,22 @@ def _model_checks(mesh, out):
     labels = ids.masked_fill(mask == 0, -100)
     params = list(model.parameters())
     opt_ref, opt = AdamW(ref.parameters(), lr=1e-2, eps=1e-3), AdamW(params, lr=1e-2, eps=1e-3)
+    # the model-level integration: ids/labels in the block layout, the attention's mask in the inner one
+    local = {"input_ids": d3.split_input(ids, mesh), "labels": d3.split_input(labels, mesh),
+             "attention_mask": d3.split_input(mask, mesh, layout="inner")}
     for step in range(2):
         loss_ref = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
-        # the model-level integration: ids/labels in the block layout, the attention's mask in the inner one
-        x = model.tok_emb(d3.split_input(ids, mesh)) + model.pos_emb(torch.arange(12).unsqueeze(0))
-        key_mask = padding_mask(d3.split_input(mask, mesh, layout="inner"))
-        residual = None
-        for block in model.blocks:
-            x, residual = block(x, residual, key_mask)
-        h, _ = model.ln_f(x, residual)
-        loss = model.tok_emb.lm_loss(h[:, :-1], d3.split_input(labels, mesh)[:, 1:])
+        with comm.count() as tally:  # the zoo forward: vocab-parallel loss, logits never gathered
+            loss = model(**local).loss
+            loss.backward()
         loss_ref.backward()
-        loss.backward()
         if step == 0:
             out["gpt loss"] = (rel(loss, loss_ref), TOL)
             out["gpt grads"] = (_grad_err(model, ref), TOL)
+            expect = bytes_per_step(ref.config, mesh.plan, *ids.shape)
+            out["gpt step bytes == bytes_per_step"] = (abs(tally.total - expect) / expect, 1e-12)
         n_ref = clip_grad_norm_(list(ref.parameters()), 0.5)
-        n_3d = clip_grad_norm_(params, 0.5, norm_reducer=d3.grad_norm_reducer(model, params, mesh))
+        n_3d = clip_grad_norm_(params, 0.5)  # the parameters' placements: (tp, replicas)
         out[f"gpt grad norm {step}"] = (rel(n_3d, n_ref), TOL)
         opt_ref.step(), opt.step()
         opt_ref.zero_grad(), opt.zero_grad()
