@@ -90,28 +90,10 @@ def checkpoint_blocks(model: nn.Module, blocks: str = "blocks") -> int:
 
 def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> nn.Module:
     """Swap ``model``'s layers for the plan's tensor-parallel ones (in place; meta models too)."""
+    from .tensor import shard_model
+
     plan.require_implemented()
-    if mesh.size("tp") == 1:
-        if spec is not None:
-            spec.apply_roles(model)
-        return model
-    if spec is None:
-        raise ValueError(f"plan {plan.describe()} shards layers by role: pass the model's sharding spec")
-    if plan.tp_mode == "1d":
-        from .tensor.d1 import shard_1d
-
-        return shard_1d(model, spec, mesh)
-    if plan.tp_mode == "2d":
-        from .tensor.d2 import shard_2d
-
-        return shard_2d(model, spec, mesh)
-    if plan.tp_mode == "2.5d":
-        from .tensor.d2p5 import shard_2p5d
-
-        return shard_2p5d(model, spec, mesh)
-    from .tensor.d3 import shard_3d
-
-    return shard_3d(model, spec, mesh)
+    return shard_model(model, spec, mesh)
 
 
 class BatchSplit:
