@@ -3,10 +3,16 @@
 A family's ``hf.py`` describes its names with :class:`TensorMap` rows: one zoo
 parameter made from one or more HF tensors (GPT-2's Conv1D weights are
 transposed, BERT's and ViT's separate query/key/value are stacked into the fused
-``qkv``). This module does the rest for every family: read a local HF folder
-(``config.json`` + ``model.safetensors`` or a sharded index), build the zoo
-model, load the weights with errors that name the key and both shapes, and
-write a folder ``transformers.AutoModel*.from_pretrained`` loads.
+``qkv``, ViT's patch kernel is reshaped). Each row says how to go both ways:
+``view`` turns the stored tensors into the zoo tensor *lazily* (a
+:class:`Transposed`, :class:`Stacked` or :class:`Reshaped` view that a layer
+slices like the full zoo tensor, reading only its own part of the file), and
+``to_hf`` splits a full zoo tensor into the stored ones.
+
+This module holds the mapping and the two entry points; the I/O is the
+checkpoint package's, so a Hugging Face folder and a cuboid checkpoint are
+read by the same reader (:mod:`cuboid.zoo.checkpoint.reader`) and written by
+the same writer (:mod:`cuboid.zoo.checkpoint.writer`).
 
 ``transformers`` itself is never imported: configs are plain JSON.
 """
@@ -16,35 +22,146 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from .common import sharded_parameters
 
 Tensors = List[torch.Tensor]
 
 
-def _identity_in(ts: Tensors) -> torch.Tensor:
-    return ts[0]
+def _first(stored: Sequence[Any]) -> Any:
+    return stored[0]
 
 
 def _identity_out(t: torch.Tensor) -> Tensors:
     return [t]
 
 
+# ------------------------------------------------------------------ lazy views
+#
+# A *sliceable* is a full tensor or a safetensors ``get_slice`` object: it has
+# a shape, and ``x[slices]`` (one slice per dim, step 1) reads just that block.
+# The views below are sliceables too, shaped like the zoo tensor, so a layer's
+# ``local_part(name, view)`` / ``load_full(name, view)`` reads only its slices
+# through them, whatever the mapping.
+
+
+def shape_of(x: Any) -> tuple:
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else tuple(x.get_shape())
+
+
+def _dtype_of(x: Any):
+    return x.dtype if isinstance(x, torch.Tensor) else x.get_dtype()
+
+
+def _slices(idx: Any, shape: Sequence[int]) -> tuple:
+    """``idx`` as one ``slice(start, stop)`` per dim (missing trailing dims: whole)."""
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if len(idx) > len(shape):
+        raise IndexError(f"{len(idx)} indices for a tensor of shape {tuple(shape)}")
+    out = []
+    for s, n in zip(idx + (slice(None),) * (len(shape) - len(idx)), shape):
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError(f"lazy views take slices with step 1, got {s!r}")
+        a, b, _ = s.indices(n)
+        out.append(slice(a, max(a, b)))
+    return tuple(out)
+
+
+def _read(x: Any, idx: tuple) -> torch.Tensor:
+    return torch.as_tensor(x[idx])
+
+
+class Transposed:
+    """A 2-D stored (in, out) tensor seen as the zoo's (out, in): ``[a, b]`` reads ``[b, a]`` and returns its ``.t()``.
+
+    GPT-2's Conv1D weights. The result is a view of what was read (no copy):
+    the whole tensor comes back as the file's bytes in transposed layout.
+    """
+
+    def __init__(self, stored: Any) -> None:
+        self.stored = stored
+
+    def get_shape(self) -> list:
+        return list(reversed(shape_of(self.stored)))
+
+    def get_dtype(self):
+        return _dtype_of(self.stored)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        a, b = _slices(idx, self.get_shape())
+        return _read(self.stored, (b, a)).t()
+
+
+class Stacked:
+    """Stored tensors of equal trailing shape seen stacked on dim 0 (q, k, v -> the fused qkv).
+
+    A slice of dim 0 reads only the rows of each part it covers; a slice
+    inside one part is that part's rows, as read (no copy).
+    """
+
+    def __init__(self, parts: Sequence[Any]) -> None:
+        self.parts = list(parts)
+        self.rows = [shape_of(p)[0] for p in self.parts]
+
+    def get_shape(self) -> list:
+        return [sum(self.rows), *shape_of(self.parts[0])[1:]]
+
+    def get_dtype(self):
+        return _dtype_of(self.parts[0])
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        first, *rest = _slices(idx, self.get_shape())
+        pieces, at = [], 0
+        for part, n in zip(self.parts, self.rows):
+            a, b = max(first.start - at, 0), min(first.stop - at, n)
+            if b > a:
+                pieces.append(_read(part, (slice(a, b), *rest)))
+            at += n
+        if not pieces:  # an empty slice
+            return _read(self.parts[0], (slice(0, 0), *rest))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 0)
+
+
+class Reshaped:
+    """A stored tensor seen with another shape of the same leading dim (ViT's (D, C, p, p) patch kernel as (D, C p p)).
+
+    A slice of dim 0 reads only those rows.
+    """
+
+    def __init__(self, stored: Any, shape: Sequence[int]) -> None:
+        self.stored, self.shape = stored, tuple(shape)
+        src = shape_of(stored)
+        if torch.Size(src).numel() != torch.Size(self.shape).numel() or src[:1] != self.shape[:1]:
+            raise ValueError(f"cannot view a stored {src} tensor as {self.shape} row by row")
+
+    def get_shape(self) -> list:
+        return list(self.shape)
+
+    def get_dtype(self):
+        return _dtype_of(self.stored)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        first, *rest = _slices(idx, self.shape)
+        src = shape_of(self.stored)
+        rows = _read(self.stored, (first, *(slice(0, n) for n in src[1:])))
+        return rows.reshape(rows.shape[0], *self.shape[1:])[(slice(None), *rest)]
+
+
 @dataclass(frozen=True)
 class TensorMap:
-    """One zoo parameter <- HF tensors, with the transforms both ways."""
+    """One zoo parameter <- HF tensors, with the transforms both ways.
+
+    ``view(stored)``: the zoo tensor as a lazy sliceable over the stored
+    tensors (sliceables, in ``hf`` order); ``to_hf(full)``: the stored tensors
+    of a full zoo tensor.
+    """
 
     zoo: str
     hf: Sequence[str]
-    to_zoo: Callable[[Tensors], torch.Tensor] = _identity_in
+    view: Callable[[Sequence[Any]], Any] = _first
     to_hf: Callable[[torch.Tensor], Tensors] = _identity_out
     top: bool = False  # a head tensor: stored outside the base model's prefix
-    kind: str = ""     # "transposed" / "stacked" / "reshaped" when built by those helpers (lazy readers use it)
 
 
 def weight_bias(zoo: str, hf: str) -> List[TensorMap]:
@@ -54,20 +171,18 @@ def weight_bias(zoo: str, hf: str) -> List[TensorMap]:
 
 def transposed(zoo: str, hf: str) -> TensorMap:
     """A GPT-2 Conv1D weight: HF stores (in, out), the zoo (out, in)."""
-    return TensorMap(zoo, (hf,), lambda ts: ts[0].t().contiguous(), lambda t: [t.t().contiguous()],
-                     kind="transposed")
+    return TensorMap(zoo, (hf,), lambda s: Transposed(s[0]), lambda t: [t.t().contiguous()])
 
 
 def stacked(zoo: str, hf: Sequence[str]) -> TensorMap:
     """Separate q/k/v tensors stacked on dim 0 into the fused qkv."""
     n = len(hf)
-    return TensorMap(zoo, tuple(hf), lambda ts: torch.cat(ts, 0),
-                     lambda t: [c.contiguous() for c in t.chunk(n, 0)], kind="stacked")
+    return TensorMap(zoo, tuple(hf), Stacked, lambda t: [c.contiguous() for c in t.chunk(n, 0)])
 
 
 def reshaped(zoo: str, hf: str, zoo_shape: Sequence[int], hf_shape: Sequence[int]) -> TensorMap:
-    return TensorMap(zoo, (hf,), lambda ts: ts[0].reshape(*zoo_shape),
-                     lambda t: [t.reshape(*hf_shape).contiguous()], kind="reshaped")
+    return TensorMap(zoo, (hf,), lambda s: Reshaped(s[0], zoo_shape),
+                     lambda t: [t.reshape(*hf_shape).contiguous()])
 
 
 @dataclass
@@ -86,141 +201,26 @@ class Family:
     renames: Sequence[tuple] = field(default_factory=tuple)  # legacy HF key fragments -> current
 
 
-# ----------------------------------------------------------------------- reading
+# ------------------------------------------------------------------ folders
 
 
 def read_config(path: Path) -> dict:
-    cfg_path = path / "config.json"
+    cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder: no config.json")
     with open(cfg_path) as f:
         return json.load(f)
 
 
-class SafetensorsFolder:
-    """Lazy, name-addressed access to the tensors of a folder's safetensors files."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        index = path / "model.safetensors.index.json"
-        single = path / "model.safetensors"
-        if index.is_file():
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        elif single.is_file():
-            weight_map = None
-        else:
-            extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
-                path.glob("*.bin")) else ""
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json{extra}")
-        self._handles: Dict[str, object] = {}
-        if weight_map is None:
-            self.weight_map = {k: "model.safetensors" for k in self._open("model.safetensors").keys()}
-        else:
-            for name, file in weight_map.items():
-                self._check_name(file, name)
-            self.weight_map = dict(weight_map)
-
-    def _check_name(self, file: str, tensor: str) -> None:
-        p = Path(file)
-        if p.is_absolute() or ".." in p.parts or len(p.parts) != 1:
-            raise ValueError(f"{self.path}: shard name {file!r} for {tensor} escapes the folder")
-
-    def _open(self, file: str):
-        h = self._handles.get(file)
-        if h is None:
-            full = self.path / file
-            if not full.is_file():
-                raise FileNotFoundError(f"{self.path}: the index names {file}, which does not exist")
-            h = safe_open(str(full), framework="pt")
-            self._handles[file] = h
-        return h
-
-    def keys(self) -> List[str]:
-        return list(self.weight_map)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._open(self.weight_map[name]).get_tensor(name)
-
-
-def _normalise_keys(folder: SafetensorsFolder, family: Family) -> Dict[str, str]:
+def normalise_keys(keys: Iterable[str], family: Family) -> Dict[str, str]:
     """Canonical HF name (no base prefix, legacy fragments renamed) -> stored name."""
     out = {}
-    for key in folder.keys():
+    for key in keys:
         canon = key[len(family.base_prefix):] if key.startswith(family.base_prefix) else key
         for old, new in family.renames:
             canon = canon.replace(old, new)
         out[canon] = key
     return out
-
-
-def load_hf_weights(model: torch.nn.Module, family: Family, path: Path, *, strict: bool = True) -> dict:
-    """Load a local HF folder's tensors into ``model``; returns {missing, unexpected, mismatched}.
-
-    With ``strict`` any problem is a ``ValueError`` that names every key with both shapes.
-    """
-    folder = SafetensorsFolder(path)
-    stored = _normalise_keys(folder, family)
-    params = {name: (mod, local) for name, mod, local, _ in sharded_parameters(model)}
-    used, missing, mismatched = set(), [], []
-    loads = []
-    for row in family.tensor_maps(model.config):
-        if row.zoo not in params:
-            continue
-        if not all(h in stored for h in row.hf):
-            missing.extend(h for h in row.hf if h not in stored)
-            continue
-        used.update(row.hf)
-        full = row.to_zoo([folder.get(stored[h]) for h in row.hf])
-        mod, local = params[row.zoo]
-        want = tuple(mod.full_shape(local))
-        if tuple(full.shape) != want:
-            mismatched.append(f"{' + '.join(row.hf)} -> {row.zoo}: checkpoint {tuple(full.shape)}, model {want}")
-            continue
-        loads.append((mod, local, full))
-    unexpected = [k for k in stored if k not in used and not k.endswith(tuple(family.ignored))]
-    problems = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
-    if strict and any(problems.values()):
-        lines = [f"{kind}: {', '.join(v)}" for kind, v in problems.items() if v]
-        raise ValueError(f"{path}: weights do not fit the {family.name} model; " + "; ".join(lines))
-    for mod, local, full in loads:
-        mod.load_full(local, full)
-    return problems
-
-
-# ----------------------------------------------------------------------- writing
-
-
-def hf_state_dict(model: torch.nn.Module, family: Family) -> Dict[str, torch.Tensor]:
-    """The model's full tensors under HF names (with the architecture's prefix)."""
-    arch = family.architecture_of(model.config)
-    prefix = family.base_prefix if family.architectures[arch].get("prefixed", True) else ""
-    params = {name: (mod, local) for name, mod, local, _ in sharded_parameters(model)}
-    out = {}
-    for row in family.tensor_maps(model.config):
-        if row.zoo not in params:
-            continue
-        mod, local = params[row.zoo]
-        for hf_name, t in zip(row.hf, row.to_hf(mod.full_tensor(local))):
-            out[hf_name if row.top else prefix + hf_name] = t.detach().cpu().contiguous()
-    return out
-
-
-def save_hf(model: torch.nn.Module, family: Family, path: os.PathLike) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(model, family)
-    cfg = family.config_to_hf(model.config)
-    cfg["architectures"] = [family.architecture_of(model.config)]
-    dtype = next(iter(tensors.values())).dtype
-    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    tmp = path / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path / "model.safetensors")
-    with open(path / "config.json", "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    return path
 
 
 def architecture_from_config(cfg: dict, families: Sequence[Family], path: Path) -> tuple[Family, str]:
@@ -236,12 +236,18 @@ def architecture_from_config(cfg: dict, families: Sequence[Family], path: Path) 
 
 def from_hf(path: os.PathLike, families: Sequence[Family], *, dtype: Optional[torch.dtype] = None,
             device=None, strict: bool = True, transform: Optional[Callable] = None) -> torch.nn.Module:
-    """Build the zoo model for a local HF folder and load its weights.
+    """Build the zoo model for a local folder (HF's or a cuboid checkpoint) and load its weights.
 
-    ``transform(model)`` runs on the meta-device model before anything is
-    allocated (the tensor modes shard there), so a rank allocates and reads only
-    its own slices.
+    The model is built on the meta device; ``transform(model)`` runs there
+    (the tensor modes shard it), and ``dtype`` casts it there, before anything
+    is allocated. :func:`cuboid.zoo.checkpoint.reader.read_new` then
+    validates every tensor and reads only this rank's slices; on CPU, parts
+    read as they are stored stay backed by the mapped files (copy-on-write),
+    as ``transformers`` keeps them. ``device="meta"`` checks names and shapes
+    and returns the model unallocated.
     """
+    from .checkpoint.reader import read_new  # the checkpoint package imports this module
+
     path = Path(path)
     cfg = read_config(path)
     family, arch = architecture_from_config(cfg, families, path)
@@ -250,9 +256,14 @@ def from_hf(path: os.PathLike, families: Sequence[Family], *, dtype: Optional[to
         model = family.build(config)
     if transform is not None:
         model = transform(model)
-    model.to_empty(device=device or "cpu")
-    model.init_weights(0)  # anything the checkpoint lacks (strict=False) is initialised, not garbage
-    load_hf_weights(model, family, path, strict=strict)
     if dtype is not None:
-        model.to(dtype)
+        model.to(dtype)  # on meta: free; every tensor is cast as it is read
+    read_new(model, path, device=device or "cpu", strict=strict)
     return model
+
+
+def save_hf(model: torch.nn.Module, family: Family, path: os.PathLike) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (:func:`.checkpoint.writer.export`)."""
+    from .checkpoint.writer import export
+
+    return export(model, path)

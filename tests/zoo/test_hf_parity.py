@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import cuboid
 from cuboid import zoo
-from cuboid.zoo import hf_io
+from cuboid.zoo import checkpoint
 
 from .hf_cases import CASES, hf_outputs, make_batch, make_hf
 
@@ -120,7 +120,8 @@ def test_mismatched_weights_name_key_and_shapes(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["n_positions"] = 16
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"wpe.weight -> pos_emb.weight: checkpoint \(32, 48\), model \(16, 48\)"):
+    with pytest.raises(ValueError, match=r"transformer\.wpe\.weight \(-> pos_emb\.weight\): "
+                                         r"checkpoint \(32, 48\) torch\.float32, model \(16, 48\) torch\.float32"):
         cuboid.load(tmp_path)
 
 
@@ -132,12 +133,16 @@ def test_missing_and_unexpected_keys_are_named(tmp_path):
     tensors["bert.extra.weight"] = torch.zeros(2)
     from safetensors.torch import save_file
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing: classifier.bias; unexpected: extra.weight"):
+    with pytest.raises(ValueError, match=r"missing: classifier\.bias; unexpected: bert\.extra\.weight"):
         cuboid.load(tmp_path)
     model = zoo.build(zoo.config_of("bert-debug", head="cls", dim=48, n_heads=4, mlp_hidden=96,
                                     vocab_size=97, n_positions=32, num_labels=2), device="cpu")
-    problems = hf_io.load_hf_weights(model, zoo.FAMILIES["bert"], tmp_path, strict=False)
-    assert problems["missing"] == ["classifier.bias"] and problems["unexpected"] == ["extra.weight"]
+    problems = checkpoint.load(model, tmp_path, strict=False)
+    assert problems["missing"] == ["classifier.bias"] and problems["unexpected"] == ["bert.extra.weight"]
+    # a fresh model: what fits is read, what the folder lacks is initialised (zero bias), not garbage
+    loaded = zoo.from_hf(tmp_path, strict=False)
+    assert not loaded.classifier.bias.any()
+    assert torch.equal(loaded.classifier.weight, tensors["classifier.weight"])
 
 
 def test_folder_without_weights_or_config(tmp_path):

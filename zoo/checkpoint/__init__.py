@@ -25,10 +25,12 @@ On disk (``transformers.AutoModel*.from_pretrained(path)`` loads the model part)
 Modules: :mod:`.planner` (which tensor in which file, from shapes only, on
 ``huggingface_hub``'s splitter), :mod:`.format` (streaming safetensors writer,
 byte checks), :mod:`.writer` (the save loop: rank 0 writes everything, every
-rank gathers every tensor in the same order), :mod:`.folder` (the atomic
-replace protocol and what a crash leaves), :mod:`.reader` (validation,
-verify, load through ``shard_slices``), :mod:`.state` (optimizer, RNG,
-training state), :mod:`.convert`.
+rank gathers every tensor in the same order; ``zoo.to_hf`` writes through it
+too), :mod:`.folder` (the atomic replace protocol and what a crash leaves),
+:mod:`.reader` (validation, verify, and the one folder reader: ``load`` here,
+``cuboid.load(folder)`` / ``zoo.from_hf`` through ``read_new``, both reading
+only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
+(optimizer, RNG, training state), :mod:`.convert`.
 
 Checkpoint code reaches parameters only through the layers' full-tensor
 interface (``full_shape``, ``shard_slices``, ``full_tensor``, ``load_full``;

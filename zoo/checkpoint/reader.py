@@ -1,4 +1,4 @@
-"""Reading checkpoint folders: validated lazy access, :func:`verify`, :func:`load`.
+"""Reading model folders: validated lazy access, :func:`verify`, and the one loader.
 
 :class:`TensorFolder` opens a ``{stem}.safetensors`` file or a
 ``{stem}.safetensors.index.json`` with its shards (cuboid's or anyone's),
@@ -6,13 +6,21 @@ checking before any tensor is read that every shard name stays inside the
 folder, every named shard exists, has the size the index recorded (cuboid
 indexes record sizes and SHA-256s under ``metadata.files``), has a valid
 safetensors header and holds the tensors the index says it holds. Tensors are
-read through ``safe_open`` (mmap): ``get_slice`` reads only the rows asked for.
+read through ``safe_open`` (mmap): ``get_slice`` reads only the block asked for,
+as a view of the mapped file.
+
+Every folder load goes through :func:`plan_reads` and the mapping's lazy views:
+:func:`load` (``checkpoint.load``: into an existing model, copied into its
+tensors) and :func:`read_new` (``cuboid.load(folder)`` / ``zoo.from_hf``: into
+a new model, adopting what was read without copying it).
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -30,6 +38,10 @@ def check_name(folder: Path, file: str, what: str) -> None:
     p = Path(file)
     if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file:
         raise CheckpointError(f"{folder}: shard name {file!r} for {what} escapes the folder")
+
+
+class NoWeightsError(CheckpointError, FileNotFoundError):
+    """A folder without safetensors weights (a checkpoint problem, and a missing file)."""
 
 
 class TensorFolder:
@@ -66,7 +78,7 @@ class TensorFolder:
         else:
             extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
                 self.path.glob("*.bin")) else ""
-            raise CheckpointError(f"{self.path}: no {single} or {self.index_path.name}{extra}")
+            raise NoWeightsError(f"{self.path}: no {single} or {self.index_path.name}{extra}")
 
     @property
     def files(self) -> List[str]:
@@ -196,30 +208,25 @@ _verify = verify
 
 
 # -------------------------------------------------------------------------- load
+#
+# One reading path for every folder load: checkpoint.load (into a model that
+# exists) and from_hf / cuboid.load(folder) (into a meta model, allocated
+# here). Both plan the reads from the headers alone (every problem found
+# before any byte is read), then hand each layer a lazy, zoo-shaped view of
+# its stored tensors (safetensors get_slice objects, through the mapping's
+# Transposed / Stacked / Reshaped views), so each rank reads only its
+# shard_slices from the memory-mapped files.
 
 
-class TransposedSlice:
-    """A lazy 2-D slice object seen transposed: ``[a, b]`` reads ``[b, a]`` from the file and returns its ``.t()``.
+@dataclass
+class _Read:
+    """One zoo parameter to fill: its mapping row, its layer, and the stored names it reads."""
 
-    GPT-2's Conv1D weights are stored (in, out), the zoo's are (out, in): the
-    layer's ``load_full`` slices this like the full zoo tensor, reads only its
-    part, and its ``copy_`` does the transposition (no full temporary).
-    """
-
-    def __init__(self, sl) -> None:
-        self._sl = sl
-
-    def get_shape(self):
-        return list(reversed(self._sl.get_shape()))
-
-    def get_dtype(self):
-        return self._sl.get_dtype()
-
-    def __getitem__(self, idx):
-        if not isinstance(idx, tuple):
-            idx = (idx,)
-        idx = idx + (slice(None),) * (2 - len(idx))
-        return self._sl[idx[1], idx[0]].t()
+    row: hf_io.TensorMap
+    mod: torch.nn.Module
+    local: str
+    stored: Tuple[str, ...]
+    shared: bool = False  # a stored tensor that feeds another parameter too: never adopted, copied
 
 
 def _kind(dtype) -> str:
@@ -228,36 +235,13 @@ def _kind(dtype) -> str:
     return "float" if dtype.is_floating_point else ("complex" if dtype.is_complex else "int")
 
 
-def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = False) -> dict:
-    """Load a cuboid or Hugging Face checkpoint folder into ``model``, built under any plan.
-
-    Every layer is asked for its part through the full-tensor interface:
-    tensors stored as they are, and GPT-2's transposed Conv1D weights (through
-    :class:`TransposedSlice`), go to ``load_full`` as lazy ``safe_open``
-    slices, so each rank reads only its ``shard_slices`` from the mmap. The
-    other transforms (BERT/ViT query/key/value stacked into ``qkv``, the ViT
-    patch reshape) are read whole, transformed, and handed over as a full
-    tensor: the peak is one such tensor (a (3d, d) qkv: 20 MB fp32 at
-    vit-huge), never a layer stack or the model.
-    Floating-point tensors are cast to the parameter's dtype (a bf16
-    checkpoint loads into an fp32 model); a non-float tensor for a float
-    parameter is a mismatch.
-
-    Every problem is collected first: missing, unexpected and mis-shaped keys
-    (with both shapes and dtypes). ``strict`` raises a :class:`CheckpointError`
-    naming all of them and loads nothing; ``strict=False`` loads what fits and
-    returns them. ``verify=True`` runs :func:`verify` first (reads every byte).
-    Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
-    """
-    root = resolve(path)
-    if verify:
-        _verify(root)
-    folder = TensorFolder(root, "model")
+def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read], dict]:
+    """What to read for each parameter, and every problem, from the headers alone (no tensor data)."""
     family = family_of(model)
-    stored = hf_io._normalise_keys(folder, family)
+    stored = hf_io.normalise_keys(folder.keys(), family)
     prefix = hf_prefix(model, family)
     params = {name: (mod, local, p) for name, mod, local, p in sharded_parameters(model)}
-    used, missing, mismatched, loads = set(), [], [], []
+    used, missing, mismatched, reads = set(), [], [], []
     covered = set()
     for row in family.tensor_maps(model.config):
         if row.zoo not in params:
@@ -278,18 +262,102 @@ def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = Fa
         if bad:
             mismatched.extend(bad)
             continue
-        loads.append((row, mod, local))
+        reads.append(_Read(row, mod, local, tuple(stored[h] for h in row.hf)))
     missing.extend(n for n in params if n not in covered)
     unexpected = [k for k in stored if k not in used and not k.endswith(tuple(family.ignored))]
-    problems = {"missing": missing, "unexpected": [stored[k] for k in unexpected], "mismatched": mismatched}
+    uses = Counter(n for r in reads for n in r.stored)
+    for r in reads:
+        r.shared = any(uses[n] > 1 for n in r.stored)
+    return reads, {"missing": missing, "unexpected": [stored[k] for k in unexpected], "mismatched": mismatched}
+
+
+def _open(model: torch.nn.Module, path, strict: bool, verify: bool):
+    root = resolve(path)
+    if verify:
+        _verify(root)
+    folder = TensorFolder(root, "model")
+    reads, problems = plan_reads(model, folder)
     if strict and any(problems.values()):
         lines = [f"{kind}: {', '.join(v)}" for kind, v in problems.items() if v]
-        raise CheckpointError(f"{root}: checkpoint does not fit the {family.name} model; " + "; ".join(lines))
-    for row, mod, local in loads:
-        if row.to_zoo is hf_io._identity_in and len(mod.full_shape(local)) > 0:
-            mod.load_full(local, folder.get_slice(stored[row.hf[0]]))  # this rank's slices only
-        elif row.kind == "transposed" and len(mod.full_shape(local)) == 2:
-            mod.load_full(local, TransposedSlice(folder.get_slice(stored[row.hf[0]])))
+        raise CheckpointError(f"{root}: checkpoint does not fit the {family_of(model).name} model; "
+                              + "; ".join(lines))
+    return folder, reads, problems
+
+
+def _view(folder: TensorFolder, r: _Read):
+    """The zoo-shaped lazy view of ``r``'s stored tensors: slicing it reads only that block of the files."""
+    return r.row.view([folder.get_slice(n) for n in r.stored])
+
+
+def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = False) -> dict:
+    """Load a cuboid or Hugging Face checkpoint folder into ``model``, built under any plan.
+
+    Every layer gets its part through ``load_full(name, view)``, where
+    ``view`` is a lazy, zoo-shaped view of the stored tensors (safetensors
+    ``get_slice`` objects behind the mapping's transposes, q/k/v stacks and
+    reshapes): each rank reads only its ``shard_slices`` from the mmap, and a
+    transform never materialises more than the block asked for. Values are
+    copied into the model's own tensors. Floating-point tensors are cast to
+    the parameter's dtype (a bf16 checkpoint loads into an fp32 model); a
+    non-float tensor for a float parameter is a mismatch.
+
+    Every problem is collected first: missing, unexpected and mis-shaped keys
+    (with both shapes and dtypes). ``strict`` raises a :class:`CheckpointError`
+    naming all of them and loads nothing; ``strict=False`` loads what fits and
+    returns them. ``verify=True`` runs :func:`verify` first (reads every byte).
+    Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
+    """
+    folder, reads, problems = _open(model, path, strict, verify)
+    for r in reads:
+        r.mod.load_full(r.local, _view(folder, r))
+    return problems
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Contiguous, or a 2-D transpose of a contiguous block (GPT-2 Conv1D weights as stored)."""
+    return t.is_contiguous() or (t.dim() == 2 and t.t().is_contiguous())
+
+
+def _fill(r: _Read, view) -> None:
+    """Make ``r``'s parameter this rank's part of ``view``: adopted without a copy where it can be."""
+    param = getattr(r.mod, r.local)
+    part = r.mod.local_part(r.local, view)
+    if part.dtype != param.dtype:
+        part = part.to(param.dtype)
+    if tuple(part.shape) != tuple(param.shape):
+        raise CheckpointError(f"{r.row.zoo}: {type(r.mod).__name__}.local_part gave {tuple(part.shape)} "
+                              f"for a local parameter of {tuple(param.shape)}")
+    with torch.no_grad():
+        if not r.shared and part.device == param.device and _dense(part):
+            param.data = part  # a view of the mapped file (copy-on-write), or a tensor made for it
         else:
-            mod.load_full(local, row.to_zoo([folder.get_tensor(stored[h]) for h in row.hf]))
+            param.copy_(part)
+
+
+def read_new(model: torch.nn.Module, path, *, device="cpu", strict: bool = True) -> dict:
+    """Allocate the meta ``model`` on ``device`` and fill it from the folder ``path`` (what ``from_hf`` runs).
+
+    The same plan and views as :func:`load`, but the parameters are new, so
+    nothing is copied that need not be: each layer's ``local_part`` is
+    adopted as the parameter when it is on ``device`` with the parameter's
+    dtype and a dense layout. On CPU a part stored as it is used (a whole
+    tensor, a block of rows, a GPT-2 Conv1D weight in its stored (in, out)
+    layout, which the parameter then has: a transposed view, not
+    contiguous) stays a view of the memory-mapped file, as ``transformers``
+    keeps its weights: no anonymous memory until it is written, and
+    copy-on-write then (the files must not be rewritten in place while the
+    model lives; cuboid's writers replace files by rename). Parts that are
+    assembled (tensor-parallel segments, stacked q/k/v, padding) or cast are
+    made once and adopted. ``device="meta"``: the checks only, nothing
+    allocated. Parameters the folder lacks (``strict=False``) are
+    initialised by ``model.init_weights(0)``, not left as garbage.
+    """
+    folder, reads, problems = _open(model, path, strict, False)
+    if str(device) == "meta":
+        return problems
+    model.to_empty(device=device)
+    if len(reads) < sum(1 for _ in sharded_parameters(model)):
+        model.init_weights(0)
+    for r in reads:
+        _fill(r, _view(folder, r))
     return problems

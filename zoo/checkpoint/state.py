@@ -225,7 +225,7 @@ def gather_rng(world: int) -> List[dict]:
 
 def _plan_record(model: torch.nn.Module, world: int) -> Any:
     plan = getattr(model, "plan", None)
-    if plan is None:
+    if plan is None or (dataclasses.is_dataclass(plan) and plan == type(plan)()):  # no plan, or the default one
         return {"name": "single" if world == 1 else "dp", "dp": world}
     if hasattr(plan, "to_dict"):
         return jsonable(plan.to_dict(), "plan")

@@ -1,4 +1,8 @@
-"""Writing checkpoints: :func:`save`, and the shard writer the converter shares.
+"""Writing model folders: :func:`save`, :func:`export` (``zoo.to_hf``), and the shard writer the converter shares.
+
+:func:`save` and :func:`export` share everything but the folder protocol: the
+sources (:func:`~.planner.model_sources`: HF names, tied weights once), the
+config and dtype rule (:func:`hf_config`) and the file writer below.
 
 Every rank runs the same loop over the same plan: for each file, for each
 tensor in the file's order, fetch its source (one ``full_tensor`` call per zoo
@@ -13,6 +17,8 @@ tensor parallelism) go on to the end so no rank is left waiting in one.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
@@ -116,12 +122,54 @@ def finish(job: Job, world: int, path: Path) -> None:
 
 
 def hf_config(model: torch.nn.Module) -> dict:
+    """``config.json`` of every folder cuboid writes (:func:`save` and :func:`export`).
+
+    The family's config, its architecture, and ``torch_dtype``: the dtype of
+    the floating-point parameters, which is the dtype the tensors are stored in.
+    """
     family = family_of(model)
     cfg = family.config_to_hf(model.config)
     cfg["architectures"] = [family.architecture_of(model.config)]
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     return cfg
+
+
+def export(model: torch.nn.Module, path) -> Path:
+    """Write ``model`` into the folder ``path`` as ``config.json`` + one ``model.safetensors`` (``zoo.to_hf``).
+
+    The same sources, config and dtype rules as :func:`save`, without its
+    folder replacement: ``path`` is created if need be and its other files
+    (a tokenizer, a model card) are kept. Each file is written under a temporary
+    folder inside ``path`` and renamed into place, ``config.json`` last. Call
+    it on every rank of a sharded model (every rank gathers, rank 0 writes).
+    """
+    path = Path(path).absolute()
+    rank, world = dist_info()
+    sources = model_sources(model)
+    plan = plan_shards(sources, "model", None)
+    cfg = hf_config(model)
+
+    def scratch() -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".cuboid-export-", dir=path))
+
+    def move_in() -> None:
+        for name in ("model.safetensors", "config.json"):
+            os.replace(job.tmp / name, path / name)
+        folder_mod.fsync_dir(path)
+
+    job = Job(rank == 0)
+    try:
+        job.tmp = job.call(scratch)
+        rec = job.file("config.json", lambda: write_json(job.tmp / "config.json", cfg))
+        write_model_files(plan, sources, job, {"config.json": rec} if rec is not None else {})
+        job.call(move_in)
+    finally:
+        if job.tmp is not None:
+            folder_mod.abort(job.tmp)
+    finish(job, world, path)
+    return path
 
 
 def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimizer=None, scheduler=None,
