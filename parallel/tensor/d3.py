@@ -48,11 +48,13 @@ the four linears of a block of width H, MLP 4H, move about
 ``2 (q-1)/q^3 * 16 N H b`` per step when N >> H (1D: ``8 (p-1)/p N H b``).
 LayerNorm3D all-reduces two fp32 sums per row over ``tp_col`` each way and
 its weight and bias gradients over ``tp_dep`` and ``tp_row``. The vocab table
-gathers the ids over ``tp_row``, its vocab block over ``tp_dep``, and
-reduce-scatters the looked-up rows; the tied head is a column Linear3D
-(K = H, O = Vp, no bias), and the loss gathers the labels, all-reduces fp32
-statistics over ``tp_row`` and an fp32 (sum, count) pair over ``tp_col`` and
-``tp_dep``. Hidden-split tables and tensors move nothing forward and
+(:class:`VocabEmbedding3D`) gathers a (Vp/q, H) block of itself over
+``tp_dep`` and ``tp_row`` for the lookup and for the tied head; the lookup
+reduce-scatters its (N/q^2, H) rows over ``tp_col``, the head all-gathers
+``h``'s features over ``tp_col`` and multiplies locally, so no logits-sized
+tensor ever moves: a step's traffic has no B T V term, only the table's
+``Vp H / q`` and the loss's fp32 statistics over ``tp_col`` and (sum, count)
+pair over ``tp_row`` and ``tp_dep``. Hidden-split tables and tensors move nothing forward and
 all-reduce their gradients over the two axes they are replicated on. Under
 bf16 autocast every matmul operand (inputs, weights) is gathered in bf16.
 
@@ -244,9 +246,15 @@ class LayerNorm3D(Sharded3D, L.LayerNorm):
 
 
 class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
-    """Token table (V, H), also the tied LM head: rank (k, i, j) holds vocab chunk j q + k, features i.
+    """Token table (V, H), also the tied LM head: rank (k, i, j) holds vocab chunk i q + k, features j.
 
-    Lookup takes ids in the block layout and returns (.., H/q) in the block layout.
+    Both uses gather the same (Vp/q, H) table: vocab block i (over ``tp_dep``)
+    with all features (over ``tp_row``). A lookup embeds this rank's
+    block-layout ids (batch chunk k q + j) found in vocab block i and
+    reduce-scatters the partial rows over ``tp_col`` on the features (-> block
+    layout); the head gathers ``h``'s features over ``tp_col`` and multiplies
+    locally, so the logits (batch chunk k q + j, vocab block i) are never summed
+    or moved, and the loss is vocab-parallel over ``tp_col``.
     """
 
     role = "vocab"
@@ -256,53 +264,45 @@ class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
         self._set_mesh(mesh)
         self.num_embeddings, self.dim = num_embeddings, dim
         q = self.q
-        w = self._cut("weight", (num_embeddings, dim), Cut(0, ("tp_row", "tp_dep"), pad=q * q), Cut(1, ("tp_col",)))
-        self._set_vocab(w[0] * q, self.coord["tp_row"] * w[0] * q)  # the tp_dep-gathered block j
+        w = self._cut("weight", (num_embeddings, dim), Cut(0, ("tp_col", "tp_dep"), pad=q * q), Cut(1, ("tp_row",)))
+        self._set_vocab(w[0] * q, self.coord["tp_col"] * w[0] * q)  # the tp_dep-gathered block i
         self._init_params({"weight": (w, "normal")}, device, dtype)
 
-    def _block_weight(self, matmul: bool = False) -> torch.Tensor:
-        w = to_compute(self.weight) if matmul else self.weight
-        return comm.all_gather_to(w, self._g("tp_dep"), 0)  # (Vp/q, H/q): vocab block j
+    def _table(self, matmul: bool = False) -> torch.Tensor:
+        w = comm.all_gather_to(to_compute(self.weight) if matmul else self.weight, self._g("tp_dep"), 0)
+        return comm.all_gather_to(w, self._g("tp_row"), 1)  # (Vp/q, H): vocab block i, all features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        check_ids(ids, self.num_embeddings)
-        row = self._g("tp_row")
-        with torch.no_grad():
-            ids = comm.gather_from(ids, row, 0)                    # (N/q, ..): batch block k
-        out = self._lookup(ids, self._block_weight())             # (N/q, .., H/q) partial over j
-        return comm.reduce_scatter_to(out, row, 0)                # (N/q^2, .., H/q): block layout
+        out = self._lookup(ids, self._table())               # (N/q^2, .., H) partial over vocab blocks i
+        return comm.reduce_scatter_to(out, self._g("tp_col"), -1)  # (N/q^2, .., H/q): block layout
 
     def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
         """Tied head ``h @ W.T (+ bias)`` for ``h`` in the block layout.
 
-        ``gather=False``: local (N/q^2, .., Vp/q) logits in the *inner* layout
-        (batch chunk k q + i, vocab block j; ``bias`` is a
+        ``gather=False``: local (N/q^2, .., Vp/q) logits, batch chunk k q + j
+        (the block layout's rows) and vocab block i (``bias`` is a
         :class:`VocabTensor3D`'s output). ``gather=True``: the full (B, .., V)
         logits on every rank, padding cut. Training should use :meth:`lm_loss`.
         """
-        hg = comm.all_gather_to(to_compute(h), self._g("tp_row"), 0)             # (N/q, .., H/q)
-        logits = comm.reduce_scatter_to(F.linear(hg, self._block_weight(matmul=True)), self._g("tp_col"), 0)
-        if bias is not None:
-            logits = logits + bias
+        hg = comm.all_gather_to(to_compute(h), self._g("tp_col"), -1)  # (N/q^2, .., H)
+        logits = F.linear(hg, self._table(matmul=True), bias)         # (N/q^2, .., Vp/q)
         return logits if not gather else self.gather_logits(logits)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Full (B, .., V) logits on every rank from the local inner-layout ones, padding cut."""
-        full = comm.gather_from(logits, self._g("tp_row"), -1)[..., :self.num_embeddings]
-        return gather_output(full, self.axes, 0, layout="inner")
+        """Full (B, .., V) logits on every rank from the local ones, padding cut."""
+        full = comm.gather_from(logits, self._g("tp_col"), -1)[..., :self.num_embeddings]
+        return gather_output(full, self.axes, 0)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocab-parallel cross-entropy of local inner-layout logits against block-layout labels; never gathers.
+        """Vocab-parallel cross-entropy of local logits against block-layout labels (the same rows); never gathers.
 
-        Logits stay split (vocab over ``tp_row``, rows over ``tp_dep`` x
-        ``tp_col``); every rank returns the same loss (NaN if every label is ignored).
+        Statistics over ``tp_col``, then the (sum, count) over the batch
+        chunks (``tp_row``, ``tp_dep``): every rank returns the same loss (NaN
+        if every label is ignored).
         """
-        with torch.no_grad():  # block-layout labels (chunk k q + j) -> the logits' chunk k q + i
-            labels = comm.gather_from(labels, self._g("tp_row"), 0)
-            labels = labels.chunk(self.q, 0)[self.coord["tp_col"]] if self.q > 1 else labels
-        total, count = self._ce_sum(logits, labels, self._g("tp_row"), ignore_index)
+        total, count = self._ce_sum(logits, labels, self._g("tp_col"), ignore_index)
         stats = torch.stack([total, count.to(total.dtype)])
-        stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_col")), self._g("tp_dep"))
+        stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_row")), self._g("tp_dep"))
         return stats[0] / stats[1]
 
 
@@ -310,23 +310,23 @@ class Tensor3D(Sharded3D, L.Tensor):
     """A free-standing hidden-last tensor (ViT's CLS token, position table): last dim cut over ``tp_col``."""
 
     role = "replicate"
-    _axis, _others, _vocab = "tp_col", ("tp_dep", "tp_row"), False
+    _vocab = False  # the vocabulary variant pads its last dim to a multiple of q^2
 
     def __init__(self, *shape: int, mesh, device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
-        w = self._cut("weight", tuple(shape), Cut(-1, (self._axis,), pad=self.q ** 2 if self._vocab else 1))
+        w = self._cut("weight", tuple(shape), Cut(-1, ("tp_col",), pad=self.q ** 2 if self._vocab else 1))
         self._init_params({"weight": (w, "zeros")}, device, dtype)
 
     def forward(self) -> torch.Tensor:
-        return self._rep(self.weight, *self._others)
+        return self._rep(self.weight, "tp_dep", "tp_row")
 
 
 class VocabTensor3D(Tensor3D):
-    """A learned vocab-last tensor (BERT's MLM bias) cut like the head's logits: block j of Vp/q over ``tp_row``."""
+    """A learned vocab-last tensor (BERT's MLM bias) cut like the head's logits: block i of Vp/q over ``tp_col``."""
 
     role = "vocab"
-    _axis, _others, _vocab = "tp_row", ("tp_dep", "tp_col"), True
+    _vocab = True
 
 
 # ---------------------------------------------------------------- hidden-split tables
@@ -456,16 +456,21 @@ class Costs(engine.Costs):
         stats = 16 * self.e * n  # an fp32 (N/q^2, 2) all-reduce over tp_col
         return stats, stats + 4 * (1 + bias) * self.s * h * self.b
 
+    def _table(self, v: int, h: int, nbytes: int) -> float:
+        """The (Vp/q, H) table block gathered over tp_dep, then tp_row (or its gradient reduce-scattered)."""
+        return (self.e + self.s) * self._padded(v) * h * nbytes
+
     def lookup(self, v: int, h: int, n: int) -> tuple:
-        vp = self._padded(v)
-        return self.e * self.b * (vp * h + n * h) + 8 * self.s * n, self.e * self.b * (n * h + vp * h)
+        """The table block, then the partial rows reduce-scattered over tp_col (backward: the mirror)."""
+        fwd = self._table(v, h, self.b) + self.e * n * h * self.b
+        return fwd, fwd
 
     def lm_loss(self, v: int, h: int, n: int, labels: int, bias: bool = False) -> tuple:
-        """The tied head (a column Linear3D, K = H, O = Vp, no bias) and the loss over ``labels`` rows."""
-        vp, q = self._padded(v), self.q
-        head = self.e * self.c * (n * h + h * vp + n * vp)
-        fwd = head + 8 * self.s * labels + 24 * self.e * labels + 2 * 2 * (q - 1) / q * 8
-        return fwd, head + (4 * self.s * vp * self.b if bias else 0.0)
+        """The tied head (h's features over tp_col, the table block; the logits stay put) and the loss over
+        ``labels`` rows (fp32 statistics over tp_col, a (sum, count) pair over tp_row and tp_dep)."""
+        head = self._table(v, h, self.c) + self.e * n * h * self.c
+        fwd = head + 24 * self.e * labels + 2 * 2 * (self.q - 1) / self.q * 8
+        return fwd, head + (4 * self.s * self._padded(v) * self.b if bias else 0.0)
 
     def embedding(self, rows: int, h: int) -> tuple:
         return self.tensor(rows * h)

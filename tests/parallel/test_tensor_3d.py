@@ -176,11 +176,11 @@ def _layer_checks(mesh, out):
         out[key + " loss dh"] = (rel(hs.grad, own(h.grad, "block")), TOL)
         out[key + " loss dweight"] = (rel(ve.full_tensor_like("weight", ve.weight.grad), emb.weight.grad), TOL)
         out[key + " loss dbias"] = (rel(vb.full_tensor_like("weight", vb.weight.grad), bias.weight.grad), TOL)
-        first = (j * q + k) * vl  # padded vocab index of this rank's first table row
+        first = (i * q + k) * vl  # padded vocab index of this rank's first table row
         pad = slice(max(0, min(vl, V - first)), vl)
         out[key + " pad rows zero"] = (ve.weight[pad].abs().sum().item(), 0.0)
         out[key + " pad grads zero"] = (ve.weight.grad[pad].abs().sum().item(), 0.0)
-        bpad = slice(max(0, min(vl * q, V - j * vl * q)), vl * q)
+        bpad = slice(max(0, min(vl * q, V - i * vl * q)), vl * q)
         out[key + " bias pad grads zero"] = (vb.weight.grad[bpad].abs().sum().item(), 0.0)
         with torch.no_grad():
             out[key + " gathered logits"] = (rel(ve.lm_logits(hs, bias=vb()), logits), TOL)
@@ -298,7 +298,7 @@ def _model_checks(mesh, out):
         opt_ref.zero_grad(), opt.zero_grad()
     out["gpt params after 2 AdamW steps"] = (_param_err(model, ref), TOL)
     vl = model.tok_emb.weight.shape[0]
-    first = (mesh.coords["tp_row"] * 2 + mesh.coords["tp_dep"]) * vl  # padded index of the first local row
+    first = (mesh.coords["tp_col"] * 2 + mesh.coords["tp_dep"]) * vl  # padded index of the first local row
     out["gpt pad rows stay zero"] = (model.tok_emb.weight[max(0, min(vl, 510 - first)):].abs().sum().item(), 0.0)
 
     # ViT runs its own forward unchanged: pixels split, labels whole (the classifier's logits are replicated)
