@@ -355,6 +355,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return out, None, None, None
 
 
+def flat_rows(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int = -100):
+    """(N, Vl) logits and (N,) int64 labels from (.., Vl) and (..), checked: one label per row, and every
+    label other than ``ignore_index`` in [0, ``vocab``) (an ``IndexError`` naming it otherwise)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1).to(torch.long)
+    if labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"cross_entropy: {labels.shape[0]} labels for {logits.shape[0]} rows of logits")
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if not labels.is_meta and bool(bad.any()):
+        raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {vocab})")
+    return logits, labels
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                   chunk: Optional[int] = None) -> torch.Tensor:
     """Mean cross-entropy of (..., V) logits against (...) labels, HF style (-100 ignored).
@@ -366,13 +379,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     [0, V) other than ``ignore_index`` are an ``IndexError``.
     """
     v = logits.shape[-1]
-    logits = logits.reshape(-1, v)
-    labels = labels.reshape(-1).to(torch.long)
-    if labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"cross_entropy: {labels.shape[0]} labels for {logits.shape[0]} rows of logits")
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= v))
-    if not labels.is_meta and bool(bad.any()):
-        raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {v})")
+    logits, labels = flat_rows(logits, labels, v, ignore_index)
     if logits.dtype in (torch.float32, torch.float64) and chunk is None:
         return F.cross_entropy(logits, labels, ignore_index=ignore_index)
     if chunk is None:

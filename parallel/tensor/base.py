@@ -383,14 +383,7 @@ def vocab_parallel_ce_sum(local_logits: torch.Tensor, labels: torch.Tensor, grou
     label is ``ignore_index`` count for nothing. Traffic: one all-reduce of an
     fp32 max (N,) and one of fp32 sums (N, 2) over ``group``; backward is local.
     """
-    vl = local_logits.shape[-1]
-    logits = local_logits.reshape(-1, vl)
-    labels = labels.reshape(-1).to(torch.long)
-    if labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"cross_entropy: {labels.shape[0]} labels for {logits.shape[0]} rows of logits")
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if not labels.is_meta and bool(bad.any()):
-        raise IndexError(f"cross_entropy: label {int(labels[bad][0])} outside [0, {vocab_size})")
+    logits, labels = L.flat_rows(local_logits, labels, vocab_size, ignore_index)
     total = _VocabParallelCE.apply(logits, labels, group, start, vocab_size, ignore_index)
     return total, (labels != ignore_index).sum()
 
