@@ -296,7 +296,8 @@ def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = Fa
     ``view`` is a lazy, zoo-shaped view of the stored tensors (safetensors
     ``get_slice`` objects behind the mapping's transposes, q/k/v stacks and
     reshapes): each rank reads only its ``shard_slices`` from the mmap, and a
-    transform never materialises more than the block asked for. Values are
+    transform materialises at most the rows asked for (never more than one
+    stored tensor), not the whole transformed tensor. Values are
     copied into the model's own tensors. Floating-point tensors are cast to
     the parameter's dtype (a bf16 checkpoint loads into an fp32 model); a
     non-float tensor for a float parameter is a mismatch.
