@@ -44,19 +44,31 @@ class Bert(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> Output:
-        c = self.config
-        B, T = input_ids.shape  # (B, T)
-        if T > c.n_positions:
-            raise ValueError(f"sequence length {T} exceeds n_positions {c.n_positions}")
+        x = self.embed(input_ids, token_type_ids, position_ids)  # (B, T, C)
+        mask = padding_mask(attention_mask)
+        for block in self.blocks:
+            x, _ = block(x, None, mask)
+        return self.head(x, None, labels)
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None,
+              position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token + position + segment embeddings, normed: (B, T) ids -> (B, T, C)."""
+        T = input_ids.shape[1]
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.tok_emb(input_ids) + self.pos_emb(position_ids) + self.type_emb(token_type_ids)
-        x = self.drop(self.ln_emb(x))  # (B, T, C)
-        mask = padding_mask(attention_mask)
-        for block in self.blocks:
-            x, _ = block(x, None, mask)
+        return self.drop(self.ln_emb(x))
+
+    def head(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+             labels: Optional[torch.Tensor] = None) -> Output:
+        """Pooler and the MLM / classifier head on the blocks' output (post-LN: no residual stream)."""
+        c = self.config
+        if residual is not None:
+            x = x + residual
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (B, C)
         if c.head == "mlm":
             h = self.mlm_ln(L.gelu(self.mlm_dense(x)))

@@ -50,17 +50,25 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
-        B, T = input_ids.shape  # (B, T)
-        if T > self.config.n_positions:
-            raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))  # (B, T, C)
+        x = self.embed(input_ids, position_ids)  # (B, T, C)
         mask = padding_mask(attention_mask)
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)
-        h, _ = self.ln_f(x, residual)  # (B, T, C)
+        return self.head(x, residual, labels)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token + position embeddings: (B, T) ids -> (B, T, C)."""
+        T = input_ids.shape[1]
+        if T > self.config.n_positions:
+            raise ValueError(f"sequence length {T} exceeds n_positions {self.config.n_positions}")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
+        return self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))
+
+    def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> Output:
+        """Final norm and the tied LM head on the blocks' output (x + residual): the model's Output."""
+        h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, T, C)
         if self.config.head == "none":
             return Output(logits=h, last_hidden_state=h)
         local = self.tok_emb.lm_logits(h, gather=False)  # (B, T, V) tied head; a vocab slice under tp

@@ -45,6 +45,14 @@ class ViT(nn.Module):
         init_parameters(self, standard_rule("trunc_normal", self.config.init_std), seed)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Output:
+        x = self.embed(pixel_values)  # (B, N + 1, C)
+        residual = None
+        for block in self.blocks:
+            x, residual = block(x, residual)
+        return self.head(x, residual, labels)
+
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Patches, class token and positions: (B, 3, S, S) -> (B, N + 1, C)."""
         c = self.config
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.channels, c.image_size, c.image_size):
             raise ValueError(
@@ -54,11 +62,12 @@ class ViT(nn.Module):
         B = pixel_values.shape[0]
         x = self.patch(patchify(pixel_values.to(self.patch.weight.dtype), c.patch_size))  # (B, N, C)
         x = torch.cat([self.cls_token().expand(B, -1, -1), x], dim=1) + self.pos_emb()  # (B, N + 1, C)
-        x = self.drop(x)
-        residual = None
-        for block in self.blocks:
-            x, residual = block(x, residual)
-        h, _ = self.ln_f(x, residual)  # (B, N + 1, C)
+        return self.drop(x)
+
+    def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> Output:
+        """Final norm, pooler and classifier on the blocks' output (x + residual)."""
+        c = self.config
+        h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, N + 1, C)
         pooled = torch.tanh(self.pooler(h[:, 0])) if self.pooler is not None else None
         if c.head == "cls":
             local = self.classifier(h[:, 0])  # (B, num_labels); batch rows split under 2D/3D
