@@ -43,11 +43,14 @@ class ShardingSpec:
     ``roles`` maps glob patterns (``blocks.*.attn.qkv``) to ``column``,
     ``row``, ``vocab``, ``embedding``, ``norm`` or ``replicate``; the tensor
     modes decide what a role means on their grid. ``blocks`` names the
-    repeated blocks (activation checkpointing and pipeline stages cut there).
+    repeated blocks (activation checkpointing and pipeline stages cut there);
+    ``first`` and ``last`` name the modules of the pipeline's ends.
     """
 
     roles: dict = field(default_factory=dict)
     blocks: str = "blocks"
+    first: tuple = ()   # top-level modules the first pipeline stage owns (embeddings)
+    last: tuple = ()    # those the last stage owns (final norm, pooler, heads); a module in both is tied
 
     def role_of(self, path: str) -> Optional[str]:
         for pattern, role in self.roles.items():

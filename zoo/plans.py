@@ -19,12 +19,16 @@ _BLOCK_ROLES = {
 }
 
 SPECS = {
-    "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES}),
+    "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES},
+                        first=("tok_emb", "pos_emb"), last=("ln_f", "tok_emb")),
     "bert": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "type_emb": "embedding",
                                 "ln_emb": "norm", "pooler": "replicate", "mlm_dense": "replicate",
-                                "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES}),
+                                "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES},
+                         first=("tok_emb", "pos_emb", "type_emb", "ln_emb"),
+                         last=("pooler", "mlm_dense", "mlm_ln", "mlm_bias", "classifier", "tok_emb")),
     "vit": ShardingSpec(roles={"patch": "column", "cls_token": "replicate", "pos_emb": "replicate",
-                               "ln_f": "norm", "pooler": "replicate", "classifier": "replicate", **_BLOCK_ROLES}),
+                               "ln_f": "norm", "pooler": "replicate", "classifier": "replicate", **_BLOCK_ROLES},
+                        first=("patch", "cls_token", "pos_emb"), last=("ln_f", "pooler", "classifier")),
 }
 
 # the plans that work in this build, the same for every family
