@@ -44,7 +44,12 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     def transform(model):  # runs on the meta model, before anything is allocated
         nonlocal mesh
         mesh = mesh or Mesh.build(plan, model.config)
-        return shard(model, plan, mesh, zoo.spec_of(model))
+        model = shard(model, plan, mesh, zoo.spec_of(model))
+        if plan.pp > 1:  # keep only this rank's stages: blocks balanced with the embedding and head costs
+            from cuboid.parallel.pipeline import cut_model
+
+            cut_model(model, zoo.spec_of(model), mesh, zoo.plans.stage_costs(model.config))
+        return model
 
     if isinstance(name_or_path, (str, _os.PathLike)) and _os.path.isdir(name_or_path):
         if overrides:

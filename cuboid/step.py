@@ -96,6 +96,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     dtype = dtype if dtype is not None else getattr(plan, "dtype", None)
     parts = microbatches or getattr(plan, "microbatches", 1) or 1
     share = rank_share(global_batch, mesh)
+    if getattr(core, "pipeline", None) is not None:
+        return _pipeline_step(core, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
     micro_batches = split_batch(share, parts) if parts > 1 else [share]
     device = _device_of(model)
     counts = [core.num_targets(b) for b in micro_batches]
@@ -134,6 +136,41 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     optimizer.zero_grad(set_to_none=True)
     loss_total, = _all_reduce_sum([loss_sum], mesh, device)
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
+
+
+def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype, scaler) -> StepResult:
+    """:func:`train_step` under pipeline parallelism: the schedule runs the micro-batches."""
+    pipe = core.pipeline
+    if scaler is not None:
+        raise NotImplementedError("fp16 grad scaling under pipeline parallelism is not built yet; use bf16")
+    if parts != pipe.microbatches:
+        raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
+                         f"microbatches), not {parts}")
+    micro = split_batch(share, parts)  # also says when the share does not split
+    device = _device_of(core)
+    counts = [core.num_targets(b) for b in micro]
+    total, = _all_reduce_sum([sum(counts)], mesh, device)
+    if total == 0:
+        raise ValueError("the global batch has no labels to learn from (every label is -100)")
+    dp = mesh.size("dp")
+    weights = torch.tensor([n * dp / total for n in counts], dtype=torch.float32, device=device)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in share.items()}
+    with autocast_for(dtype, device):
+        local = pipe.run(batch, weights)
+    # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
+    loss = torch.zeros(1, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    if local is not None:
+        loss += float(local.detach()) / dp
+    comm.all_reduce_(loss, mesh.group("dp"))
+    comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
+    grad_norm = None
+    if max_grad_norm is not None:
+        params = [p for p in core.parameters() if p.grad is not None]
+        grad_norm = float(clip_grad_norm_(params, max_grad_norm, sum_group=mesh.group("pp"),
+                                          exclude={id(p) for p in pipe.counted_elsewhere}))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=float(loss), targets=int(total), grad_norm=grad_norm)
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:

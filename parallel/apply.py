@@ -244,7 +244,15 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         model.register_forward_hook(split.after, with_kwargs=True)
     if plan.activation_checkpoint:
         checkpoint_blocks(model, spec.blocks if spec is not None else "blocks")
-    if mesh.size("dp") > 1:
+    if mesh.size("pp") > 1:  # the schedule drives forward/backward; it averages over dp itself
+        from .pipeline import Pipeline
+
+        blocks = getattr(model, "pipeline_blocks", None)
+        if blocks is None:
+            raise ValueError("a pp plan needs the model cut into stages first (cuboid.load does it)")
+        model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches)
+        model.forward = _pipeline_forward
+    elif mesh.size("dp") > 1:
         from torch.distributed._composable import replicate
 
         p = next(model.parameters())
@@ -252,6 +260,11 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
                   **({"device_id": p.device} if p.device.type == "cuda" else {}))
     model._cuboid_prepared = plan
     return model
+
+
+def _pipeline_forward(*args, **kwargs):
+    raise RuntimeError("a model under pipeline parallelism runs its stages through a schedule: train it with "
+                       "cuboid.train_step(model, optimizer, global_batch)")
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,

@@ -297,23 +297,34 @@ def _placement_reduce(placements: list):
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
                     norm_reducer: Optional[Callable] = None, eps: float = 1e-6,
-                    backend: Optional[str] = None) -> torch.Tensor:
+                    backend: Optional[str] = None, sum_group=None, exclude=()) -> torch.Tensor:
     """Scale grads in place so their global L2 norm is at most ``max_norm``; return the norm.
 
     As ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + eps)``
     clamped at 1), with the per-tensor squared norms computed by the fused
     kernel and passed as ``(1, n)`` through ``norm_reducer`` before summing.
+    Pipeline stages pass ``sum_group`` (the squared total is summed over it:
+    each stage holds different parameters) and ``exclude`` (ids of parameters
+    whose other copy another stage counts, as a tied embedding; they are
+    still scaled).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
     sq = _grad_norm_sq(grads, per_tensor=True, backend=backend).reshape(1, -1)
-    norm_reducer = _reducer_for(norm_reducer, [p for p in parameters if p.grad is not None])
+    with_grad = [p for p in parameters if p.grad is not None]
+    norm_reducer = _reducer_for(norm_reducer, with_grad)
     if norm_reducer is not None:
         out = norm_reducer(sq)
         sq = sq if out is None else out
-    total = sq.sum().sqrt()
+    if exclude:
+        keep = torch.tensor([id(p) not in exclude for p in with_grad], device=sq.device)
+        sq = sq[:, keep]
+    total_sq = sq.sum().reshape(1)
+    if sum_group is not None:
+        comm.all_reduce_(total_sq, sum_group)
+    total = total_sq.sqrt().reshape(())
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

@@ -78,31 +78,14 @@ def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.
     return bounds[::-1]
 
 
-def zoo_costs(config, seq_len: Optional[int] = None) -> tuple[list[float], float, float]:
-    """(per-block, embedding, head) forward costs in multiply-adds per token of a zoo config.
-
-    A block: QKV, projection and MLP matmuls plus attention over ``seq_len``
-    keys; the embedding: a lookup (GPT, BERT) or the patch matmul (ViT); the
-    head: the vocabulary matmul of an LM head, or the classifier.
-    """
-    h = config.dim
-    t = seq_len or getattr(config, "n_positions", None) or getattr(config, "n_patches", 0) + 1
-    block = 4 * h * h + 2 * h * config.hidden + 2 * t * h
-    if hasattr(config, "patch_size"):
-        embed = config.channels * config.patch_size ** 2 * h
-    else:
-        embed = 3 * h
-    head = h * getattr(config, "vocab_size", 0) if getattr(config, "head", "") in ("lm", "mlm") else \
-        h * (getattr(config, "num_labels", 0) or 0) + h * h
-    return [float(block)] * config.n_layers, float(embed), float(head)
-
-
 class Elsewhere(nn.Module):
     """Stands where a module of another stage was: no parameters, calling it is an error."""
 
-    def __init__(self, name: str, stage: int) -> None:
+    placeholder = True  # the tensor engine's walker skips it
+
+    def __init__(self, name: str, where: str = "") -> None:
         super().__init__()
-        self.where = f"{name} (not on pipeline stage {stage})"
+        self.where = f"{name} (not on this rank's pipeline stages{': ' + where if where else ''})"
 
     def forward(self, *args, **kwargs):
         raise RuntimeError(f"{self.where} was called")
@@ -111,25 +94,24 @@ class Elsewhere(nn.Module):
         return self.where
 
 
-def keep_stage(model: nn.Module, spec, blocks: range, stage: int, stages: int) -> nn.Module:
-    """Drop from ``model`` (in place; meta or not) what stage ``stage`` does not own; returns it.
+def keep_stage(model: nn.Module, spec, blocks, first: bool, last: bool, where: str = "") -> nn.Module:
+    """Drop from ``model`` (in place; meta or not) what this rank's stages do not own; returns it.
 
-    Blocks outside ``blocks`` and top-level modules of the other end are
-    replaced by :class:`Elsewhere`, so the kept ones keep their names (a
-    checkpoint written from a stage uses the single-device names).
+    ``blocks``: the block indices kept (a range or any iterable); ``first`` /
+    ``last``: whether this rank runs the pipeline's first / last stage (which
+    own ``spec.first`` / ``spec.last``). Dropped blocks and end modules become
+    :class:`Elsewhere`, so the kept ones keep their single-device names (a
+    checkpoint written from a stage uses them).
     """
+    keep = set(blocks)
     seq = getattr(model, spec.blocks)
     for i in range(len(seq)):
-        if i not in blocks:
-            seq[i] = Elsewhere(f"{spec.blocks}.{i}", stage)
-    owned = set()
-    if stage == 0:
-        owned |= set(spec.first)
-    if stage == stages - 1:
-        owned |= set(spec.last)
-    for name, child in list(model.named_children()):
+        if i not in keep:
+            seq[i] = Elsewhere(f"{spec.blocks}.{i}", where)
+    owned = (set(spec.first) if first else set()) | (set(spec.last) if last else set())
+    for name, _ in list(model.named_children()):
         if name != spec.blocks and name not in owned and (name in spec.first or name in spec.last):
-            setattr(model, name, Elsewhere(name, stage))
+            setattr(model, name, Elsewhere(name, where))
     return model
 
 
@@ -150,21 +132,31 @@ def _key_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
 class StageModule(nn.Module):
     """One pipeline stage of a zoo model: ``embed`` (first), its blocks, ``head`` and loss (last).
 
-    ``forward`` takes the batch tensors in ``info.input_keys`` order on the
-    first stage and the stream ``(x, residual, mask, labels)`` on the others;
-    the last stage returns the micro-batch's mean loss.
+    Its parameters are only the stage's own (its blocks, and the end modules
+    of the first / last stage); the zoo model is referenced, not owned, so
+    two stages of one rank (interleaved, ZBV) share it without sharing
+    parameters. ``forward`` takes the batch tensors in ``input_keys`` order
+    on the first stage and the stream ``(x, residual, mask, labels)`` on the
+    others; the last stage returns the micro-batch's mean loss.
     """
 
-    def __init__(self, model: nn.Module, spec, info: StageInfo) -> None:
+    def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None) -> None:
         super().__init__()
-        self.model, self.spec, self.info = model, spec, info
+        object.__setattr__(self, "model", model)  # referenced: its parameters are not this module's
+        self.spec, self.info = spec, info
+        self._keys_from = keys_from or info  # the first stage's info, where the batch keys are recorded
+        seq = getattr(model, spec.blocks)
+        self.blocks = nn.ModuleDict({str(i): seq[i] for i in info.blocks})
+        ends = (spec.first if info.stage == 0 else ()) + (spec.last if info.stage == info.stages - 1 else ())
+        self.ends = nn.ModuleDict({n: getattr(model, n) for n in dict.fromkeys(ends)
+                                   if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self._seen = False
 
     def forward(self, *inputs):
         info, model = self.info, self.model
         if info.stage == 0:
-            batch = dict(zip(info.input_keys, inputs))
+            batch = dict(zip(self._keys_from.input_keys, inputs))
             x = model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
             residual = torch.zeros_like(x)
             mask = batch.get("attention_mask")
@@ -179,12 +171,14 @@ class StageModule(nn.Module):
                 labels, mask = torch.full_like(labels, -100), torch.ones_like(mask)
             self._seen = True
         key_mask = _key_mask(mask)
-        seq = getattr(model, self.spec.blocks)
-        for i in info.blocks:
-            x, r = seq[i](x, residual, key_mask)
+        for block in self.blocks.values():
+            x, r = block(x, residual, key_mask)
             residual = r if r is not None else torch.zeros_like(x)
         if info.stage < info.stages - 1:
-            return x, residual, mask, labels
+            # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
+            # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
+            # autograd saved (a norm saves its residual stream); one copy per stage boundary
+            return tuple(t.clone() for t in (x, residual, mask, labels))
         return model.head(x, residual, labels).loss
 
 
@@ -193,71 +187,138 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return loss * weight.reshape(())
 
 
-class Pipeline:
-    """Runs one training step of a stage model under a ``torch.distributed.pipelining`` schedule.
+def stage_ids(schedule: str, rank: int, pp: int) -> list[int]:
+    """The pipeline stages rank ``rank`` of ``pp`` runs: one, or two virtual stages (interleaved: r and
+    r + pp; ZBV's V shape: r and 2 pp - 1 - r)."""
+    if schedule in ("gpipe", "1f1b"):
+        return [rank]
+    if schedule == "interleaved":
+        return [rank, rank + pp]
+    return [rank, 2 * pp - 1 - rank]
 
-    ``schedule``: ``gpipe`` or ``1f1b``. Tied parameters (held by the first
-    and the last stage) get their gradients summed over the embedding group
-    after the schedule's backward passes.
+
+class Pipeline:
+    """Runs a stage model's forward and backward passes under a ``torch.distributed.pipelining`` schedule.
+
+    ``schedule``: ``gpipe``, ``1f1b`` (one stage per rank), ``interleaved``
+    (interleaved 1F1B, two virtual stages per rank) or ``zbv`` (zero-bubble
+    V schedule, backward split into input and weight gradients). ``blocks``:
+    the block range of every stage. After the schedule, gradients of tied
+    parameters (first and last stage) are summed over the embedding group and
+    every gradient is averaged over ``dp`` (one flat all-reduce per dtype).
     """
 
-    SCHEDULES = ("gpipe", "1f1b")
+    SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
     def __init__(self, model: nn.Module, spec, mesh, blocks: Sequence[range], *, schedule: str = "1f1b",
                  microbatches: int = 1) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining as P
 
         if schedule not in self.SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; schedules: {', '.join(self.SCHEDULES)}")
-        stages = mesh.size("pp")
-        if schedule == "1f1b" and microbatches < stages:
-            raise ValueError(f"1F1B needs at least as many micro-batches as stages ({stages}), got {microbatches}; "
-                             f"use more micro-batches or the gpipe schedule")
-        self.mesh, self.stage, self.stages = mesh, mesh.coords["pp"], stages
-        self.microbatches = microbatches
-        self.info = StageInfo(self.stage, stages, blocks[self.stage])
-        self.module = StageModule(model, spec, self.info)
+        pp = mesh.size("pp")
+        if schedule != "gpipe" and microbatches < pp:
+            raise ValueError(f"{schedule} needs at least as many micro-batches as stages ({pp}), got "
+                             f"{microbatches}; use more micro-batches or the gpipe schedule")
+        self.mesh, self.rank, self.pp, self.microbatches = mesh, mesh.coords["pp"], pp, microbatches
+        self.ids = stage_ids(schedule, self.rank, pp)
+        total = len(blocks)
+        infos = [StageInfo(s, total, blocks[s]) for s in range(total)]
+        self.first = infos[0]
+        self.modules = [StageModule(model, spec, infos[s], self.first) for s in self.ids]
         device = next(model.parameters()).device
-        self._stage = PipelineStage(self.module, self.stage, stages, device, group=mesh.group("pp"))
-        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self._schedule = kind(self._stage, microbatches, loss_fn=_weighted, scale_grads=False)
+        stages = [P.PipelineStage(m, s, total, device, group=mesh.group("pp"))
+                  for m, s in zip(self.modules, self.ids)]
+        kinds = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B, "interleaved": P.ScheduleInterleaved1F1B,
+                 "zbv": P.ScheduleZBVZeroBubble}
+        one = schedule in ("gpipe", "1f1b")
+        self._schedule = kinds[schedule](stages[0] if one else stages, microbatches, loss_fn=_weighted,
+                                         scale_grads=False)
+        self.has_first, self.has_last = 0 in self.ids, total - 1 in self.ids
         tied = [n for n in spec.first if n in spec.last]
+        # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
-            if self.stage in (0, stages - 1) else []
-        self.embedding_group = embedding_group(mesh) if tied else None
+            if self.has_first != self.has_last else []
+        self.embedding_group = embedding_group(mesh, schedule) if tied else None
+        self.last_rank = 0 if schedule == "zbv" else pp - 1  # the pp-group index of the last stage's rank
+        # tied copies on the last stage's rank: the first stage's rank counts them in a global norm
+        self.counted_elsewhere = self.tied if self.has_last else []
+        self.params = [p for p in model.parameters()]
 
     def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
-        """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the last stage
-        returns the sum of the weighted micro-batch losses, the others None."""
-        if not self.info.input_keys:
-            self.info.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
-        args = tuple(batch[k] for k in self.info.input_keys) if self.stage == 0 else ()
-        last = self.stage == self.stages - 1
+        """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
+        last stage returns the sum of the weighted micro-batch losses, the others None."""
+        if not self.first.input_keys:
+            self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
         losses: list = []
-        if last:
-            self._schedule.step(*args, target=weights, losses=losses, return_outputs=False)
-        else:
-            self._schedule.step(*args)
+        try:
+            if self.has_last:
+                self._schedule.step(*args, target=weights, losses=losses, return_outputs=False)
+            else:
+                self._schedule.step(*args, return_outputs=False)
+        except Exception as e:
+            raise RuntimeError(f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed: "
+                               f"{type(e).__name__}: {e}") from e
         for p in self.tied:
             if p.grad is not None:
                 comm.all_reduce_(p.grad, self.embedding_group)
-        return torch.stack([l.reshape(()) for l in losses]).sum() if last else None
+        self._average_over_dp()
+        return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
+
+    def _average_over_dp(self) -> None:
+        group = self.mesh.group("dp")
+        if group is None:
+            return
+        by_dtype: dict = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce_(flat, group)
+            flat /= self.mesh.size("dp")
+            offset = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
 
 
-def embedding_group(mesh):
-    """The group of the first and last pipeline stage ranks with this rank's other coordinates
-    (None elsewhere); every such group of the world is made, in one order, on every rank."""
+def embedding_group(mesh, schedule: str = "1f1b"):
+    """The group of the ranks running the first and the last stage with this rank's other coordinates
+    (None where one rank runs both, as ZBV's V); every such group of the world is made, in one order."""
     import torch.distributed as dist
 
     plan = mesh.plan
     if plan.pp == 1:
         return None
+    last_rank = 0 if schedule == "zbv" else plan.pp - 1
+    if last_rank == 0:
+        return None
     grid = torch.arange(plan.world_size).reshape(plan.pp, -1)
     mine = None
     for col in range(grid.shape[1]):
-        ranks = [int(grid[0, col]), int(grid[-1, col])]
+        ranks = [int(grid[0, col]), int(grid[last_rank, col])]
         group = dist.new_group(ranks)
         if mesh.rank in ranks:
             mine = group
             comm.name_group(group, "pp_embed")
     return mine
+
+
+def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
+    """Keep this rank's pipeline stages of a (meta) model: blocks balanced by ``costs`` = (per-block,
+    embedding, head) over the plan's stages (two per rank for interleaved and ZBV); in place.
+
+    The ranges of every stage are kept on the model (``model.pipeline_blocks``)
+    for :class:`Pipeline`.
+    """
+    plan = mesh.plan
+    ids = stage_ids(plan.schedule, mesh.coords["pp"], plan.pp)
+    total = plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
+    blocks = cut_stages(costs[0], total, costs[1], costs[2])
+    keep = [i for s in ids for i in blocks[s]]
+    keep_stage(model, spec, keep, 0 in ids, total - 1 in ids, where=f"stages {ids}")
+    model.pipeline_blocks = blocks
+    return model

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Union
 
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "all_to_all")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -132,15 +132,17 @@ class Plan:
             if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * self.tp):
                 raise ValueError(f"all_to_all sequence parallelism needs heads ({heads}) divisible by sp*tp "
                                  f"= {self.sp * self.tp}")
-            if layers is not None and self.pp > layers:
-                raise ValueError(f"pp={self.pp} stages for a model of {layers} layers")
+            stages = self.pp * (2 if self.schedule in ("interleaved", "zbv") else 1)
+            if layers is not None and self.pp > 1 and stages > layers + 2:
+                raise ValueError(f"{stages} pipeline stages for a model of {layers} layers (at most layers + 2: "
+                                 f"the embeddings and the head may have a stage each)")
         return self
 
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.pp > 1:
-            missing.append(f"pipeline parallelism (pp={self.pp})")
+        if self.pp > 1 and self.tp > 1 and self.tp_mode != "1d":
+            missing.append(f"pipeline parallelism with tp_mode {self.tp_mode} (pp={self.pp})")
         if self.sp > 1:
             missing.append(f"sequence parallelism (sp={self.sp}, sp_mode={self.sp_mode})")
         if self.zero > 0:

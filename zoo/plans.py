@@ -44,4 +44,30 @@ READY_PLANS = {
     "tp2d": Plan(tp=4, tp_mode="2d"),
     "tp2.5d": Plan(tp=8, tp_mode="2.5d", depth=2),
     "tp3d": Plan(tp=8, tp_mode="3d"),
+    "pp2": Plan(pp=2, microbatches=2),
+    "pp4": Plan(pp=4, microbatches=4),
+    "pp2-gpipe": Plan(pp=2, microbatches=2, schedule="gpipe"),
+    "pp2-interleaved": Plan(pp=2, microbatches=2, schedule="interleaved"),
+    "pp2-zbv": Plan(pp=2, microbatches=2, schedule="zbv"),
+    "dp2-pp2": Plan(dp=2, pp=2, microbatches=2),
+    "dp2-pp2-tp2": Plan(dp=2, pp=2, tp=2, microbatches=2),
 }
+
+
+def stage_costs(config, seq_len=None) -> tuple:
+    """(per-block, embedding, head) forward costs of a zoo config, in multiply-adds per token: what
+    pipeline stages are balanced by (``cuboid.parallel.pipeline.cut_stages``).
+
+    A block: QKV, projection and MLP matmuls plus attention over ``seq_len``
+    keys; the embedding: lookups (GPT, BERT) or the patch matmul (ViT); the
+    head: the vocabulary matmul of an LM head, else pooler and classifier.
+    """
+    h = config.dim
+    t = seq_len or getattr(config, "n_positions", None) or getattr(config, "n_patches", 0) + 1
+    block = 4 * h * h + 2 * h * config.hidden + 2 * t * h
+    embed = config.channels * config.patch_size ** 2 * h if hasattr(config, "patch_size") else 3 * h
+    if getattr(config, "head", "") in ("lm", "mlm"):
+        head = h * config.vocab_size + (h * h if config.head == "mlm" else 0)
+    else:
+        head = h * h + h * (getattr(config, "num_labels", 0) or 0)
+    return [float(block)] * config.n_layers, float(embed), float(head)

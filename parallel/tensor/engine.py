@@ -123,13 +123,14 @@ def parallelize_module(model: nn.Module, spec, mode: Mode, where) -> nn.Module:
     """Replace every module ``spec`` names by the layer ``mode``'s table gives it, in place; returns ``model``.
 
     ``where``: what the mode's layers are built on (``mode.place(mesh)``).
-    Modules already sharded are left as they are, so walking twice is harmless.
+    Modules already sharded are left as they are, so walking twice is harmless;
+    placeholders of modules another pipeline stage holds are skipped.
     """
     hidden = _hidden(model)
     for path, mod in list(model.named_modules()):
         role = spec.role_of(path) if path else None
-        if role is None or isinstance(mod, Sharded):
-            continue
+        if role is None or isinstance(mod, Sharded) or getattr(mod, "placeholder", False):
+            continue  # already sharded, or held by another pipeline stage
         site = Site(model, spec, path, mod, role, hidden)
         style = next((s for s in mode.styles if s.matches(site)), None)
         if style is None:

@@ -50,7 +50,7 @@ def test_parse_errors():
     (Plan(tp=4, tp_mode="3d"), None, "tp_mode 3d needs tp to be a cube"),
     (Plan(tp=8, tp_mode="2.5d", depth=3), None, "tp_mode 2.5d needs tp = depth"),
     (Plan(tp=3), None, "4 attention heads do not divide over the tensor-parallel split of 3"),
-    (Plan(pp=4, microbatches=4), None, "pp=4 stages for a model of 2 layers"),
+    (Plan(pp=8, microbatches=8), None, "8 pipeline stages for a model of 2 layers"),
     (Plan(pp=2, microbatches=1), None, "needs microbatches >= pp"),
 ])
 def test_validate_says_what_does_not_fit(plan, world, message):
@@ -60,8 +60,8 @@ def test_validate_says_what_does_not_fit(plan, world, message):
 
 
 def test_unbuilt_modes_are_named_not_run():
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        Plan(pp=2, microbatches=2).require_implemented()
+    with pytest.raises(NotImplementedError, match="pipeline parallelism with tp_mode 2d"):
+        Plan(pp=2, tp=4, tp_mode="2d", microbatches=2).require_implemented()
     with pytest.raises(NotImplementedError, match="ZeRO stage 2"):
         Plan(dp=2, zero=2).require_implemented()
     assert Plan(dp=2, tp=2).require_implemented() == Plan(dp=2, tp=2)
