@@ -24,6 +24,7 @@ model keeps its class and parameter names (checkpoints do not change).
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -251,7 +252,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if blocks is None:
             raise ValueError("a pp plan needs the model cut into stages first (cuboid.load does it)")
         model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches)
-        model.forward = _pipeline_forward
+        model.forward = functools.partial(_pipeline_forward, model.pipeline)
     elif mesh.size("dp") > 1:
         from torch.distributed._composable import replicate
 
@@ -262,9 +263,17 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
     return model
 
 
-def _pipeline_forward(*args, **kwargs):
-    raise RuntimeError("a model under pipeline parallelism runs its stages through a schedule: train it with "
-                       "cuboid.train_step(model, optimizer, global_batch)")
+def _pipeline_forward(pipeline, *args, **kwargs):
+    """``model(**batch)`` under pp: the pipeline's forward without gradients (evaluation, inference)."""
+    if args:
+        raise TypeError("a model under pipeline parallelism takes its inputs by name: model(**batch)")
+    if torch.is_grad_enabled():
+        raise RuntimeError("a model under pipeline parallelism trains through its schedule: use "
+                           "cuboid.train_step(model, optimizer, global_batch); a forward runs under torch.no_grad()")
+    if kwargs.get("labels") is None:
+        raise ValueError("a forward under pipeline parallelism needs labels (evaluation); inference without "
+                         "labels is not built yet")
+    return pipeline.evaluate(kwargs)
 
 
 def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,

@@ -151,7 +151,8 @@ class StageModule(nn.Module):
         self.ends = nn.ModuleDict({n: getattr(model, n) for n in dict.fromkeys(ends)
                                    if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
-        self._seen = False
+        self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
+        self.collected: Optional[list] = None  # the last stage's (logits, loss sum, targets) when evaluating
 
     def forward(self, *inputs):
         info, model = self.info, self.model
@@ -163,13 +164,15 @@ class StageModule(nn.Module):
             if mask is None:  # no key is masked
                 mask = torch.ones(x.shape[0], 1, dtype=torch.long, device=x.device)
             labels = batch["labels"]
-        else:
+        inferring = False
+        if info.stage > 0:
             x, residual, mask, labels = inputs
-            if not self._seen:
-                # torch's stage first runs every non-first stage once on uninitialised tensors to infer
-                # output shapes; labels and masks there are noise, so that pass ignores and keeps all
+            inferring = self.inferring
+            if inferring:
+                # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
+                # the first training step and again before the first evaluation); labels and masks there are
+                # noise, so that pass ignores and keeps all
                 labels, mask = torch.full_like(labels, -100), torch.ones_like(mask)
-            self._seen = True
         key_mask = _key_mask(mask)
         for block in self.blocks.values():
             x, r = block(x, residual, key_mask)
@@ -179,12 +182,49 @@ class StageModule(nn.Module):
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
             # autograd saved (a norm saves its residual stream); one copy per stage boundary
             return tuple(t.clone() for t in (x, residual, mask, labels))
-        return model.head(x, residual, labels).loss
+        out = model.head(x, residual, labels)
+        if self.collected is not None and not inferring:
+            n = model.num_targets({"labels": labels})
+            loss = out.loss.detach().float() if n else torch.zeros((), device=x.device)
+            self.collected.append((out.logits.detach(), float(loss) * n, n))
+        return out.loss
+
+
+@dataclass
+class PipelineOutput:
+    """What a model under pp returns from a forward without gradients, the same on every rank."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    last_hidden_state: Optional[torch.Tensor] = None
+    pooler_output: Optional[torch.Tensor] = None
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The pipeline's loss function: a micro-batch's mean loss times its weight (its share of the labels)."""
-    return loss * weight.reshape(())
+    return loss.nan_to_num(0.0) * weight.reshape(())  # a micro-batch without labels weighs 0
+
+
+def _flag_inference(stage, module: StageModule):
+    """Tell ``module`` when torch's ``stage`` runs it for shape inference (on uninitialised inputs).
+
+    torch (2.13) has no public hook for that pass, so its method is wrapped
+    on this instance; a torch without it infers nothing at run time and the
+    flag simply stays off.
+    """
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return stage
+
+    def flagged(*args, **kwargs):
+        module.inferring = True
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            module.inferring = False
+
+    stage._forward_metadata_inference = flagged
+    return stage
 
 
 def stage_ids(schedule: str, rank: int, pp: int) -> list[int]:
@@ -221,13 +261,14 @@ class Pipeline:
             raise ValueError(f"{schedule} needs at least as many micro-batches as stages ({pp}), got "
                              f"{microbatches}; use more micro-batches or the gpipe schedule")
         self.mesh, self.rank, self.pp, self.microbatches = mesh, mesh.coords["pp"], pp, microbatches
+        self.schedule = schedule
         self.ids = stage_ids(schedule, self.rank, pp)
         total = len(blocks)
         infos = [StageInfo(s, total, blocks[s]) for s in range(total)]
         self.first = infos[0]
         self.modules = [StageModule(model, spec, infos[s], self.first) for s in self.ids]
         device = next(model.parameters()).device
-        stages = [P.PipelineStage(m, s, total, device, group=mesh.group("pp"))
+        stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
         kinds = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B, "interleaved": P.ScheduleInterleaved1F1B,
                  "zbv": P.ScheduleZBVZeroBubble}
@@ -265,6 +306,55 @@ class Pipeline:
                 comm.all_reduce_(p.grad, self.embedding_group)
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict) -> "PipelineOutput":
+        """The pipeline's forward of ``batch`` on every rank: the mean loss over its label positions and
+        the whole logits, the same on every rank (the last stage's, broadcast over ``pp``).
+
+        A batch that does not divide into the micro-batches is padded with
+        rows whose labels are ignored; their logits are cut.
+        """
+        if self.schedule == "zbv":
+            raise NotImplementedError("evaluation under the zbv schedule is not built yet (torch 2.13's "
+                                      "ScheduleZBVZeroBubble cannot run forward-only); evaluate under 1f1b")
+        size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+        pad = (-size) % self.microbatches
+        if pad:
+            batch = {k: torch.cat([v, torch.full_like(v[:1], -100).expand(pad, *v.shape[1:]) if k == "labels"
+                                   else v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
+        if not self.first.input_keys:
+            self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+        last = self.modules[self.ids.index(self.first.stages - 1)] if self.has_last else None
+        if last is not None:
+            last.collected = []
+        weights = torch.zeros(self.microbatches, device=next(iter(batch.values())).device)
+        try:
+            if self.has_last:
+                self._schedule.eval(*args, target=weights, losses=[], return_outputs=False)
+            else:
+                self._schedule.eval(*args, return_outputs=False)
+        except Exception as e:
+            raise RuntimeError(f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed in evaluation: "
+                               f"{type(e).__name__}: {e}") from e
+        group, src = self.mesh.group("pp"), self.last_rank
+        if last is not None:
+            collected, last.collected = last.collected, None
+            logits = torch.cat([c[0] for c in collected]).float()
+            stats = torch.tensor([sum(c[1] for c in collected), sum(c[2] for c in collected)], dtype=torch.float64)
+            shape = torch.tensor([logits.dim(), *logits.shape, *[0] * (4 - logits.dim())], dtype=torch.int64)
+        else:
+            stats, shape = torch.zeros(2, dtype=torch.float64), torch.zeros(5, dtype=torch.int64)
+        device = next(iter(batch.values())).device
+        shape = comm.broadcast_(shape.to(device), group, src).cpu()
+        stats = comm.broadcast_(stats.to(device), group, src).cpu()
+        if last is None:
+            logits = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), device=device)
+        logits = comm.broadcast_(logits.contiguous(), group, src)
+        loss = torch.tensor(stats[0].item() / stats[1].item() if stats[1] else float("nan"))
+        return PipelineOutput(logits=logits[:size], loss=loss)
 
     def _average_over_dp(self) -> None:
         group = self.mesh.group("dp")

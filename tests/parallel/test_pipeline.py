@@ -8,7 +8,9 @@ label counts give the single-device loss and parameters (1e-5; norm over
 all parameters as in test_plans.py). Also: the stage cut balances costs
 (the LM head counts), a 3-block model is cut unevenly, an indivisible batch
 and fewer micro-batches than 1F1B needs are one-sentence errors, and a
-forward outside the schedule says what to do.
+forward with gradients says what to do; evaluation (``model(**batch)`` under
+no_grad, ``cuboid.evaluate``) gives one device's loss, logits and metrics on
+every rank, for a batch that does not divide into the micro-batches too.
 """
 import pytest
 import torch
@@ -66,8 +68,30 @@ def pp_worker(plans, families=("gpt-debug", "bert-debug", "vit-debug"), optimize
                     b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0)
                     loss_err = max(loss_err, abs(a.loss - b.loss) / abs(a.loss))
                 params, _ = err()
+                # evaluation: an odd-sized batch (padded to the micro-batches inside), the same Output everywhere
+                odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
+                model.eval(), ref.eval()
+                if plan.schedule == "zbv":
+                    with pytest.raises(NotImplementedError, match="evaluation under the zbv schedule"):
+                        with torch.no_grad():
+                            model(**odd)
+                    model.train(), ref.train()
+                    report[f"{plan_name}/{name}/{kind}/{extra}"] = dict(
+                        init=init, loss=loss_err, params=params, held=held, total=len(refs), eval=0.0,
+                        blocks=[len(r) for r in model.pipeline_blocks])
+                    continue
+                with torch.no_grad():
+                    out, want = model(**odd), ref(**odd)
+                metrics = cuboid.evaluate(model, [odd])
+                want_metrics = cuboid.evaluate(ref, [odd])
+                model.train(), ref.train()
+                eval_err = max(abs(out.loss.item() - want.loss.item()) / abs(want.loss.item()),
+                               ((out.logits - want.logits).abs().max() / want.logits.abs().max()).item(),
+                               max(abs(metrics[k] - want_metrics[k]) / max(abs(want_metrics[k]), 1e-12)
+                                   for k in want_metrics))
+                assert tuple(out.logits.shape) == tuple(want.logits.shape), (out.logits.shape, want.logits.shape)
                 report[f"{plan_name}/{name}/{kind}/{extra}"] = dict(
-                    init=init, loss=loss_err, params=params, held=held, total=len(refs),
+                    init=init, loss=loss_err, params=params, held=held, total=len(refs), eval=eval_err,
                     blocks=[len(r) for r in model.pipeline_blocks])
         if plan_name == "pp2":  # bad input: one sentence, no hang
             model = cuboid.load("gpt-debug", plan, seed=0, mesh=mesh)
@@ -94,7 +118,7 @@ def check(reports, n_plans):
                 continue
             assert r["init"] == 0.0, (rank, key, r)
             assert 0 < r["held"] < r["total"] or "-tp" in key or "pp" not in key, (rank, key, r)
-            assert r["loss"] < 1e-5 and r["params"] < 1e-5, (rank, key, r)
+            assert r["loss"] < 1e-5 and r["params"] < 1e-5 and r["eval"] < 1e-5, (rank, key, r)
             if "'n_layers': 3" in key:
                 assert sorted(r["blocks"]) == [1, 2], (rank, key, r)
 
