@@ -146,6 +146,8 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
                          f"microbatches), not {parts}")
+    if pipe.parts > 1:  # 2D/3D: every micro-batch must split into the batch blocks; padded rows weigh nothing
+        share = pipe.pad(share)
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
     counts = [core.num_targets(b) for b in micro]

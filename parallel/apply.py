@@ -239,7 +239,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
             for mod in model.modules():
                 if isinstance(mod, Dropout):
                     mod.sharded_rank = mesh.coords["tp"]
-    if mesh.size("tp") > 1 and plan.tp_mode != "1d":
+    if mesh.size("tp") > 1 and plan.tp_mode != "1d" and mesh.size("pp") == 1:  # (pp: the first stage splits)
         split = BatchSplit(plan, mesh)
         model.register_forward_pre_hook(split.before, with_kwargs=True)
         model.register_forward_hook(split.after, with_kwargs=True)
@@ -251,7 +251,9 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         blocks = getattr(model, "pipeline_blocks", None)
         if blocks is None:
             raise ValueError("a pp plan needs the model cut into stages first (cuboid.load does it)")
-        model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches)
+        split = BatchSplit(plan, mesh) if mesh.size("tp") > 1 and plan.tp_mode != "1d" else None
+        model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches,
+                                  batch_split=split)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
     elif mesh.size("dp") > 1:
         from torch.distributed._composable import replicate

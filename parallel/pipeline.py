@@ -140,8 +140,9 @@ class StageModule(nn.Module):
     others; the last stage returns the micro-batch's mean loss.
     """
 
-    def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None) -> None:
+    def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None, batch_split=None) -> None:
         super().__init__()
+        self.batch_split = batch_split  # 2D/3D: the first stage cuts each micro-batch into this rank's block
         object.__setattr__(self, "model", model)  # referenced: its parameters are not this module's
         self.spec, self.info = spec, info
         self._keys_from = keys_from or info  # the first stage's info, where the batch keys are recorded
@@ -158,6 +159,9 @@ class StageModule(nn.Module):
         info, model = self.info, self.model
         if info.stage == 0:
             batch = dict(zip(self._keys_from.input_keys, inputs))
+            if self.batch_split is not None:
+                size = batch[self._keys_from.input_keys[0]].shape[0]
+                batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
             x = model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
             residual = torch.zeros_like(x)
             mask = batch.get("attention_mask")
@@ -167,6 +171,7 @@ class StageModule(nn.Module):
         inferring = False
         if info.stage > 0:
             x, residual, mask, labels = inputs
+            x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
             inferring = self.inferring
             if inferring:
                 # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
@@ -180,13 +185,11 @@ class StageModule(nn.Module):
         if info.stage < info.stages - 1:
             # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
-            # autograd saved (a norm saves its residual stream); one copy per stage boundary
-            return tuple(t.clone() for t in (x, residual, mask, labels))
+            # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
+            return tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
         out = model.head(x, residual, labels)
-        if self.collected is not None and not inferring:
-            n = model.num_targets({"labels": labels})
-            loss = out.loss.detach().float() if n else torch.zeros((), device=x.device)
-            self.collected.append((out.logits.detach(), float(loss) * n, n))
+        if self.collected is not None and not inferring:  # (under 2D/3D the loss is the whole micro-batch's)
+            self.collected.append((out.logits.detach(), out.loss.detach().float()))
         return out.loss
 
 
@@ -200,9 +203,28 @@ class PipelineOutput:
     pooler_output: Optional[torch.Tensor] = None
 
 
+def _chunks(batch: dict, parts: int) -> list[dict]:
+    """``batch`` cut along dim 0 into ``parts`` equal micro-batches, as the schedules cut it."""
+    size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0] // parts
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The pipeline's loss function: a micro-batch's mean loss times its weight (its share of the labels)."""
     return loss.nan_to_num(0.0) * weight.reshape(())  # a micro-batch without labels weighs 0
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: a stage's input gradients are sent back to
+    the previous stage, which receives them into buffers laid out like them (gloo needs contiguous)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def _flag_inference(stage, module: StageModule):
@@ -251,7 +273,7 @@ class Pipeline:
     SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
     def __init__(self, model: nn.Module, spec, mesh, blocks: Sequence[range], *, schedule: str = "1f1b",
-                 microbatches: int = 1) -> None:
+                 microbatches: int = 1, batch_split=None) -> None:
         from torch.distributed import pipelining as P
 
         if schedule not in self.SCHEDULES:
@@ -266,7 +288,9 @@ class Pipeline:
         total = len(blocks)
         infos = [StageInfo(s, total, blocks[s]) for s in range(total)]
         self.first = infos[0]
-        self.modules = [StageModule(model, spec, infos[s], self.first) for s in self.ids]
+        self.model = model
+        self.modules = [StageModule(model, spec, infos[s], self.first, batch_split) for s in self.ids]
+        self.parts = batch_split.parts if batch_split is not None else 1  # 2D/3D batch blocks per micro-batch
         device = next(model.parameters()).device
         stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
@@ -307,6 +331,17 @@ class Pipeline:
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
 
+    def pad(self, batch: dict) -> dict:
+        """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks: rows whose labels are
+        ignored (and whose other inputs repeat the last row), so they weigh nothing."""
+        size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+        pad = (-size) % (self.microbatches * self.parts)
+        if not pad:
+            return batch
+        return {k: torch.cat([v, torch.full_like(v[:1], -100).expand(pad, *v.shape[1:]) if k == "labels"
+                              else v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
+                for k, v in batch.items()}
+
     @torch.no_grad()
     def evaluate(self, batch: dict) -> "PipelineOutput":
         """The pipeline's forward of ``batch`` on every rank: the mean loss over its label positions and
@@ -319,11 +354,7 @@ class Pipeline:
             raise NotImplementedError("evaluation under the zbv schedule is not built yet (torch 2.13's "
                                       "ScheduleZBVZeroBubble cannot run forward-only); evaluate under 1f1b")
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        pad = (-size) % self.microbatches
-        if pad:
-            batch = {k: torch.cat([v, torch.full_like(v[:1], -100).expand(pad, *v.shape[1:]) if k == "labels"
-                                   else v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
-                     for k, v in batch.items()}
+        batch = self.pad(batch)
         if not self.first.input_keys:
             self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
@@ -343,7 +374,9 @@ class Pipeline:
         if last is not None:
             collected, last.collected = last.collected, None
             logits = torch.cat([c[0] for c in collected]).float()
-            stats = torch.tensor([sum(c[1] for c in collected), sum(c[2] for c in collected)], dtype=torch.float64)
+            counts = [self.model.num_targets(mb) for mb in _chunks(batch, self.microbatches)]
+            stats = torch.tensor([sum(float(c[1]) * n for c, n in zip(collected, counts) if n), sum(counts)],
+                                 dtype=torch.float64)
             shape = torch.tensor([logits.dim(), *logits.shape, *[0] * (4 - logits.dim())], dtype=torch.int64)
         else:
             stats, shape = torch.zeros(2, dtype=torch.float64), torch.zeros(5, dtype=torch.int64)

@@ -141,8 +141,6 @@ class Plan:
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.pp > 1 and self.tp > 1 and self.tp_mode != "1d":
-            missing.append(f"pipeline parallelism with tp_mode {self.tp_mode} (pp={self.pp})")
         if self.sp > 1:
             missing.append(f"sequence parallelism (sp={self.sp}, sp_mode={self.sp_mode})")
         if self.zero > 0:

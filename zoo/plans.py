@@ -51,6 +51,7 @@ READY_PLANS = {
     "pp2-zbv": Plan(pp=2, microbatches=2, schedule="zbv"),
     "dp2-pp2": Plan(dp=2, pp=2, microbatches=2),
     "dp2-pp2-tp2": Plan(dp=2, pp=2, tp=2, microbatches=2),
+    "pp2-tp2d": Plan(pp=2, tp=4, tp_mode="2d", microbatches=2),
 }
 
 

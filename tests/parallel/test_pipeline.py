@@ -133,6 +133,6 @@ def test_pp4_and_dp2_pp2_on_4_ranks():
     check(run_world(pp_worker, 4, [("pp4", {}), ("dp2-pp2", {})], timeout=400), 12)
 
 
-def test_dp2_pp2_tp2_on_8_ranks():
-    check(run_world(pp_worker, 8, [("dp2-pp2-tp2", {})], ("gpt-debug", "bert-debug", "vit-debug"), ("lamb",),
-                    timeout=400), 3)
+def test_dp2_pp2_tp2_and_pp2_tp2d_on_8_ranks():
+    check(run_world(pp_worker, 8, [("dp2-pp2-tp2", {}), ("pp2-tp2d", {})], ("gpt-debug", "bert-debug", "vit-debug"),
+                    ("lamb",), timeout=400), 6)

@@ -60,8 +60,8 @@ def test_validate_says_what_does_not_fit(plan, world, message):
 
 
 def test_unbuilt_modes_are_named_not_run():
-    with pytest.raises(NotImplementedError, match="pipeline parallelism with tp_mode 2d"):
-        Plan(pp=2, tp=4, tp_mode="2d", microbatches=2).require_implemented()
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        Plan(sp=2).require_implemented()
     with pytest.raises(NotImplementedError, match="ZeRO stage 2"):
         Plan(dp=2, zero=2).require_implemented()
     assert Plan(dp=2, tp=2).require_implemented() == Plan(dp=2, tp=2)
