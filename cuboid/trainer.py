@@ -221,7 +221,11 @@ def run(cfg: FinetuneConfig) -> dict:
     train_t, eval_t = D.prepare(train_ds, task, **prep), D.prepare(eval_ds, task, **prep)
 
     dp = mesh.size("dp")
-    micro = cfg.micro_batch_size or cfg.batch_size // dp
+    micro = cfg.micro_batch_size or cfg.batch_size // (dp * (plan.microbatches if plan.pp > 1 else 1))
+    if plan.pp > 1 and cfg.batch_size != dp * micro * plan.microbatches:
+        raise ValueError(f"under pipeline parallelism a step runs the plan's {plan.microbatches} micro-batches: "
+                         f"the global batch {cfg.batch_size} must be dp ({dp}) x {plan.microbatches} x the "
+                         f"micro-batch ({micro})")
     if cfg.batch_size % (dp * micro):
         raise ValueError(f"global batch {cfg.batch_size} is not a multiple of dp ({dp}) x micro-batch ({micro})")
     accumulate = cfg.batch_size // (dp * micro)

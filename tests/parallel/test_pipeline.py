@@ -125,7 +125,7 @@ def check(reports, n_plans):
 
 def test_pp2_schedules_on_2_ranks():
     plans = [("pp2", {}), ("pp2-gpipe", {}), ("pp2-interleaved", {"n_layers": 4}), ("pp2-zbv", {"n_layers": 4}),
-             ("pp2-gpipe", {"n_layers": 3})]
+             ("pp2-gpipe", {"n_layers": 3}), ("pp=2,microbatches=2,activation_checkpoint=true", {})]
     check(run_world(pp_worker, 2, plans, timeout=400), 3 * 2 * len(plans))
 
 
