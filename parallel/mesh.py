@@ -41,7 +41,7 @@ AXES = ("pp", "dp", "sp", "tp")
 TP_AXES = {2: ("tp_col", "tp_row"), 3: ("tp_dep", "tp_col", "tp_row")}  # group along grid dim k varies index k
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> tuple[int, int]:
+def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] = None) -> tuple[int, int]:
     """Start the default process group from the environment if there is one; (rank, world size).
 
     Without ``WORLD_SIZE`` (a plain ``python`` run) nothing is started and
@@ -60,6 +60,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if timeout_s is None:  # every collective and p2p of every group fails after this, never hangs
+        timeout_s = float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
