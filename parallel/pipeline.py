@@ -27,7 +27,10 @@ micro-batch's loss weighted by its share of the global batch's label count.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -214,6 +217,31 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return loss.nan_to_num(0.0) * weight.reshape(())  # a micro-batch without labels weighs 0
 
 
+@contextlib.contextmanager
+def _timed_p2p():
+    """Make the schedules' p2p waits give up after the process group's timeout (``CUBOID_TIMEOUT_S``).
+
+    gloo's ``Work.wait()`` without a timeout waits for ever on a peer that
+    stalls (collectives do time out); torch's GPipe and 1F1B wait through one
+    module-level helper, swapped here for one that passes the timeout and
+    restored after. The first step's shape exchange is not covered.
+    """
+    from torch.distributed.pipelining import schedules
+
+    plain = schedules._wait_batch_p2p
+    timeout = datetime.timedelta(seconds=float(os.environ.get("CUBOID_TIMEOUT_S", "300")))
+
+    def timed(work):
+        for w in work:
+            w.wait(timeout)
+
+    schedules._wait_batch_p2p = timed
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = plain
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: a stage's input gradients are sent back to
     the previous stage, which receives them into buffers laid out like them (gloo needs contiguous)."""
@@ -318,10 +346,11 @@ class Pipeline:
         args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
         losses: list = []
         try:
-            if self.has_last:
-                self._schedule.step(*args, target=weights, losses=losses, return_outputs=False)
-            else:
-                self._schedule.step(*args, return_outputs=False)
+            with _timed_p2p():
+                if self.has_last:
+                    self._schedule.step(*args, target=weights, losses=losses, return_outputs=False)
+                else:
+                    self._schedule.step(*args, return_outputs=False)
         except Exception as e:
             raise RuntimeError(f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed: "
                                f"{type(e).__name__}: {e}") from e
