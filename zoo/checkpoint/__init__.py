@@ -26,7 +26,9 @@ Modules: :mod:`.planner` (which tensor in which file, from shapes only, on
 ``huggingface_hub``'s splitter), :mod:`.format` (streaming safetensors writer,
 byte checks), :mod:`.writer` (the save loop: rank 0 writes everything, every
 rank gathers every tensor in the same order; ``zoo.to_hf`` writes through it
-too), :mod:`.folder` (the atomic replace protocol and what a crash leaves),
+too), :mod:`.stages` (pipeline-parallel models: each stage writes its own
+files into the same folder, rank 0 the index last; loads skip the tensors of
+other stages' layers), :mod:`.folder` (the atomic replace protocol and what a crash leaves),
 :mod:`.reader` (validation, verify, and the one folder reader: ``load`` here,
 ``cuboid.load(folder)`` / ``zoo.from_hf`` through ``read_new``, both reading
 only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
@@ -34,8 +36,9 @@ only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
 
 Checkpoint code reaches parameters only through the layers' full-tensor
 interface (``full_shape``, ``shard_slices``, ``full_tensor``, ``load_full``;
-``full_tensor_like`` for sharded optimizer state), so the tensor and pipeline
-modes plug in without changes here.
+``full_tensor_like`` for sharded optimizer state), so the tensor modes plug
+in without changes here; pipeline stages only add who writes which file
+(:mod:`.stages`).
 """
 from .convert import convert
 from .folder import resolve

@@ -30,6 +30,7 @@ from .. import hf_io
 from .folder import resolve
 from .format import CheckpointError, DTYPE_OF_NAME, data_end, read_header, sha256_file
 from .planner import family_of, hf_prefix, meta
+from .stages import elsewhere
 
 COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkpoint's record
 
@@ -236,7 +237,11 @@ def _kind(dtype) -> str:
 
 
 def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read], dict]:
-    """What to read for each parameter, and every problem, from the headers alone (no tensor data)."""
+    """What to read for each parameter, and every problem, from the headers alone (no tensor data).
+
+    A parameter under a placeholder (another pipeline stage's layer) is
+    skipped: its stored tensors are that stage's to read and check.
+    """
     family = family_of(model)
     stored = hf_io.normalise_keys(folder.keys(), family)
     prefix = hf_prefix(model, family)
@@ -245,6 +250,8 @@ def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read
     covered = set()
     for row in family.tensor_maps(model.config):
         if row.zoo not in params:
+            if elsewhere(model, row.zoo):  # another pipeline stage's: read there, neither missing nor unexpected
+                used.update(row.hf)
             continue
         covered.add(row.zoo)
         mod, local, p = params[row.zoo]
@@ -295,7 +302,8 @@ def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = Fa
     Every layer gets its part through ``load_full(name, view)``, where
     ``view`` is a lazy, zoo-shaped view of the stored tensors (safetensors
     ``get_slice`` objects behind the mapping's transposes, q/k/v stacks and
-    reshapes): each rank reads only its ``shard_slices`` from the mmap, and a
+    reshapes): each rank reads only its ``shard_slices`` from the mmap (and,
+    under pipeline parallelism, only its stages' tensors), and a
     transform materialises at most the rows asked for (never more than one
     stored tensor), not the whole transformed tensor. Values are
     copied into the model's own tensors. Floating-point tensors are cast to

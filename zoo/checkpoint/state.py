@@ -21,7 +21,11 @@ local)`` (a collective: every rank calls it in the same order) and read back
 through the layer's ``local_part(name, sliceable)`` (packed segments, padding)
 or, without one, ``shard_slices``; a layer without ``full_tensor_like`` is an
 error at planning time. Single-device and data-parallel runs (every rank a
-full replica) need nothing more. ZeRO-sharded optimizer state is not covered.
+full replica) need nothing more. Under pipeline parallelism each stage
+writes the state of its own parameters (:mod:`.stages`), the index records
+every stage's param groups merged by position, and a load matches state by
+parameter name, so a checkpoint resumes under another pp layout or on one
+device. ZeRO-sharded optimizer state is not covered.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from .folder import resolve
 from .format import CheckpointError
 from .planner import Source, meta
 from .reader import TensorFolder
+from .stages import elsewhere
 
 TRAINER_STATE = "trainer_state.json"
 FORMAT = "cuboid-training-state"
@@ -136,7 +141,11 @@ def _local_part(mod, local: str, sl, what: str) -> torch.Tensor:
 
 
 def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
-    """Restore ``optimizer`` from the checkpoint, each rank reading its parameters' slices."""
+    """Restore ``optimizer`` from the checkpoint, each rank reading its parameters' slices.
+
+    Param groups are matched by position and their parameters by name; a
+    pipeline stage model loads the state of its own parameters only.
+    """
     ts = TensorFolder(root, "optimizer")
     info = ts.metadata.get("optimizer")
     if not isinstance(info, dict):
@@ -150,8 +159,11 @@ def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
     groups, state, idx = [], {}, 0
     for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
         cur_names = [names[id(p)][0] if id(p) in names else "<not a model parameter>" for p in cur["params"]]
-        if cur_names != saved["params"]:
-            diff = sorted(set(cur_names) ^ set(saved["params"])) or ["(same names, different order)"]
+        # state is matched by name: the order may differ (stages saved in stage order); names of
+        # another pipeline stage's layers are that stage's to load
+        want = {n for n in saved["params"] if not elsewhere(model, n)}
+        if set(cur_names) != want or len(set(cur_names)) != len(cur_names):
+            diff = sorted(set(cur_names) ^ want) or ["(a parameter listed twice)"]
             raise CheckpointError(f"{root}: optimizer param group {gi} differs from the checkpoint's: "
                                   f"{', '.join(diff[:8])}")
         group = {k: _restore_type(v, cur.get(k)) for k, v in saved.items() if k != "params"}

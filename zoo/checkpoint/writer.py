@@ -13,6 +13,10 @@ shard), commits (:mod:`.folder`), then broadcasts its outcome, which is the
 barrier the other ranks wait at; a failure on rank 0 is raised on every rank.
 A rank-0 I/O error does not stop the loop: the fetches (collectives under
 tensor parallelism) go on to the end so no rank is left waiting in one.
+
+Under pipeline parallelism no rank holds every tensor: each stage writes its
+own files into the same temporary folder and rank 0 writes the index last
+(:mod:`.stages`, :func:`save`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,9 +32,11 @@ from . import folder as folder_mod
 from .format import HASH_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
 from .planner import ShardPlan, Size, Source, family_of, model_sources, plan_shards
 from .reader import COMMIT_KEY
+from .stages import StageLayout, describe, merge_optimizer_info, plan_stages, stage_layout, stage_part
 from .state import TRAINER_STATE, dist_info, optimizer_sources, training_record
 
 INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 
 
 class Job:
@@ -90,16 +96,26 @@ def write_shards(plan: ShardPlan, sources: Sequence[Source], job: Job,
     return records
 
 
+def index_json(plan: ShardPlan, files: Dict[str, FileRecord], **metadata) -> dict:
+    """An index file's content: ``weight_map``; metadata ``total_size`` and the records of ``files``."""
+    return {"metadata": {"total_size": plan.total_size, "format": "cuboid", "version": 1,
+                         "files": {f: r.to_json() for f, r in sorted(files.items())}, **metadata},
+            "weight_map": dict(sorted(plan.weight_map.items()))}
+
+
+def write_record(job: Job, name: str, content, extra: Dict[str, FileRecord]) -> None:
+    """Write the JSON file ``name`` into ``job.tmp`` and record it in ``extra``."""
+    rec = job.file(name, lambda: write_json(job.tmp / name, content))
+    if rec is not None:
+        extra[name] = rec
+
+
 def write_model_files(plan: ShardPlan, sources: Sequence[Source], job: Job,
                       extra: Dict[str, FileRecord], progress=None) -> None:
     """The model's files, the commit file last: the index, or the single file that records the rest."""
     if plan.sharded:
         shards = write_shards(plan, sources, job, lambda f: {"format": "pt"}, progress)
-        files = {**extra, **shards}
-        index = {"metadata": {"total_size": plan.total_size, "format": "cuboid", "version": 1,
-                              "files": {f: r.to_json() for f, r in sorted(files.items())}},
-                 "weight_map": dict(sorted(plan.weight_map.items()))}
-        job.file(INDEX, lambda: write_json(job.tmp / INDEX, index))
+        job.file(INDEX, lambda: write_json(job.tmp / INDEX, index_json(plan, {**extra, **shards})))
     else:
         record = json.dumps({"version": 1, "data_sha256": HASH_PLACEHOLDER,
                              "files": {f: r.to_json() for f, r in sorted(extra.items())}}, sort_keys=True)
@@ -146,6 +162,9 @@ def export(model: torch.nn.Module, path) -> Path:
     """
     path = Path(path).absolute()
     rank, world = dist_info()
+    if stage_layout(model, rank).stages > 1:
+        raise CheckpointError("writing a Hugging Face folder from pipeline stages: use "
+                              "cuboid.zoo.checkpoint.save(model, path), which transformers loads too")
     sources = model_sources(model)
     plan = plan_shards(sources, "model", None)
     cfg = hf_config(model)
@@ -192,9 +211,17 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     arguments: every rank gathers every tensor in the same order, rank 0
     writes, all return once the checkpoint is committed. The write is atomic
     (:mod:`.folder`). Returns ``path``.
+
+    Under pipeline parallelism (``model.mesh`` with ``pp > 1``) each stage
+    writes its own tensors (:mod:`.stages`): always an index, each stage's
+    tensors in files of their own, a tied tensor once, optimizer state per
+    stage; no rank gathers the model.
     """
     path = Path(path).absolute()
     rank, world = dist_info()
+    where = stage_layout(model, rank)
+    if where.stages > 1:
+        return _save_stages(model, path, where, rank, world, max_shard_size, optimizer, scheduler, state)
     msources = model_sources(model)
     mplan = plan_shards(msources, "model", max_shard_size)
     oplan, osources, oinfo = None, [], None
@@ -209,23 +236,13 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     try:
         job.tmp = job.call(folder_mod.begin, path)
         extra: Dict[str, FileRecord] = {}
-        rec = job.file("config.json", lambda: write_json(job.tmp / "config.json", cfg))
-        if rec is not None:
-            extra["config.json"] = rec
+        write_record(job, "config.json", cfg, extra)
         if oplan is not None:
             shards = write_shards(oplan, osources, job, lambda f: {"format": "pt"})
             extra.update(shards)
-            index = {"metadata": {"total_size": oplan.total_size, "format": "cuboid", "version": 1,
-                                  "files": {f: r.to_json() for f, r in sorted(shards.items())}, "optimizer": oinfo},
-                     "weight_map": dict(sorted(oplan.weight_map.items()))}
-            name = "optimizer.safetensors.index.json"
-            rec = job.file(name, lambda: write_json(job.tmp / name, index))
-            if rec is not None:
-                extra[name] = rec
+            write_record(job, OPTIMIZER_INDEX, index_json(oplan, shards, optimizer=oinfo), extra)
         if trainer is not None:
-            rec = job.file(TRAINER_STATE, lambda: write_json(job.tmp / TRAINER_STATE, trainer))
-            if rec is not None:
-                extra[TRAINER_STATE] = rec
+            write_record(job, TRAINER_STATE, trainer, extra)
         write_model_files(mplan, msources, job, extra)
         job.call(folder_mod.commit, job.tmp, path)
     except BaseException:
@@ -233,4 +250,108 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
             folder_mod.abort(job.tmp)
         raise
     finish(job, world, path)
+    return path
+
+
+def _error_text(e: Optional[BaseException]) -> Optional[str]:
+    return None if e is None else f"{type(e).__name__}: {e}"
+
+
+def _first_failure(outcomes: Sequence[tuple]) -> Optional[Tuple[int, str]]:
+    """(rank, error) of the lowest rank whose outcome (anything, error text) has an error."""
+    return next(((r, o[-1]) for r, o in enumerate(outcomes) if o[-1] is not None), None)
+
+
+def _save_stages(model: torch.nn.Module, path: Path, where: StageLayout, rank: int, world: int,
+                 max_shard_size: Size, optimizer, scheduler, state: Optional[dict]) -> Path:
+    """:func:`save` of a pipeline stage model: each stage writes its own files, rank 0 the index last.
+
+    The collectives, the same on every rank and in this order: one
+    ``all_gather_object`` of every rank's descriptions (or its error), the
+    RNG gather of the training state, rank 0's broadcast of the temporary
+    folder, the stages' fetches (inside each stage's tensor groups), one
+    ``all_gather_object`` of every rank's file records (or its error), and
+    rank 0's broadcast of the commit's outcome. A failure anywhere is raised
+    on every rank (naming the rank) without leaving one in a collective.
+    """
+    import torch.distributed as dist
+
+    def gather(obj) -> list:
+        out: List[object] = [None] * world
+        dist.all_gather_object(out, obj)
+        return out
+
+    mine, err = None, None
+    try:
+        msources = model_sources(model)
+        osources, oinfo = optimizer_sources(model, optimizer) if optimizer is not None else ([], None)
+        mine = (where.stage, describe(msources), describe(osources), oinfo)
+    except Exception as e:  # noqa: BLE001 - agreed on below, raised on every rank
+        err = e
+    described = gather((mine, _error_text(err)))
+    failed = _first_failure(described)
+    if failed is not None:
+        if err is not None:
+            raise err
+        raise CheckpointError(f"rank {failed[0]} cannot save {path}: {failed[1]}")
+    stages: Dict[int, tuple] = {}
+    for (stage, *rest), _ in described:
+        stages.setdefault(stage, tuple(rest))
+    ordered = [stages[s] for s in range(where.stages)]
+    mplan, mowner = plan_stages([m for m, _, _ in ordered], "model", max_shard_size)
+    oplan, oowner = plan_stages([o for _, o, _ in ordered], "optimizer", max_shard_size) \
+        if optimizer is not None else (None, {})
+    oinfo = merge_optimizer_info([i for _, _, i in ordered])
+    training = optimizer is not None or scheduler is not None or state is not None
+    trainer = training_record(model, optimizer, scheduler, state, world) if training else None
+
+    job = Job(where.writes)
+    if rank == 0:
+        job.tmp = job.call(folder_mod.begin, path)
+    opened = [str(job.tmp) if job.tmp is not None else None, _error_text(job.error)]
+    dist.broadcast_object_list(opened, src=0)
+    if opened[1] is not None:
+        if job.error is not None:
+            raise job.error
+        raise CheckpointError(f"rank 0 failed to write {path}: {opened[1]}")
+    job.tmp = Path(opened[0])
+
+    records: Dict[str, FileRecord] = {}
+    err = None
+    try:
+        if where.fetches:
+            if oplan is not None:
+                records.update(write_shards(stage_part(oplan, oowner, where.stage), osources, job,
+                                            lambda f: {"format": "pt"}))
+            records.update(write_shards(stage_part(mplan, mowner, where.stage), msources, job,
+                                        lambda f: {"format": "pt"}))
+    except Exception as e:  # noqa: BLE001 - a fetch failed: told to every rank below
+        err = e
+    err = job.error or err
+    written = gather((records, _error_text(err)))
+    failed = _first_failure(written)
+    if failed is not None:
+        if rank == 0:
+            folder_mod.abort(job.tmp)
+        if err is not None:
+            raise err
+        raise CheckpointError(f"rank {failed[0]} failed to write {path}: {failed[1]}")
+
+    def complete() -> None:  # rank 0: the small files, the model index last, then the commit
+        files: Dict[str, FileRecord] = {f: r for recs, _ in written for f, r in recs.items()}
+        extra: Dict[str, FileRecord] = {}
+        write_record(job, "config.json", hf_config(model), extra)
+        if oplan is not None:
+            shards = {f: files[f] for f in oplan.files}
+            extra.update(shards)
+            write_record(job, OPTIMIZER_INDEX, index_json(oplan, shards, optimizer=oinfo), extra)
+        if trainer is not None:
+            write_record(job, TRAINER_STATE, trainer, extra)
+        shards = {f: files[f] for f in mplan.files}
+        write_record(job, INDEX, index_json(mplan, {**extra, **shards}), {})
+        job.call(folder_mod.commit, job.tmp, path)
+
+    if rank == 0:
+        job.call(complete)
+    finish(job, world, path)  # rank 0's outcome on every rank; a failed folder is removed
     return path
