@@ -312,6 +312,7 @@ class Pipeline:
                              f"{microbatches}; use more micro-batches or the gpipe schedule")
         self.mesh, self.rank, self.pp, self.microbatches = mesh, mesh.coords["pp"], pp, microbatches
         self.schedule = schedule
+        self._shapes = None  # the batch shapes torch's stages were set up for
         self.ids = stage_ids(schedule, self.rank, pp)
         total = len(blocks)
         infos = [StageInfo(s, total, blocks[s]) for s in range(total)]
@@ -344,6 +345,7 @@ class Pipeline:
         if not self.first.input_keys:
             self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+        self._fit_shapes(batch)
         losses: list = []
         try:
             with _timed_p2p():
@@ -359,6 +361,17 @@ class Pipeline:
                 comm.all_reduce_(p.grad, self.embedding_group)
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
+
+    def _fit_shapes(self, batch: dict) -> None:
+        """Have torch's stages infer shapes again when the batch's shapes changed since the last run
+        (a short last evaluation batch): their p2p buffers are sized by the first run."""
+        key = tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
+        if self._shapes is not None and key != self._shapes:
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
+                         "_stages_forward_initialized", "_stages_backward_initialized"):
+                if hasattr(self._schedule, flag):
+                    setattr(self._schedule, flag, False)
+        self._shapes = key
 
     def pad(self, batch: dict) -> dict:
         """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks: rows whose labels are
@@ -387,6 +400,7 @@ class Pipeline:
         if not self.first.input_keys:
             self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
         args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+        self._fit_shapes(batch)
         last = self.modules[self.ids.index(self.first.stages - 1)] if self.has_last else None
         if last is not None:
             last.collected = []

@@ -82,8 +82,9 @@ def pp_worker(plans, families=("gpt-debug", "bert-debug", "vit-debug"), optimize
                     continue
                 with torch.no_grad():
                     out, want = model(**odd), ref(**odd)
-                metrics = cuboid.evaluate(model, [odd])
-                want_metrics = cuboid.evaluate(ref, [odd])
+                whole = global_batch(name, ref)  # batches of changing shapes: the stages re-infer theirs
+                metrics = cuboid.evaluate(model, [whole, odd, whole])
+                want_metrics = cuboid.evaluate(ref, [whole, odd, whole])
                 model.train(), ref.train()
                 eval_err = max(abs(out.loss.item() - want.loss.item()) / abs(want.loss.item()),
                                ((out.logits - want.logits).abs().max() / want.logits.abs().max()).item(),
