@@ -253,7 +253,7 @@ def run(cfg: FinetuneConfig) -> dict:
         batches.position = int(saved["data"]["position"])
         log(f"resumed from {resume_from} at step {start}")
 
-    n_params = zoo.count_parameters(model)
+    n_params = zoo.count_parameters(zoo.build(model.config))  # the whole model (a pp stage holds part of it)
     log(f"cuboid finetune: {cfg.model} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
         f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
         f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
