@@ -104,8 +104,10 @@ def test_bad_inputs_are_clear_errors():
         cuboid.load("gpt3")
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         cuboid.load("./nowhere")
-    with pytest.raises(NotImplementedError, match="pipeline parallelism"):
-        cuboid.load("gpt-debug", plan="pp=2,microbatches=2")
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        cuboid.load("gpt-debug", plan="sp=2")
+    with pytest.raises(ValueError, match="needs dp\\*pp\\*tp\\*sp = 2 processes, but the world size is 1"):
+        cuboid.load("gpt-debug", plan="pp2")
     with pytest.raises(ValueError, match="needs dp\\*pp\\*tp\\*sp = 4 processes, but the world size is 1"):
         cuboid.load("gpt-debug", plan="tp2d")
     with pytest.raises(ValueError, match="not divisible by n_heads"):
