@@ -64,7 +64,7 @@ def pp_worker(plans, families=("gpt-debug", "bert-debug", "vit-debug"), optimize
                 loss_err = 0.0
                 for _ in range(3):
                     batch = global_batch(name, ref)
-                    a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0)
+                    a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0, dtype=plan.dtype)
                     b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0)
                     loss_err = max(loss_err, abs(a.loss - b.loss) / abs(a.loss))
                 params, _ = err()
@@ -119,14 +119,17 @@ def check(reports, n_plans):
                 continue
             assert r["init"] == 0.0, (rank, key, r)
             assert 0 < r["held"] < r["total"] or "-tp" in key or "pp" not in key, (rank, key, r)
-            assert r["loss"] < 1e-5 and r["params"] < 1e-5 and r["eval"] < 1e-5, (rank, key, r)
+            tol = 2e-2 if "bf16" in key else 1e-5  # bf16 rounding differs with the summation order
+            assert r["loss"] < tol and r["params"] < tol and r["eval"] < tol, (rank, key, r)
             if "'n_layers': 3" in key:
                 assert sorted(r["blocks"]) == [1, 2], (rank, key, r)
 
 
 def test_pp2_schedules_on_2_ranks():
     plans = [("pp2", {}), ("pp2-gpipe", {}), ("pp2-interleaved", {"n_layers": 4}), ("pp2-zbv", {"n_layers": 4}),
-             ("pp2-gpipe", {"n_layers": 3}), ("pp=2,microbatches=2,activation_checkpoint=true", {})]
+             ("pp2-gpipe", {"n_layers": 3}), ("pp=2,microbatches=2,activation_checkpoint=true", {}),
+             ("pp=2,microbatches=1,schedule=gpipe", {}),  # fewer micro-batches than stages: GPipe runs
+             ("pp=2,microbatches=2,dtype=bf16", {})]      # under bf16 autocast, beside one device's bf16 run
     check(run_world(pp_worker, 2, plans, timeout=400), 3 * 2 * len(plans))
 
 
@@ -135,8 +138,7 @@ def test_pp4_and_dp2_pp2_on_4_ranks():
 
 
 def test_dp2_pp2_tp2_and_pp2_tp2d_on_8_ranks():
-    check(run_world(pp_worker, 8, [("dp2-pp2-tp2", {}), ("pp2-tp2d", {})], ("gpt-debug", "bert-debug", "vit-debug"),
-                    ("lamb",), timeout=400), 6)
+    check(run_world(pp_worker, 8, [("dp2-pp2-tp2", {}), ("pp2-tp2d", {})], timeout=500), 12)
 
 
 def stall_worker():
