@@ -475,7 +475,8 @@ def embedding_group(mesh, schedule: str = "1f1b"):
 
 def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
     """Keep this rank's pipeline stages of a (meta) model: blocks balanced by ``costs`` = (per-block,
-    embedding, head) over the plan's stages (two per rank for interleaved and ZBV); in place.
+    embedding, head) over the plan's stages (two per rank for interleaved and ZBV), or as the plan's
+    ``stage_blocks`` say; in place.
 
     The ranges of every stage are kept on the model (``model.pipeline_blocks``)
     for :class:`Pipeline`.
@@ -483,7 +484,11 @@ def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
     plan = mesh.plan
     ids = stage_ids(plan.schedule, mesh.coords["pp"], plan.pp)
     total = plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
-    blocks = cut_stages(costs[0], total, costs[1], costs[2])
+    if plan.stage_blocks:  # the plan's own split
+        starts = [sum(plan.stage_blocks[:s]) for s in range(total + 1)]
+        blocks = [range(starts[s], starts[s + 1]) for s in range(total)]
+    else:
+        blocks = cut_stages(costs[0], total, costs[1], costs[2])
     keep = [i for s in ids for i in blocks[s]]
     keep_stage(model, spec, keep, 0 in ids, total - 1 in ids, where=f"stages {ids}")
     model.pipeline_blocks = blocks

@@ -55,8 +55,20 @@ class Plan:
     schedule: str = "1f1b"
     activation_checkpoint: bool = False
     dtype: str = "fp32"
+    stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
 
     def __post_init__(self) -> None:
+        blocks = self.stage_blocks
+        if isinstance(blocks, str):
+            try:
+                blocks = tuple(int(b) for b in blocks.split("/")) if blocks else ()
+            except ValueError:
+                raise ValueError(f"plan field stage_blocks takes block counts per stage like 2/1/1, "
+                                 f"got {self.stage_blocks!r}") from None
+        blocks = tuple(blocks)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+            raise ValueError(f"plan field stage_blocks must be whole numbers >= 0, got {self.stage_blocks!r}")
+        object.__setattr__(self, "stage_blocks", blocks)
         for name in ("dp", "pp", "tp", "sp", "depth", "microbatches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -133,6 +145,10 @@ class Plan:
                 raise ValueError(f"all_to_all sequence parallelism needs heads ({heads}) divisible by sp*tp "
                                  f"= {self.sp * self.tp}")
             stages = self.pp * (2 if self.schedule in ("interleaved", "zbv") else 1)
+            if self.stage_blocks and (len(self.stage_blocks) != stages
+                                      or (layers is not None and sum(self.stage_blocks) != layers)):
+                raise ValueError(f"stage_blocks {'/'.join(map(str, self.stage_blocks))} must give each of the "
+                                 f"{stages} pipeline stages its blocks, {layers} in all")
             if layers is not None and self.pp > 1 and stages > layers + 2:
                 raise ValueError(f"{stages} pipeline stages for a model of {layers} layers (at most layers + 2: "
                                  f"the embeddings and the head may have a stage each)")
@@ -159,7 +175,7 @@ class Plan:
     def describe(self) -> str:
         """The inline form, naming only fields that differ from the default."""
         default = Plan()
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+        parts = [f"{f.name}={_inline(getattr(self, f.name))}" for f in fields(self)
                  if getattr(self, f.name) != getattr(default, f.name)]
         return ",".join(parts) or "single"
 
@@ -184,7 +200,11 @@ class Plan:
     def to_toml(self) -> str:
         lines = []
         for k, v in self.to_dict().items():
-            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}")
+            if isinstance(v, (str, list, tuple)):
+                v = json.dumps(list(v) if isinstance(v, tuple) else v)  # JSON strings and lists are TOML
+            elif isinstance(v, bool):
+                v = str(v).lower()
+            lines.append(f"{k} = {v}")
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -228,6 +248,10 @@ class Plan:
 
     def replace(self, **changes) -> "Plan":
         return replace(self, **changes)
+
+
+def _inline(value: Any) -> str:
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _parse_value(raw: str) -> Any:

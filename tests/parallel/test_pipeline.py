@@ -121,6 +121,8 @@ def check(reports, n_plans):
             assert 0 < r["held"] < r["total"] or "-tp" in key or "pp" not in key, (rank, key, r)
             tol = 2e-2 if "bf16" in key else 1e-5  # bf16 rounding differs with the summation order
             assert r["loss"] < tol and r["params"] < tol and r["eval"] < tol, (rank, key, r)
+            if "stage_blocks=3/1" in key:
+                assert r["blocks"] == [3, 1], (rank, key, r)
             if "'n_layers': 3" in key:
                 assert sorted(r["blocks"]) == [1, 2], (rank, key, r)
 
@@ -129,7 +131,8 @@ def test_pp2_schedules_on_2_ranks():
     plans = [("pp2", {}), ("pp2-gpipe", {}), ("pp2-interleaved", {"n_layers": 4}), ("pp2-zbv", {"n_layers": 4}),
              ("pp2-gpipe", {"n_layers": 3}), ("pp=2,microbatches=2,activation_checkpoint=true", {}),
              ("pp=2,microbatches=1,schedule=gpipe", {}),  # fewer micro-batches than stages: GPipe runs
-             ("pp=2,microbatches=2,dtype=bf16", {})]      # under bf16 autocast, beside one device's bf16 run
+             ("pp=2,microbatches=2,dtype=bf16", {}),
+             ("pp=2,microbatches=2,schedule=gpipe,stage_blocks=3/1", {"n_layers": 4})]  # the plan's own split      # under bf16 autocast, beside one device's bf16 run
     check(run_world(pp_worker, 2, plans, timeout=400), 3 * 2 * len(plans))
 
 

@@ -52,6 +52,7 @@ def test_parse_errors():
     (Plan(tp=3), None, "4 attention heads do not divide over the tensor-parallel split of 3"),
     (Plan(pp=8, microbatches=8), None, "8 pipeline stages for a model of 2 layers"),
     (Plan(pp=2, microbatches=1), None, "needs microbatches >= pp"),
+    (Plan(pp=2, microbatches=2, stage_blocks=(2, 1)), None, "stage_blocks 2/1 must give each of the 2 pipeline"),
 ])
 def test_validate_says_what_does_not_fit(plan, world, message):
     config = zoo.config_of("gpt-debug")
@@ -66,3 +67,14 @@ def test_unbuilt_modes_are_named_not_run():
         Plan(dp=2, zero=2).require_implemented()
     assert Plan(dp=2, tp=2).require_implemented() == Plan(dp=2, tp=2)
     assert json.loads(Plan(dp=2).to_json())["dp"] == 2
+
+
+def test_stage_blocks_round_trip_and_errors():
+    plan = Plan.parse("pp=2,microbatches=2,stage_blocks=3/1")
+    assert plan.stage_blocks == (3, 1)
+    assert Plan.parse(plan.describe()) == plan
+    assert Plan.from_json(plan.to_json()) == plan and Plan.from_toml(plan.to_toml()) == plan
+    with pytest.raises(ValueError, match="block counts per stage like 2/1/1"):
+        Plan.parse("stage_blocks=a/1")
+    with pytest.raises(ValueError, match="whole numbers >= 0"):
+        Plan(stage_blocks=(-1, 2))
