@@ -1,13 +1,13 @@
 """Pipeline parallelism: stages cut from the sharding spec, run by ``torch.distributed.pipelining``.
 
-Work in progress: this module holds the pieces that are built and tested —
-the cost-balanced stage cut, the per-stage model (only the stage's own
-layers are kept, so a rank allocates only them), the stage module that runs
-a zoo model's ``embed`` / blocks / ``head`` with the stream between stages
-as plain tensors, and one training step under torch's ``ScheduleGPipe`` /
-``Schedule1F1B``. Plans with ``pp > 1`` are still refused by
-``Plan.require_implemented`` until data, tensor and interleaved compositions,
-evaluation and checkpoints are in (issue 11).
+``cuboid.load(name, plan)`` with ``pp > 1`` cuts the model (:func:`cut_model`)
+and ``prepare`` builds a :class:`Pipeline` on it; ``cuboid.train_step`` runs
+a step through it and ``model(**batch)`` under ``no_grad`` evaluates. The
+schedules are torch's: ``gpipe`` and ``1f1b`` (one stage per rank),
+``interleaved`` (interleaved 1F1B, stages r and r + pp on rank r) and
+``zbv`` (zero-bubble V: stages r and 2 pp - 1 - r). Under 2D/3D tensor
+parallelism the first stage cuts each micro-batch into this rank's block,
+so stages exchange only blocks with the ranks of equal tensor coordinates.
 
 **Stage cut.** A spec names the blocks (``spec.blocks``), the modules the
 first stage owns (``spec.first``: embeddings) and those the last owns
@@ -23,7 +23,8 @@ the residual of pre-LN models starts as zeros (``norm(x + 0)`` is
 ``norm(x)`` exactly), post-LN models pass zeros through, a model without an
 attention mask passes a (B, 1) mask of ones (no key is masked). Labels
 travel with their micro-batch to the last stage, which returns the
-micro-batch's loss weighted by its share of the global batch's label count.
+micro-batch's mean loss; the schedule's loss function weights it by its
+share of the global batch's label count, so a step is one device's step.
 """
 from __future__ import annotations
 
