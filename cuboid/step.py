@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cuboid.parallel import Mesh, comm, set_gradient_sync, unwrap
+from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, unwrap
 from cuboid.parallel.optim import clip_grad_norm_
 
 
@@ -40,6 +40,10 @@ class StepResult:
 def _device_of(model: nn.Module) -> torch.device:
     p = next(unwrap(model).parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], device: torch.device,
@@ -112,7 +116,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
             set_gradient_sync(model, last)
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
             with sync:
-                batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                batch = _to(batch, device)
                 with autocast_for(dtype, device):
                     loss = model(**batch).loss
                 if n == 0:
@@ -156,7 +160,7 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp")
     weights = torch.tensor([n * dp / total for n in counts], dtype=torch.float32, device=device)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in share.items()}
+    batch = _to(share, device)
     with autocast_for(dtype, device):
         local = pipe.run(batch, weights)
     # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
@@ -173,15 +177,6 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=float(loss), targets=int(total), grad_norm=grad_norm)
-
-
-def split_batch(batch: dict, parts: int) -> list[dict]:
-    """Split a batch dict along dim 0 into ``parts`` equal micro-batches."""
-    size = next(iter(batch.values())).shape[0]
-    if size % parts:
-        raise ValueError(f"a batch of {size} does not split into {parts} equal micro-batches")
-    step = size // parts
-    return [{k: v[i * step:(i + 1) * step] for k, v in batch.items()} for i in range(parts)]
 
 
 def rank_share(batch: dict, mesh: Optional[Mesh]) -> dict:
@@ -211,7 +206,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
     device = _device_of(model)
     loss_sum = n_sum = correct = seen = 0.0
     for batch in batches:
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = _to(batch, device)
         n = core.num_targets(batch)
         with autocast_for(dtype, device):
             out = core(**batch)

@@ -2,9 +2,9 @@
 
 ``Plan`` (data) + ``Mesh`` (process groups) + ``shard`` / ``prepare`` (plan -> drop-in model).
 """
-from .apply import (ShardingSpec, checkpoint_blocks, input_splitter, norm_reducer, parallelize, prepare,
-                    set_gradient_sync, shard, unwrap)
+from .apply import (ShardingSpec, checkpoint_blocks, input_splitter, prepare,
+                    set_gradient_sync, shard, split_batch, unwrap)
 from .mesh import Mesh, init_distributed
 from .plan import Plan
 
-__all__ = ["Plan", "Mesh", "ShardingSpec", "init_distributed", "prepare", "parallelize", "set_gradient_sync", "shard", "input_splitter", "norm_reducer", "unwrap", "checkpoint_blocks"]
+__all__ = ["Plan", "Mesh", "ShardingSpec", "init_distributed", "prepare", "set_gradient_sync", "split_batch", "shard", "input_splitter", "unwrap", "checkpoint_blocks"]

@@ -100,6 +100,30 @@ def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]
     return shard_model(model, spec, mesh)
 
 
+def pad_rows(key, x: torch.Tensor, pad: int) -> torch.Tensor:
+    """``x`` with ``pad`` rows added on dim 0 that weigh nothing: labels -100, other inputs the last row again."""
+    if not pad:
+        return x
+    fill = torch.full_like(x[:1], -100) if key == "labels" else x[-1:]
+    return torch.cat([x, fill.expand(pad, *x.shape[1:])])
+
+
+def pad_batch(batch: dict, multiple: int) -> dict:
+    """``batch`` padded on dim 0 to a multiple of ``multiple`` with rows that weigh nothing (:func:`pad_rows`)."""
+    size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+    pad = (-size) % multiple
+    return {k: pad_rows(k, v, pad) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} if pad else batch
+
+
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    """Split a batch dict along dim 0 into ``parts`` equal micro-batches."""
+    size = next(iter(batch.values())).shape[0]
+    if size % parts:
+        raise ValueError(f"a batch of {size} does not split into {parts} equal micro-batches")
+    step = size // parts
+    return [{k: v[i * step:(i + 1) * step] for k, v in batch.items()} for i in range(parts)]
+
+
 class BatchSplit:
     """Model-level input split and output gather for the tensor modes that cut the batch (2D, 2.5D, 3D).
 
@@ -136,10 +160,7 @@ class BatchSplit:
     def _prepare(self, key, x, batch: int, pad: int):
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch:
             return x
-        if pad:
-            fill = torch.full_like(x[:1], -100) if key == "labels" else x[-1:]
-            x = torch.cat([x, fill.expand(pad, *x.shape[1:])])
-        return self._split(key, x)
+        return self._split(key, pad_rows(key, x, pad))
 
     def before(self, module, args, kwargs):
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
@@ -181,19 +202,6 @@ def input_splitter(plan: Plan, mesh: Mesh):
         return None
     split = BatchSplit(plan, mesh)
     return lambda batch: {k: split._split(k, v) for k, v in batch.items()}
-
-
-def norm_reducer(model: nn.Module, mesh: Optional[Mesh] = None):
-    """An explicit ``norm_reducer`` for ``model``'s parameters (None when all are whole).
-
-    Optimizers and clipping already read each parameter's ``placement``; this
-    is the same rule as an object, for callers that pass reducers around.
-    """
-    from .layers import placement_of
-    from .optim import ShardNormReducer
-
-    placements = {id(p): placement_of(p) for p in unwrap(model).parameters() if placement_of(p) is not None}
-    return ShardNormReducer(placements) if placements else None
 
 
 def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Optional[ShardingSpec] = None) -> nn.Module:
@@ -276,12 +284,6 @@ def _pipeline_forward(pipeline, *args, **kwargs):
         raise ValueError("a forward under pipeline parallelism needs labels (evaluation); inference without "
                          "labels is not built yet")
     return pipeline.evaluate(kwargs)
-
-
-def parallelize(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None,
-                spec: Optional[ShardingSpec] = None) -> nn.Module:
-    """Older name of :func:`prepare` (which ``cuboid.load`` already calls); returns the model itself."""
-    return prepare(model, plan, mesh, spec)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

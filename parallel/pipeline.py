@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .apply import pad_batch, split_batch
 
 
 def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.0,
@@ -207,12 +208,6 @@ class PipelineOutput:
     pooler_output: Optional[torch.Tensor] = None
 
 
-def _chunks(batch: dict, parts: int) -> list[dict]:
-    """``batch`` cut along dim 0 into ``parts`` equal micro-batches, as the schedules cut it."""
-    size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0] // parts
-    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(parts)]
-
-
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The pipeline's loss function: a micro-batch's mean loss times its weight (its share of the labels)."""
     return loss.nan_to_num(0.0) * weight.reshape(())  # a micro-batch without labels weighs 0
@@ -334,8 +329,8 @@ class Pipeline:
         # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
             if self.has_first != self.has_last else []
-        self.embedding_group = embedding_group(mesh, schedule) if tied else None
-        self.last_rank = 0 if schedule == "zbv" else pp - 1  # the pp-group index of the last stage's rank
+        self.last_rank = next(r for r in range(pp) if total - 1 in stage_ids(schedule, r, pp))  # runs the last stage
+        self.embedding_group = embedding_group(mesh, self.last_rank) if tied else None
         # tied copies on the last stage's rank: the first stage's rank counts them in a global norm
         self.counted_elsewhere = self.tied if self.has_last else []
         self.params = [p for p in model.parameters()]
@@ -343,9 +338,7 @@ class Pipeline:
     def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
         """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
         last stage returns the sum of the weighted micro-batch losses, the others None."""
-        if not self.first.input_keys:
-            self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
-        args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+        args = self._first_args(batch)
         self._fit_shapes(batch)
         losses: list = []
         try:
@@ -374,16 +367,15 @@ class Pipeline:
                     setattr(self._schedule, flag, False)
         self._shapes = key
 
+    def _first_args(self, batch: dict) -> tuple:
+        """The first stage's positional inputs (the batch's tensors, in the order of the first run)."""
+        if not self.first.input_keys:
+            self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+        return tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+
     def pad(self, batch: dict) -> dict:
-        """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks: rows whose labels are
-        ignored (and whose other inputs repeat the last row), so they weigh nothing."""
-        size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        pad = (-size) % (self.microbatches * self.parts)
-        if not pad:
-            return batch
-        return {k: torch.cat([v, torch.full_like(v[:1], -100).expand(pad, *v.shape[1:]) if k == "labels"
-                              else v[-1:].expand(pad, *v.shape[1:])]) if isinstance(v, torch.Tensor) else v
-                for k, v in batch.items()}
+        """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks, with rows that weigh nothing."""
+        return pad_batch(batch, self.microbatches * self.parts)
 
     @torch.no_grad()
     def evaluate(self, batch: dict) -> "PipelineOutput":
@@ -398,9 +390,7 @@ class Pipeline:
                                       "ScheduleZBVZeroBubble cannot run forward-only); evaluate under 1f1b")
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
         batch = self.pad(batch)
-        if not self.first.input_keys:
-            self.first.input_keys = tuple(k for k, v in batch.items() if isinstance(v, torch.Tensor))
-        args = tuple(batch[k] for k in self.first.input_keys) if self.has_first else ()
+        args = self._first_args(batch)
         self._fit_shapes(batch)
         last = self.modules[self.ids.index(self.first.stages - 1)] if self.has_last else None
         if last is not None:
@@ -418,7 +408,7 @@ class Pipeline:
         if last is not None:
             collected, last.collected = last.collected, None
             logits = torch.cat([c[0] for c in collected]).float()
-            counts = [self.model.num_targets(mb) for mb in _chunks(batch, self.microbatches)]
+            counts = [self.model.num_targets(mb) for mb in split_batch(batch, self.microbatches)]
             stats = torch.tensor([sum(float(c[1]) * n for c, n in zip(collected, counts) if n), sum(counts)],
                                  dtype=torch.float64)
             shape = torch.tensor([logits.dim(), *logits.shape, *[0] * (4 - logits.dim())], dtype=torch.int64)
@@ -452,16 +442,14 @@ class Pipeline:
                 offset += n
 
 
-def embedding_group(mesh, schedule: str = "1f1b"):
-    """The group of the ranks running the first and the last stage with this rank's other coordinates
-    (None where one rank runs both, as ZBV's V); every such group of the world is made, in one order."""
+def embedding_group(mesh, last_rank: int):
+    """The group of the ranks running the first and the last stage (pp index ``last_rank``) with this
+    rank's other coordinates (None where rank 0 runs both, as ZBV's V); every such group of the world
+    is made, in one order."""
     import torch.distributed as dist
 
     plan = mesh.plan
-    if plan.pp == 1:
-        return None
-    last_rank = 0 if schedule == "zbv" else plan.pp - 1
-    if last_rank == 0:
+    if plan.pp == 1 or last_rank == 0:
         return None
     grid = torch.arange(plan.world_size).reshape(plan.pp, -1)
     mine = None

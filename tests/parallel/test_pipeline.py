@@ -118,7 +118,7 @@ def check(reports, n_plans):
                 assert "cuboid.train_step" in r[1], r
                 continue
             assert r["init"] == 0.0, (rank, key, r)
-            assert 0 < r["held"] < r["total"] or "-tp" in key or "pp" not in key, (rank, key, r)
+            assert 0 < r["held"] < r["total"], (rank, key, "a stage holds only its own layers", r)
             tol = 2e-2 if "bf16" in key else 1e-5  # bf16 rounding differs with the summation order
             assert r["loss"] < tol and r["params"] < tol and r["eval"] < tol, (rank, key, r)
             if "stage_blocks=3/1" in key:
