@@ -100,6 +100,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     dtype = dtype if dtype is not None else getattr(plan, "dtype", None)
     parts = microbatches or getattr(plan, "microbatches", 1) or 1
     share = rank_share(global_batch, mesh)
+    if scaler is not None and getattr(plan, "zero", 0) and mesh is not None and mesh.size("dp") > 1:
+        raise NotImplementedError("fp16 grad scaling under ZeRO is not built yet; use bf16 (plan dtype=bf16)")
     if getattr(core, "pipeline", None) is not None:
         return _pipeline_step(core, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
     micro_batches = split_batch(share, parts) if parts > 1 else [share]
@@ -131,7 +133,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
         sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_([p for p in core.parameters() if p.grad is not None], max_grad_norm))
+        grad_norm = float(clip_grad_norm_(core.parameters(), max_grad_norm))  # (ZeRO: grads live in pieces)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -171,8 +173,7 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
     comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
     grad_norm = None
     if max_grad_norm is not None:
-        params = [p for p in core.parameters() if p.grad is not None]
-        grad_norm = float(clip_grad_norm_(params, max_grad_norm, sum_group=mesh.group("pp"),
+        grad_norm = float(clip_grad_norm_(list(core.parameters()), max_grad_norm, sum_group=mesh.group("pp"),
                                           exclude={id(p) for p in pipe.counted_elsewhere}))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -13,13 +13,14 @@ Two steps, so that big models never exist whole on a rank:
   cut the batch, applies activation checkpointing, and averages gradients
   over ``dp``.
 
-A plan asking for what this build lacks (pipeline or sequence parallelism,
-ZeRO) is a ``NotImplementedError`` naming it, never a silent single-device
-run.
+A plan asking for what this build lacks (sequence parallelism) is a
+``NotImplementedError`` naming it, never a silent single-device run.
 
 Data parallelism is torch's composable DDP (``replicate``) over the mesh's
 ``dp`` group: gradients are averaged in buckets while backward runs, and the
-model keeps its class and parameter names (checkpoints do not change).
+model keeps its class and parameter names (checkpoints do not change). With
+``zero`` > 0 the dp group shards instead (:mod:`.zero`): stages 1 and 2 pack
+the parameters into flat buckets (``model.zero``), stage 3 is FSDP2.
 """
 from __future__ import annotations
 
@@ -217,7 +218,9 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
       activations drop alike) and batch-block layouts draw per-rank masks;
     - the plan's activation checkpointing is applied per block;
     - with ``dp > 1``, torch's composable DDP (``replicate``) averages
-      gradients over the mesh's ``dp`` group during backward;
+      gradients over the mesh's ``dp`` group during backward, or, with
+      ``zero``, ZeRO shards optimizer state, gradients and (stage 3)
+      parameters over it;
     - every parameter carries its placement (optimizers and clipping read it).
 
     Calling it again with the same plan does nothing; a model prepared for one
@@ -262,7 +265,14 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         split = BatchSplit(plan, mesh) if mesh.size("tp") > 1 and plan.tp_mode != "1d" else None
         model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches,
                                   batch_split=split)
+        if plan.zero and mesh.size("dp") > 1:  # the pieces are reduced at the step, after the schedule
+            from .zero import FlatShards
+
+            model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, mesh.group("dp"), plan.zero,
+                                                          hooks=False)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
+    elif mesh.size("dp") > 1 and plan.zero:
+        _shard_over_dp(model, plan, mesh, spec)
     elif mesh.size("dp") > 1:
         from torch.distributed._composable import replicate
 
@@ -271,6 +281,17 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
                   **({"device_id": p.device} if p.device.type == "cuda" else {}))
     model._cuboid_prepared = plan
     return model
+
+
+def _shard_over_dp(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> None:
+    """ZeRO over the dp group (:mod:`.zero`): flat buckets for stages 1 and 2, FSDP2 for stage 3."""
+    from . import zero
+
+    if plan.zero == 3:
+        zero.shard_parameters(model, mesh.group("dp"), spec.blocks if spec is not None else "blocks")
+        return
+    model.zero = zero.FlatShards(model.parameters(), mesh.group("dp"), plan.zero)
+    model.set_requires_gradient_sync = model.zero.set_sync
 
 
 def _pipeline_forward(pipeline, *args, **kwargs):

@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
-           "name_group", "group_name", "group_size", "group_rank"]
+           "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_"]
 
 
 # ----------------------------------------------------------------- group names
@@ -171,10 +171,39 @@ def count() -> Iterator[Tally]:
     """Count the traffic of this rank inside the block; nestable (outer tallies see inner traffic)."""
     tally = Tally()
     _TALLIES.append(tally)
+    patched = _count_torch_engines() if len(_TALLIES) == 1 else contextlib.nullcontext()
     try:
-        yield tally
+        with patched:
+            yield tally
     finally:
         _TALLIES.remove(tally)
+
+
+@contextlib.contextmanager
+def _count_torch_engines() -> Iterator[None]:
+    """Count the collectives torch's FSDP2 calls (``dist.all_gather_single``/``reduce_scatter_single``)
+    under the same convention; cuboid's own calls hold the unpatched functions."""
+    names = ("all_gather_single", "reduce_scatter_single")
+    saved = {n: getattr(dist, n, None) for n in names}
+
+    def gather(output_tensor, input_tensor, group=None, async_op=False, **kw):
+        p = group_size(group) if group is not None else dist.get_world_size()
+        _record("all_gather", group, (p - 1) / p * _nbytes(output_tensor))
+        return saved["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op, **kw)
+
+    def scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **kw):
+        p = group_size(group) if group is not None else dist.get_world_size()
+        _record("reduce_scatter", group, (p - 1) / p * _nbytes(input))
+        return saved["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op, **kw)
+
+    if saved["all_gather_single"] is None:
+        yield
+        return
+    dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = saved["all_gather_single"], saved["reduce_scatter_single"]
 
 
 def _record(op: str, group, nbytes: float) -> None:
@@ -229,6 +258,32 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     _record("all_gather", group, (p - 1) * _nbytes(t))
     _gather_single(out, flat, group=group)
     return list(out.view(p, *t.shape).unbind(0))
+
+
+def reduce_scatter_(t: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group`` of the flat ``t``, this rank's 1/p chunk of it (a new tensor); ``t`` if no-op."""
+    p = _active(group)
+    if not p:
+        return t.clone()
+    if t.dim() != 1 or t.numel() % p:
+        raise ValueError(f"reduce_scatter_ takes a flat tensor whose size divides over {p} ranks, got {tuple(t.shape)}")
+    out = torch.empty(t.numel() // p, dtype=t.dtype, device=t.device)
+    _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
+    _reduce_scatter_single(out, t.contiguous(), group=group)
+    return out
+
+
+def all_gather_(out: torch.Tensor, t: torch.Tensor, group) -> torch.Tensor:
+    """Fill the flat ``out`` with every rank's flat ``t`` in group order (``out`` is p times ``t``)."""
+    p = _active(group)
+    if not p:
+        out.copy_(t)
+        return out
+    if out.numel() != p * t.numel() or not out.is_contiguous():
+        raise ValueError(f"all_gather_: out has {out.numel()} elements, not {p} x {t.numel()}")
+    _record("all_gather", group, (p - 1) / p * _nbytes(out))
+    _gather_single(out, t.contiguous(), group=group)
+    return out
 
 
 def ring_shift(t: torch.Tensor, group, shift: int = 1) -> torch.Tensor:

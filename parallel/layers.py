@@ -110,7 +110,7 @@ class ShardedModule(nn.Module):
         return tuple(slice(0, n) for n in self.full_shape(name))
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        return self._param(name).detach()
+        return self.local_tensor(name).detach()
 
     def full_tensor_like(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of a local one shaped like parameter ``name`` (its grad, its Adam state)."""
@@ -127,8 +127,20 @@ class ShardedModule(nn.Module):
         full_shape = tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
         if full_shape != shape:
             raise ValueError(f"{name}: expected full shape {shape}, got {full_shape}")
+        part = self.local_part(name, full).to(param.dtype)
         with torch.no_grad():
-            param.copy_(self.local_part(name, full).to(param.dtype))
+            if type(param).__name__ == "DTensor":  # ZeRO-3 (FSDP2): this dp rank's rows
+                from .zero import piece_of
+
+                param._local_tensor.copy_(piece_of(param, part))
+            else:
+                param.copy_(part)
+
+    def local_tensor(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` as this tensor-parallel rank holds it: whole over dp (a ZeRO-3 parameter is
+        all-gathered over dp, a collective)."""
+        t = self._param(name)
+        return t.full_tensor() if type(t).__name__ == "DTensor" else t
 
     def _param(self, name: str) -> torch.Tensor:
         t = self._parameters.get(name)

@@ -42,10 +42,11 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional
 
 import importlib
+import math
 
 import torch
 
-from cuboid.parallel import comm
+from cuboid.parallel import comm, zero
 from cuboid.parallel.layers import placement_of
 
 import cuboid.kernels as kernels  # lazy: the kernel module (and Triton) load on the first step
@@ -63,6 +64,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
     """Shared machinery: lazy fp32 state, master weights, per-group list gathering."""
 
     _state_keys: tuple = ()
+    zero_aware = True  # steps ZeRO pieces (cuboid.parallel.zero)
 
     def __init__(self, params, defaults, *, master_weights: bool = True,
                  norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
@@ -80,21 +82,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)
 
     def _buckets(self, group) -> dict:
-        """step -> {'params', 'grads', <state keys>, 'master'} lists for one group."""
+        """step -> {'params', 'grads', <state keys>, 'master', 'owners'} lists for one group.
+
+        A ZeRO-sharded parameter contributes this rank's piece (its state is
+        piece-sized); ``owners`` are the parameters themselves (placements).
+        """
         buckets: dict = {}
         for p in group["params"]:
-            if p.grad is None:
+            piece = zero.view_of(p)
+            target, grad = (p, p.grad) if piece is None else (piece.param, piece.grad)
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
+            if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             state = self.state[p]
             if not state:
-                self._init_state(p, state)
+                self._init_state(target, state)
             state["step"] += 1
-            b = buckets.setdefault(state["step"], {"params": [], "grads": [], "master": [],
+            b = buckets.setdefault(state["step"], {"params": [], "grads": [], "master": [], "owners": [],
                                                    **{k: [] for k in self._state_keys}})
-            b["params"].append(p)
-            b["grads"].append(p.grad)
+            b["params"].append(target)
+            b["grads"].append(grad)
+            b["owners"].append(p)
             b["master"].append(state.get("master"))
             for k in self._state_keys:
                 b[k].append(state[k])
@@ -103,6 +112,9 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 b["master"] = None
         return buckets
 
+    def _all_params(self) -> list:
+        return [p for g in self.param_groups for p in g["params"]]
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -110,12 +122,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_norms = []
+        params = self._all_params()
+        zero.before_step(params)  # ZeRO 1/2: reduce-scatter the gradients into this rank's pieces
         for group in self.param_groups:
             for step, b in self._buckets(group).items():
-                norms = self._apply(group, step, b, _reducer_for(self.norm_reducer, b["params"]))
+                norms = self._apply(group, step, b, _reducer_for(self.norm_reducer, b["owners"]))
                 if norms is not None:
-                    self.last_norms.append((b["params"], norms))
+                    self.last_norms.append((b["owners"], norms))
+        zero.after_step(params)  # ZeRO 1/2: all-gather the updated pieces
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        zero.zero_grads(self._all_params())
 
     def _apply(self, group, step: int, b: dict, reducer=None):  # pragma: no cover - abstract
         raise NotImplementedError
@@ -263,31 +282,42 @@ class ShardNormReducer:
         self.placements = dict(placements)
 
     def for_params(self, params):
-        return _placement_reduce([self.placements.get(id(p)) for p in params])
+        return _placement_reduce([self.placements.get(id(p)) for p in params], [zero.view_of(p) for p in params])
 
     @staticmethod
     def for_placements(params):
-        """The reducer for ``params`` as their ``placement`` attributes say; None if all are whole."""
-        return _placement_reduce([placement_of(p) for p in params])
+        """The reducer for ``params`` as their ``placement`` attributes (and ZeRO pieces) say; None if
+        all are whole."""
+        return _placement_reduce([placement_of(p) for p in params], [zero.view_of(p) for p in params])
 
 
-def _placement_reduce(placements: list):
+def _placement_reduce(placements: list, pieces: Optional[list] = None):
+    """Columns grouped by the reductions they need: over the tensor-parallel placement's group (each
+    shard counted once: divided by its copies) and, for a ZeRO piece, a sum over its dp group."""
+    pieces = pieces or [None] * len(placements)
     cols: dict = {}
-    for i, pl in enumerate(placements):
+    for i, (pl, piece) in enumerate(zip(placements, pieces)):
+        steps = []
         if pl is not None and pl.group is not None:
-            cols.setdefault((id(pl.group), pl.copies), (pl, []))[1].append(i)
+            steps.append((pl.group, pl.copies))
+        if piece is not None and comm.group_size(piece.group) > 1:
+            steps.append((piece.group, 1))
+        if steps:
+            cols.setdefault(tuple((id(g), c) for g, c in steps), (steps, []))[1].append(i)
     if not cols:
         return None
 
     def reduce(sq: torch.Tensor) -> torch.Tensor:
         sq = sq.clone()
-        for pl, idx in cols.values():
+        for steps, idx in cols.values():
             index = torch.tensor(idx, device=sq.device)
             part = sq.index_select(1, index)
-            if pl.copies != 1:
-                part = part / pl.copies
+            copies = math.prod(c for _, c in steps)
+            if copies != 1:
+                part = part / copies
             part = part.contiguous()
-            comm.all_reduce_(part, pl.group)
+            for group, _ in steps:
+                comm.all_reduce_(part, group)
             sq.index_copy_(1, index, part)
         return sq
 
@@ -309,11 +339,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
     still scaled).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    zero.before_step(parameters)  # ZeRO 1/2: the norm is of the dp-averaged gradient pieces
+    with_grad, grads = [], []
+    for p in parameters:
+        piece = zero.view_of(p)
+        g = p.grad if piece is None else piece.grad
+        if g is not None:
+            with_grad.append(p)
+            grads.append(g)
     if not grads:
         return torch.zeros(())
     sq = _grad_norm_sq(grads, per_tensor=True, backend=backend).reshape(1, -1)
-    with_grad = [p for p in parameters if p.grad is not None]
     norm_reducer = _reducer_for(norm_reducer, with_grad)
     if norm_reducer is not None:
         out = norm_reducer(sq)

@@ -334,6 +334,7 @@ class Pipeline:
         # tied copies on the last stage's rank: the first stage's rank counts them in a global norm
         self.counted_elsewhere = self.tied if self.has_last else []
         self.params = [p for p in model.parameters()]
+        self.zero = None  # ZeRO 1/2 buckets of this rank's stages (set by prepare)
 
     def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
         """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
@@ -425,7 +426,7 @@ class Pipeline:
 
     def _average_over_dp(self) -> None:
         group = self.mesh.group("dp")
-        if group is None:
+        if group is None or self.zero is not None:  # ZeRO reduce-scatters at the step
             return
         by_dtype: dict = {}
         for p in self.params:

@@ -52,6 +52,11 @@ READY_PLANS = {
     "dp2-pp2": Plan(dp=2, pp=2, microbatches=2),
     "dp2-pp2-tp2": Plan(dp=2, pp=2, tp=2, microbatches=2),
     "pp2-tp2d": Plan(pp=2, tp=4, tp_mode="2d", microbatches=2),
+    "zero1": Plan(dp=4, zero=1),
+    "zero2": Plan(dp=4, zero=2),
+    "zero3": Plan(dp=4, zero=3),
+    "dp2-tp2-zero3": Plan(dp=2, tp=2, zero=3),
+    "dp2-pp2-zero1": Plan(dp=2, pp=2, microbatches=2, zero=1),
 }
 
 

@@ -290,7 +290,7 @@ class Sharded(L.ShardedModule):
         return full
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        return self.full_tensor_like(name, self._param(name))
+        return self.full_tensor_like(name, self.local_tensor(name))
 
     def norm_placement(self, name: str) -> Optional[L.Placement]:
         """Cut parameters: pieces over ``shard_group``, each on ``replicas(name)`` of its ranks; whole ones: None."""
