@@ -338,6 +338,10 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
     p0 = next(model.parameters())
     mesh = DeviceMesh.from_group(group, p0.device.type)
     tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
+                p.data = p.data.contiguous()
     for block in getattr(model, blocks, ()):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -392,21 +396,23 @@ def model_state_bytes(model: nn.Module, optimizer=None) -> dict:
     return out
 
 
-def formula_bytes(numels: Iterable[int], stage: int, n: int, *, param_bytes: int, state_bytes: int,
-                  shards: Optional[Iterable[int]] = None) -> int:
-    """The ZeRO table's model-state bytes per rank for parameters of ``numels`` elements.
+def formula_bytes(numel: int, stage: int, n: int, *, param_bytes: int, state_bytes: int,
+                  piece: Optional[int] = None, grad_piece: Optional[int] = None) -> int:
+    """The ZeRO table's model-state bytes per rank for ``numel`` parameters over ``n`` dp ranks.
 
     ``state_bytes``: optimizer bytes per element (fp32 moments, plus 4 for a
-    master copy of half-precision params). ``shards``: the elements of this
-    rank's pieces (the padded ``P / N``); by default ``ceil(P / N)``.
+    master copy of half-precision params); gradients are ``param_bytes``
+    wide. ``piece``: the elements of this rank's pieces (``P / N``; by
+    default ``ceil(P / N)``); ``grad_piece``: those of its gradient shard
+    (stage 2 keeps whole bucket shards, padding included; default ``piece``).
     """
-    total = sum(numels)
-    shard = sum(shards) if shards is not None else math.ceil(total / n)
-    b = param_bytes
+    piece = math.ceil(numel / n) if piece is None else piece
+    grad_piece = piece if grad_piece is None else grad_piece
+    b, k = param_bytes, state_bytes
     if stage == 0:
-        return (2 * b + state_bytes) * total
+        return (2 * b + k) * numel
     if stage == 1:
-        return 2 * b * total + state_bytes * shard
+        return 2 * b * numel + k * piece
     if stage == 2:
-        return b * total + (b + state_bytes) * shard
-    return (2 * b + state_bytes) * shard
+        return b * numel + b * grad_piece + k * piece
+    return b * piece + b * grad_piece + k * piece

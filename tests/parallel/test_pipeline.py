@@ -136,8 +136,9 @@ def test_pp2_schedules_on_2_ranks():
     check(run_world(pp_worker, 2, plans, timeout=400), 3 * 2 * len(plans))
 
 
-def test_pp4_and_dp2_pp2_on_4_ranks():
-    check(run_world(pp_worker, 4, [("pp4", {}), ("dp2-pp2", {})], timeout=400), 12)
+def test_pp4_and_dp2_pp2_with_and_without_zero_on_4_ranks():
+    plans = [("pp4", {}), ("dp2-pp2", {}), ("dp2-pp2-zero1", {}), ("dp=2,pp=2,microbatches=2,zero=2", {})]
+    check(run_world(pp_worker, 4, plans, timeout=500), 6 * len(plans))
 
 
 def test_dp2_pp2_tp2_and_pp2_tp2d_on_8_ranks():

@@ -25,7 +25,10 @@ full replica) need nothing more. Under pipeline parallelism each stage
 writes the state of its own parameters (:mod:`.stages`), the index records
 every stage's param groups merged by position, and a load matches state by
 parameter name, so a checkpoint resumes under another pp layout or on one
-device. ZeRO-sharded optimizer state is not covered.
+device. ZeRO-sharded state (:mod:`cuboid.parallel.zero`) is saved whole too:
+each parameter's pieces are assembled over dp before the tensor-parallel
+gather, and a load keeps this rank's piece, so a checkpoint moves between ZeRO
+stages, dp sizes and plans without ZeRO.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+
+from cuboid.parallel import zero
 
 from ..common import sharded_parameters
 from .folder import resolve
@@ -87,9 +92,10 @@ def _names(model: torch.nn.Module) -> Dict[int, tuple]:
 # --------------------------------------------------------------------- optimizer
 
 
-def _fetch_state(mod, local: str, v: torch.Tensor, sharded: bool):
+def _fetch_state(mod, local: str, v: torch.Tensor, sharded: bool, p: torch.Tensor, piece):
     def fetch() -> List[torch.Tensor]:
-        full = mod.full_tensor_like(local, v) if sharded else v
+        whole = zero.full_local(p, v, piece) if piece is not None else v  # ZeRO: every dp rank's piece
+        full = mod.full_tensor_like(local, whole) if sharded else whole
         return [full.detach().cpu().contiguous()]
 
     return fetch
@@ -107,17 +113,22 @@ def optimizer_sources(model: torch.nn.Module, optimizer) -> Tuple[List[Source], 
                                       "a parameter of the model")
             name, mod, local = names[id(p)]
             gnames.append(name)
+            piece = zero.view_of(p)
             for key, v in sorted(optimizer.state.get(p, {}).items()):
                 if not torch.is_tensor(v):
                     scalars.setdefault(name, {})[key] = jsonable(v, f"optimizer state {name}/{key}")
                     continue
-                like = tuple(v.shape) == tuple(p.shape)
+                if piece is not None and tuple(v.shape) != tuple(piece.shape):
+                    raise CheckpointError(f"{name}/{key}: state {tuple(v.shape)} is not this rank's ZeRO piece "
+                                          f"{tuple(piece.shape)}")
+                like = piece is not None or tuple(v.shape) == tuple(p.shape)
                 full = tuple(mod.full_shape(local)) if like else tuple(v.shape)
                 sharded = like and full != tuple(p.shape)
                 if sharded and not hasattr(mod, "full_tensor_like"):
                     raise CheckpointError(f"{name}/{key}: optimizer state of a sharded parameter needs "
                                           f"{type(mod).__name__}.full_tensor_like(name, local)")
-                sources.append(Source((f"{name}/{key}",), (meta(full, v.dtype),), _fetch_state(mod, local, v, sharded)))
+                sources.append(Source((f"{name}/{key}",), (meta(full, v.dtype),),
+                                      _fetch_state(mod, local, v, sharded, p, piece)))
                 tensor_keys.setdefault(name, []).append(key)
         groups.append({**{k: jsonable(v, f"param group {gi}.{k}") for k, v in g.items() if k != "params"},
                        "params": gnames})
@@ -182,6 +193,8 @@ def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
                     st[key] = ts.get_tensor(stored)
                 if shape == full and tuple(st[key].shape) != tuple(p.shape):
                     raise CheckpointError(f"{stored}: checkpoint {tuple(st[key].shape)}, parameter {tuple(p.shape)}")
+                if shape == full and zero.view_of(p) is not None:  # ZeRO: this dp rank's piece
+                    st[key] = zero.piece_of(p, st[key])
             if st:
                 state[idx + j] = st
         idx += len(cur_names)
