@@ -9,7 +9,6 @@ checkpoints address them.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -18,7 +17,6 @@ from torch import nn
 from cuboid.parallel import layers as L
 
 
-@dataclass
 class Output:
     """What every zoo model returns, with single-device shapes and values under every plan.
 
@@ -31,12 +29,25 @@ class Output:
     from vocab (or batch) shards only when someone reads ``out.logits``, so a
     training step that only uses ``out.loss`` never gathers them. Reading such
     a field is a collective: every rank of the model reads it.
+
+    Not a dataclass on purpose: hook machinery that walks dataclass fields
+    (FSDP2's pre-backward hooks on a ZeRO-3 root) would read, and so gather,
+    the deferred fields on every forward.
     """
 
-    logits: torch.Tensor
-    loss: Optional[torch.Tensor] = None
-    last_hidden_state: Optional[torch.Tensor] = None
-    pooler_output: Optional[torch.Tensor] = None
+    __slots__ = ("logits", "loss", "last_hidden_state", "pooler_output")
+
+    def __init__(self, logits: torch.Tensor, loss: Optional[torch.Tensor] = None,
+                 last_hidden_state: Optional[torch.Tensor] = None, pooler_output: Optional[torch.Tensor] = None):
+        self.logits, self.loss = logits, loss
+        self.last_hidden_state, self.pooler_output = last_hidden_state, pooler_output
+
+    def __repr__(self) -> str:
+        def show(name):
+            v = object.__getattribute__(self, name)
+            return "deferred" if isinstance(v, L.Deferred) else (tuple(v.shape) if torch.is_tensor(v) else v)
+
+        return f"Output({', '.join(f'{n}={show(n)}' for n in self.__slots__)})"
 
     def __getattribute__(self, name: str):
         value = object.__getattribute__(self, name)

@@ -16,7 +16,8 @@
 - Checkpoints: saved under zero3 (dp=4) and resumed under dp=2 x tp=2 with
   zero1 and on one device; saved under zero1 and resumed under zero3. The
   next step equals the uninterrupted run's.
-- A torch optimizer over ZeRO 1/2 parameters is refused in one sentence.
+- A torch optimizer over ZeRO 1/2 parameters is refused in one sentence, and
+  under dp2-tp2-zero3 a training forward leaves the logits ungathered.
 """
 import pytest
 import torch
@@ -148,6 +149,20 @@ def _foreign_optimizer():
     return "no error"
 
 
+def _logits_stay_deferred():
+    """Under dp2-tp2-zero3 a training forward that reads only the loss gathers no logits (FSDP2's
+    hooks on the root's output must not read the deferred fields)."""
+    import cuboid
+    from cuboid.parallel import Mesh, Plan
+    from cuboid.zoo import READY_PLANS
+
+    plan = Plan.parse("dp2-tp2-zero3", READY_PLANS)
+    model = cuboid.load("gpt-debug", plan, seed=0, mesh=Mesh.build(plan)).train()
+    out = model(**cuboid.rank_share(model, global_batch("gpt", model)))
+    out.loss.backward()
+    return out.is_deferred("logits")
+
+
 def zero_worker(folder):
     import torch.distributed as dist
 
@@ -158,6 +173,7 @@ def zero_worker(folder):
     report["traffic3"] = _bytes_and_traffic(3, extra={"n_layers": 8, "vocab_size": 64})
     report["resume"] = _resume(folder)
     report["foreign"] = _foreign_optimizer()
+    report["deferred"] = _logits_stay_deferred()
     dist.barrier()
     return report
 
@@ -189,6 +205,7 @@ def test_zero_stages_on_4_ranks(tmp_path):
             assert err < 1e-5, (rank, key, err)
         assert len(r["resume"]) == 3
         assert "cannot step ZeRO stage 1/2 parameters" in r["foreign"], r["foreign"]
+        assert r["deferred"], (rank, "the logits were gathered in a training forward under zero3")
 
 
 def test_zero3_with_pipeline_is_refused_in_one_sentence():
