@@ -16,7 +16,7 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   ``3d`` (q x q x q, tp = q^3);
 - ``sp``: sequence-parallel ranks, ``sp_mode`` ``ring | all_to_all``;
 - ``zero``: 0 (off), 1 (optimizer state sharded over dp), 2 (+ gradients),
-  3 (+ parameters);
+  3 (+ parameters; not with ``pp``), see :mod:`cuboid.parallel.zero`;
 - ``activation_checkpoint``: recompute each block in backward;
 - ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
 """
