@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, unwrap
+from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, unwrap, zero
 from cuboid.parallel.optim import clip_grad_norm_
 
 
@@ -219,6 +219,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
             correct += float((out.logits.argmax(-1) == labels).sum())
             seen += labels.numel()
     loss_sum, n_sum, correct, seen = _all_reduce_sum([loss_sum, n_sum, correct, seen], mesh, device)
+    zero.reshard(core)  # ZeRO-3: free the gathered root unit a forward without backward leaves behind
     if was_training:
         core.train()
     metrics = {"eval_loss": loss_sum / max(n_sum, 1)}

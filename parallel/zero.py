@@ -52,6 +52,7 @@ state for the rank's pieces only and LAMB/LARS/clipping norms are summed over
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -60,7 +61,7 @@ from torch import nn
 
 from . import comm
 
-__all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "before_step", "after_step", "zero_grads",
+__all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "reshard", "before_step", "after_step", "zero_grads",
            "full_local", "piece_of", "model_state_bytes", "formula_bytes"]
 
 
@@ -335,6 +336,9 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    # zoo blocks return views (a linear's (B*T, C) -> (B, T, C) reshape) and never change them in place,
+    # which is what FSDP2's warning is about; the parity tests would fail if a hook were dropped
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     p0 = next(model.parameters())
     mesh = DeviceMesh.from_group(group, p0.device.type)
     tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
@@ -348,6 +352,19 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
     for n, p in model.named_parameters():
         p.placement = tags[n]
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put ZeRO-3's sharded parameters back on the modules.
+
+    FSDP2 keeps the root unit gathered after a forward until backward ends;
+    after a forward without backward (evaluation) the modules hold gathered
+    plain tensors, not the parameters the optimizer steps. Checkpoints and
+    evaluation call this; a no-op for other models.
+    """
+    for m in model.modules():
+        if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP"):
+            m.reshard()
 
 
 # ------------------------------------------------------------------ checkpoints

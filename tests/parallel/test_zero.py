@@ -112,6 +112,8 @@ def _resume(folder):
         opt = make_optimizer("lamb", model.parameters())
         for i in range(2):
             cuboid.train_step(model, opt, global_batch("gpt", model, 8 + 4 * i), max_grad_norm=1.0)
+        with torch.no_grad():  # an evaluation forward first: ZeRO-3's root unit stays gathered after it
+            model(**cuboid.rank_share(model, global_batch("gpt", model)))
         path = f"{folder}/{saved_plan}"
         checkpoint.save(model, path, optimizer=opt, max_shard_size="200KB")
         next_batch = global_batch("gpt", model, 12)

@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import safe_open
 
+from cuboid.parallel import zero
+
 from ..common import sharded_parameters
 from .. import hf_io
 from .folder import resolve
@@ -316,6 +318,7 @@ def load(model: torch.nn.Module, path, *, strict: bool = True, verify: bool = Fa
     returns them. ``verify=True`` runs :func:`verify` first (reads every byte).
     Returns ``{"missing": [...], "unexpected": [...], "mismatched": [...]}``.
     """
+    zero.reshard(model)
     folder, reads, problems = _open(model, path, strict, verify)
     for r in reads:
         r.mod.load_full(r.local, _view(folder, r))

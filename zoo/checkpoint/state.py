@@ -86,6 +86,7 @@ def _restore_type(saved: Any, current: Any) -> Any:
 
 
 def _names(model: torch.nn.Module) -> Dict[int, tuple]:
+    zero.reshard(model)  # the parameters the optimizer holds (ZeRO-3 after an evaluation forward)
     return {id(p): (name, mod, local) for name, mod, local, p in sharded_parameters(model)}
 
 

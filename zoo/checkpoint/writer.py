@@ -28,6 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from cuboid.parallel import zero
+
 from . import folder as folder_mod
 from .format import HASH_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
 from .planner import ShardPlan, Size, Source, family_of, model_sources, plan_shards
@@ -222,6 +224,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     where = stage_layout(model, rank)
     if where.stages > 1:
         return _save_stages(model, path, where, rank, world, max_shard_size, optimizer, scheduler, state)
+    zero.reshard(model)  # ZeRO-3 after an evaluation forward: the sharded parameters back on the modules
     msources = model_sources(model)
     mplan = plan_shards(msources, "model", max_shard_size)
     oplan, osources, oinfo = None, [], None
