@@ -177,5 +177,15 @@ def test_dp4_tp1d4_dp2tp2_tp2d_on_4_ranks():
     check(run_world(plan_parity_worker, 4, ["dp4", "tp1d-4", "dp2-tp2", "tp2d"], timeout=600))
 
 
-def test_tp2p5d_and_tp3d_on_8_ranks():
-    check(run_world(plan_parity_worker, 8, ["tp2.5d", "tp3d"], timeout=900))
+def eight_rank_worker():
+    report = plan_parity_worker(["tp2.5d", "tp3d"])
+    # ZeRO over the dp group of a 2D grid: each dp rank's pieces of its grid blocks
+    report.update(plan_parity_worker(["dp=2,tp=4,tp_mode=2d,zero=2", "dp=2,tp=4,tp_mode=2d,zero=3"],
+                                     ("adamw", "lamb")))
+    return report
+
+
+def test_tp2p5d_tp3d_and_zero_over_2d_on_8_ranks():
+    reports = run_world(eight_rank_worker, 8, timeout=1200)
+    check(reports)
+    assert len(reports[0]) == 2 * 3 * 3 + 2 * 3 * 2
