@@ -1,0 +1,194 @@
+"""Sequence parallelism (parallel/sequence.py): ring and all-to-all attention match the unsharded kernel.
+
+One gloo world per size (2 and 4 ranks); one worker runs every check and
+returns {check: (error, tolerance)}. Each case draws the whole sequence on
+every rank (same seed), runs ``cuboid.kernels.attention`` on it in float64 as
+the reference, and the sharded op in fp32 on this rank's shard; outputs and
+q/k/v gradients are gathered back to global order (``zigzag_merge`` for the
+zigzag layout). Tolerance: 1e-5 relative to the reference's largest entry.
+Bytes are exact: the formulas of the module docstring.
+"""
+import pytest
+import torch
+
+from .launch import run_world
+
+TOL = 1e-5
+B, H, T, D = 2, 4, 48, 16  # T divides by 2 sp for sp = 2 and 4
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
+
+
+def _mask(kind, sp, B=B, T=T):
+    """None; "pad": padded tails of two lengths; "chunk": row 0 loses zigzag chunk 1, row 1 chunk 0
+    (so with causal, row 1's first queries see no key at all: out = 0, lse = -inf)."""
+    if kind is None:
+        return None
+    m = torch.ones(B, T, dtype=torch.bool)
+    c = T // (2 * sp)
+    if kind == "pad":
+        m[0, T - 5:] = False
+        m[-1, T - 2 * c - 3:] = False
+    else:
+        m[0, c:2 * c] = False
+        m[-1, :c] = False
+    return m
+
+
+def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D)):
+    """(out, dq, dk, dv) errors of ``op`` on fp32 shards against the float64 whole-sequence kernel."""
+    from cuboid.kernels import attention
+
+    g = torch.Generator().manual_seed(seed)
+    full = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(4)]  # q, k, v, dout
+    mask = _mask(kind, sp, shape[0], shape[2])
+    ref = [t.clone().requires_grad_() for t in full[:3]]
+    out = attention(*ref, causal=causal, key_padding_mask=mask, backend="torch")
+    out.backward(full[3])
+    loc = [shard(t, 2).float().requires_grad_() for t in full[:3]]
+    got = op(*loc, causal=causal, key_padding_mask=None if mask is None else shard(mask, 1))
+    got.backward(shard(full[3], 2).float())
+    errs = [rel(gather(got.detach()), out)]
+    errs += [rel(gather(t.grad), r.grad) for t, r in zip(loc, ref)]
+    return errs
+
+
+def _record(out, key, errs, tol=TOL):
+    for name, e in zip(("out", "dq", "dk", "dv"), errs):
+        out[f"{key} {name}"] = (e, tol)
+
+
+def sp_worker():
+    import torch.distributed as dist
+
+    from cuboid.kernels import interpreter_active, use_backend
+    from cuboid.parallel import comm
+    from cuboid.parallel.sequence import (all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
+                                          zigzag_split)
+
+    dist.init_process_group("gloo")
+    p, r = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(p)))
+    comm.name_group(group, "sp")
+    out = {}
+
+    def zz_shard(t, dim):
+        return zigzag_split(t, p, r, dim)
+
+    def zz_gather(t):
+        return zigzag_merge(comm.all_gather_list(t.contiguous(), group), p, dim=2)
+
+    def ct_shard(t, dim):
+        return t.chunk(p, dim=dim)[r].contiguous()
+
+    def ct_gather(t):
+        return torch.cat(comm.all_gather_list(t.contiguous(), group), dim=2)
+
+    def ring(*a, **kw):
+        return ring_attention(*a, group, **kw)
+
+    def a2a(layout):
+        return lambda *a, **kw: all_to_all_attention(*a, group, layout=layout, **kw)
+
+    seed = 0
+    for causal in (False, True):
+        for kind in (None, "pad", "chunk"):
+            seed += 1
+            key = f"sp{p} causal={causal} mask={kind}"
+            _record(out, "ring " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, ring))
+            _record(out, "a2a contiguous " + key, _case(seed, causal, kind, p, ct_shard, ct_gather, a2a("contiguous")))
+            _record(out, "a2a zigzag " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, a2a("zigzag")))
+
+    if p == 2 and interpreter_active():  # the Triton path (forward kernel + _flash_bwd per block), interpreted
+        with use_backend("triton"):
+            errs = _case(99, True, "chunk", p, zz_shard, zz_gather, ring, shape=(2, 1, 16, 16))
+        _record(out, "ring triton causal mask=chunk", errs)
+
+    pos = zigzag_positions(T, p, r)
+    out["positions == zigzag_split(arange)"] = (float((pos != zz_shard(torch.arange(T), 0)).sum()), 0.0)
+
+    # heads not divisible by sp: one sentence
+    x = torch.randn(B, 3, T // p, D)
+    try:
+        all_to_all_attention(x, x, x, group, causal=True)
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    want = f"all_to_all_attention needs heads (3) divisible by sp ({p})."
+    out["a2a heads % sp error"] = (0.0 if msg == want else 1.0, 0.0)
+
+    # bytes: ring forward + backward, with and without a mask (the module docstring's formula)
+    S = T // p
+    n, e, a, m = B * H * S * D, 4, 4, B * S
+    for kind in (None, "pad"):
+        q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+        mask = None if kind is None else zz_shard(_mask(kind, p), 1)
+        mb = 0 if mask is None else m
+        with comm.count() as tally:
+            ring_attention(q, k, v, group, causal=True, key_padding_mask=mask).sum().backward()
+        fwd, bwd = (p - 1) * (2 * n * e + mb), (p - 1) * 2 * n * e + p * 2 * n * a
+        out[f"ring bytes mask={kind}"] = (abs(tally.bytes("send", "sp") - (fwd + bwd)) + abs(tally.total - (fwd + bwd)),
+                                          0.0)
+        calls = (p - 1) * (2 + (mask is not None)) + (p - 1) * 2 + p * 2
+        out[f"ring send calls mask={kind}"] = (abs(tally.calls("send", "sp") - calls), 0.0)
+        for t in (q, k, v):
+            t.grad = None
+        with comm.count() as tally:
+            all_to_all_attention(q, k, v, group, causal=True, key_padding_mask=mask).sum().backward()
+        want = {"all_to_all": 8 * (p - 1) / p * n * e, "all_gather": (p - 1) * mb}
+        out[f"a2a bytes mask={kind}"] = (sum(abs(tally.bytes(o, "sp") - w) for o, w in want.items())
+                                         + abs(tally.total - sum(want.values())), 0.0)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_attention_matches_single_device(world):
+    reports = run_world(sp_worker, world, timeout=180)
+    for rank, report in enumerate(reports):
+        bad = {k: v for k, v in report.items() if not v[0] <= v[1]}
+        assert not bad, (rank, bad)
+    assert len(reports[0]) >= 3 * 6 * 4 + 7
+
+
+def test_one_rank_is_plain_attention():
+    from cuboid.kernels import attention, use_backend
+    from cuboid.parallel.sequence import all_to_all_attention, ring_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    mask = _mask("chunk", 1)
+    with use_backend("torch"):
+        want = attention(q, k, v, causal=True, key_padding_mask=mask)
+        for fn in (ring_attention, all_to_all_attention):
+            assert torch.equal(fn(q, k, v, None, causal=True, key_padding_mask=mask), want)
+
+
+def test_zigzag_layout_roundtrip():
+    from cuboid.parallel.sequence import zigzag_merge, zigzag_positions, zigzag_split
+
+    x = torch.arange(2 * 16 * 3).view(2, 16, 3)
+    for sp in (1, 2, 4):
+        shards = [zigzag_split(x, sp, r, 1) for r in range(sp)]
+        assert torch.equal(zigzag_merge(shards, sp, 1), x)
+        c = 16 // (2 * sp)
+        assert zigzag_positions(16, sp, 0).tolist() == list(range(c)) + list(range(16 - c, 16))
+    with pytest.raises(ValueError, match="2\\*sp = 8 equal chunks"):
+        zigzag_split(x, 4, 0, 2)
+
+
+def test_causal_work_balance_table():
+    """The numbers in the module docstring's table."""
+    from cuboid.parallel.sequence import causal_work
+
+    total = 4096 * 4097 // 2
+    want = {(2, "contiguous"): [2098176, 6292480], (2, "zigzag"): [4195328] * 2,
+            (4, "contiguous"): [524800, 1573376, 2621952, 3670528], (4, "zigzag"): [2097664] * 4}
+    crit = {(2, "contiguous"): 6292480, (2, "zigzag"): 4195328, (4, "contiguous"): 3670528, (4, "zigzag"): 2097664}
+    for (sp, layout), per_rank in want.items():
+        w = causal_work(4096, sp, layout)
+        assert [sum(row) for row in w] == per_rank and sum(per_rank) == total
+        assert sum(max(w[r][t] for r in range(sp)) for t in range(sp)) == crit[sp, layout]
