@@ -13,8 +13,9 @@ Two steps, so that big models never exist whole on a rank:
   cut the batch, applies activation checkpointing, and averages gradients
   over ``dp``.
 
-A plan asking for what this build lacks (sequence parallelism) is a
-``NotImplementedError`` naming it, never a silent single-device run.
+A plan asking for what this build lacks (sequence parallelism with 2D/3D
+tensor parallelism, pipeline stages or ZeRO) is a ``NotImplementedError``
+naming it, never a silent single-device run.
 
 Data parallelism is torch's composable DDP (``replicate``) over the mesh's
 ``dp`` group: gradients are averaged in buckets while backward runs, and the
@@ -51,6 +52,8 @@ class ShardingSpec:
 
     roles: dict = field(default_factory=dict)
     blocks: str = "blocks"
+    shifted_labels: bool = False  # token t's label is token t + 1 (a causal LM head shifts): sp aligns them
+    pooled_first: bool = False    # the head reads position 0 (a pooler): sp gives every rank the true first token
     first: tuple = ()   # top-level modules the first pipeline stage owns (embeddings)
     last: tuple = ()    # those the last stage owns (final norm, pooler, heads); a module in both is tied
 
@@ -254,6 +257,23 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         split = BatchSplit(plan, mesh)
         model.register_forward_pre_hook(split.before, with_kwargs=True)
         model.register_forward_hook(split.after, with_kwargs=True)
+    if mesh.size("sp") > 1:  # the model runs its blocks on this rank's chunks of every sequence
+        from .layers import sync_rng
+        from .sequence_split import SequenceSplit
+
+        if spec is None:
+            raise ValueError("sequence parallelism needs the model's sharding spec (cuboid.load passes it)")
+        sync_rng(mesh.group("sp"))  # the embeddings run on the whole sequence on every sp rank
+        model.sequence_split = SequenceSplit(model, spec, mesh)
+        model.sequence_split.swap_attention(plan.sp_mode)
+        model.forward = model.sequence_split.forward
+    if plan.tp_sequence and mesh.size("tp") > 1:
+        from .sequence_split import TensorSequenceSplit
+
+        if spec is None:
+            raise ValueError("tp_sequence needs the model's sharding spec (cuboid.load passes it)")
+        model.sequence_split = TensorSequenceSplit(model, spec, mesh)
+        model.forward = model.sequence_split.forward
     if plan.activation_checkpoint:
         checkpoint_blocks(model, spec.blocks if spec is not None else "blocks")
     if mesh.size("pp") > 1:  # the schedule drives forward/backward; it averages over dp itself
@@ -273,11 +293,12 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
     elif mesh.size("dp") > 1 and plan.zero:
         _shard_over_dp(model, plan, mesh, spec)
-    elif mesh.size("dp") > 1:
+    elif mesh.size("dp") > 1 or mesh.size("sp") > 1:
         from torch.distributed._composable import replicate
 
         p = next(model.parameters())
-        replicate(model, process_group=mesh.group("dp"), bucket_cap_mb=25,
+        group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")
+        replicate(model, process_group=group, bucket_cap_mb=25,
                   **({"device_id": p.device} if p.device.type == "cuda" else {}))
     model._cuboid_prepared = plan
     return model

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuboid.kernels as kernels
+from cuboid.parallel import comm
 
 ROLES = ("column", "column_qkv", "row", "vocab", "norm", "replicate", "embedding")
 
@@ -234,10 +235,15 @@ class LayerNorm(ShardedModule):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
 
+    seq_group = None  # set under Megatron sequence parallelism: tokens are split over it, weight grads summed
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None and residual.dtype != x.dtype:
             x = x.to(residual.dtype)  # under autocast the residual stream keeps its (wider) dtype
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
+        w, b = self.weight, self.bias
+        if self.seq_group is not None:  # each rank normalises its tokens: the parameters' gradients sum over ranks
+            w, b = comm.copy_to(w, self.seq_group), comm.copy_to(b, self.seq_group)
+        return kernels.layer_norm(x, w, b, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -331,6 +337,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention core: (B, H, T, D) in, (B, H, T, D) out, through the kernel."""
     return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+
+
+class Attention(nn.Module):
+    """The attention core as a layer (no parameters; role ``attention``): (B, H, T, D) q, k, v in, out.
+
+    A layer so that a plan can swap it: sequence parallelism replaces it by
+    ring or all-to-all attention over the ``sp`` group (:mod:`.sequence`), the
+    model code unchanged.
+    """
+
+    role = "attention"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

@@ -95,16 +95,21 @@ class Mesh:
         mesh = cls(plan=plan, rank=rank, world_size=plan.world_size)
         grid = torch.arange(plan.world_size).reshape(*(sizes[a] for a in AXES))
         mesh._add_groups(grid, AXES, create_groups)
+        if plan.sp > 1:  # data parallelism averages gradients over dp x sp (every sp rank holds every weight)
+            mesh._add_groups(grid.reshape(plan.pp, plan.dp * plan.sp, 1, plan.tp), ("pp", "dpsp", "sp1", "tp"),
+                             create_groups, skip=1, only=1)
         tp_grid = plan.tp_grid
         if len(tp_grid) > 1:
             mesh._add_groups(grid.reshape(*grid.shape[:3], *tp_grid), ("pp", "dp", "sp") + TP_AXES[len(tp_grid)],
                              create_groups, skip=3)
         return mesh
 
-    def _add_groups(self, grid: torch.Tensor, axes: tuple, create: bool, skip: int = 0) -> None:
-        """One group along each of ``grid``'s dims from ``skip`` on, created on every rank in the same order."""
+    def _add_groups(self, grid: torch.Tensor, axes: tuple, create: bool, skip: int = 0,
+                    only: Optional[int] = None) -> None:
+        """One group along each of ``grid``'s dims from ``skip`` on (or dim ``only``), created on every rank in
+        the same order."""
         for i, axis in enumerate(axes):
-            if i < skip:
+            if i < skip or (only is not None and i != only):
                 continue
             size = grid.shape[i]
             moved = grid.movedim(i, -1).reshape(-1, size)

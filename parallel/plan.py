@@ -17,6 +17,10 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
 - ``sp``: sequence-parallel ranks, ``sp_mode`` ``ring | all_to_all``;
 - ``zero``: 0 (off), 1 (optimizer state sharded over dp), 2 (+ gradients),
   3 (+ parameters; not with ``pp``), see :mod:`cuboid.parallel.zero`;
+- ``tp_sequence``: under 1D ``tp``, the norms, dropout and residual stream
+  between the linears hold only ``T / tp`` tokens (Megatron's sequence
+  parallelism: all-gather before column linears, reduce-scatter after row
+  linears);
 - ``activation_checkpoint``: recompute each block in backward;
 - ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
 """
@@ -56,6 +60,7 @@ class Plan:
     activation_checkpoint: bool = False
     dtype: str = "fp32"
     stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
+    tp_sequence: bool = False           # 1D tp: norms, dropout and residuals sharded along the sequence (Megatron)
 
     def __post_init__(self) -> None:
         blocks = self.stage_blocks
@@ -79,6 +84,11 @@ class Plan:
                 raise ValueError(f"plan field {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"plan field zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.tp_sequence, bool):
+            raise ValueError(f"plan field tp_sequence must be true or false, got {self.tp_sequence!r}")
+        if self.tp_sequence and (self.tp == 1 or self.tp_mode != "1d"):
+            raise ValueError(f"tp_sequence shards the sequence inside a 1D tensor-parallel group: it needs "
+                             f"tp > 1 and tp_mode 1d, got tp={self.tp}, tp_mode={self.tp_mode}")
         if not isinstance(self.activation_checkpoint, bool):
             raise ValueError(f"plan field activation_checkpoint must be true or false, got {self.activation_checkpoint!r}")
         if self.depth != 1 and self.tp_mode != "2.5d":
@@ -144,9 +154,9 @@ class Plan:
             if dim is not None and dim % hidden_parts:
                 raise ValueError(f"hidden size {dim} does not divide into the {hidden_parts} blocks the "
                                  f"{self.tp_mode} grid {'x'.join(map(str, grid))} needs")
-            if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * self.tp):
-                raise ValueError(f"all_to_all sequence parallelism needs heads ({heads}) divisible by sp*tp "
-                                 f"= {self.sp * self.tp}")
+            if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * split):
+                raise ValueError(f"all_to_all sequence parallelism needs the {heads} attention heads to divide over "
+                                 f"sp x the tensor split of heads = {self.sp} x {split}")
             stages = self.pp * (2 if self.schedule in ("interleaved", "zbv") else 1)
             if self.stage_blocks and (len(self.stage_blocks) != stages
                                       or (layers is not None and sum(self.stage_blocks) != layers)):
@@ -160,8 +170,13 @@ class Plan:
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.sp > 1:
-            missing.append(f"sequence parallelism (sp={self.sp}, sp_mode={self.sp_mode})")
+        if self.tp_sequence and (self.sp > 1 or self.pp > 1):
+            missing.append("tp_sequence with " + ("sequence parallelism" if self.sp > 1 else "pipeline stages"))
+        if self.sp > 1 and (self.tp_mode != "1d" and self.tp > 1 or self.pp > 1 or self.zero):
+            missing.append(f"sequence parallelism (sp={self.sp}) with "
+                           + ", ".join(w for w, on in ((f"tp_mode {self.tp_mode}", self.tp_mode != "1d" and self.tp > 1),
+                                                         ("pipeline stages", self.pp > 1),
+                                                         (f"ZeRO stage {self.zero}", self.zero)) if on))
         return missing
 
     def require_implemented(self) -> "Plan":

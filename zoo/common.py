@@ -98,14 +98,15 @@ class SelfAttention(nn.Module):
         self.head_dim = dim // n_heads
         self.causal = causal
         self.qkv = L.Linear(dim, 3 * dim)
+        self.core = L.Attention()
         self.proj = L.Linear(dim, dim)
         self.dropout = L.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv(x)  # (B, T, 3 * H * D)
+        qkv = self.qkv(x)  # (B, T, 3 * H * D); T read off the projection (it gathers a sequence-sharded x)
+        B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
-        y = L.attention(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, H, T, D)
+        y = self.core(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.dropout(self.proj(y))
 

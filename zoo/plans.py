@@ -20,15 +20,17 @@ _BLOCK_ROLES = {
 
 SPECS = {
     "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES},
-                        first=("tok_emb", "pos_emb"), last=("ln_f", "tok_emb")),
+                        first=("tok_emb", "pos_emb"), last=("ln_f", "tok_emb"), shifted_labels=True),
     "bert": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "type_emb": "embedding",
                                 "ln_emb": "norm", "pooler": "replicate", "mlm_dense": "replicate",
                                 "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES},
                          first=("tok_emb", "pos_emb", "type_emb", "ln_emb"),
-                         last=("pooler", "mlm_dense", "mlm_ln", "mlm_bias", "classifier", "tok_emb")),
+                         last=("pooler", "mlm_dense", "mlm_ln", "mlm_bias", "classifier", "tok_emb"),
+                         pooled_first=True),
     "vit": ShardingSpec(roles={"patch": "column", "cls_token": "replicate", "pos_emb": "replicate",
                                "ln_f": "norm", "pooler": "replicate", "classifier": "replicate", **_BLOCK_ROLES},
-                        first=("patch", "cls_token", "pos_emb"), last=("ln_f", "pooler", "classifier")),
+                        first=("patch", "cls_token", "pos_emb"), last=("ln_f", "pooler", "classifier"),
+                        pooled_first=True),
 }
 
 # the plans that work in this build, the same for every family
@@ -57,6 +59,12 @@ READY_PLANS = {
     "zero3": Plan(dp=4, zero=3),
     "dp2-tp2-zero3": Plan(dp=2, tp=2, zero=3),
     "dp2-pp2-zero1": Plan(dp=2, pp=2, microbatches=2, zero=1),
+    "sp2": Plan(sp=2),
+    "sp4": Plan(sp=4),
+    "sp2-a2a": Plan(sp=2, sp_mode="all_to_all"),
+    "sp2-tp2": Plan(sp=2, tp=2),
+    "dp2-sp2": Plan(dp=2, sp=2),
+    "tp2-seq": Plan(tp=2, tp_sequence=True),
 }
 
 

@@ -119,8 +119,12 @@ class ColumnLinear(_Tp, L.Linear):
         b = self._cut("bias", (out_features,), Cut(0, parts=packed)) if bias else None
         self._init_params({"weight": (w, "normal"), "bias": (b, "zeros")}, device, dtype)
 
+    seq_dim: Optional[int] = None  # sequence-sharded input (Megatron sequence parallelism): all-gather it
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(comm.copy_to(to_compute(x), self.group), self.weight, self.bias)  # (.., out/p)
+        x = to_compute(x)
+        x = comm.copy_to(x, self.group) if self.seq_dim is None else comm.all_gather_to(x, self.group, self.seq_dim)
+        y = F.linear(x, self.weight, self.bias)  # (.., out/p)
         if not self.gather_output or self.tp_size == 1:
             return y
         y = comm.gather_from(y, self.group, -1)  # (.., p * out/p), rank-major
@@ -152,9 +156,14 @@ class RowLinear(_Tp, L.Linear):
         self._init_params({"weight": (w, "normal"), "bias": ((out_features,) if bias else None, "zeros")},
                           device, dtype)
 
+    seq_dim: Optional[int] = None  # sequence-sharded output (Megatron sequence parallelism): reduce-scatter
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to(to_compute(x), self.group, -1)
+        if self.seq_dim is not None:  # (.., T/p, out): this rank's tokens, summed over ranks
+            y = comm.reduce_scatter_to(F.linear(x, self.weight), self.group, self.seq_dim)
+            return y + comm.copy_to(self.bias, self.group) if self.bias is not None else y  # bias grad: all tokens
         y = comm.reduce_from(F.linear(x, self.weight), self.group)  # (.., out) replicated
         return y + self.bias if self.bias is not None else y
 

@@ -169,12 +169,32 @@ def check(reports):
                 assert errs[what] < 1e-5, (rank, key, what, errs)
 
 
-def test_dp2_dp2ckpt_tp1d_on_2_ranks():
-    check(run_world(plan_parity_worker, 2, ["dp2", "dp2-ckpt", "tp1d"], timeout=400))
+SP2 = ["sp2", "sp2-a2a", "sp=2,activation_checkpoint=true", "tp2-seq"]  # ring, all-to-all, recomputed ring, Megatron
+SP4 = ["sp4", "sp2-tp2", "dp2-sp2"]
 
 
-def test_dp4_tp1d4_dp2tp2_tp2d_on_4_ranks():
-    check(run_world(plan_parity_worker, 4, ["dp4", "tp1d-4", "dp2-tp2", "tp2d"], timeout=600))
+def two_rank_worker():
+    report = plan_parity_worker(["dp2", "dp2-ckpt", "tp1d"])
+    report.update(plan_parity_worker(SP2, ("adamw", "lamb")))  # sequences of 12 split in 4 zigzag chunks
+    return report
+
+
+def four_rank_worker():
+    report = plan_parity_worker(["dp4", "tp1d-4", "dp2-tp2", "tp2d"])
+    report.update(plan_parity_worker(SP4, ("adamw", "lamb")))  # sp4: 12 tokens padded to 16 inside
+    return report
+
+
+def test_dp_tp1d_and_sequence_parallel_on_2_ranks():
+    reports = run_world(two_rank_worker, 2, timeout=600)
+    check(reports)
+    assert len(reports[0]) == 3 * 3 * 3 + len(SP2) * 3 * 2
+
+
+def test_dp_tp_2d_and_sequence_parallel_on_4_ranks():
+    reports = run_world(four_rank_worker, 4, timeout=900)
+    check(reports)
+    assert len(reports[0]) == 4 * 3 * 3 + len(SP4) * 3 * 2
 
 
 def eight_rank_worker():

@@ -1,0 +1,243 @@
+"""Sequence parallelism at the model level: each ``sp`` rank runs the blocks on its chunks of every sequence.
+
+Installed by :func:`~cuboid.parallel.apply.prepare` when ``plan.sp > 1``: the
+model's ``forward`` becomes :meth:`SequenceSplit.forward`, which runs the zoo
+model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
+
+1. ``embed`` runs on the whole sequence (ids or pixels are small; ViT's
+   sequence exists only after its patch embedding), so position ids, token
+   types and ViT's class token are those of one device;
+2. the embedded sequence is padded to a multiple of ``2 sp`` (padded keys are
+   masked, padded labels ignored) and cut in the zigzag layout
+   (:func:`~cuboid.parallel.sequence.zigzag_split`: rank ``i`` holds chunks
+   ``i`` and ``2 sp - 1 - i``, which balances causal attention);
+3. the blocks run on the rank's ``T / sp`` tokens; their attention core (a
+   :class:`~cuboid.parallel.layers.Attention` layer) has been swapped for
+   ring or all-to-all attention over ``sp``;
+4. ``head`` runs on the rank's tokens: token labels are aligned before the cut
+   (a causal LM's target of position ``t`` is token ``t + 1``, possibly on
+   another rank; the spec's ``shifted_labels`` says so), and heads that read
+   position 0 (BERT's and ViT's pooler; the spec's ``pooled_first``) get the
+   true first token, broadcast from sp rank 0, in front of the rank's tokens;
+5. the loss is the single-device one: token losses are weighted by the
+   rank's share of the label positions and summed over ``sp``; an
+   example-level loss (classification, the same on every sp rank) by
+   ``1 / sp``. Gradients are averaged over the ``dp x sp`` group by the data
+   parallel wrapper, so the loss's backward is scaled by ``sp`` (the mean over
+   ``dp`` of the sum over ``sp``). Logits and hidden states are gathered
+   over ``sp`` (and put back in order) only when read.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .sequence import all_to_all_attention, ring_attention, zigzag_merge, zigzag_split
+
+
+class SequenceAttention(nn.Module):
+    """The attention core over the ``sp`` group: ``ring`` or ``all_to_all``, on zigzag-laid-out tokens."""
+
+    role = "attention"
+
+    def __init__(self, group, mode: str) -> None:
+        super().__init__()
+        self.group, self.mode = group, mode
+
+    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None):
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask)
+        return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask,
+                                    layout="zigzag")
+
+
+class _SumOverSp(torch.autograd.Function):
+    """Forward: the sum over ``sp`` of each rank's loss term. Backward: the gradient times ``sp``, because the
+    data-parallel wrapper averages gradients over ``dp x sp`` where the step wants the sum over ``sp``."""
+
+    @staticmethod
+    def forward(ctx, t, group, sp):
+        ctx.sp = sp
+        out = t.detach().clone().contiguous()
+        comm.all_reduce_(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.sp, None, None
+
+
+class _FromFirstRank(torch.autograd.Function):
+    """Forward: sp rank 0's tensor on every rank. Backward: the gradients summed on rank 0 (zero elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        out = t.detach().clone().contiguous()
+        comm.broadcast_(out, group, 0)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        comm.all_reduce_(g, ctx.group)
+        return (g if comm.group_rank(ctx.group) == 0 else torch.zeros_like(g)), None
+
+
+class SequenceSplit:
+    """The forward of a zoo model under sequence parallelism (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, spec, mesh) -> None:
+        self.model, self.spec, self.mesh = model, spec, mesh
+        self.group, self.sp, self.rank = mesh.group("sp"), mesh.size("sp"), mesh.coords.get("sp", 0)
+        self._embed_args = tuple(inspect.signature(model.embed).parameters)
+        self.shifted = bool(getattr(spec, "shifted_labels", False))
+        self.pooled_first = bool(getattr(spec, "pooled_first", False))
+
+    def swap_attention(self, mode: str) -> int:
+        """Replace every attention core of the model by the sp one; returns how many."""
+        n = 0
+        for mod in list(self.model.modules()):
+            for name, child in list(mod.named_children()):
+                if getattr(child, "role", None) == "attention" and not isinstance(child, SequenceAttention):
+                    setattr(mod, name, SequenceAttention(self.group, mode))
+                    n += 1
+        return n
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        return zigzag_split(t, self.sp, self.rank, 1)
+
+    def _gather(self, t: torch.Tensor, cut, length: int) -> torch.Tensor:
+        """Every rank's (B, T/sp, ...) tokens back in sequence order, extra positions cut, to ``length``."""
+        t = cut(t)
+        parts = comm.gather_from(t.contiguous(), self.group, 1).chunk(self.sp, dim=1)
+        return zigzag_merge(list(parts), self.sp, 1)[:, :length]
+
+    def forward(self, **batch):
+        model = self.model
+        unknown = set(batch) - set(self._embed_args) - {"attention_mask", "labels"}
+        if unknown:
+            raise TypeError(f"{type(model).__name__} under sequence parallelism got unexpected inputs "
+                            f"{sorted(unknown)}")
+        labels = batch.get("labels")
+        x = model.embed(**{k: batch[k] for k in self._embed_args if batch.get(k) is not None})  # (B, T, C)
+        B, T, _ = x.shape
+        mask = batch.get("attention_mask")
+        keep = mask.to(torch.bool) if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if keep.shape != (B, T):
+            raise ValueError(f"attention_mask {tuple(keep.shape)} does not match the sequence {(B, T)}")
+        token_labels = labels if labels is not None and labels.dim() == 2 else None
+        if token_labels is not None and self.shifted:  # position t learns token t + 1 (maybe another rank's)
+            token_labels = torch.cat([token_labels[:, 1:], torch.full_like(token_labels[:, :1], -100)], 1)
+        pad = (-T) % (2 * self.sp)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+            keep = F.pad(keep, (0, pad), value=False)
+            if token_labels is not None:
+                token_labels = F.pad(token_labels, (0, pad), value=-100)
+        key_mask = None if bool(keep.all()) else self._split(keep)  # the same choice on every sp rank
+        x = self._split(x)
+        residual = None
+        for block in getattr(model, self.spec.blocks):
+            x, residual = block(x, residual, key_mask)
+        local_labels = self._split(token_labels) if token_labels is not None else None
+        front = back = 0
+        if self.pooled_first:  # the true first token (rank 0's position 0) in front of this rank's tokens
+            x = torch.cat([_FromFirstRank.apply(x[:, :1], self.group), x], 1)
+            if residual is not None:
+                residual = torch.cat([_FromFirstRank.apply(residual[:, :1], self.group), residual], 1)
+            if local_labels is not None:
+                local_labels = F.pad(local_labels, (1, 0), value=-100)
+            front = 1
+        elif self.shifted:  # the head pairs position p with label p + 1: one position more, labels moved by one
+            x = F.pad(x, (0, 0, 0, 1))
+            if residual is not None:
+                residual = F.pad(residual, (0, 0, 0, 1))
+            if local_labels is not None:
+                local_labels = F.pad(local_labels, (1, 0), value=-100)
+            back = 1
+        out = model.head(x, residual, local_labels if token_labels is not None else labels)
+        if labels is not None and out.loss is not None:
+            if token_labels is not None:
+                n_local = int((local_labels != -100).sum())
+                n_total = int((token_labels != -100).sum())
+                term = out.loss.nan_to_num(0.0) * 0.0 if n_local == 0 else out.loss * (n_local / max(n_total, 1))
+            else:
+                term = out.loss / self.sp
+            out.loss = _SumOverSp.apply(term, self.group, self.sp)
+
+        def cut(t):
+            return t[:, front:t.shape[1] - back]
+
+        fields = ["last_hidden_state"] + (["logits"] if token_labels is not None or labels is None else [])
+        for name in fields:
+            value = object.__getattribute__(out, name)
+            if value is None or (name == "logits" and not _is_per_token(model)):
+                continue
+            out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, T))
+        return out
+
+
+def _is_per_token(model: nn.Module) -> bool:
+    """Whether the model's logits have one row per token (LM heads, base models) rather than per example."""
+    head = getattr(getattr(model, "config", None), "head", "none")
+    return head in ("lm", "mlm", "none")
+
+
+class TensorSequenceSplit:
+    """Megatron-style sequence parallelism inside the 1D ``tp`` group (Korthikanti et al., arXiv 2205.05198).
+
+    The model's forward becomes: ``embed`` on the whole sequence (replicated,
+    as under plain 1D), the sequence padded to a multiple of ``tp`` and cut
+    into ``tp`` contiguous chunks, the blocks run with their norms, dropout
+    and residual stream on this rank's ``T / tp`` tokens (the column linears
+    all-gather their input along the sequence instead of copying it, the row
+    linears reduce-scatter their output instead of all-reducing it, and the
+    norms' and row biases' gradients are summed over ``tp``), then the
+    sequence is gathered and ``head`` runs as under plain 1D. Traffic per
+    block equals plain 1D's (all-gather + reduce-scatter = all-reduce); the
+    activations between the linears shrink by ``tp``.
+    """
+
+    def __init__(self, model: nn.Module, spec, mesh) -> None:
+        from .layers import LayerNorm, RMSNorm
+        from .tensor.d1 import ColumnLinear, RowLinear
+
+        self.model, self.spec, self.mesh = model, spec, mesh
+        self.group, self.tp = mesh.group("tp"), mesh.size("tp")
+        self._embed_args = tuple(inspect.signature(model.embed).parameters)
+        for block in getattr(model, spec.blocks):
+            for mod in block.modules():
+                if isinstance(mod, (ColumnLinear, RowLinear)):
+                    mod.seq_dim = 1
+                elif isinstance(mod, (LayerNorm, RMSNorm)):
+                    mod.seq_group = self.group
+
+    def forward(self, **batch):
+        model = self.model
+        unknown = set(batch) - set(self._embed_args) - {"attention_mask", "labels"}
+        if unknown:
+            raise TypeError(f"{type(model).__name__} under sequence-sharded tensor parallelism got unexpected "
+                            f"inputs {sorted(unknown)}")
+        x = model.embed(**{k: batch[k] for k in self._embed_args if batch.get(k) is not None})  # (B, T, C)
+        B, T, _ = x.shape
+        mask = batch.get("attention_mask")
+        keep = mask.to(torch.bool) if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        pad = (-T) % self.tp
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+            keep = F.pad(keep, (0, pad), value=False)
+        key_mask = None if bool(keep.all()) else keep  # attention sees the whole (gathered) sequence
+        x = comm.scatter_to(x, self.group, 1)  # (B, T / tp, C): this rank's tokens
+        residual = None
+        for block in getattr(model, self.spec.blocks):
+            x, residual = block(x, residual, key_mask)
+        x = comm.gather_from(x, self.group, 1)[:, :T]
+        if residual is not None:
+            residual = comm.gather_from(residual, self.group, 1)[:, :T]
+        return model.head(x, residual, batch.get("labels"))
