@@ -241,3 +241,44 @@ class TensorSequenceSplit:
         if residual is not None:
             residual = comm.gather_from(residual, self.group, 1)[:, :T]
         return model.head(x, residual, batch.get("labels"))
+
+
+def bytes_per_step(*, n_layers: int, heads: int, head_dim: int, batch: int, seq: int, sp: int, mode: str = "ring",
+                   masked: bool = False, elem: int = 4, dim: int = 0, first_token: int = 0,
+                   recompute: bool = False) -> dict:
+    """Bytes one rank sends over ``sp`` in one training step (forward + backward), per op, in
+    :mod:`cuboid.parallel.comm`'s convention; what a test measures with ``comm.count``.
+
+    ``heads`` are the heads this rank's attention runs (``n_heads / tp`` under
+    1D), ``seq`` the sequence length before padding to ``2 sp``, ``elem`` the
+    bytes of q/k/v elements, ``masked`` whether a key padding mask travels
+    (an attention mask with zeros, or padding), ``first_token`` how many
+    (B, 1, dim) tensors a pooled head takes from sp rank 0 (BERT 1, ViT 2:
+    its pre-LN residual too), ``recompute`` activation checkpointing (the
+    forward's attention traffic runs again in backward). Not counted: the
+    data-parallel gradient all-reduce over ``dp x sp`` (torch's reducer).
+    Ring per layer: forward ``(sp - 1)(2 n e + m)``, backward ``(sp - 1) 2 n e
+    + sp 2 n 4`` (dK/dV travel in fp32); all-to-all per layer ``8 (sp - 1) / sp
+    n e`` plus ``(sp - 1) m`` for the mask's all-gather; ``n = B H (T/sp) D``,
+    ``m = B T / sp`` mask bytes.
+    """
+    t = seq + (-seq) % (2 * sp)
+    n = batch * heads * (t // sp) * head_dim
+    m = batch * t // sp if masked else 0
+    out: dict = {}
+
+    def add(op, value):
+        out[op] = out.get(op, 0.0) + value
+
+    forward_layers = n_layers * (2 if recompute else 1)
+    if mode == "ring":
+        add("send", forward_layers * (sp - 1) * (2 * n * elem + m) + n_layers * ((sp - 1) * 2 * n * elem + sp * 2 * n * 4))
+    else:
+        per = 8 * (sp - 1) / sp * n * elem
+        add("all_to_all", n_layers * per + (forward_layers - n_layers) * per / 2)
+        add("all_gather", forward_layers * (sp - 1) * m)
+    add("all_reduce", 2 * (sp - 1) / sp * 4)  # the loss's sum over sp (fp32 scalar)
+    if first_token:
+        add("broadcast", first_token * (sp - 1) / sp * batch * dim * elem)
+        add("all_reduce", first_token * 2 * (sp - 1) / sp * batch * dim * elem)
+    return out
