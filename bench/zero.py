@@ -47,10 +47,10 @@ memory the plan should need, so that it does not fight other jobs for it. A
 world that runs past ``--timeout`` or whose rank fails is killed and
 reported with the rank's error.
 
-On a CPU without native bf16 (AVX2), bf16 matmuls run at 0.2-5 GFLOP/s per
-core, so a gpt2-medium step of 64 tokens per rank takes minutes: the default
-is 16 tokens. Activations stay small either way; model states do not depend
-on it.
+On a CPU without native bf16 (AVX2), bf16 matmuls run at 0.2-10 GFLOP/s per
+core (depending on the operands' layout), so a gpt2-medium step of 64 tokens
+per rank takes minutes: the default is 16 tokens. Activations stay small
+either way; model states do not depend on it.
 
 Prints markdown tables and writes ``--json``.
 """
