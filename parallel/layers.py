@@ -253,6 +253,7 @@ class RMSNorm(ShardedModule):
     """RMS norm over the last dim, with the residual add fused (as :class:`LayerNorm`)."""
 
     role = "norm"
+    seq_group = None  # as LayerNorm's: set under Megatron sequence parallelism
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
@@ -262,7 +263,8 @@ class RMSNorm(ShardedModule):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None and residual.dtype != x.dtype:
             x = x.to(residual.dtype)  # under autocast the residual stream keeps its (wider) dtype
-        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+        w = self.weight if self.seq_group is None else comm.copy_to(self.weight, self.seq_group)
+        return kernels.rms_norm(x, w, self.eps, residual=residual)
 
 
 class Tensor(ShardedModule):

@@ -89,6 +89,20 @@ class _FromFirstRank(torch.autograd.Function):
         return (g if comm.group_rank(ctx.group) == 0 else torch.zeros_like(g)), None
 
 
+def _embed_whole(model: nn.Module, embed_args: tuple, batch: dict, what: str) -> tuple:
+    """The model's ``embed`` of the whole batch, (B, T, C), and the (B, T) bool mask of kept tokens."""
+    unknown = set(batch) - set(embed_args) - {"attention_mask", "labels"}
+    if unknown:
+        raise TypeError(f"{type(model).__name__} under {what} got unexpected inputs {sorted(unknown)}")
+    x = model.embed(**{k: batch[k] for k in embed_args if batch.get(k) is not None})  # (B, T, C)
+    B, T, _ = x.shape
+    mask = batch.get("attention_mask")
+    keep = mask.to(torch.bool) if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+    if keep.shape != (B, T):
+        raise ValueError(f"attention_mask {tuple(keep.shape)} does not match the sequence {(B, T)}")
+    return x, keep
+
+
 class SequenceSplit:
     """The forward of a zoo model under sequence parallelism (see the module docstring)."""
 
@@ -120,17 +134,9 @@ class SequenceSplit:
 
     def forward(self, **batch):
         model = self.model
-        unknown = set(batch) - set(self._embed_args) - {"attention_mask", "labels"}
-        if unknown:
-            raise TypeError(f"{type(model).__name__} under sequence parallelism got unexpected inputs "
-                            f"{sorted(unknown)}")
         labels = batch.get("labels")
-        x = model.embed(**{k: batch[k] for k in self._embed_args if batch.get(k) is not None})  # (B, T, C)
+        x, keep = _embed_whole(model, self._embed_args, batch, "sequence parallelism")
         B, T, _ = x.shape
-        mask = batch.get("attention_mask")
-        keep = mask.to(torch.bool) if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
-        if keep.shape != (B, T):
-            raise ValueError(f"attention_mask {tuple(keep.shape)} does not match the sequence {(B, T)}")
         token_labels = labels if labels is not None and labels.dim() == 2 else None
         if token_labels is not None and self.shifted:  # position t learns token t + 1 (maybe another rank's)
             token_labels = torch.cat([token_labels[:, 1:], torch.full_like(token_labels[:, :1], -100)], 1)
@@ -220,14 +226,8 @@ class TensorSequenceSplit:
 
     def forward(self, **batch):
         model = self.model
-        unknown = set(batch) - set(self._embed_args) - {"attention_mask", "labels"}
-        if unknown:
-            raise TypeError(f"{type(model).__name__} under sequence-sharded tensor parallelism got unexpected "
-                            f"inputs {sorted(unknown)}")
-        x = model.embed(**{k: batch[k] for k in self._embed_args if batch.get(k) is not None})  # (B, T, C)
+        x, keep = _embed_whole(model, self._embed_args, batch, "sequence-sharded tensor parallelism")
         B, T, _ = x.shape
-        mask = batch.get("attention_mask")
-        keep = mask.to(torch.bool) if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         pad = (-T) % self.tp
         if pad:
             x = F.pad(x, (0, 0, 0, pad))

@@ -19,6 +19,8 @@
 - A torch optimizer over ZeRO 1/2 parameters is refused in one sentence, and
   under dp2-tp2-zero3 a training forward leaves the logits ungathered.
 """
+import math
+
 import pytest
 import torch
 
@@ -75,7 +77,7 @@ def _bytes_and_traffic(stage, name="gpt-debug", extra=None):
         opt.step()
     opt.zero_grad()
     pieces = [zero.view_of(p) for p in params]
-    piece = sum(math_prod(pc.shape) for pc in pieces) if stage else numel
+    piece = sum(math.prod(pc.shape) for pc in pieces) if stage else numel
     grad_piece = (sum(b.shard for b in model.zero.buckets) if stage in (1, 2) else piece)
     want = zero.formula_bytes(numel, stage, 4, param_bytes=4, state_bytes=8, piece=piece, grad_piece=grad_piece)
     sent = tally.bytes(group="dp")
@@ -90,13 +92,6 @@ def _bytes_and_traffic(stage, name="gpt-debug", extra=None):
         want_sent = sum((2 if id(p) not in blocks else 3) * (n - 1) / n * b * padded[id(p)] for p in params)
     return dict(held=held["total"], formula=want, sent=sent, want_sent=want_sent, ratio=sent / all_reduce,
                 numel=numel)
-
-
-def math_prod(shape):
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def _resume(folder):
