@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel  # only to unwrap models users wrapped themselves
 from torch.utils.checkpoint import checkpoint
 
+from . import comm
 from .mesh import Mesh
 from .plan import Plan
 
@@ -300,6 +301,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")
         replicate(model, process_group=group, bucket_cap_mb=25,
                   **({"device_id": p.device} if p.device.type == "cuda" else {}))
+        model.register_comm_hook(group, comm.ddp_comm_hook)  # the same average, seen by comm.count
     model._cuboid_prepared = plan
     return model
 

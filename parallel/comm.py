@@ -181,8 +181,50 @@ def count() -> Iterator[Tally]:
 
 @contextlib.contextmanager
 def _count_torch_engines() -> Iterator[None]:
-    """Count the collectives torch's FSDP2 calls (``dist.all_gather_single``/``reduce_scatter_single``)
-    under the same convention; cuboid's own calls hold the unpatched functions."""
+    """Count the traffic of torch's engines under the same convention: FSDP2's collectives
+    (``dist.all_gather_single``/``reduce_scatter_single``) and the pipelining schedules' sends
+    (``schedules._batch_p2p``); cuboid's own calls hold the unpatched functions. DDP's bucket
+    all-reduces are counted by :func:`ddp_comm_hook`."""
+    with _count_pipeline_sends():
+        with _count_fsdp():
+            yield
+
+
+@contextlib.contextmanager
+def _count_pipeline_sends() -> Iterator[None]:
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:  # pragma: no cover - torch without pipelining
+        yield
+        return
+    plain = schedules._batch_p2p
+
+    def counted(p2p_ops, *args, **kwargs):
+        for op in p2p_ops:
+            if op.op is dist.isend:
+                _record("send", op.group, _nbytes(op.tensor))
+        return plain(p2p_ops, *args, **kwargs)
+
+    schedules._batch_p2p = counted
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = plain
+
+
+def ddp_comm_hook(group, bucket):  # no return annotation: DDP checks it against the real type
+    """DDP's bucket average over ``group`` (what its built-in all-reduce does: divide, then sum), counted
+    as an ``all_reduce`` like :func:`all_reduce_`. Register it with ``model.register_comm_hook(group, ...)``."""
+    buf = bucket.buffer()
+    p = group_size(group) if group is not None else dist.get_world_size()
+    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(buf))
+    buf.div_(p)
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+@contextlib.contextmanager
+def _count_fsdp() -> Iterator[None]:
     names = ("all_gather_single", "reduce_scatter_single")
     saved = {n: getattr(dist, n, None) for n in names}
 
