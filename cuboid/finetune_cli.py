@@ -7,6 +7,11 @@ on scikit-learn's digits, plan ``dp=2``, 400 steps of 64 at lr 1e-2.
 A plan with more than one process, run outside ``torchrun``, re-launches this
 command through torch's own elastic launcher (the code behind ``torchrun``)
 with ``--nproc-per-node`` processes on this machine (loopback rendezvous).
+``--max-restarts N`` goes to that launcher (and launches even a one-process
+plan through it): when a worker dies, all are restarted, up to N times, and
+resume from the newest complete checkpoint in ``--output-dir`` (see
+cuboid/trainer.py). Under ``torchrun`` use its own ``--max-restarts``.
+``--timeout-s`` bounds every collective, so a hung rank fails (and restarts).
 """
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ FLAGS = [
     ("--output-dir", str, "where checkpoints, metrics.jsonl, curves.png and final/ go"),
     ("--resume", str, "continue from a checkpoint: bare --resume or 'latest' takes the newest in --output-dir"),
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
+    ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
+                           "under --max-restarts)"),
     ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's)"),
     ("--tokenizer", str, "a tokenizer folder or tokenizer.json (default: the model folder's)"),
     ("--text-column", str, "text column (default 'text')"),
@@ -66,10 +73,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes to launch on this machine (default: the plan's world size)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="restart the workers up to N times when one dies; they resume from the newest complete "
+                        "checkpoint (default 0; set --save-every)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="no curves.png")
     p.set_defaults(func=cmd_finetune)
     return p
+
+
+LAUNCHER_KEYS = ("nproc_per_node", "max_restarts")  # for the launcher, not the trainer
 
 
 def read_config_file(path: str) -> dict:
@@ -94,7 +107,7 @@ def read_config_file(path: str) -> dict:
     data = {k.replace("-", "_"): v for k, v in data.get("finetune", data).items()}
     if isinstance(data.get("plan"), dict):
         data["plan"] = dict(data["plan"])
-    known = set(FinetuneConfig.__dataclass_fields__) | {"nproc_per_node"}
+    known = set(FinetuneConfig.__dataclass_fields__) | set(LAUNCHER_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
@@ -102,15 +115,16 @@ def read_config_file(path: str) -> dict:
 
 
 def resolve(args: argparse.Namespace) -> dict:
-    """Defaults < --config < flags, as FinetuneConfig keyword arguments (+ nproc_per_node)."""
+    """Defaults < --config < flags, as FinetuneConfig keyword arguments (+ LAUNCHER_KEYS)."""
     values: dict[str, Any] = read_config_file(args.config) if args.config else {}
     for flag, _, _ in FLAGS:
         key = flag[2:].replace("-", "_")
         v = getattr(args, key)
         if v is not None:
             values[key] = v
-    if args.nproc_per_node is not None:
-        values["nproc_per_node"] = args.nproc_per_node
+    for key in LAUNCHER_KEYS:
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
     if "model" not in values and "data" not in values:
         values = {**DEFAULT_JOB, **values}
     if values.get("max_grad_norm") == 0:
@@ -120,8 +134,12 @@ def resolve(args: argparse.Namespace) -> dict:
     return values
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Run ``cuboid <argv>`` in ``nproc`` local processes through torch's elastic launcher."""
+def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Run ``cuboid <argv>`` in ``nproc`` local processes through torch's elastic launcher.
+
+    With ``max_restarts`` the agent restarts every worker when one fails, up to
+    that many times; the workers see ``TORCHELASTIC_RESTART_COUNT`` and resume.
+    """
     import logging
 
     from torch.distributed.run import get_args_parser, run
@@ -130,9 +148,12 @@ def _launch(nproc: int, argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # each restart round gets a fresh store hosted by worker 0: on the store the agent shares by default,
+    # a restarted process group can read the previous round's addresses (pytorch/pytorch#135712)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
-         "--module", "cuboid", *argv])
+         f"--max-restarts={max_restarts}", "--module", "cuboid", *argv])
     try:
         run(launch)
     except Exception as e:  # ChildFailedError: the failing rank already printed its error
@@ -152,6 +173,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     values = resolve(args)
     nproc = values.pop("nproc_per_node", None)
+    restarts = values.pop("max_restarts", None)
+    if restarts is not None and restarts < 0:
+        raise ValueError(f"--max-restarts {restarts}: give 0 or more restarts")
     plan = Plan.parse(values.get("plan"), READY_PLANS)
     under_launcher = "WORLD_SIZE" in os.environ
     if not under_launcher:
@@ -159,11 +183,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             raise ValueError(f"--nproc-per-node {nproc} does not fit plan {plan.describe()}, "
                              f"which needs {plan.world_size} processes")
         plan.require_implemented()
-        if plan.world_size > 1:
+        if plan.world_size > 1 or restarts:
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
-            return _launch(plan.world_size, _strip_nproc(argv))
+            return _launch(plan.world_size, _strip_nproc(argv), restarts or 0)
     cfg = FinetuneConfig(**values)
     run(cfg)
     return 0

@@ -10,6 +10,17 @@ prints, logs and draws. Outputs in ``output_dir``:
   safetensors [+ tokenizer]) that ``transformers`` loads;
 - ``metrics.jsonl``: one JSON object per logged step and per eval;
 - ``curves.png``: train/eval loss and the task metric (needs matplotlib).
+
+Surviving faults: under torch's elastic launcher with ``--max-restarts`` a
+dead rank makes the agent restart every worker; a restarted worker
+(``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest *complete*
+checkpoint in ``output_dir`` (model, optimizer, scheduler, RNG, data
+position; checksums verified), so the run ends with the parameters of an
+uninterrupted one. A checkpoint interrupted mid-write is never picked: saves
+go to a hidden temporary folder renamed into place when complete
+(:mod:`cuboid.zoo.checkpoint.folder`). ``timeout_s`` bounds every collective,
+so a hang becomes an error, and so a restart. ``CUBOID_FAULT`` (:class:`Fault`)
+is the tests' deterministic SIGKILL.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +74,7 @@ class FinetuneConfig:
     output_dir: str = "runs/finetune"
     resume: Optional[str] = None          # "latest", a checkpoint folder, or None
     seed: int = 0
+    timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
     seq_len: Optional[int] = None
     tokenizer: Optional[str] = None
     text_column: str = "text"
@@ -119,16 +132,129 @@ def _checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
+def _complete(path: Path) -> bool:
+    """A training checkpoint with its commit file (the model index, or the single model file)."""
+    from cuboid.zoo.checkpoint.state import TRAINER_STATE
+    from cuboid.zoo.checkpoint.writer import INDEX
+
+    return (path / TRAINER_STATE).is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file())
+
+
 def _resolve_resume(resume: Optional[str], out: Path) -> Optional[Path]:
+    """The folder to resume from. 'latest' is the newest complete ``checkpoint-<step>`` (None if none).
+
+    Saves are renamed into place only when complete, so an interrupted one is a
+    hidden temporary folder that the ``checkpoint-*`` pattern never matches;
+    the completeness check also skips folders a crash left half-deleted.
+    """
     if resume in (None, "", "none"):
         return None
     if resume == "latest":
-        found = _checkpoints(out)
+        found = [p for p in _checkpoints(out) if _complete(p)]
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
         raise ValueError(f"--resume {resume}: no such checkpoint folder")
     return path
+
+
+def _interrupted(out: Path) -> list[str]:
+    """Names of the saves a crash interrupted in ``out`` (temporary folders, incomplete checkpoints)."""
+    if not out.is_dir():
+        return []
+    tmp = sorted(p.name for p in out.iterdir() if p.is_dir() and p.name.startswith(".checkpoint-")
+                 and ".tmp-" in p.name)
+    return tmp + [p.name for p in _checkpoints(out) if not _complete(p)]
+
+
+def _agreed_resume(resume: Optional[str], out: Path, mesh: Mesh) -> Optional[Path]:
+    """:func:`_resolve_resume` decided on rank 0 and sent to every rank, so no two ranks resume differently."""
+    answer: tuple = ("ok", None)
+    if mesh.is_main:
+        try:
+            found = _resolve_resume(resume, out)
+            answer = ("ok", None if found is None else str(found))
+        except ValueError as e:
+            answer = ("error", e.args[0])
+    if mesh.world_size > 1:
+        import torch.distributed as dist
+
+        box = [answer]
+        dist.broadcast_object_list(box, src=0)
+        answer = box[0]
+    if answer[0] == "error":
+        raise ValueError(answer[1])
+    return None if answer[1] is None else Path(answer[1])
+
+
+def _restart_count(mesh: Mesh) -> int:
+    """How often the job has been restarted: the largest ``TORCHELASTIC_RESTART_COUNT`` of any rank.
+
+    Each node's agent counts its own restarts; a node restarted because another
+    failed (a membership change) does not count one, so ranks take the maximum.
+    """
+    mine = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if mesh.world_size == 1:
+        return mine
+    import torch.distributed as dist
+
+    counts: list = [None] * mesh.world_size
+    dist.all_gather_object(counts, mine)
+    return max(counts)
+
+
+# ---------------------------------------------------------------- fault injection
+
+
+FAULT_ENV = "CUBOID_FAULT"
+FAULT_POINTS = ("step", "save", "saved")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``CUBOID_FAULT=rank:step:where[,rank:step:where...]``: the fault tests' deterministic SIGKILL.
+
+    Rank ``rank`` kills itself (SIGKILL, as an out-of-memory killer or a lost
+    node would). The k-th entry acts on attempt k only (:func:`_restart_count`
+    is k), so one entry kills the first attempt and the restarted workers run
+    through, and a list kills one attempt after another. ``where``:
+
+    - ``step``: in the model's forward of step ``step`` (1-based), while the
+      other ranks are in that step's collectives;
+    - ``save``: while ``checkpoint-<step>`` is being written: the writing rank
+      (rank 0) once the second file is in the temporary folder, any other
+      rank as the save begins;
+    - ``saved``: once ``checkpoint-<step>`` is committed and every rank has
+      returned from the save.
+    """
+
+    rank: int
+    step: int
+    where: str
+
+    @classmethod
+    def from_env(cls, rank: int, restart: int) -> Optional["Fault"]:
+        """This attempt's fault if it is this rank's, else None. A malformed value is an error on every attempt."""
+        spec = os.environ.get(FAULT_ENV, "").strip()
+        if not spec:
+            return None
+        faults = []
+        for entry in spec.split(","):
+            parts = entry.strip().split(":")
+            if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in FAULT_POINTS:
+                raise ValueError(f"{FAULT_ENV}={spec!r}: expected rank:step:where entries, where one of "
+                                 f"{', '.join(FAULT_POINTS)}, separated by commas (e.g. 1:3:step)")
+            faults.append(cls(int(parts[0]), int(parts[1]), parts[2]))
+        fault = faults[restart] if restart < len(faults) else None
+        return fault if fault is not None and fault.rank == rank else None
+
+    def at(self, where: str, step: int) -> bool:
+        return self.where == where and self.step == step
+
+    @staticmethod
+    def kill() -> None:
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device, plan: Plan,
@@ -200,7 +326,13 @@ def run(cfg: FinetuneConfig) -> dict:
     plan.require_implemented()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan.validate(None, world)
+    if cfg.timeout_s is not None:
+        if not cfg.timeout_s > 0:
+            raise ValueError(f"--timeout-s {cfg.timeout_s}: the process-group timeout must be positive seconds")
+        os.environ["CUBOID_TIMEOUT_S"] = str(cfg.timeout_s)  # read by the mesh and the pipeline's p2p waits
     mesh = Mesh.build(plan)
+    restart = _restart_count(mesh)
+    fault = Fault.from_env(mesh.rank, restart)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -245,16 +377,22 @@ def run(cfg: FinetuneConfig) -> dict:
     scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     start = 0
-    resume_from = _resolve_resume(cfg.resume, out)
+    resume_from = _agreed_resume(cfg.resume, out, mesh) if restart == 0 else \
+        _agreed_resume("latest", out, mesh) or _agreed_resume(cfg.resume, out, mesh)  # a restart resumes by itself
     if resume_from is not None:
-        ckpt.load(model, resume_from)
+        ckpt.load(model, resume_from, verify=True)  # every file against its SHA-256 before any value is used
         saved = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)["state"]
         start = int(saved["step"])
         batches.position = int(saved["data"]["position"])
-        log(f"resumed from {resume_from} at step {start}")
+        log(f"resumed from {resume_from} at step {start}" + (f" (restart {restart})" if restart else ""))
+    elif restart:
+        log(f"restart {restart}: no complete checkpoint in {out}, starting from step 0")
+    if restart and mesh.is_main and _interrupted(out):
+        log(f"restart {restart}: ignored the interrupted save(s) {', '.join(_interrupted(out))}")
 
     n_params = zoo.count_parameters(zoo.build(model.config))  # the whole model (a pp stage holds part of it)
-    log(f"cuboid finetune: {cfg.model} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
+    name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
+    log(f"cuboid finetune: {name} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
         f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
         f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
     metrics_path = out / "metrics.jsonl"
@@ -278,8 +416,12 @@ def run(cfg: FinetuneConfig) -> dict:
         if task == "mlm":
             gen.manual_seed(cfg.seed * 1_000_003 + step)
             batch = D.mask_tokens(batch, tokenizer, gen)
+        dying = model.register_forward_pre_hook(lambda *_: Fault.kill()) if fault and fault.at("step", step + 1) \
+            else None
         result = train_step(model, optimizer, batch, microbatches=accumulate, max_grad_norm=cfg.max_grad_norm,
                             dtype=dtype, scaler=scaler, mesh=mesh)
+        if dying is not None:
+            dying.remove()
         scheduler.step()
         seen += batch["input_ids"].numel() if unit == "tokens" else cfg.batch_size
         rate = seen / max(time.perf_counter() - t0, 1e-9)
@@ -306,11 +448,12 @@ def run(cfg: FinetuneConfig) -> dict:
             bar.set_postfix(post, refresh=False)
             bar.update(1)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < steps:
-            _save(ckpt, model, optimizer, scheduler, out / f"checkpoint-{step + 1}", step + 1, batches, plan, cfg, mesh)
+            _save(ckpt, model, optimizer, scheduler, out / f"checkpoint-{step + 1}", step + 1, batches, plan, cfg, mesh,
+                  fault)
     if bar is not None:
         bar.close()
     final_ckpt = out / f"checkpoint-{steps}"
-    _save(ckpt, model, optimizer, scheduler, final_ckpt, steps, batches, plan, cfg, mesh)
+    _save(ckpt, model, optimizer, scheduler, final_ckpt, steps, batches, plan, cfg, mesh, fault)
     final = out / "final"
     ckpt.save(model, final)  # every rank takes part (gathers); one writes; replaced atomically
     if mesh.is_main and tokenizer is not None:
@@ -326,13 +469,31 @@ def run(cfg: FinetuneConfig) -> dict:
 
 
 def _save(ckpt, model, optimizer, scheduler, path: Path, step: int, batches, plan: Plan, cfg: FinetuneConfig,
-          mesh: Mesh) -> None:
+          mesh: Mesh, fault: Optional[Fault] = None) -> None:
+    from cuboid.zoo.checkpoint import folder
+
     state = {"step": step, "data": {"position": batches.position}, "plan": plan.to_dict()}
-    ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+    restore = folder.hook
+    if fault is not None and fault.at("save", step):
+        if not mesh.is_main:
+            Fault.kill()
+        files: list = []
+
+        def die_on_second_file(stage: str) -> None:  # the writer: half the checkpoint is in the temporary folder
+            files.extend([stage] if stage.startswith("file:") else [])
+            if len(files) == 2:
+                Fault.kill()
+        folder.hook = die_on_second_file
+    try:
+        ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+    finally:
+        folder.hook = restore
     if mesh.is_main:
         for old in _checkpoints(path.parent)[:-max(cfg.keep, 1)]:
             shutil.rmtree(old, ignore_errors=True)
     mesh.barrier()
+    if fault is not None and fault.at("saved", step):
+        Fault.kill()
 
 
 def plot_curves(metrics_path: Path, png: Path) -> Optional[str]:
