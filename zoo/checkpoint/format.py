@@ -66,13 +66,24 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """What the commit file records of every other file: its size and SHA-256."""
+    """What the commit file records of every other file: its size and SHA-256.
+
+    A safetensors shard's record also holds ``header_sha256``, the SHA-256 of
+    its first 8 + N bytes (length and header): every load checks it, at the
+    cost of hashing a few kilobytes, so a damaged header is refused even when
+    it still parses (a swapped offset, a flipped metadata byte), while the
+    data is hashed only by :func:`~.reader.verify`.
+    """
 
     size: int
     sha256: str
+    header_sha256: Optional[str] = None
 
     def to_json(self) -> dict:
-        return {"size": self.size, "sha256": self.sha256}
+        out = {"size": self.size, "sha256": self.sha256}
+        if self.header_sha256 is not None:
+            out["header_sha256"] = self.header_sha256
+        return out
 
 
 def fsync_file(f) -> None:
@@ -165,7 +176,9 @@ class StreamWriter:
         fsync_file(self._f)
         self._f.close()
         self._hasher.shutdown(wait=True)
-        return FileRecord(8 + len(self._header) + self.data_size, digest)
+        head = None if self._patch >= 0 else hashlib.sha256(struct.pack("<Q", len(self._header)) + self._header)
+        return FileRecord(8 + len(self._header) + self.data_size, digest,
+                          head.hexdigest() if head is not None else None)
 
     def abort(self) -> None:
         self._hasher.shutdown(wait=True)
@@ -176,23 +189,85 @@ class StreamWriter:
 # ----------------------------------------------------------------------- reading
 
 
-def read_header(path: Path) -> Tuple[int, dict]:
-    """(header length, header dict) of a safetensors file, with clear errors on garbage."""
+MAX_HEADER = 100 << 20  # safetensors' own limit on the header length
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for k, v in pairs:
+        if k in seen:
+            raise ValueError(f"duplicate key {k!r}")
+        seen[k] = v
+    return seen
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry_problem(entry) -> Optional[str]:
+    """What is wrong with one tensor's header entry, or None."""
+    if not isinstance(entry, dict):
+        return "not an object"
+    absent = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if absent:
+        return f"no {absent[0]}"
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_OF_NAME:
+        return f"unknown dtype {entry.get('dtype')!r}"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(_count(s) for s in shape):
+        return f"shape {shape!r} is not a list of sizes"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        return f"data_offsets {offsets!r} are not [begin, end]"
+    if offsets[1] - offsets[0] != nbytes(shape, DTYPE_OF_NAME[entry["dtype"]]):
+        return (f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                f"shape {shape} {entry['dtype']} needs {nbytes(shape, DTYPE_OF_NAME[entry['dtype']])}")
+    return None
+
+
+def read_header(path: Path, sha256: Optional[str] = None) -> Tuple[int, dict]:
+    """(header length, header dict) of a safetensors file, with clear errors on garbage.
+
+    Every tensor entry is checked (dtype name, shape, offsets that hold exactly
+    the shape's bytes; the offsets tile the data section without gaps or
+    overlaps), so a header that passes can be read without surprises. With
+    ``sha256`` (a record's ``header_sha256``) the length and header bytes must
+    hash to it.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (truncated)")
         (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 << 20):
+        if n > min(size - 8, MAX_HEADER):
             raise CheckpointError(f"{path}: header length {n} does not fit the file's {size} bytes "
                                   "(truncated or not safetensors)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        raw = f.read(n)
+    if sha256 is not None and hashlib.sha256(head + raw).hexdigest() != sha256:
+        raise CheckpointError(f"{path}: safetensors header SHA-256 mismatch (corrupted): the index recorded "
+                              f"{sha256}")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError, as is a duplicate key
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not a map of strings)")
+    for name, entry in header.items():
+        problem = None if name == "__metadata__" else _entry_problem(entry)
+        if problem is not None:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: {problem})")
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    at = 0
+    for begin, end in spans:
+        if begin != at:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor data "
+                                  f"{'overlaps' if begin < at else 'leaves a gap'} at byte {min(begin, at)})")
+        at = end
     return n, header
 
 

@@ -9,6 +9,15 @@ safetensors header and holds the tensors the index says it holds. Tensors are
 read through ``safe_open`` (mmap): ``get_slice`` reads only the block asked for,
 as a view of the mapped file.
 
+A cuboid index (one with ``metadata.files``, the records of the other files)
+is held to more, since cuboid wrote both sides: every shard's header must
+hash to its recorded ``header_sha256`` and list exactly the tensors the
+weight_map puts in it, a recorded shard of the set must not hold tensors the
+weight_map leaves out, and ``total_size`` must equal the tensor bytes of the
+headers; so every header is read when the folder opens. Foreign indexes
+(``transformers``', with no records) get the structural checks only. Tensor
+data is hashed only by :func:`verify` (``load(..., verify=True)``).
+
 Every folder load goes through :func:`plan_reads` and the mapping's lazy views:
 :func:`load` (``checkpoint.load``: into an existing model, copied into its
 tensors) and :func:`read_new` (``cuboid.load(folder)`` / ``zoo.from_hf``: into
@@ -17,6 +26,7 @@ a new model, adopting what was read without copying it).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +47,25 @@ from .stages import elsewhere
 COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkpoint's record
 
 
-def check_name(folder: Path, file: str, what: str) -> None:
+def check_name(where: Path, file: str, what: str) -> None:
+    """Refuse a file name that is not a plain name inside the folder (``where`` names the index)."""
     p = Path(file)
-    if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file:
-        raise CheckpointError(f"{folder}: shard name {file!r} for {what} escapes the folder")
+    if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file or "\0" in file \
+            or file in (".", "..") or file.startswith("~"):
+        raise CheckpointError(f"{where}: shard name {file!r} for {what} escapes the folder")
+
+
+def _record_problem(rec) -> Optional[str]:
+    if not isinstance(rec, dict):
+        return "not an object"
+    size = rec.get("size")
+    if "size" in rec and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+        return f"size {size!r} is not a byte count"
+    for key in ("sha256", "header_sha256"):
+        h = rec.get(key)
+        if (key in rec or key == "sha256") and not (isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h)):
+            return f"{key} {h!r} is not a SHA-256"
+    return None
 
 
 class NoWeightsError(CheckpointError, FileNotFoundError):
@@ -59,29 +84,80 @@ class TensorFolder:
         self._headers: Dict[str, dict] = {}
         self._handles: Dict[str, object] = {}
         self._checked: set = set()
+        self.single = not self.index_path.is_file()
         if self.index_path.is_file():
-            try:
-                index = json.loads(self.index_path.read_text())
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{self.index_path}: not valid JSON ({e})") from None
-            wm = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-                raise CheckpointError(f"{self.index_path}: no weight_map of tensor -> file names")
-            for name, file in wm.items():
-                check_name(self.path, file, name)
-            self.weight_map: Dict[str, str] = dict(wm)
-            self.metadata = index.get("metadata") or {}
-            self.single = False
+            self._read_index()
+            if self.recorded:
+                self._check_recorded()
         elif (self.path / single).is_file():
             self._check_file(single)
             self.weight_map = {k: single for k in self._headers[single] if k != "__metadata__"}
             record = self._headers[single].get("__metadata__", {}).get(COMMIT_KEY)
-            self.metadata = json.loads(record) if record else {}
-            self.single = True
+            try:
+                self.metadata = json.loads(record) if record else {}
+            except ValueError as e:
+                raise CheckpointError(f"{self.path / single}: corrupt {COMMIT_KEY!r} record in the header "
+                                      f"metadata ({e})") from None
+            if not isinstance(self.metadata, dict):
+                raise CheckpointError(f"{self.path / single}: corrupt {COMMIT_KEY!r} record in the header "
+                                      "metadata (not a JSON object)")
+            self._check_records(self.path / single)
         else:
             extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
                 self.path.glob("*.bin")) else ""
             raise NoWeightsError(f"{self.path}: no {single} or {self.index_path.name}{extra}")
+
+    def _read_index(self) -> None:
+        """Parse and check the index: an object, a weight_map of plain file names, well-formed records."""
+        ix = self.index_path
+        try:
+            index = json.loads(ix.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{ix}: not valid JSON ({e})") from None
+        if not isinstance(index, dict):
+            raise CheckpointError(f"{ix}: not an index (a JSON {type(index).__name__}, not an object)")
+        wm = index.get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{ix}: no weight_map of tensor -> file names")
+        for name, file in wm.items():
+            check_name(ix, file, name)
+        self.weight_map: Dict[str, str] = dict(wm)
+        metadata = index.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise CheckpointError(f"{ix}: metadata is a JSON {type(metadata).__name__}, not an object")
+        self.metadata = metadata or {}
+        self._check_records(ix)
+
+    def _check_records(self, where: Path) -> None:
+        files = self.metadata.get("files")
+        if "files" in self.metadata and not isinstance(files, dict):
+            raise CheckpointError(f"{where}: metadata.files is not a map of file -> record")
+        for file, rec in (files or {}).items():
+            check_name(where, file, "a recorded file")
+            problem = _record_problem(rec)
+            if problem is not None:
+                raise CheckpointError(f"{where}: the record of {file} is corrupt ({problem})")
+
+    @property
+    def recorded(self) -> bool:
+        """A cuboid index: it records the other files (sizes, SHA-256s), so the strict checks apply."""
+        return not self.single and isinstance(self.metadata.get("files"), dict)
+
+    def _check_recorded(self) -> None:
+        """A cuboid index's checks on every header: listed tensors, recorded shards, ``total_size``."""
+        own = re.compile(rf"{re.escape(self.stem)}-\d+-of-\d+\.safetensors")
+        shards = self.files + [f for f in self.records if own.fullmatch(f) and f not in self.weight_map.values()]
+        total = 0
+        for file in shards:  # every file there first: a missing shard is the clearest diagnosis
+            self._size(file)
+        for file in shards:
+            self._check_file(file)
+            total += sum(e - b for k, v in self._headers[file].items() if k != "__metadata__"
+                         for b, e in [v["data_offsets"]])
+        want = self.metadata.get("total_size")
+        if want != total or isinstance(want, bool):
+            raise CheckpointError(f"{self.index_path}: total_size {want!r} does not match the {total} bytes of "
+                                  "tensors in the shards' headers")
 
     @property
     def files(self) -> List[str]:
@@ -92,22 +168,42 @@ class TensorFolder:
         files = self.metadata.get("files")
         return files if isinstance(files, dict) else {}
 
+    def _size(self, file: str) -> int:
+        """The size of a named file that exists and has its recorded size."""
+        full = self.path / file
+        try:
+            size = full.stat().st_size if full.is_file() else None
+        except OSError as e:  # a name too long for the file system, say
+            short = file if len(file) <= 80 else file[:60] + "..." + file[-12:]
+            raise CheckpointError(f"{self.index_path}: names {short!r}, which cannot be opened "
+                                  f"({e.strerror})") from None
+        if size is None:
+            raise CheckpointError(f"{self.index_path}: names {file}, which does not exist (missing shard)")
+        rec = self.records.get(file)
+        if rec is not None and "size" in rec and rec["size"] != size:
+            raise CheckpointError(f"{full}: {size} bytes, the index recorded {rec['size']} "
+                                  f"({'truncated' if size < rec['size'] else 'wrong size'})")
+        return size
+
     def _check_file(self, file: str) -> None:
         """Existence, recorded size, header validity, data extent; once per file."""
         if file in self._checked:
             return
         full = self.path / file
-        if not full.is_file():
-            raise CheckpointError(f"{self.path}: the index names {file}, which does not exist (missing shard)")
-        size = full.stat().st_size
+        size = self._size(file)
         rec = self.records.get(file)
-        if rec is not None and rec.get("size") != size:
-            raise CheckpointError(f"{full}: {size} bytes, the index recorded {rec.get('size')} "
-                                  f"({'truncated' if size < rec.get('size', 0) else 'wrong size'})")
-        n, header = read_header(full)
+        n, header = read_header(full, rec.get("header_sha256") if rec is not None else None)
         if 8 + n + data_end(header) != size:
             raise CheckpointError(f"{full}: the header describes {8 + n + data_end(header)} bytes, "
                                   f"the file has {size} (truncated or wrong size)")
+        if self.recorded:
+            held = {k for k in header if k != "__metadata__"}
+            listed = {k for k, f in self.weight_map.items() if f == file}
+            for names, what in ((sorted(listed - held), "lists {} in this file, which does not hold {}"),
+                                (sorted(held - listed), "does not list {} in this file, which holds {}")):
+                if names:
+                    them = "them" if len(names) > 1 else "it"
+                    raise CheckpointError(f"{full}: the index " + what.format(", ".join(names[:5]), them))
         self._headers[file] = header
         self._checked.add(file)
 
@@ -117,7 +213,9 @@ class TensorFolder:
             self._check_file(file)
             try:
                 h = safe_open(str(self.path / file), framework="pt")
-            except Exception as e:  # safetensors raises its own error types
+            except BaseException as e:  # safetensors' own error types; a Rust panic is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
                 raise CheckpointError(f"{self.path / file}: not a valid safetensors file ({e})") from None
             stored = set(h.keys())
             listed = [n for n, f in self.weight_map.items() if f == file and n not in stored]
@@ -195,9 +293,8 @@ def verify(path, *, require_checksums: bool = True) -> dict:
                 check(file, {"sha256": sha} if sha else None, data_hash=True)
             else:
                 check(file, ts.records.get(file))
-        for file, rec in ts.records.items():
-            check_name(root, file, "a recorded file")
-            check(file, rec if isinstance(rec, dict) else {})
+        for file, rec in ts.records.items():  # names and records checked when ts opened
+            check(file, rec)
     for name in ("config.json", "trainer_state.json"):
         if (root / name).is_file():
             try:
@@ -267,7 +364,8 @@ def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read
         for h, want in zip(row.hf, expect):
             shape, dtype = folder.shape_dtype(stored[h])
             if shape != want or _kind(dtype) != _kind(p.dtype):
-                bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype}, model {want} {p.dtype}")
+                bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype} "
+                           f"in {folder.weight_map[stored[h]]}, model {want} {p.dtype}")
         if bad:
             mismatched.extend(bad)
             continue
