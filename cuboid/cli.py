@@ -2,8 +2,8 @@
 
 Subcommands: ``finetune`` (the main job; with no arguments it trains a small
 ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
-processes), ``info`` (environment and kernel backends), ``plans`` (ready
-plans). Bad values are one line on stderr and exit code 2.
+processes), ``info`` (environment and kernel backends), ``plans`` (the ready
+plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`). Bad values are one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -80,14 +80,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plans(args: argparse.Namespace) -> int:
-    from cuboid import zoo
-
-    print(_table([(name, plan.describe(), str(plan.world_size)) for name, plan in zoo.READY_PLANS.items()],
-                 ("plan", "fields", "processes")))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     from cuboid.finetune_cli import add_parser as add_finetune
 
@@ -98,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_finetune(sub)
     p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here")
     p_info.set_defaults(func=cmd_info)
-    p_plans = sub.add_parser("plans", help="the ready parallel plans")
-    p_plans.set_defaults(func=cmd_plans)
+    from cuboid.plans_cmd import add_parser as add_plans
+
+    add_plans(sub)
     try:
         from cuboid.convert_cmd import add_parser as add_convert
     except ImportError:  # pragma: no cover - arrives with the checkpoint package

@@ -62,7 +62,7 @@ from torch import nn
 from . import comm
 
 __all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "reshard", "before_step", "after_step", "zero_grads",
-           "full_local", "piece_of", "model_state_bytes", "formula_bytes"]
+           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets"]
 
 
 @dataclass
@@ -132,6 +132,29 @@ class _Bucket:
         self.arrived: set = set()
 
 
+def plan_buckets(params: list, bucket_mb: float = 25.0) -> list:
+    """The flat buckets of stages 1/2 for trainable ``params`` (meta tensors do): lists of parameters,
+    per dtype and device, in reverse order (backward makes the last gradients first), each closed before
+    it would pass ``bucket_mb``."""
+    cap = bucket_mb * 2 ** 20
+    by_dtype: dict = {}
+    for p in reversed(params):
+        by_dtype.setdefault((p.dtype, p.device), []).append(p)
+    buckets = []
+    for group_params in by_dtype.values():
+        cur, size = [], 0
+        for p in group_params:
+            nbytes = p.numel() * p.element_size()
+            if cur and size + nbytes > cap:
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += nbytes
+        if cur:
+            buckets.append(cur)
+    return buckets
+
+
 class _Slot:
     def __init__(self, engine: "FlatShards", bucket: _Bucket, p: torch.Tensor) -> None:
         self.engine, self.bucket = engine, bucket
@@ -170,22 +193,7 @@ class FlatShards:
                 seen.add(id(p))
                 todo.append(p)
         self.params = todo
-        self.buckets: list[_Bucket] = []
-        cap = bucket_mb * 2 ** 20
-        by_dtype: dict = {}
-        for p in reversed(todo):  # backward makes the last parameters' gradients first
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
-        for group_params in by_dtype.values():
-            cur, size = [], 0
-            for p in group_params:
-                nbytes = p.numel() * p.element_size()
-                if cur and size + nbytes > cap:
-                    self.buckets.append(_Bucket(cur, self.n, self.rank))
-                    cur, size = [], 0
-                cur.append(p)
-                size += nbytes
-            if cur:
-                self.buckets.append(_Bucket(cur, self.n, self.rank))
+        self.buckets = [_Bucket(b, self.n, self.rank) for b in plan_buckets(todo, bucket_mb)]
         self.bucket_of = {}
         for b in self.buckets:
             for p in b.params:

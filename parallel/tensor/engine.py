@@ -38,7 +38,7 @@ from torch import nn
 from cuboid.parallel import layers as L
 from cuboid.parallel.tensor.base import Sharded
 
-__all__ = ["Site", "Style", "Mode", "MODES", "mode_of", "parallelize_module", "shard_model", "step_bytes",
+__all__ = ["Site", "Style", "Mode", "MODES", "mode_of", "parallelize_module", "shard_model", "step_bytes", "step_parts",
            "bytes_per_step", "Costs", "row_sibling", "no_row_sibling", "square", "takes_hidden", "hidden_last", "ANY"]
 
 MODES = {"1d": "d1", "2d": "d2", "2.5d": "d2p5", "3d": "d3"}  # tp_mode -> module of cuboid.parallel.tensor
@@ -193,6 +193,19 @@ class Costs:
         return 0.0, 0.0
 
 
+def step_parts(costs, config, batch: int, seq: int) -> dict:
+    """The ``(forward, backward)`` bytes of a GPT-shaped training step per part: ``first`` (token and
+    position embeddings), ``block`` (one transformer block) and ``last`` (final norm, tied head and loss);
+    the arguments as in :func:`step_bytes`. A pipeline stage sums the parts it holds."""
+    h, v = config.dim, config.vocab_size
+    f = getattr(config, "hidden", None) or getattr(config, "mlp_hidden", 0) or 4 * h
+    n = batch * seq
+    block = [costs.norm(h, n), costs.linear("column_qkv", h, 3 * h, n), costs.linear("row", h, h, n),
+             costs.norm(h, n), costs.linear("column", h, f, n), costs.linear("row", f, h, n)]
+    return {"first": [costs.lookup(v, h, n), costs.embedding(config.n_positions, h)], "block": block,
+            "last": [costs.norm(h, n), costs.lm_loss(v, h, n, batch * (seq - 1))]}
+
+
 def step_bytes(costs, config, batch: int, seq: int) -> float:
     """Bytes one rank sends in one training step (forward + backward) of a GPT-shaped model.
 
@@ -202,14 +215,9 @@ def step_bytes(costs, config, batch: int, seq: int) -> float:
     ``batch (seq - 1)`` shifted labels. ``costs``: a mode's ``Costs``
     (``(forward, backward)`` bytes per layer, all rows counted whole).
     """
-    h, v = config.dim, config.vocab_size
-    f = getattr(config, "hidden", None) or getattr(config, "mlp_hidden", 0) or 4 * h
-    n = batch * seq
-    block = [costs.norm(h, n), costs.linear("column_qkv", h, 3 * h, n), costs.linear("row", h, h, n),
-             costs.norm(h, n), costs.linear("column", h, f, n), costs.linear("row", f, h, n)]
-    parts = ([costs.lookup(v, h, n), costs.embedding(config.n_positions, h)] + block * config.n_layers
-             + [costs.norm(h, n), costs.lm_loss(v, h, n, batch * (seq - 1))])
-    return float(sum(fwd + bwd for fwd, bwd in parts))
+    parts = step_parts(costs, config, batch, seq)
+    everything = parts["first"] + parts["block"] * config.n_layers + parts["last"]
+    return float(sum(fwd + bwd for fwd, bwd in everything))
 
 
 def bytes_per_step(config, plan, batch: int, seq: int, *, dtype: torch.dtype = torch.float32,

@@ -1,0 +1,168 @@
+"""Which plan for this model on this cluster: ``cuboid plans --model M --gpus N``.
+
+:func:`candidate_plans` lists every plan this build runs on ``N`` ranks
+(dp x pp x tp x sp, each tensor mode, ZeRO stages, ring / all-to-all);
+:func:`rank_plans` builds each one's shards on the meta device for the few
+ranks whose shapes differ (first, last and fullest pipeline stage; first and
+last tensor rank), so the bytes held are those of the real layers, and asks
+:func:`cuboid.parallel.cost.predict` for the rest. Plans that do not fit the
+device memory (even with activation checkpointing) say why.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+from cuboid.parallel.cost import Estimate, Hardware, predict
+from cuboid.parallel.plan import Plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_layouts(tp: int) -> list[dict]:
+    """The tensor modes ``tp`` ranks can form: 1D always, 2D on a square, 2.5D on d q^2 (d, q > 1), 3D on a cube."""
+    out = [{"tp": tp}] if tp > 1 else [{}]
+    if tp < 4:
+        return out
+    q = math.isqrt(tp)
+    if q * q == tp:
+        out.append({"tp": tp, "tp_mode": "2d"})
+    for d in range(2, tp):
+        q = math.isqrt(tp // d) if tp % d == 0 else 0
+        if q > 1 and d * q * q == tp:
+            out.append({"tp": tp, "tp_mode": "2.5d", "depth": d})
+    c = round(tp ** (1 / 3))
+    if c ** 3 == tp:
+        out.append({"tp": tp, "tp_mode": "3d"})
+    return out
+
+
+def candidate_plans(config, world: int, batch: int, *, dtype: str = "fp32") -> list[Plan]:
+    """Every plan of ``world`` ranks that this build runs and that fits ``config`` and a global
+    ``batch`` (divisible over dp and, under pp, into micro-batches of the tensor mode's blocks)."""
+    layers = config.n_layers
+    plans = []
+    for dp in _divisors(world):
+        if batch % dp:
+            continue
+        for pp in _divisors(world // dp):
+            if pp > layers:
+                continue
+            for sp in _divisors(world // dp // pp):
+                tp = world // dp // pp // sp
+                for layout in _tp_layouts(tp):
+                    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+                    for zero in zeros:
+                        modes = ("ring", "all_to_all") if sp > 1 else ("ring",)
+                        for sp_mode in modes:
+                            fields = dict(dp=dp, pp=pp, sp=sp, zero=zero, dtype=dtype, **layout)
+                            if sp > 1:
+                                fields["sp_mode"] = sp_mode
+                            if pp > 1:
+                                rows = batch // dp
+                                m = next((k for k in (4 * pp, 2 * pp, pp) if rows % k == 0), 0)
+                                if not m:
+                                    continue
+                                fields["microbatches"] = m
+                            try:
+                                plan = Plan(**fields).validate(config, world)
+                            except ValueError:
+                                continue
+                            if plan.unimplemented() or (batch // dp) % (plan.batch_parts * plan.microbatches):
+                                continue
+                            plans.append(plan)
+    return plans
+
+
+class _Shards:
+    """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO and
+    the dtype do not change what a rank holds of the tensor and pipeline split)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.cache: dict = {}
+
+    def of(self, plan: Plan, rank: int):
+        from cuboid.parallel import Mesh
+
+        mesh = Mesh.layout(plan, rank)
+        key = (plan.tp, plan.tp_mode, plan.depth, plan.pp, plan.schedule, plan.stage_blocks, plan.microbatches > 0,
+               mesh.coords.get("pp", 0), mesh.coords.get("tp", 0))
+        if key not in self.cache:
+            import cuboid
+
+            self.cache[key] = cuboid.load(self.model, plan=plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"),
+                                          device="meta", mesh=Mesh.layout(plan.replace(dp=1, sp=1, zero=0,
+                                                                                       sp_mode="ring"),
+                                                                          _strip_rank(plan, mesh)))
+        return self.cache[key]
+
+
+def _strip_rank(plan: Plan, mesh) -> int:
+    """The rank with the same pp and tp coordinates in the plan without dp and sp."""
+    return mesh.coords.get("pp", 0) * plan.tp + mesh.coords.get("tp", 0)
+
+
+def _ranks_to_look_at(plan: Plan, block_cuts) -> list[int]:
+    """First and last tensor rank of the first, last and fullest pipeline stage (dp = sp = 0)."""
+    stages = {0, plan.pp - 1}
+    if plan.pp > 2 and block_cuts:
+        from cuboid.parallel.cost import stages_of
+
+        stages.add(max(stages_of(plan, block_cuts), key=lambda s: s.blocks).index)
+    per_pp = plan.world_size // plan.pp
+    return sorted({s * per_pp + t for s in stages for t in {0, plan.tp - 1}})
+
+
+def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: Optional[_Shards] = None,
+             name: str = "") -> Estimate:
+    """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a preset name or folder)."""
+    from cuboid import zoo
+
+    shards = shards or _Shards(model)
+    first = shards.of(plan, 0)
+    cuts = getattr(first, "pipeline_blocks", ())
+    rank_params = {}
+    for r in _ranks_to_look_at(plan, cuts):
+        m = shards.of(plan, r)
+        rank_params[r] = dict(m.named_parameters())
+    return predict(first.config, plan, rank_params, hw, batch, seq, spec=zoo.spec_of(first), block_cuts=cuts,
+                   name=name)
+
+
+def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
+               plans: Optional[Iterable[Plan]] = None, progress: bool = False) -> list[Estimate]:
+    """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last. A plan
+    that fits only with activation checkpointing is listed with it on."""
+    from cuboid import zoo
+
+    config = zoo.build(model).config if isinstance(model, str) and model in zoo.PRESETS else _config_of(model)
+    todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
+    shards = _Shards(model)
+    out = []
+    bar = _bar(len(todo), progress)
+    for plan in todo:
+        est = estimate(model, plan, hw, batch, seq, shards=shards)
+        if not est.fits and not plan.activation_checkpoint:
+            ck = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards)
+            if ck.fits:
+                est = ck
+        out.append(est)
+        bar.update(1)
+    bar.close()
+    out.sort(key=lambda e: (not e.fits, e.step_s if e.fits else e.memory))
+    return out
+
+
+def _config_of(model):
+    import cuboid
+
+    return cuboid.load(model, device="meta").config
+
+
+def _bar(total: int, on: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="plans", unit="plan", disable=not on, leave=False)

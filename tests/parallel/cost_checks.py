@@ -1,0 +1,82 @@
+"""The cost model against a run: what a rank sends in a ``train_step`` and what it holds.
+
+:func:`cost_worker` runs on every rank of a world: for each plan it loads a
+held-out GPT config (sizes no other test uses) through ``cuboid.load``, takes
+one step, then counts a second one with ``comm.count`` and returns, per
+group, the measured bytes beside :func:`cuboid.parallel.cost.traffic`'s, and
+the model-state bytes :func:`cuboid.parallel.zero.model_state_bytes` finds
+beside :func:`cuboid.parallel.cost.model_states`'. :func:`check_cost`
+asserts they are equal (1e-9 relative: both are sums of integers).
+"""
+from __future__ import annotations
+
+import torch
+
+# held out: a vocabulary that pads under vocab-parallel heads, 3 blocks (uneven pipeline cuts), MLP 3x
+HELD_OUT = dict(vocab_size=301, n_positions=64, dim=64, n_layers=3, n_heads=4, mlp_hidden=192)
+BATCH, SEQ = 8, 16
+TP_GROUPS = ("tp", "tp_row", "tp_col", "tp_dep")
+
+
+def _grouped(sent: dict) -> dict:
+    out: dict = {}
+    for (_, group), (nbytes, _) in sent.items():
+        g = "tp" if group in TP_GROUPS or group == "tensor" else group
+        out[g] = out.get(g, 0.0) + nbytes
+    return {k: v for k, v in out.items() if v}
+
+
+def cost_worker(plans) -> dict:
+    import cuboid
+    from cuboid import zoo
+    from cuboid.parallel import comm, cost, zero
+    from cuboid.parallel.optim import AdamW
+
+    config = zoo.config_of("gpt-debug", **HELD_OUT)
+    report = {}
+    for spec in plans:
+        torch.manual_seed(0)
+        model = cuboid.load(config, plan=spec)
+        plan, mesh = model.plan, model.mesh
+        opt = AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "labels": ids}
+        cuboid.train_step(model, opt, batch)
+        with comm.count() as tally:
+            cuboid.train_step(model, opt, batch)
+        measured = _grouped({k: (v[1], v[0]) for k, v in tally.items().items()})
+
+        meta = cuboid.load(config, plan=plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"), device="meta",
+                           mesh=cuboid.parallel.Mesh.layout(plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"),
+                                                            mesh.coords.get("pp", 0) * plan.tp + mesh.coords.get("tp", 0)))
+        named = dict(meta.named_parameters())
+        cuts = getattr(meta, "pipeline_blocks", ())
+        stages = cost.stages_of(plan, cuts) if plan.pp > 1 else [cost.Stage(config.n_layers)]
+        stage = stages[mesh.coords.get("pp", 0)]
+        predicted = _grouped(cost.traffic(config, plan, named, stage, BATCH, SEQ, spec=zoo.spec_of(meta)))
+
+        held = zero.model_state_bytes(model, opt)  # after the step: no gradients held
+        want = cost.model_states(list(named.values()), plan, dp_rank=mesh.coords.get("dp", 0))
+        states = {"params": (held["params"], want["params"]), "optimizer": (held["optimizer"], want["optimizer"]),
+                  "masters": (held["masters"], want["masters"])}
+        if plan.pp == 1:  # gradients as a backward leaves them (train_step's own are cleared by its step)
+            share = cuboid.rank_share(model, batch)
+            model(**share).loss.backward()
+            states["grads"] = (zero.model_state_bytes(model, opt)["grads"], want["grads"])
+            opt.zero_grad(set_to_none=True)
+        report[spec if isinstance(spec, str) else plan.describe()] = {"sent": (measured, predicted), "states": states}
+    return report
+
+
+def check_cost(reports) -> None:
+    assert reports
+    for rank, report in enumerate(reports):
+        assert report
+        for plan, r in report.items():
+            measured, predicted = r["sent"]
+            assert set(measured) == set(predicted), (rank, plan, "groups differ", measured, predicted)
+            for g in measured:
+                assert abs(measured[g] - predicted[g]) <= 1e-9 * max(measured[g], 1.0), (
+                    rank, plan, g, "bytes sent", measured[g], predicted[g])
+            for what, (got, want) in r["states"].items():
+                assert got == want, (rank, plan, what, "bytes held", got, want)
