@@ -1,10 +1,13 @@
 """``cuboid plans --calibrate``: measure this machine into the ``local`` hardware profile.
 
-Three short probes (about 20 s): matmul FLOP/s of one rank (one thread, as
-the launcher's ranks run), the bytes per second of an AdamW step (the
-optimizer is memory bound), and gloo all-reduces between two local
-processes on 127.0.0.1 at four sizes, fitted to ``alpha + bytes / bandwidth``.
-The profile counts the cores: more ranks than cores share them.
+Four short probes (about 20 s), each on one thread as the launcher's ranks
+run: the sustained FLOP/s of training (a reference GPT's forward and
+backward, FLOPs counted as :func:`cuboid.parallel.cost.step_flops` counts
+them, so matmul efficiency, attention, norms and Python overhead are in the
+rate), the ratio of bf16 to fp32 matmul speed, the bytes per second of an
+AdamW step (the optimizer is memory bound), and gloo all-reduces between two
+local processes on 127.0.0.1 at four sizes, fitted to ``alpha + bytes /
+bandwidth``. The profile counts the cores: more ranks than cores share them.
 """
 from __future__ import annotations
 
@@ -42,6 +45,34 @@ def matmul_flops(dtype: torch.dtype = torch.float32, n: int = 384, reps: int = 7
     finally:
         torch.set_num_threads(threads)
     return 3 * 2 * n ** 3 / t
+
+
+# the reference model of the training probe (tests time other sizes against it)
+PROBE = dict(vocab_size=768, n_positions=96, dim=192, n_layers=3, n_heads=6, mlp_hidden=0)
+PROBE_BATCH, PROBE_SEQ = 8, 96
+
+
+def training_flops(reps: int = 3) -> float:
+    """Sustained FLOP/s of an fp32 training step (forward, backward; no optimizer) of :data:`PROBE`."""
+    import cuboid
+    from cuboid import zoo
+    from cuboid.parallel.cost import Shape, step_flops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = zoo.config_of("gpt-debug", **PROBE)
+        model = cuboid.load(config)
+        ids = torch.randint(0, config.vocab_size, (PROBE_BATCH, PROBE_SEQ), generator=torch.Generator().manual_seed(0))
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        t = _best(step, reps)
+    finally:
+        torch.set_num_threads(threads)
+    return step_flops(Shape.of(config), PROBE_BATCH, PROBE_SEQ) / t
 
 
 def adamw_bytes_per_s(numel: int = 1 << 21, reps: int = 5) -> float:
@@ -110,10 +141,11 @@ def gloo_link(timeout: float = 120.0) -> Link:
 def calibrate(progress: bool = True, save: bool = True, path: Optional[Path] = None) -> tuple[Hardware, Optional[Path]]:
     """Measure this machine; save it as ``local.toml`` in :func:`~cuboid.parallel.cost.user_hardware_dir`."""
     say = (lambda m: print(m, flush=True)) if progress else (lambda m: None)
-    say("calibrating: matmul FLOP/s (one thread) ...")
-    fp32 = matmul_flops(torch.float32)
-    bf16 = matmul_flops(torch.bfloat16)
-    say(f"  fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s; AdamW memory traffic ...")
+    say("calibrating: sustained training FLOP/s (one thread) ...")
+    fp32 = training_flops()
+    bf16 = fp32 * matmul_flops(torch.bfloat16) / matmul_flops(torch.float32)
+    say(f"  fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s (by the matmul ratio); AdamW memory "
+        "traffic ...")
     mem = adamw_bytes_per_s()
     say(f"  {mem / 1e9:.2f} GB/s; gloo all-reduce between two local ranks ...")
     link = gloo_link()

@@ -474,15 +474,29 @@ class Estimate:
         return d
 
 
+def tensor_axes(plan: Plan) -> tuple:
+    """The groups a tensor mode's traffic runs over (its grid's axes)."""
+    if plan.tp == 1:
+        return ()
+    return {"1d": ("tp",), "2d": ("tp_row", "tp_col")}.get(plan.tp_mode, ("tp_row", "tp_col", "tp_dep"))
+
+
 def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq: int, *, spec=None,
-            block_cuts: Sequence[range] = (), masked: bool = False, name: str = "") -> Estimate:
+            block_cuts: Sequence[range] = (), masked: bool = False, name: str = "",
+            layers_only: bool = False) -> Estimate:
     """The :class:`Estimate` of ``plan`` for a model of ``config`` on ``hw``.
 
     ``rank_params``: ``{rank: {name: parameter}}`` for the ranks to look at (meta tensors of each one's
-    shards and stages); the figures are the busiest of them. ``spec``: the model's sharding spec. ``block_cuts``: the pipeline's block ranges per stage.
+    shards and stages); the figures are the busiest of them. ``spec``: the model's sharding spec;
+    ``block_cuts``: the pipeline's block ranges per stage; ``layers_only``: the blocks without embeddings
+    and head (what the tensor-parallel papers time). A grid mode's traffic is split evenly over its axes,
+    each priced on the link its group spans.
     """
     shape = Shape.of(config)
-    stages = stages_of(plan, block_cuts) if plan.pp > 1 else [Stage(shape.n_layers)]
+    if layers_only:
+        stages = [Stage(shape.n_layers, first=False, last=False)]
+    else:
+        stages = stages_of(plan, block_cuts) if plan.pp > 1 else [Stage(shape.n_layers)]
     est = Estimate(plan=plan, name=name)
     per_node = min(hw.gpus_per_node, plan.world_size)
     rate = hw.rate(plan.dtype, per_node)
@@ -499,8 +513,10 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         sent = traffic(config, plan, params, stage, batch, seq, spec=spec, masked=masked)
         comm_s, by_group = 0.0, {}
         for (op, group), (nbytes, calls) in sent.items():
-            ranks = mesh.group_ranks.get({"tensor": "tp"}.get(group, group), [rank])
-            comm_s += hw.link(ranks).time(nbytes, calls) * hw.crowding(per_node)
+            axes = tensor_axes(plan) if op == "tensor" else (group,)
+            for a in axes:
+                link = hw.link(mesh.group_ranks.get(a, [rank]))
+                comm_s += link.time(nbytes / len(axes), calls / len(axes)) * hw.crowding(per_node)
             by_group[group] = by_group.get(group, 0.0) + nbytes
         block_share = stage.blocks / max(shape.n_layers, 1)
         full = step_flops(shape, batch, seq, plan.activation_checkpoint)

@@ -80,3 +80,35 @@ def check_cost(reports) -> None:
                     rank, plan, g, "bytes sent", measured[g], predicted[g])
             for what, (got, want) in r["states"].items():
                 assert got == want, (rank, plan, what, "bytes held", got, want)
+
+
+# a model big enough that matmuls, not Python, take most of a step on one CPU core
+TIMED = dict(vocab_size=1024, n_positions=128, dim=256, n_layers=4, n_heads=8, mlp_hidden=0)
+TIMED_BATCH, TIMED_SEQ = 8, 128
+
+
+def time_worker(plans, steps: int = 3) -> dict:
+    """Median seconds of ``steps`` timed ``train_step`` calls (after one untimed) per plan on this rank."""
+    import statistics
+    import time
+
+    import cuboid
+    from cuboid import zoo
+    from cuboid.parallel.optim import AdamW
+
+    config = zoo.config_of("gpt-debug", **TIMED)
+    out = {}
+    for spec in plans:
+        model = cuboid.load(config, plan=spec)
+        opt = AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, config.vocab_size, (TIMED_BATCH, TIMED_SEQ), generator=torch.Generator().manual_seed(2))
+        batch = {"input_ids": ids, "labels": ids}
+        cuboid.train_step(model, opt, batch)
+        times = []
+        for _ in range(steps):
+            model.mesh.barrier()
+            t0 = time.perf_counter()
+            cuboid.train_step(model, opt, batch)
+            times.append(time.perf_counter() - t0)
+        out[spec] = statistics.median(times)
+    return out

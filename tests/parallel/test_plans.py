@@ -197,15 +197,27 @@ def test_dp_tp_2d_and_sequence_parallel_on_4_ranks():
     assert len(reports[0]) == 4 * 3 * 3 + len(SP4) * 3 * 2
 
 
+EIGHT_RANK_COST = ["tp2.5d", "tp=8,tp_mode=3d,activation_checkpoint=true"]  # the cost model, in this world
+
+
 def eight_rank_worker():
+    from .cost_checks import cost_worker
+
     report = plan_parity_worker(["tp2.5d", "tp3d"])
     # ZeRO over the dp group of a 2D grid: each dp rank's pieces of its grid blocks
     report.update(plan_parity_worker(["dp=2,tp=4,tp_mode=2d,zero=2", "dp=2,tp=4,tp_mode=2d,zero=3"],
                                      ("adamw", "lamb")))
-    return report
+    return report, cost_worker(EIGHT_RANK_COST)
 
 
 def test_tp2p5d_tp3d_and_zero_over_2d_on_8_ranks():
-    reports = run_world(eight_rank_worker, 8, timeout=1200)
+    """Plan parity, and (test_cost's check, run here to share the world) bytes sent and held under 2.5D and
+    3D equal the cost model's."""
+    from .cost_checks import check_cost
+
+    results = run_world(eight_rank_worker, 8, timeout=1200)
+    reports = [r for r, _ in results]
     check(reports)
     assert len(reports[0]) == 2 * 3 * 3 + 2 * 3 * 2
+    check_cost([c for _, c in results])
+    assert all(len(c) == len(EIGHT_RANK_COST) for _, c in results)
