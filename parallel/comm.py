@@ -60,10 +60,22 @@ an unnamed group is ``group[r0,r1,...]`` (its global ranks).
     with comm.count() as tally:
         loss.backward()
     tally.bytes("all_reduce", "tp"), tally.per_group(), tally.total
+
+**Failures.** Every group cuboid makes (:func:`new_group`) waits at most
+:func:`timeout_s` seconds for its peers (``CUBOID_TIMEOUT_S``, default 300).
+A call here that fails raises :class:`CollectiveError` naming this rank, the
+operation and the group, and :class:`CollectiveTimeout` when a peer stalled
+past the timeout; nothing is retried: the process should exit so that the
+elastic launcher restarts the workers. The conversion is a ``try``/``except``
+around the call, free on the normal path. DDP's bucket all-reduce
+(:func:`ddp_comm_hook`) and FSDP2's collectives (:func:`guard_fsdp`) fail the
+same way.
 """
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
 from collections import defaultdict
 from typing import Iterator, Optional
 
@@ -72,7 +84,9 @@ import torch.distributed as dist
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
-           "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_"]
+           "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_",
+           "CollectiveError", "CollectiveTimeout", "timeout_s", "set_timeout", "new_group", "guarded",
+           "as_collective_error", "guard_fsdp", "ddp_comm_hook"]
 
 
 # ----------------------------------------------------------------- group names
@@ -113,6 +127,131 @@ def _active(group) -> int:
     """The group size, or 0 when calls on ``group`` are no-ops."""
     p = group_size(group)
     return p if p > 1 else 0
+
+
+# ----------------------------------------------------------------- timeouts and failures
+
+
+class CollectiveError(RuntimeError):
+    """A collective or p2p of this rank failed; the message names the rank, the operation and the group."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective or p2p waited past its group's timeout: a peer stalled or died."""
+
+
+_TIMEOUT_S: list = []  # [seconds] once init_distributed has set it
+
+
+def set_timeout(seconds: float) -> None:
+    """The timeout of the groups made from now on (``init_distributed`` sets it to the world's)."""
+    if not seconds > 0:
+        raise ValueError(f"a process group timeout must be a positive number of seconds, got {seconds}")
+    _TIMEOUT_S[:] = [float(seconds)]
+
+
+def timeout_s() -> float:
+    """Seconds a collective or p2p waits for its peers: what :func:`set_timeout` was given, else
+    ``CUBOID_TIMEOUT_S``, else 300."""
+    return _TIMEOUT_S[0] if _TIMEOUT_S else float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
+
+
+def new_group(ranks: list):
+    """``dist.new_group(ranks)`` with cuboid's timeout (torch's default for a new group is its backend's,
+    30 minutes for gloo, not the world's). Every rank of the world must call it, in the same order."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s()))
+
+
+def _group_timeout(group) -> float:
+    """The timeout ``group`` was made with, in seconds (cuboid's when the backend does not say)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - NCCL or an older torch: the timeout cuboid gives its groups
+        return timeout_s()
+
+
+def _kind(text: str) -> str:
+    low = text.lower()
+    if "timed out" in low or "timeout" in low:
+        return "timeout"
+    if "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
+        return "peer"
+    return ""
+
+
+def as_collective_error(op: str, group, exc: BaseException, *, known: bool = True) -> Optional[CollectiveError]:
+    """``exc``, raised by ``op`` over ``group`` (``None``: the world), as a :class:`CollectiveError` naming
+    this rank, the op and the group (:class:`CollectiveTimeout` for a timeout). With ``known=False`` the
+    call that raised it may not be a collective: None unless its message says timeout or a closed peer."""
+    if isinstance(exc, CollectiveError):
+        return exc
+    text = str(exc)
+    kind = _kind(text)
+    if not kind and not known:
+        return None
+    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    try:
+        ranks = " (ranks " + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
+    except Exception:  # noqa: BLE001 - ranks are only a label
+        ranks = ""
+    name = "world" if group is not None and group is dist.group.WORLD and id(group) not in _NAMES \
+        else group_name(group)
+    where = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {op} over group '{name}'{ranks}"
+    if kind == "timeout":
+        return CollectiveTimeout(f"{where} timed out after {_group_timeout(group):g} s: a peer stalled or died")
+    if kind == "peer":
+        return CollectiveError(f"{where} failed: a peer closed its connection (it died or gave up)")
+    return CollectiveError(f"{where} failed: {text.splitlines()[0] if text else type(exc).__name__}")
+
+
+class guarded:
+    """``with guarded(op, group): <call>`` re-raises the call's RuntimeError as a :class:`CollectiveError`
+    (see :func:`as_collective_error`); costs nothing when the call succeeds."""
+
+    __slots__ = ("op", "group")
+
+    def __init__(self, op: str, group) -> None:
+        self.op, self.group = op, group
+
+    def __enter__(self) -> "guarded":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is not None and issubclass(kind, RuntimeError) and not issubclass(kind, CollectiveError):
+            raise as_collective_error(self.op, self.group, exc) from exc
+        return False
+
+
+_FSDP_COMMS: list = []  # (all-gather, reduce-scatter), made once
+
+
+def guard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """Have FSDP2's all-gathers and reduce-scatters (ZeRO-3) in ``model`` raise :class:`CollectiveError`
+    naming rank, op and group: each ``fully_shard`` unit gets torch's default comms wrapped in
+    :class:`guarded` (FSDP2 runs them synchronously on its own streams, so the failure surfaces in the
+    call). A torch without custom FSDP2 comms leaves the model as it is."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:  # pragma: no cover - older torch
+        return model
+    if not _FSDP_COMMS:
+        class GuardedAllGather(DefaultAllGather):
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                with guarded("all_gather (ZeRO-3 parameters)", group):
+                    return super().__call__(output_tensor, input_tensor, group, async_op)
+
+        class GuardedReduceScatter(DefaultReduceScatter):
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                with guarded("reduce_scatter (ZeRO-3 gradients)", group):
+                    return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+        _FSDP_COMMS[:] = [GuardedAllGather(), GuardedReduceScatter()]
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(_FSDP_COMMS[0])
+            m.set_custom_reduce_scatter(_FSDP_COMMS[1])
+    return model
 
 
 # ----------------------------------------------------------------- byte tallies
@@ -219,8 +358,16 @@ def ddp_comm_hook(group, bucket):  # no return annotation: DDP checks it against
     p = group_size(group) if group is not None else dist.get_world_size()
     _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(buf))
     buf.div_(p)
-    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    with guarded("all_reduce (DDP gradient bucket)", group):
+        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+    def done(f):
+        try:
+            return f.value()[0]
+        except RuntimeError as e:  # DDP re-raises it from backward as a RuntimeError carrying this message
+            raise as_collective_error("all_reduce (DDP gradient bucket)", group, e) from e
+
+    return fut.then(done)
 
 
 @contextlib.contextmanager
@@ -276,7 +423,8 @@ def all_reduce_(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("all_reduce_ needs a contiguous tensor (it reduces in place)")
     _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
-    dist.all_reduce(t, op=_OPS[op], group=group)
+    with guarded("all_reduce", group):
+        dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
 
@@ -286,7 +434,8 @@ def broadcast_(t: torch.Tensor, group, src: int = 0) -> torch.Tensor:
     if not p:
         return t
     _record("broadcast", group, (p - 1) / p * _nbytes(t))
-    dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
+    with guarded("broadcast", group):
+        dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
     return t
 
 
@@ -298,7 +447,8 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     flat = t.contiguous().reshape(-1)
     out = torch.empty(p * flat.numel(), dtype=t.dtype, device=t.device)
     _record("all_gather", group, (p - 1) * _nbytes(t))
-    _gather_single(out, flat, group=group)
+    with guarded("all_gather", group):
+        _gather_single(out, flat, group=group)
     return list(out.view(p, *t.shape).unbind(0))
 
 
@@ -311,7 +461,8 @@ def reduce_scatter_(t: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"reduce_scatter_ takes a flat tensor whose size divides over {p} ranks, got {tuple(t.shape)}")
     out = torch.empty(t.numel() // p, dtype=t.dtype, device=t.device)
     _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
-    _reduce_scatter_single(out, t.contiguous(), group=group)
+    with guarded("reduce_scatter", group):
+        _reduce_scatter_single(out, t.contiguous(), group=group)
     return out
 
 
@@ -324,7 +475,8 @@ def all_gather_(out: torch.Tensor, t: torch.Tensor, group) -> torch.Tensor:
     if out.numel() != p * t.numel() or not out.is_contiguous():
         raise ValueError(f"all_gather_: out has {out.numel()} elements, not {p} x {t.numel()}")
     _record("all_gather", group, (p - 1) / p * _nbytes(out))
-    _gather_single(out, t.contiguous(), group=group)
+    with guarded("all_gather", group):
+        _gather_single(out, t.contiguous(), group=group)
     return out
 
 
@@ -338,8 +490,11 @@ def ring_shift(t: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
     t = t.contiguous()
     out = torch.empty_like(t)
     _record("send", group, _nbytes(t))
-    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, out, frm, group)]):
-        w.wait()
+    wait = datetime.timedelta(seconds=timeout_s())  # gloo's plain p2p wait never times out
+    with guarded(f"ring_shift (send to rank {to}, recv from rank {frm})", group):
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group),
+                                         dist.P2POp(dist.irecv, out, frm, group)]):
+            w.wait(wait)
     return out
 
 
@@ -354,7 +509,8 @@ def _gather(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", group, (p - 1) * _nbytes(moved))
-    _gather_single(out, moved, group=group)
+    with guarded("all_gather", group):
+        _gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -364,7 +520,8 @@ def _reduce_scatter(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
     _record("reduce_scatter", group, (p - 1) / p * _nbytes(moved))
-    _reduce_scatter_single(out, moved, group=group)
+    with guarded("reduce_scatter", group):
+        _reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -378,7 +535,8 @@ def _all_to_all(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: in
     send = torch.stack(x.chunk(p, dim=scatter_dim), 0).contiguous()  # (p, ...) chunk i goes to rank i
     recv = torch.empty_like(send)
     _record("all_to_all", group, (p - 1) / p * _nbytes(send))
-    dist.all_to_all_single(recv, send, group=group)
+    with guarded("all_to_all", group):
+        dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 

@@ -22,7 +22,10 @@ read ``dp``, ``tp``, ``tp_row``, ...
 
 :func:`init_distributed` starts ``torch.distributed`` from torchrun's
 environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) with
-gloo on CPU and NCCL on CUDA.
+gloo on CPU and NCCL on CUDA. Every group, the world's and the mesh's, is made
+with one timeout (``timeout_s`` or ``CUBOID_TIMEOUT_S``, default 300 s): a
+collective or p2p whose peer stalls that long fails with
+:class:`cuboid.parallel.comm.CollectiveTimeout` instead of waiting for ever.
 """
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
 
     Without ``WORLD_SIZE`` (a plain ``python`` run) nothing is started and
     (0, 1) is returned. Gloo is pinned to the loopback interface when the
-    master address is a loopback one.
+    master address is a loopback one. ``timeout_s`` (default
+    ``CUBOID_TIMEOUT_S``, else 300) bounds every wait on a peer.
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -60,9 +64,9 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if timeout_s is None:  # every collective and p2p of every group fails after this, never hangs
-        timeout_s = float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # every collective and p2p of every group (the mesh's are made with the same) fails after this, never hangs
+    comm.set_timeout(timeout_s if timeout_s is not None else comm.timeout_s())
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm.timeout_s()))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -114,7 +118,7 @@ class Mesh:
             size = grid.shape[i]
             moved = grid.movedim(i, -1).reshape(-1, size)
             for ranks in moved.tolist():
-                group = dist.new_group(ranks) if create and size > 1 else None
+                group = comm.new_group(ranks) if create and size > 1 else None
                 if self.rank in ranks:
                     self.groups[axis] = group
                     self.group_ranks[axis] = ranks
@@ -136,7 +140,8 @@ class Mesh:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            with comm.guarded("barrier", None):
+                dist.barrier()
 
     def __repr__(self) -> str:
         c = ", ".join(f"{a}={self.coords.get(a, 0)}/{self.size(a)}" for a in AXES)

@@ -31,11 +31,11 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import comm
@@ -214,28 +214,45 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _timed_p2p():
-    """Make the schedules' p2p waits give up after the process group's timeout (``CUBOID_TIMEOUT_S``).
+def _timed_p2p(group):
+    """Make the schedules' p2p waits give up after the groups' timeout (``comm.timeout_s()``) and fail
+    as :class:`~cuboid.parallel.comm.CollectiveTimeout` naming rank, peers and ``group`` (``pp``).
 
     gloo's ``Work.wait()`` without a timeout waits for ever on a peer that
-    stalls (collectives do time out); torch's GPipe and 1F1B wait through one
-    module-level helper, swapped here for one that passes the timeout and
-    restored after. The first step's shape exchange is not covered.
+    stalls (collectives, and the blocking sends and receives of the first
+    step's shape exchange, time out with their group); every schedule, the
+    interleaved/ZBV runtime included, waits through one module-level helper
+    and posts through another, swapped here for ones that pass the timeout
+    and remember what each batch of work sends and receives, restored after.
     """
     from torch.distributed.pipelining import schedules
 
-    plain = schedules._wait_batch_p2p
-    timeout = datetime.timedelta(seconds=float(os.environ.get("CUBOID_TIMEOUT_S", "300")))
+    plain_wait, plain_batch = schedules._wait_batch_p2p, schedules._batch_p2p
+    timeout = datetime.timedelta(seconds=comm.timeout_s())
+    posted: dict = {}  # id(list of work) -> (that list, what it sends and receives)
+
+    def batch(p2p_ops, *args, **kwargs):
+        work = plain_batch(p2p_ops, *args, **kwargs)
+        kinds: dict = {}
+        for op in p2p_ops:
+            key = ("send of", "to") if op.op is dist.isend else ("recv of", "from")
+            kinds[key + (op.peer,)] = kinds.get(key + (op.peer,), 0) + 1
+        what = ", ".join(f"{a} {n} tensor{'s' * (n > 1)} {b} rank {peer}" for (a, b, peer), n in kinds.items())
+        posted[id(work)] = (work, what or "p2p")
+        return work
 
     def timed(work):
-        for w in work:
-            w.wait(timeout)
+        entry = posted.pop(id(work), None)
+        what = entry[1] if entry is not None and entry[0] is work else "p2p"
+        with comm.guarded(what, group):
+            for w in work:
+                w.wait(timeout)
 
-    schedules._wait_batch_p2p = timed
+    schedules._wait_batch_p2p, schedules._batch_p2p = timed, batch
     try:
         yield
     finally:
-        schedules._wait_batch_p2p = plain
+        schedules._wait_batch_p2p, schedules._batch_p2p = plain_wait, plain_batch
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -343,19 +360,28 @@ class Pipeline:
         self._fit_shapes(batch)
         losses: list = []
         try:
-            with _timed_p2p():
+            with _timed_p2p(self.mesh.group("pp")):
                 if self.has_last:
                     self._schedule.step(*args, target=weights, losses=losses, return_outputs=False)
                 else:
                     self._schedule.step(*args, return_outputs=False)
         except Exception as e:
-            raise RuntimeError(f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed: "
-                               f"{type(e).__name__}: {e}") from e
+            raise self._failed(e, "") from e
         for p in self.tied:
             if p.grad is not None:
                 comm.all_reduce_(p.grad, self.embedding_group)
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
+
+    def _failed(self, e: Exception, where: str) -> RuntimeError:
+        """The error a failed schedule raises: a :class:`~cuboid.parallel.comm.CollectiveError` (timeout
+        or closed peer; torch's own blocking sends and receives included) or a RuntimeError, naming the
+        stages and the rank."""
+        head = f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed{where}: "
+        failure = comm.as_collective_error("send/recv", self.mesh.group("pp"), e, known=False)
+        if failure is not None:  # its message starts with "rank N: ", said above
+            return type(failure)(head + str(failure).split(": ", 1)[-1])
+        return RuntimeError(f"{head}{type(e).__name__}: {e}")
 
     def _fit_shapes(self, batch: dict) -> None:
         """Have torch's stages infer shapes again when the batch's shapes changed since the last run
@@ -398,13 +424,13 @@ class Pipeline:
             last.collected = []
         weights = torch.zeros(self.microbatches, device=next(iter(batch.values())).device)
         try:
-            if self.has_last:
-                self._schedule.eval(*args, target=weights, losses=[], return_outputs=False)
-            else:
-                self._schedule.eval(*args, return_outputs=False)
+            with _timed_p2p(self.mesh.group("pp")):
+                if self.has_last:
+                    self._schedule.eval(*args, target=weights, losses=[], return_outputs=False)
+                else:
+                    self._schedule.eval(*args, return_outputs=False)
         except Exception as e:
-            raise RuntimeError(f"pipeline stage(s) {self.ids} on rank {self.mesh.rank} failed in evaluation: "
-                               f"{type(e).__name__}: {e}") from e
+            raise self._failed(e, " in evaluation") from e
         group, src = self.mesh.group("pp"), self.last_rank
         if last is not None:
             collected, last.collected = last.collected, None
@@ -447,8 +473,6 @@ def embedding_group(mesh, last_rank: int):
     """The group of the ranks running the first and the last stage (pp index ``last_rank``) with this
     rank's other coordinates (None where rank 0 runs both, as ZBV's V); every such group of the world
     is made, in one order."""
-    import torch.distributed as dist
-
     plan = mesh.plan
     if plan.pp == 1 or last_rank == 0:
         return None
@@ -456,7 +480,7 @@ def embedding_group(mesh, last_rank: int):
     mine = None
     for col in range(grid.shape[1]):
         ranks = [int(grid[0, col]), int(grid[last_rank, col])]
-        group = dist.new_group(ranks)
+        group = comm.new_group(ranks)
         if mesh.rank in ranks:
             mine = group
             comm.name_group(group, "pp_embed")

@@ -1,0 +1,149 @@
+"""A peer that stalls is an error, not a hang: CollectiveTimeout names the rank, the group and the operation.
+
+One 2-rank world of plain processes, started as torchrun starts workers (this
+file run as ``python -m tests.parallel.test_hang``), runs the cases in turn.
+For each, both ranks load gpt-debug under the case's plan (fresh groups, made
+with ``TIMEOUT``) and take two steps; then rank 1 stalls (sleeps past the
+timeout) and rank 0 enters the operation under test:
+
+- ``tp``: a training forward under tp1d, whose first all-reduce over the
+  ``tp`` group (``comm.reduce_from``) waits for rank 1;
+- ``zero3``: a training forward under dp=2 with ZeRO-3, whose FSDP2 parameter
+  all-gather waits over ``dp`` (``comm.guard_fsdp``);
+- ``pp``: a 1F1B step under pp2, whose first stage waits on its p2p with the
+  last stage over ``pp`` (``pipeline._timed_p2p``);
+- ``ddp``: a backward under dp2, whose gradient bucket all-reduce (DDP's comm
+  hook, ``comm.ddp_comm_hook``) waits over ``dp``.
+
+Rank 0 must fail with :class:`~cuboid.parallel.comm.CollectiveTimeout` naming
+``rank 0``, the group and the op, after the timeout and within the timeout
+plus 30 s. It catches the error and meets rank 1 on the world group (whose
+timeout is long, so that a slow start on a loaded machine is not mistaken for
+a stall) before the next case, except in the last case: there the error is
+left unhandled, as in a training script, and the process must exit non-zero
+as promptly (the elastic agent then restarts the workers); rank 1 is killed
+then, as the agent would.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+from ..checkpoint.common import REPO, child_env
+from .launch import free_port
+
+TIMEOUT = 5.0  # seconds, the mesh groups' timeout in these worlds
+SLACK = 30.0   # the issue's bound: detected within the timeout plus this
+CASES = {  # case -> (plan, the group, what rank 0's error must say: a regular expression), in the order run
+    "tp": ("tp1d", "tp", r"rank 0: all_reduce over group 'tp' \(ranks 0,1\)"),
+    "zero3": ("dp=2,zero=3", "dp", r"rank 0: all_gather \(ZeRO-3 parameters\) over group 'dp' \(ranks 0,1\)"),
+    "pp": ("pp2", "pp", r"pipeline stage\(s\) \[0\] on rank 0 failed: (send|recv) of \d+ tensors? (to|from) "
+                        r"rank 1 over group 'pp' \(ranks 0,1\)"),
+    "ddp": ("dp2", "dp", r"rank 0: all_reduce \(DDP gradient bucket\) over group 'dp' \(ranks 0,1\)"),
+}
+
+
+def child(rank: int) -> None:
+    """One rank of the world (run in its own process, with torchrun's environment): every case in turn."""
+    import torch
+    import torch.distributed as dist
+
+    import cuboid
+    from cuboid.parallel import comm, init_distributed
+    from cuboid.parallel.optim import AdamW
+
+    from .test_data_parallel import global_batch
+
+    torch.set_num_threads(1)
+    init_distributed(timeout_s=120)  # the world: generous, for start-up and between cases
+    comm.set_timeout(TIMEOUT)        # the mesh's groups (and the pipeline's p2p waits)
+    kept = []  # every case's model stays alive: no teardown of a broken group before the end
+    for i, (case, (plan, group, _)) in enumerate(CASES.items()):
+        last = i == len(CASES) - 1
+        model = cuboid.load("gpt-debug", plan, seed=0).train()
+        if case == "zero3":
+            comm.guard_fsdp(model)  # zero.shard_parameters does not install it yet: the lead's change
+        assert comm._group_timeout(model.mesh.group(group)) == TIMEOUT  # made with cuboid's timeout
+        opt = AdamW(model.parameters(), lr=1e-3)
+        batch = global_batch("gpt", model)
+        kept.append((model, opt))
+        for _ in range(2):  # DDP rebuilds its buckets in the second forward (a broadcast): past that here
+            cuboid.train_step(model, opt, batch)
+        if rank == 1:
+            time.sleep(TIMEOUT + 1)  # the stall (rank 0 waits for it); in the last case the parent kills it first
+            dist.barrier()
+            continue
+        share = cuboid.rank_share(model, batch)
+        print(f"ENTER {case} {time.time():.3f}", flush=True)
+        try:
+            if case == "ddp":  # forward without collectives; the backward's bucket all-reduce waits
+                model(**share).loss.backward()
+            elif case == "pp":
+                cuboid.train_step(model, opt, batch)
+            else:  # tp, zero3: the forward's first collective waits
+                model(**share)
+        except Exception as e:
+            print(f"RAISED {case} {time.time():.3f} {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+            if last:
+                raise  # unhandled, as in a training script: the process must end non-zero
+        else:
+            print(f"NO ERROR {case}", flush=True)
+        dist.barrier()
+
+
+def _run_world() -> dict:
+    """Start the two ranks, wait for rank 0 to exit (bounded), kill rank 1; rank 0's output and exit time."""
+    env = dict(child_env(), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.test_hang"], cwd=str(REPO),
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        stdout, stderr = procs[0].communicate(timeout=180)
+        return dict(rc=procs[0].returncode, stdout=stdout, stderr=stderr, exited=time.time())
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        stdout, stderr = procs[0].communicate()
+        return dict(rc=None, stdout=stdout, stderr=stderr, exited=None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+def _stamp(stdout: str, tag: str, case: str):
+    m = re.search(rf"^{tag} {case} (\d+\.\d+)(.*)$", stdout, re.M)
+    return (float(m.group(1)), m.group(2)) if m else (None, "")
+
+
+def test_a_stalled_peer_ends_in_collective_timeout_naming_rank_group_and_op():
+    r = _run_world()
+    out = f"rank 0's output:\n{r['stdout']}{r['stderr'][-3000:]}"
+    assert r["rc"] is not None, f"rank 0 did not exit within the test's deadline; {out}"
+    report = {}
+    for case, (_, _, expected) in CASES.items():
+        (enter, _), (raised, message) = _stamp(r["stdout"], "ENTER", case), _stamp(r["stdout"], "RAISED", case)
+        assert enter is not None and raised is not None, f"{case}: rank 0 did not fail in the stalled op; {out}"
+        message = message.strip()
+        if case == "ddp":  # DDP re-raises its comm hook's error as a RuntimeError that quotes it
+            message = message.split("error when running the callback: ", 1)[-1]
+        assert message.startswith("CollectiveTimeout: "), f"{case}: {message}"
+        expected += rf" timed out after {TIMEOUT:g} s: a peer stalled or died"
+        assert re.search(expected, message), f"{case}: {message}"
+        detect = raised - enter
+        assert TIMEOUT - 0.5 <= detect <= TIMEOUT + SLACK, f"{case}: detected after {detect:.1f} s"
+        report[case] = round(detect, 1)
+    assert r["rc"] != 0, f"rank 0 exited with 0 after the unhandled error; {out}"
+    assert "CollectiveTimeout" in r["stderr"], out
+    exit_after = r["exited"] - enter  # from entering the last case's op
+    assert exit_after <= TIMEOUT + SLACK, f"rank 0 exited {exit_after:.1f} s after entering the stalled op"
+    print(f"time to detect a hang, s: {report}; rank 0 exited {exit_after:.1f} s after entering the last op")
+
+
+if __name__ == "__main__":  # a rank of one case's world (see _run_cases)
+    import os
+
+    child(int(os.environ["RANK"]))
