@@ -429,12 +429,15 @@ def _child(conn, case: Case, path: Path, model: torch.nn.Module, expected: Dict[
     conn.close()
 
 
-def run_case(case: Case, path: Path, model, expected, limit: float = LIMIT_S) -> Case:
-    """Load ``path`` in a forked child; fill ``case.outcomes`` or ``case.status`` and ``case.seconds``."""
+def run_case(case: Case, path: Path, model, expected, limit: float = LIMIT_S, child: Callable = None) -> Case:
+    """Load ``path`` in a forked child; fill ``case.outcomes`` or ``case.status`` and ``case.seconds``.
+
+    ``child`` replaces the loading child (the tests give it one that crashes or sleeps).
+    """
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     t0 = time.perf_counter()
-    proc = ctx.Process(target=_child, args=(send, case, path, model, expected), daemon=True)
+    proc = ctx.Process(target=child or _child, args=(send, case, path, model, expected), daemon=True)
     proc.start()
     send.close()
     got = recv.poll(limit)

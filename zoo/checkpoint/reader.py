@@ -364,8 +364,8 @@ def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read
         for h, want in zip(row.hf, expect):
             shape, dtype = folder.shape_dtype(stored[h])
             if shape != want or _kind(dtype) != _kind(p.dtype):
-                bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype} "
-                           f"in {folder.weight_map[stored[h]]}, model {want} {p.dtype}")
+                bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype}, model {want} {p.dtype} "
+                           f"(stored in {folder.weight_map[stored[h]]})")
         if bad:
             mismatched.extend(bad)
             continue

@@ -1,0 +1,123 @@
+"""Damaged checkpoints are refused: 200 seeded corruptions, each loaded in a forked child with a time limit.
+
+The generator and the child live in :mod:`tests.checkpoint.fuzz` (its docstring lists the kinds and
+what each loader may do). Every case must end in a one-line ``CheckpointError`` naming the damaged
+file (or the index, or the tensor the index got wrong) from every loader; data flips from the
+verifying ones (``verify``, ``load(..., verify=True)``); no child may crash (a signal, a non-zero
+exit without an outcome), hang past the limit, or raise anything but a ``CheckpointError``.
+The harness's own crash and hang detection is tested first, with children that do exactly that.
+"""
+import faulthandler
+import hashlib
+import json
+import os
+import shutil
+import signal
+import struct
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+import cuboid
+from cuboid.zoo import checkpoint
+from cuboid.zoo.checkpoint import CheckpointError
+
+from . import fuzz
+
+N_CASES = 200
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return fuzz.make_pristine(tmp_path_factory.mktemp("pristine"))
+
+
+def _segfault(conn, *args):
+    faulthandler.disable()  # pytest's handler would print the child's stack: the crash is the point here
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _sleep(conn, *args):
+    time.sleep(60)
+
+
+def _exit_silently(conn, *args):
+    os._exit(0)
+
+
+@pytest.mark.parametrize("child, status", [(_segfault, "crash"), (_exit_silently, "crash"), (_sleep, "hang")])
+def test_the_harness_sees_crashes_and_hangs(pristine, child, status):
+    folders, expected = pristine
+    case = fuzz.Case(0, "cuboid", "none")
+    t0 = time.perf_counter()
+    fuzz.run_case(case, folders["cuboid"], None, expected, limit=1.0, child=child)
+    assert case.status == status and case.problems() == [status]
+    assert time.perf_counter() - t0 < 10
+
+
+def test_an_undamaged_folder_loads_in_the_child(pristine):
+    """The control: the pristine folders load the saved values through every loader."""
+    folders, expected = pristine
+    model = cuboid.load("gpt-debug", seed=1)
+    for variant in ("cuboid", "foreign"):
+        case = fuzz.run_case(fuzz.Case(0, variant, "none"), folders[variant], model, expected)
+        assert case.status == "" and case.outcomes == {op: ("ok", "") for op in case.ops}, case.outcomes
+
+
+def _swap_offsets(path):
+    """Swap the data of two equal-size tensors in the header: a valid file with other values."""
+    a, b = "transformer.h.0.ln_1.weight", "transformer.h.0.ln_1.bias"
+    wm = json.loads((path / fuzz.INDEX).read_text())["weight_map"]
+    assert wm[a] == wm[b]
+    shard = path / wm[a]
+    n, header, data = fuzz.split(shard.read_bytes())
+    header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], header[a]["data_offsets"]
+    shard.write_bytes(fuzz.join(header, data, n))
+    return shard
+
+
+def test_a_rewritten_header_is_refused_by_its_recorded_hash(pristine, tmp_path):
+    """Offsets swapped between two tensors of one size parse as a valid file: only the record sees it."""
+    folders, _ = pristine
+    for variant in ("cuboid", "foreign"):
+        shutil.copytree(folders[variant], tmp_path / variant)
+        shard = _swap_offsets(tmp_path / variant)
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: safetensors header SHA-256 mismatch"):
+        checkpoint.load(cuboid.load("gpt-debug", seed=1), tmp_path / "cuboid")
+    model = cuboid.load("gpt-debug", seed=1)  # a transformers folder records nothing: it loads what it says
+    checkpoint.load(model, tmp_path / "foreign")
+    assert torch.equal(model.blocks[0].ln1.weight, cuboid.load("gpt-debug").blocks[0].ln1.bias)
+
+
+def test_the_index_records_header_hashes(pristine):
+    folders, _ = pristine
+    index = json.loads((folders["cuboid"] / fuzz.INDEX).read_text())
+    for name, rec in index["metadata"]["files"].items():
+        if name.endswith(".safetensors"):
+            raw = (folders["cuboid"] / name).read_bytes()
+            (n,) = struct.unpack("<Q", raw[:8])
+            assert rec["header_sha256"] == hashlib.sha256(raw[:8 + n]).hexdigest()
+        else:
+            assert "header_sha256" not in rec
+
+
+def test_fuzz(tmp_path):
+    t0 = time.perf_counter()
+    cases = fuzz.run(N_CASES, seed=0, tmp=tmp_path)
+    print(f"\n{fuzz.table(cases)}\n{N_CASES} cases in {time.perf_counter() - t0:.1f} s")
+    failures = [f"{c.describe()}: {p}" for c in cases for p in c.problems()]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])
+
+    kinds = Counter((c.variant, c.kind) for c in cases)
+    assert set(kinds) == {(v, k) for v, ks in fuzz.KINDS.items() for k in ks}, kinds  # every kind ran
+    assert min(kinds.values()) >= 5, kinds
+    # honest classification: only a foreign header flip may be benign, and what it loaded was right
+    assert all(c.kind == "header-flip" and c.variant == "foreign" for c in cases if c.benign)
+    assert all(c.outcomes[op][0] in ("ok", "refused") for c in cases if c.benign for op in c.ops)
+    # data flips: refused when verifying; without verify they load (the figures), never crash
+    flips = [c for c in cases if c.kind == "data-flip"]
+    assert flips and all(c.outcomes[op][0] == "refused" and "SHA-256 mismatch" in c.outcomes[op][1]
+                         for c in flips for op in ("load_verify", "verify"))
+    assert max(c.seconds for c in cases) < fuzz.LIMIT_S
