@@ -1,0 +1,214 @@
+"""Surviving faults: a killed worker restarts and the run ends bit for bit as if nothing had happened;
+two launchers on one machine make the one-node job.
+
+Each faulty run chains three SIGKILLs through ``CUBOID_FAULT`` (cuboid/trainer.py's ``Fault``: the k-th
+entry acts on attempt k), so one run shows all three points at the cost of one launch:
+
+- attempt 0 loses a rank mid-step (step 3): the restart resumes from checkpoint-2;
+- attempt 1 loses the writer mid-save (checkpoint-4 half written in its temporary folder): the restart
+  ignores it and resumes from checkpoint-2 again;
+- attempt 2 loses a rank right after checkpoint-4 is committed: the restart resumes from checkpoint-4;
+- attempt 3 finishes. Its final checkpoint (model and optimizer tensors) equals the uninterrupted run's,
+  compared with ``torch.equal``, and so do the logged losses of every step.
+
+dp=2 goes through ``cuboid finetune --max-restarts``; tp1d (tp=2) through ``torchrun --max-restarts`` and
+the Python API, with dropout, so the RNG restore is part of what must come out equal (fault_job.py).
+Every process group is gloo on 127.0.0.1; every launch is bounded and killed with its process group.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ..parallel.launch import free_port
+from . import fault_job
+from . import fixtures as F
+from .test_finetune import ENV
+
+HERE = Path(__file__).parent
+FAULTS = {"dp": "1:3:step,0:4:save,0:4:saved", "tp1d": "0:3:step,0:4:save,1:4:saved"}
+RESUMES = [(1, 2), (2, 2), (3, 4)]  # (restart, the step it resumes from) for the chains above
+RUN_TIMEOUT = 300  # seconds for one launch, restarts included
+
+
+def cli_args(data: Path) -> list[str]:
+    """The dp=2 job: the same numbers as fault_job.py's, so both runs are small alike."""
+    return ["finetune", "--model", "vit-debug", "--data", str(data), "--plan", "dp=2",
+            "--steps", str(fault_job.STEPS), "--batch-size", str(fault_job.BATCH), "--lr", str(fault_job.LR),
+            "--save-every", str(fault_job.SAVE_EVERY), "--log-every", "1", "--eval-every", "100",
+            "--no-progress", "--no-plot"]
+
+
+def launch(*commands: list, env: dict | None = None, what: str, timeout: float = RUN_TIMEOUT) -> list[str]:
+    """Run ``commands`` side by side, each in its own process group; their stderr. A failure or a
+    timeout fails the test with the command's last lines, and kills every process it started."""
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env={**ENV, **(env or {})}, start_new_session=True) for c in commands]
+    errs, deadline = [], time.monotonic() + timeout
+    try:
+        for p in procs:
+            try:
+                errs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{what} did not finish within {timeout:.0f} s (a hang, or restarts that never end)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, err in zip(procs, errs):
+        tail = "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-3000:]
+        assert p.returncode == 0, f"{what} failed with exit code {p.returncode}:\n{tail}"
+    return errs
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def job_tp1d(data: Path, out: Path, *, restarts: int = 0) -> list[str]:
+    return torchrun("--standalone", "--nproc-per-node", "2", f"--max-restarts={restarts}",
+                    str(HERE / "fault_job.py"), str(data), "tp1d", str(out))
+
+
+def tensors(checkpoint: Path) -> dict:
+    """Every tensor of a checkpoint folder (model and optimizer files), keyed by file and name."""
+    from safetensors.torch import load_file
+
+    out = {f"{f.name}:{k}": v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert any(k.startswith("model") for k in out) and any(k.startswith("optimizer") for k in out), checkpoint
+    return out
+
+
+def assert_identical(ran: Path, reference: Path) -> None:
+    """The final checkpoints hold the same tensors, bit for bit, and the runs logged the same losses."""
+    final = f"checkpoint-{fault_job.STEPS}"
+    a, b = tensors(ran / final), tensors(reference / final)
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run's, first {differ[0]}"
+    losses = [[(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+              for d in (ran, reference)]
+    assert losses[0] == losses[1] and len(losses[0]) == fault_job.STEPS
+
+
+def assert_restarts(err: str, out: Path) -> None:
+    """Each restart resumed from the checkpoint the chain predicts; the half-written save was never read."""
+    seen = [(int(k), int(step)) for step, k in re.findall(r"resumed from \S+ at step (\d+) \(restart (\d+)\)", err)]
+    assert seen == RESUMES, f"restarts (restart, resumed at step) {seen}, expected {RESUMES}"
+    assert re.search(r"restart 2: ignored the interrupted save\(s\) \.checkpoint-4\.tmp-", err), \
+        "the save killed on attempt 1 left no temporary folder for attempt 2 to ignore"
+    assert not list(out.glob(".checkpoint-*")), "a temporary checkpoint folder outlived the run"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return F.image_folder(tmp_path_factory.mktemp("faults") / "img", per_class=8)
+
+
+@pytest.fixture(scope="module")
+def reference_dp(data, tmp_path_factory) -> Path:
+    """The uninterrupted dp=2 run, shared by the dp fault run and the two-launcher run."""
+    out = tmp_path_factory.mktemp("reference-dp")
+    launch([sys.executable, "-m", "cuboid", *cli_args(data), "--output-dir", str(out)], what="the dp=2 reference")
+    return out
+
+
+def test_dp2_cli_survives_three_kills(data, reference_dp, tmp_path):
+    out = tmp_path / "run"
+    err, = launch([sys.executable, "-m", "cuboid", *cli_args(data), "--output-dir", str(out), "--max-restarts", "3",
+                   "--timeout-s", "60"], env={"CUBOID_FAULT": FAULTS["dp"]}, what="the dp=2 run with 3 kills")
+    assert_restarts(err, out)
+    assert_identical(out, reference_dp)
+
+
+def test_tp1d_torchrun_with_dropout_survives_three_kills(data, tmp_path):
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    launch(job_tp1d(data, reference), what="the tp1d reference")
+    # torchrun users set this too: on torch's shared rendezvous store a restarted gloo group can read the
+    # previous round's addresses (pytorch/pytorch#135712); `cuboid finetune` sets it for its launcher
+    err, = launch(job_tp1d(data, out, restarts=3), what="the tp1d run with 3 kills",
+                  env={"CUBOID_FAULT": FAULTS["tp1d"], "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert_restarts(err, out)
+    assert_identical(out, reference)
+
+
+def test_two_launchers_end_like_one_node(data, reference_dp, tmp_path):
+    """``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d`` twice on 127.0.0.1 = dp=2 on one node."""
+    out = tmp_path / "two-nodes"
+    node = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "cuboid-two-nodes",
+                    "--local-addr", "127.0.0.1", "-m", "cuboid", *cli_args(data), "--output-dir", str(out))
+    errs = launch(node, node, what="the two-launcher run", env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert sum("on 2 process(es)" in e for e in errs) == 1  # rank 0 logs, on whichever launcher it landed
+    assert_identical(out, reference_dp)
+
+
+# ---------------------------------------------------------------- in-process pieces (no launcher)
+
+
+def test_latest_skips_interrupted_and_incomplete_saves(tmp_path):
+    from cuboid.trainer import _interrupted, _resolve_resume
+
+    def folder(name: str, *files: str) -> None:
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_text("{}")
+
+    full = ("config.json", "model.safetensors", "trainer_state.json")
+    folder("checkpoint-2", *full)
+    folder("checkpoint-4", "config.json", "optimizer-00001-of-00001.safetensors")  # half deleted or copied
+    folder(".checkpoint-6.tmp-123-abcd0123", *full)  # complete files, never renamed into place
+    folder("checkpoint-8.old", *full)  # the previous copy of a checkpoint being replaced
+    assert _resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-2"
+    assert _interrupted(tmp_path) == [".checkpoint-6.tmp-123-abcd0123", "checkpoint-4"]
+    assert _resolve_resume("latest", tmp_path / "nothing-here") is None
+    with pytest.raises(ValueError, match="--resume nowhere: no such checkpoint folder"):
+        _resolve_resume("nowhere", tmp_path)
+
+
+def test_fault_spec_acts_on_its_attempt_and_rank(monkeypatch):
+    from cuboid.trainer import Fault
+
+    monkeypatch.setenv("CUBOID_FAULT", "1:3:step, 0:4:save")
+    assert Fault.from_env(1, 0) == Fault(1, 3, "step") and Fault.from_env(0, 0) is None
+    assert Fault.from_env(0, 1) == Fault(0, 4, "save") and Fault.from_env(0, 2) is None
+    monkeypatch.setenv("CUBOID_FAULT", "1:3:later")
+    with pytest.raises(ValueError, match="CUBOID_FAULT='1:3:later': expected rank:step:where"):
+        Fault.from_env(0, 5)
+
+
+def test_resume_verifies_checksums_and_timeout_reaches_the_environment(tmp_path, monkeypatch, capsys):
+    """--timeout-s becomes CUBOID_TIMEOUT_S (read by the mesh and the pipeline); --resume refuses a flipped
+    data byte, which only the SHA-256 check can see."""
+    import cuboid
+    from cuboid.cli import main
+    from cuboid.kernels import use_backend
+    from cuboid.zoo.checkpoint import CheckpointError
+
+    monkeypatch.setenv("CUBOID_TIMEOUT_S", "300")  # restored after the test
+    data = F.image_folder(tmp_path / "img", per_class=4)
+    out = tmp_path / "run"
+    opts = dict(steps=2, batch_size=4, save_every=1, output_dir=str(out), progress=False, plot=False)
+    with use_backend("torch"):
+        cuboid.finetune("vit-debug", str(data), timeout_s=42, **opts)
+        assert float(os.environ["CUBOID_TIMEOUT_S"]) == 42
+        model = out / "checkpoint-2" / "model.safetensors"
+        raw = bytearray(model.read_bytes())
+        raw[-5] ^= 0x01  # the last tensor's data: the header and every shape stay valid
+        model.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError, match=r"model\.safetensors.*SHA-256"):
+            cuboid.finetune("vit-debug", str(data), resume="latest", **{**opts, "steps": 3})
+    for flag, value, message in (("--timeout-s", "0", "the process-group timeout must be positive"),
+                                 ("--max-restarts", "-1", "give 0 or more restarts")):
+        assert main(["finetune", "--data", str(data), flag, value, "--no-progress"]) == 2
+        assert message in capsys.readouterr().err
