@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from cuboid import data as D
-from cuboid.parallel import Mesh, Plan, prepare
+from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.step import evaluate, train_step
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
@@ -329,7 +329,7 @@ def run(cfg: FinetuneConfig) -> dict:
     if cfg.timeout_s is not None:
         if not cfg.timeout_s > 0:
             raise ValueError(f"--timeout-s {cfg.timeout_s}: the process-group timeout must be positive seconds")
-        os.environ["CUBOID_TIMEOUT_S"] = str(cfg.timeout_s)  # read by the mesh and the pipeline's p2p waits
+        init_distributed(timeout_s=cfg.timeout_s)  # before the mesh: every group it makes gets this timeout
     mesh = Mesh.build(plan)
     restart = _restart_count(mesh)
     fault = Fault.from_env(mesh.rank, restart)
@@ -392,8 +392,9 @@ def run(cfg: FinetuneConfig) -> dict:
 
     n_params = zoo.count_parameters(zoo.build(model.config))  # the whole model (a pp stage holds part of it)
     name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
+    timeout = f" (collective timeout {comm.timeout_s():g} s)" if mesh.world_size > 1 else ""
     log(f"cuboid finetune: {name} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
-        f"on {mesh.world_size} process(es), {len(train_ds)} train / {len(eval_ds)} eval examples, "
+        f"on {mesh.world_size} process(es){timeout}, {len(train_ds)} train / {len(eval_ds)} eval examples, "
         f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
     metrics_path = out / "metrics.jsonl"
     if mesh.is_main and metrics_path.exists():
