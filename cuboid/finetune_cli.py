@@ -48,7 +48,8 @@ FLAGS = [
     ("--save-every", int, "checkpoint every N steps (default: at the end only)"),
     ("--keep", int, "checkpoints to keep (default 2)"),
     ("--output-dir", str, "where checkpoints, metrics.jsonl, curves.png and final/ go"),
-    ("--resume", str, "continue from a checkpoint: bare --resume or 'latest' takes the newest in --output-dir"),
+    ("--resume", str, "continue from a checkpoint (its checksums verified first): bare --resume or 'latest' takes "
+                      "the newest complete one in --output-dir"),
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
@@ -161,7 +162,15 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
         if failures:
             # a rank that failed on a bad value exits 2; the others may be killed after it
             codes = {f.exitcode for f in failures.values()}
-            return 2 if 2 in codes else 1
+            if 2 in codes:
+                return 2
+            # the cause: not a rank the agent stopped (SIGTERM) because another had failed
+            rank, failure = min(failures.items(), key=lambda rf: (rf[1].exitcode == -15, rf[1].timestamp, rf[0]))
+            how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else \
+                f"exited with code {failure.exitcode}"
+            used = f" with all {max_restarts} restart(s) used" if max_restarts else " (see --max-restarts)"
+            print(f"cuboid finetune: error: worker rank {rank} {how}{used}", file=sys.stderr)
+            return 1
         raise
     return 0
 
