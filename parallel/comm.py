@@ -61,15 +61,12 @@ an unnamed group is ``group[r0,r1,...]`` (its global ranks).
         loss.backward()
     tally.bytes("all_reduce", "tp"), tally.per_group(), tally.total
 
-**Failures.** Every group cuboid makes (:func:`new_group`) waits at most
-:func:`timeout_s` seconds for its peers (``CUBOID_TIMEOUT_S``, default 300).
-A call here that fails raises :class:`CollectiveError` naming this rank, the
-operation and the group, and :class:`CollectiveTimeout` when a peer stalled
-past the timeout; nothing is retried: the process should exit so that the
-elastic launcher restarts the workers. The conversion is a ``try``/``except``
-around the call, free on the normal path. DDP's bucket all-reduce
-(:func:`ddp_comm_hook`) and FSDP2's collectives (:func:`guard_fsdp`) fail the
-same way.
+**Failures.** Groups made by :func:`new_group` wait :func:`timeout_s` seconds
+(``CUBOID_TIMEOUT_S``, default 300) for their peers. A failed call here, in
+DDP's bucket hook (:func:`ddp_comm_hook`) or FSDP2's comms (:func:`guard_fsdp`)
+raises :class:`CollectiveError` naming this rank, the op and the group
+(:class:`CollectiveTimeout` when a peer stalled): never retried, it should end
+the process so that the elastic launcher restarts the workers.
 """
 from __future__ import annotations
 
@@ -140,73 +137,65 @@ class CollectiveTimeout(CollectiveError):
     """A collective or p2p waited past its group's timeout: a peer stalled or died."""
 
 
-_TIMEOUT_S: list = []  # [seconds] once init_distributed has set it
+_TIMEOUT_S: list = []  # [seconds] once set
 
 
 def set_timeout(seconds: float) -> None:
-    """The timeout of the groups made from now on (``init_distributed`` sets it to the world's)."""
+    """The timeout of the groups made from now on (``init_distributed`` sets the world's)."""
     if not seconds > 0:
         raise ValueError(f"a process group timeout must be a positive number of seconds, got {seconds}")
     _TIMEOUT_S[:] = [float(seconds)]
 
 
 def timeout_s() -> float:
-    """Seconds a collective or p2p waits for its peers: what :func:`set_timeout` was given, else
-    ``CUBOID_TIMEOUT_S``, else 300."""
+    """Seconds a collective or p2p waits for its peers: as set, else ``CUBOID_TIMEOUT_S``, else 300."""
     return _TIMEOUT_S[0] if _TIMEOUT_S else float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
 
 
-def new_group(ranks: list):
-    """``dist.new_group(ranks)`` with cuboid's timeout (torch's default for a new group is its backend's,
-    30 minutes for gloo, not the world's). Every rank of the world must call it, in the same order."""
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s()))
+def new_group(ranks: list, name: Optional[str] = None):
+    """``dist.new_group(ranks)`` with :func:`timeout_s` (torch's default is the backend's, 30 minutes for
+    gloo, not the world's) and ``name`` as its description (NCCL's watchdog prints it); every rank of the
+    world calls it, in the same order."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s()), group_desc=name)
 
 
 def _group_timeout(group) -> float:
-    """The timeout ``group`` was made with, in seconds (cuboid's when the backend does not say)."""
+    """The timeout ``group`` was made with, in seconds (:func:`timeout_s` when its backend does not say)."""
     try:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # noqa: BLE001 - NCCL or an older torch: the timeout cuboid gives its groups
+    except Exception:  # noqa: BLE001 - NCCL, or another torch
         return timeout_s()
 
 
-def _kind(text: str) -> str:
-    low = text.lower()
-    if "timed out" in low or "timeout" in low:
-        return "timeout"
-    if "closed by peer" in low or "connection reset" in low or "broken pipe" in low:
-        return "peer"
-    return ""
-
-
 def as_collective_error(op: str, group, exc: BaseException, *, known: bool = True) -> Optional[CollectiveError]:
-    """``exc``, raised by ``op`` over ``group`` (``None``: the world), as a :class:`CollectiveError` naming
-    this rank, the op and the group (:class:`CollectiveTimeout` for a timeout). With ``known=False`` the
-    call that raised it may not be a collective: None unless its message says timeout or a closed peer."""
+    """``exc``, raised by ``op`` over ``group`` (None: the world), as a :class:`CollectiveError` naming this
+    rank, the op and the group (:class:`CollectiveTimeout` for a timeout). ``known=False``: the call may
+    not have been a collective, so None unless the message says timeout or a closed connection."""
     if isinstance(exc, CollectiveError):
         return exc
-    text = str(exc)
-    kind = _kind(text)
-    if not kind and not known:
+    text, world = str(exc), dist.group.WORLD if dist.is_initialized() else None
+    low = text.lower()
+    timeout = "timed out" in low or "timeout" in low
+    closed = any(k in low for k in ("closed by peer", "connection reset", "broken pipe"))
+    if not (known or timeout or closed):
         return None
-    group = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+    group = world if group is None else group
     try:
         ranks = " (ranks " + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
     except Exception:  # noqa: BLE001 - ranks are only a label
         ranks = ""
-    name = "world" if group is not None and group is dist.group.WORLD and id(group) not in _NAMES \
-        else group_name(group)
-    where = f"rank {dist.get_rank() if dist.is_initialized() else 0}: {op} over group '{name}'{ranks}"
-    if kind == "timeout":
+    name = "world" if group is world and id(group) not in _NAMES else group_name(group)
+    where = f"rank {dist.get_rank() if world is not None else 0}: {op} over group '{name}'{ranks}"
+    if timeout:
         return CollectiveTimeout(f"{where} timed out after {_group_timeout(group):g} s: a peer stalled or died")
-    if kind == "peer":
-        return CollectiveError(f"{where} failed: a peer closed its connection (it died or gave up)")
-    return CollectiveError(f"{where} failed: {text.splitlines()[0] if text else type(exc).__name__}")
+    why = "a peer closed its connection (it died or gave up)" if closed else text.splitlines()[0] if text \
+        else type(exc).__name__
+    return CollectiveError(f"{where} failed: {why}")
 
 
 class guarded:
-    """``with guarded(op, group): <call>`` re-raises the call's RuntimeError as a :class:`CollectiveError`
-    (see :func:`as_collective_error`); costs nothing when the call succeeds."""
+    """``with guarded(op, group): <call>`` re-raises the call's RuntimeError as :func:`as_collective_error`
+    says; free when the call succeeds."""
 
     __slots__ = ("op", "group")
 
@@ -226,15 +215,11 @@ _FSDP_COMMS: list = []  # (all-gather, reduce-scatter), made once
 
 
 def guard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
-    """Have FSDP2's all-gathers and reduce-scatters (ZeRO-3) in ``model`` raise :class:`CollectiveError`
-    naming rank, op and group: each ``fully_shard`` unit gets torch's default comms wrapped in
-    :class:`guarded` (FSDP2 runs them synchronously on its own streams, so the failure surfaces in the
-    call). A torch without custom FSDP2 comms leaves the model as it is."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-    except ImportError:  # pragma: no cover - older torch
-        return model
+    """Give every ``fully_shard`` unit of ``model`` (ZeRO-3) torch's default FSDP2 comms wrapped in
+    :class:`guarded`: FSDP2 runs them synchronously, so a failure surfaces in the call."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
     if not _FSDP_COMMS:
         class GuardedAllGather(DefaultAllGather):
             def __call__(self, output_tensor, input_tensor, group, async_op=False):

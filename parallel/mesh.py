@@ -118,7 +118,7 @@ class Mesh:
             size = grid.shape[i]
             moved = grid.movedim(i, -1).reshape(-1, size)
             for ranks in moved.tolist():
-                group = comm.new_group(ranks) if create and size > 1 else None
+                group = comm.new_group(ranks, axis) if create and size > 1 else None
                 if self.rank in ranks:
                     self.groups[axis] = group
                     self.group_ranks[axis] = ranks

@@ -480,7 +480,7 @@ def embedding_group(mesh, last_rank: int):
     mine = None
     for col in range(grid.shape[1]):
         ranks = [int(grid[0, col]), int(grid[last_rank, col])]
-        group = comm.new_group(ranks)
+        group = comm.new_group(ranks, "pp_embed")
         if mesh.rank in ranks:
             mine = group
             comm.name_group(group, "pp_embed")
