@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ..checkpoint.common import REPO, child_env
 from .launch import free_port
 
@@ -143,7 +145,27 @@ def test_a_stalled_peer_ends_in_collective_timeout_naming_rank_group_and_op():
     print(f"time to detect a hang, s: {report}; rank 0 exited {exit_after:.1f} s after entering the last op")
 
 
-if __name__ == "__main__":  # a rank of one case's world (see _run_cases)
+def test_failures_are_classified_in_one_sentence():
+    """Without a world (one process): the conversion alone, on gloo's own messages."""
+    from cuboid.parallel import comm
+
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"
+    with pytest.raises(comm.CollectiveTimeout, match=r"^rank 0: broadcast over group 'world' timed out after "
+                                                     r"[\d.]+ s: a peer stalled or died$") as info:
+        with comm.guarded("broadcast", None):
+            raise RuntimeError(gloo)
+    assert str(info.value.__cause__) == gloo  # torch's own message stays on the chain
+    closed = comm.as_collective_error("all_gather", None, RuntimeError("[pair.cc:553] Connection closed by peer"))
+    assert type(closed) is comm.CollectiveError and str(closed).endswith("failed: a peer closed its connection "
+                                                                         "(it died or gave up)")
+    other = comm.as_collective_error("all_to_all", None, RuntimeError("Tensors must be contiguous\nmore"))
+    assert str(other) == "rank 0: all_to_all over group 'world' failed: Tensors must be contiguous"
+    assert comm.as_collective_error("send/recv", None, RuntimeError("a shape bug"), known=False) is None
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        comm.set_timeout(0)
+
+
+if __name__ == "__main__":  # a rank of one case's world (see _run_world)
     import os
 
     child(int(os.environ["RANK"]))
