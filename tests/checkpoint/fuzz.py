@@ -3,13 +3,15 @@
 Used by ``test_fuzz.py``; ``python -m tests.checkpoint.fuzz [N] [SEED]`` (from the repository root)
 prints the table of outcomes by kind.
 
-The checkpoint is gpt-debug saved with ``max_shard_size="60KB"``: ten shards and an index. Two
+The checkpoint is gpt-debug saved with ``max_shard_size="60KB"``: ten shards and an index. Three
 variants of it are damaged:
 
-- ``cuboid``: the folder as cuboid writes it (the index records every file's size, SHA-256 and
-  header SHA-256);
-- ``foreign``: the same shards under an index without records, as ``transformers`` writes one,
-  so only the structural checks stand between a damaged file and the model.
+- ``cuboid`` (6 cases in 10): the folder as cuboid writes it (the index records every file's size,
+  SHA-256 and header SHA-256);
+- ``foreign`` (2 in 10): the same shards under an index without records, as ``transformers`` writes
+  one, so only the structural checks stand between a damaged file and the model;
+- ``single`` (2 in 10): the model saved as one ``model.safetensors``, whose header metadata holds
+  the record (data and header SHA-256, the other files).
 
 Each case copies the pristine folder, applies one damage (kinds below), and forks a child from
 this process (torch and cuboid are imported once, so a fresh child costs milliseconds, not an
@@ -25,12 +27,13 @@ is ``refused`` (a ``CheckpointError``) or ``error`` (anything else). The child s
 through a pipe; a child that dies by a signal or exits without sending is a ``crash``, one still
 running after the time limit a ``hang`` (killed).
 
-Every damage is real, or classified: the damaged file always differs from the original, and a
-header flip that leaves the parsed header unchanged apart from ``__metadata__`` (a space flipped to
-another whitespace, a changed ``format`` value) is ``benign`` in the foreign variant, where
-nothing records the header bytes: there a loader may refuse it or load the right values, never
-wrong ones. Data flips are caught by the SHA-256 check only: the loaders without ``verify`` may
-load them (the figures count how many loaded wrong values).
+Every damage is real, or classified: the damaged file always differs from the original, and each
+case says what the loaders may do (``Case.plain`` for ``load`` / ``new``, ``Case.verified`` for
+``load_verify`` / ``verify``): ``refuse``; ``right`` (refuse, or load the right values: damage
+that changes no tensor, such as a header flip that leaves the parsed header unchanged apart from
+``__metadata__`` where nothing records the header bytes, or a well-formed wrong SHA-256 in the
+index); or ``any`` (data flips without verify: only the SHA-256 check sees them, and the figures
+count how many loaded wrong values).
 """
 from __future__ import annotations
 
@@ -54,14 +57,16 @@ INDEX = "model.safetensors.index.json"
 LIMIT_S = 20.0  # per case; a healthy case takes well under a second
 
 # Each variant's kinds, repeated by weight: case i gets the (i // variants)-th entry, cycling.
+_HEADER = ["truncate", "header-flip", "header-shape", "header-dtype", "header-offsets"]
 KINDS = {
     "cuboid": ["truncate", "header-flip", "data-flip", "header-flip", "truncate", "header-shape", "data-flip",
                "header-dtype", "header-offsets", "header-flip", "index-missing", "index-escape", "total-size",
                "index-json", "index-fields"],
-    "foreign": ["truncate", "header-flip", "header-shape", "header-flip", "header-dtype", "header-offsets",
-                "header-flip", "index-missing", "index-escape", "index-json"],
+    "foreign": _HEADER + ["index-missing", "index-escape", "index-json"],
+    "single": _HEADER + ["data-flip", "header-flip", "data-flip"],
 }
-FOREIGN_EVERY = 3  # every 3rd case damages the foreign variant
+VARIANTS = ["cuboid", "cuboid", "foreign", "cuboid", "single", "cuboid", "cuboid", "foreign", "cuboid", "single"]
+VERIFYING = ("load_verify", "verify")
 
 
 @dataclass
@@ -74,20 +79,18 @@ class Case:
     file: str = ""
     detail: str = ""
     names: Tuple[str, ...] = ()
-    benign: bool = False  # the loaders may load it: nothing they read changed meaning
-    verify_only: bool = False  # data damage: only the SHA-256 check sees it
+    plain: str = "refuse"  # what load / new may do: "refuse", "right" (or load the right values), "any"
+    verified: str = "refuse"  # what load_verify / verify may do
     outcomes: Dict[str, Tuple[str, str]] = field(default_factory=dict)
     status: str = ""  # "", "crash", "hang"
     seconds: float = 0.0
 
     @property
     def ops(self) -> Tuple[str, ...]:
-        return ("load", "load_verify", "verify", "new") if self.variant == "cuboid" else ("load", "new")
+        return ("load", "new") if self.variant == "foreign" else ("load", "load_verify", "verify", "new")
 
-    def must_refuse(self, op: str) -> bool:
-        if self.benign:
-            return False
-        return op in ("load_verify", "verify") or not self.verify_only
+    def may(self, op: str) -> str:
+        return self.verified if op in VERIFYING else self.plain
 
     def problems(self) -> List[str]:
         """Why this case fails the contract (empty: it passes)."""
@@ -101,11 +104,9 @@ class Case:
             elif what == "refused":
                 if "\n" in text:
                     out.append(f"{op}: a multi-line error: {text!r}")
-                if self.must_refuse(op) and not any(n in text for n in self.names):
+                if self.may(op) == "refuse" and not any(n in text for n in self.names):
                     out.append(f"{op}: the error names none of {self.names}: {text}")
-            elif what == "wrong" and not self.verify_only:
-                out.append(f"{op}: loaded wrong values")
-            elif self.must_refuse(op) and what != "refused":
+            elif self.may(op) == "refuse" or (what == "wrong" and self.may(op) != "any"):
                 out.append(f"{op}: {what}, not refused")
         return out
 
@@ -137,7 +138,7 @@ class Damage:
 
     def __init__(self, root: Path, case: Case, rng: random.Random) -> None:
         self.root, self.case, self.rng = root, case, rng
-        self.shards = sorted(p.name for p in root.glob("model-*.safetensors"))
+        self.shards = sorted(p.name for p in root.glob("model*.safetensors"))
 
     def shard(self) -> Tuple[Path, bytes]:
         name = self.rng.choice(self.shards)
@@ -182,7 +183,8 @@ class Damage:
             same = n2 == n and {k: v for k, v in h2.items() if k != "__metadata__"} == _tensors_of(header)
         except (ValueError, UnicodeDecodeError):
             same = False
-        self.case.benign = same and self.case.variant == "foreign"  # cuboid records the header's SHA-256
+        if same and self.case.variant != "cuboid":  # a cuboid index records the shard's header SHA-256
+            self.case.plain = "right"  # a single file's own record may be what the flip hit (its data hash)
         self.write(path, raw, bytes(new))
 
     def data_flip(self) -> None:
@@ -192,7 +194,7 @@ class Damage:
         new = bytearray(raw)
         new[at] ^= mask
         self.case.detail = f"data byte {at} ^= {mask:#04x}"
-        self.case.verify_only = True
+        self.case.plain = "any"
         self.write(path, raw, bytes(new))
 
     def _edit_header(self, edit: Callable[[dict, str], str]) -> None:
@@ -355,7 +357,7 @@ class Damage:
         if how == "empty-map":  # refused by the first recorded shard whose tensors the index no longer lists
             self.case.names += tuple(self.shards)
         if how == "sha256" and isinstance(md["files"][shard]["sha256"], str):
-            self.case.verify_only = True  # a well-formed wrong hash: only the check that reads it sees it
+            self.case.plain = "right"  # a well-formed wrong hash: only the check that reads it sees it
         self.write_index(index)
 
 
@@ -365,9 +367,9 @@ def _tensors_of(header: dict) -> dict:
 
 def make_case(pristine: Dict[str, Path], root: Path, i: int, seed: int) -> Case:
     """Case ``i``: a copy of the variant's pristine folder at ``root``, damaged."""
-    variant = "foreign" if i % FOREIGN_EVERY == FOREIGN_EVERY - 1 else "cuboid"
+    variant = VARIANTS[i % len(VARIANTS)]
     kinds = KINDS[variant]
-    nth = i // FOREIGN_EVERY if variant == "foreign" else i - i // FOREIGN_EVERY
+    nth = i // len(VARIANTS) * VARIANTS.count(variant) + VARIANTS[:i % len(VARIANTS)].count(variant)
     case = Case(i, variant, kinds[nth % len(kinds)])
     if root.exists():
         shutil.rmtree(root)
@@ -380,7 +382,7 @@ def make_case(pristine: Dict[str, Path], root: Path, i: int, seed: int) -> Case:
 
 
 def make_pristine(tmp: Path) -> Tuple[Dict[str, Path], Dict[str, torch.Tensor]]:
-    """The two pristine folders and the parameters they hold."""
+    """The pristine folders of the variants and the parameters they hold."""
     import cuboid
     from cuboid.zoo import checkpoint
 
@@ -391,7 +393,9 @@ def make_pristine(tmp: Path) -> Tuple[Dict[str, Path], Dict[str, torch.Tensor]]:
     index = json.loads((path / INDEX).read_text())
     (foreign / INDEX).write_text(json.dumps({"metadata": {"total_size": index["metadata"]["total_size"]},
                                              "weight_map": index["weight_map"]}, indent=2))
-    return {"cuboid": path, "foreign": foreign}, {n: p.detach().clone() for n, p in model.named_parameters()}
+    single = checkpoint.save(model, tmp / "single")
+    assert (single / "model.safetensors").is_file() and not (single / INDEX).exists()
+    return {"cuboid": path, "foreign": foreign, "single": single}, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _same(model: torch.nn.Module, expected: Dict[str, torch.Tensor]) -> bool:
@@ -476,27 +480,36 @@ def run(n: int, seed: int, tmp: Path, limit: float = LIMIT_S) -> List[Case]:
 
 
 def table(cases: List[Case]) -> str:
-    """Outcomes by variant and kind (markdown)."""
-    rows = ["| variant | kind | cases | benign | refused without verify | refused with verify | loaded wrong "
-            "without verify | other errors | crashes | hangs | slowest s |", "|" + "---|" * 11]
+    """Outcomes by variant and kind (markdown): refusals by the plain and the verifying loaders."""
+    rows = ["| variant | kind | cases | may load right values | refused without verify | refused with verify "
+            "| loaded wrong without verify | other errors | crashes | hangs | slowest s |", "|" + "---|" * 11]
     groups: Dict[Tuple[str, str], List[Case]] = {}
-    for c in cases:
+    for c in sorted(cases, key=lambda c: (VARIANTS.index(c.variant), KINDS[c.variant].index(c.kind))):
         groups.setdefault((c.variant, c.kind), []).append(c)
     groups[("all", "all")] = cases
     for (variant, kind), cs in groups.items():
-        def count(pred) -> int:
-            return sum(1 for c in cs if not c.status and pred(c))
+        def count(ops, what="refused", every=True) -> int:
+            test = all if every else any
+            return sum(1 for c in cs if not c.status and any(o in c.ops for o in ops)
+                       and test(c.outcomes[o][0] == what for o in ops if o in c.ops))
 
-        plain = count(lambda c: all(c.outcomes[o][0] == "refused" for o in c.ops if o in ("load", "new")))
-        verified = count(lambda c: c.variant == "cuboid" and all(c.outcomes[o][0] == "refused"
-                                                                  for o in ("load_verify", "verify")))
-        wrong = count(lambda c: any(c.outcomes[o][0] == "wrong" for o in ("load", "new")))
-        errors = count(lambda c: any(v[0] == "error" for v in c.outcomes.values()))
-        rows.append(f"| {variant} | {kind} | {len(cs)} | {sum(c.benign for c in cs)} | {plain} | "
-                    f"{verified if variant != 'foreign' else '-'} | {wrong} | {errors} | "
+        verified = "-" if variant == "foreign" else count(VERIFYING)
+        rows.append(f"| {variant} | {kind} | {len(cs)} | {sum(c.plain == 'right' for c in cs)} | "
+                    f"{count(('load', 'new'))} | {verified} | {count(('load', 'new'), 'wrong', False)} | "
+                    f"{count(('load', 'new') + VERIFYING, 'error', False)} | "
                     f"{sum(c.status == 'crash' for c in cs)} | {sum(c.status == 'hang' for c in cs)} | "
                     f"{max(c.seconds for c in cs):.2f} |")
     return "\n".join(rows)
+
+
+def examples(cases: List[Case]) -> Dict[str, str]:
+    """One refusal message per kind: the plain load's, or the verifying load's for data flips."""
+    out: Dict[str, str] = {}
+    for c in cases:
+        op = "load" if c.plain == "refuse" else "load_verify"
+        if c.outcomes.get(op, ("",))[0] == "refused":
+            out.setdefault(f"{c.variant} {c.kind}", c.outcomes[op][1])
+    return out
 
 
 def main(argv: List[str]) -> None:
@@ -511,17 +524,10 @@ def main(argv: List[str]) -> None:
     slowest = max(cases, key=lambda c: c.seconds)
     print(f"\n{n} cases in {time.perf_counter() - t0:.1f} s; slowest {slowest.seconds:.2f} s: {slowest.describe()}")
     for c in cases:
-        for p in c.problems():
-            print(f"FAIL {c.describe()}: {p}")
-    examples: Dict[str, str] = {}
-    for c in cases:
-        for op in ("load", "load_verify"):
-            if c.outcomes.get(op, ("",))[0] == "refused" and c.kind not in examples and not c.verify_only:
-                examples[c.kind] = c.outcomes[op][1]
-            elif c.verify_only and op == "load_verify" and c.outcomes.get(op, ("",))[0] == "refused":
-                examples.setdefault(c.kind, c.outcomes[op][1])
+        for problem in c.problems():
+            print(f"FAIL {c.describe()}: {problem}")
     print("\nexample errors:")
-    for kind, text in examples.items():
+    for kind, text in examples(cases).items():
         print(f"  {kind}: {text}")
 
 

@@ -61,7 +61,7 @@ def test_an_undamaged_folder_loads_in_the_child(pristine):
     """The control: the pristine folders load the saved values through every loader."""
     folders, expected = pristine
     model = cuboid.load("gpt-debug", seed=1)
-    for variant in ("cuboid", "foreign"):
+    for variant in fuzz.KINDS:
         case = fuzz.run_case(fuzz.Case(0, variant, "none"), folders[variant], model, expected)
         assert case.status == "" and case.outcomes == {op: ("ok", "") for op in case.ops}, case.outcomes
 
@@ -113,10 +113,13 @@ def test_fuzz(tmp_path):
     kinds = Counter((c.variant, c.kind) for c in cases)
     assert set(kinds) == {(v, k) for v, ks in fuzz.KINDS.items() for k in ks}, kinds  # every kind ran
     assert min(kinds.values()) >= 5, kinds
-    # honest classification: only a foreign header flip may be benign, and what it loaded was right
-    assert all(c.kind == "header-flip" and c.variant == "foreign" for c in cases if c.benign)
-    assert all(c.outcomes[op][0] in ("ok", "refused") for c in cases if c.benign for op in c.ops)
+    # honest classification: damage that changes no tensor may load, only with the right values
+    lenient = [c for c in cases if c.plain == "right"]
+    assert all((c.kind == "header-flip" and c.variant != "cuboid") or (c.kind, c.detail) == ("index-fields", "sha256")
+               for c in lenient), [c.describe() for c in lenient]
+    assert all(c.outcomes[op][0] in ("ok", "refused") for c in lenient for op in c.ops)
     # data flips: refused when verifying; without verify they load (the figures), never crash
+    assert not [c for c in cases if c.plain == "any" and c.kind != "data-flip"]
     flips = [c for c in cases if c.kind == "data-flip"]
     assert flips and all(c.outcomes[op][0] == "refused" and "SHA-256 mismatch" in c.outcomes[op][1]
                          for c in flips for op in ("load_verify", "verify"))

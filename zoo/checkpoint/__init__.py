@@ -13,10 +13,11 @@ On disk (``transformers.AutoModel*.from_pretrained(path)`` loads the model part)
       model-00001-of-0000N.safetensors     model tensors under HF names, tied weights once
       ...
       model.safetensors.index.json         weight_map; metadata: total_size, files (size +
-                                           SHA-256 of every other file): the commit file,
+                                           SHA-256 of every other file, + the header's
+                                           SHA-256 of each shard): the commit file,
                                            written last
       (or model.safetensors alone when it fits: its header metadata "cuboid" holds the
-       SHA-256 of its data section and the records of the other files)
+       SHA-256 of its data section, of its header, and the records of the other files)
       optimizer-0000i-of-0000M.safetensors full optimizer state per zoo parameter name
       optimizer.safetensors.index.json     + param groups, per-param steps, class
       trainer_state.json                   step, scheduler, RNG of every rank, caller's

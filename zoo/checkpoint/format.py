@@ -43,6 +43,7 @@ for _attr, _name in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), (
 DTYPE_OF_NAME = {v: k for k, v in DTYPES.items()}
 
 HASH_PLACEHOLDER = "?" * 64  # patched with the data's SHA-256 once the data is written
+HEADER_PLACEHOLDER = "!" * 64  # patched with the header's SHA-256 (taken with both placeholders in place)
 _CHUNK = 8 << 20
 
 
@@ -115,9 +116,12 @@ class StreamWriter:
     ``metadata`` goes into ``__metadata__`` (str -> str). If one of its values
     contains :data:`HASH_PLACEHOLDER`, that text is replaced on :meth:`close`
     by the SHA-256 of the data section (everything after the header), so a
-    single file can carry its own checksum. Otherwise :meth:`close` returns the
-    SHA-256 of the whole file. Either is computed while writing (no second
-    read), on a helper thread that hashes each tensor while it is written.
+    single file can carry its own checksum; :data:`HEADER_PLACEHOLDER` the
+    same way by the SHA-256 of the length and header as first written (both
+    placeholders in place: :func:`masked_header` undoes the patches). Otherwise
+    :meth:`close` returns the SHA-256 of the whole file and of its header.
+    Either is computed while writing (no second read), on a helper thread that
+    hashes each tensor while it is written.
     """
 
     def __init__(self, path: Path, entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
@@ -135,6 +139,8 @@ class StreamWriter:
         raw += b" " * (-len(raw) % 8)
         self._header = raw
         self._patch = raw.find(HASH_PLACEHOLDER.encode())
+        self._head_patch = raw.find(HEADER_PLACEHOLDER.encode())
+        self._head_hash = hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()
         self._hash = hashlib.sha256()  # of the data section if patched, else of the whole file
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")  # hashes while the file writes
         self._next = 0
@@ -173,12 +179,14 @@ class StreamWriter:
         if self._patch >= 0:
             self._f.seek(8 + self._patch)
             self._f.write(digest.encode())
+        if self._head_patch >= 0:
+            self._f.seek(8 + self._head_patch)
+            self._f.write(self._head_hash.encode())
         fsync_file(self._f)
         self._f.close()
         self._hasher.shutdown(wait=True)
-        head = None if self._patch >= 0 else hashlib.sha256(struct.pack("<Q", len(self._header)) + self._header)
         return FileRecord(8 + len(self._header) + self.data_size, digest,
-                          head.hexdigest() if head is not None else None)
+                          self._head_hash if self._patch < 0 and self._head_patch < 0 else None)
 
     def abort(self) -> None:
         self._hasher.shutdown(wait=True)
@@ -212,26 +220,27 @@ def _entry_problem(entry) -> Optional[str]:
     absent = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
     if absent:
         return f"no {absent[0]}"
-    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPE_OF_NAME:
-        return f"unknown dtype {entry.get('dtype')!r}"
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or not dtype:
+        return f"dtype {dtype!r} is not a name"
     if not isinstance(shape, list) or not all(_count(s) for s in shape):
         return f"shape {shape!r} is not a list of sizes"
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets) \
             or offsets[0] > offsets[1]:
         return f"data_offsets {offsets!r} are not [begin, end]"
-    if offsets[1] - offsets[0] != nbytes(shape, DTYPE_OF_NAME[entry["dtype"]]):
+    if dtype in DTYPE_OF_NAME and offsets[1] - offsets[0] != nbytes(shape, DTYPE_OF_NAME[dtype]):
         return (f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
-                f"shape {shape} {entry['dtype']} needs {nbytes(shape, DTYPE_OF_NAME[entry['dtype']])}")
-    return None
+                f"shape {shape} {dtype} needs {nbytes(shape, DTYPE_OF_NAME[dtype])}")
+    return None  # a dtype torch has no name for (F4, F8_E8M0, a typo) is safetensors' to accept or refuse
 
 
 def read_header(path: Path, sha256: Optional[str] = None) -> Tuple[int, dict]:
     """(header length, header dict) of a safetensors file, with clear errors on garbage.
 
-    Every tensor entry is checked (dtype name, shape, offsets that hold exactly
-    the shape's bytes; the offsets tile the data section without gaps or
-    overlaps), so a header that passes can be read without surprises. With
+    Every tensor entry is checked (a dtype name, a shape, offsets that hold
+    exactly the shape's bytes when torch knows the dtype; the offsets tile the
+    data section without gaps or overlaps, no name twice), so a header that
+    passes can be read without surprises. With
     ``sha256`` (a record's ``header_sha256``) the length and header bytes must
     hash to it.
     """
@@ -269,6 +278,14 @@ def read_header(path: Path, sha256: Optional[str] = None) -> Tuple[int, dict]:
                                   f"{'overlaps' if begin < at else 'leaves a gap'} at byte {min(begin, at)})")
         at = end
     return n, header
+
+
+def masked_header(raw: bytes, data_sha256, header_sha256) -> bytes:
+    """A single file's length and header with its own recorded hashes put back to the placeholders."""
+    for value, placeholder in ((data_sha256, HASH_PLACEHOLDER), (header_sha256, HEADER_PLACEHOLDER)):
+        if isinstance(value, str) and len(value) == 64:
+            raw = raw.replace(value.encode(), placeholder.encode(), 1)
+    return raw
 
 
 def data_end(header: dict) -> int:

@@ -14,9 +14,12 @@ is held to more, since cuboid wrote both sides: every shard's header must
 hash to its recorded ``header_sha256`` and list exactly the tensors the
 weight_map puts in it, a recorded shard of the set must not hold tensors the
 weight_map leaves out, and ``total_size`` must equal the tensor bytes of the
-headers; so every header is read when the folder opens. Foreign indexes
-(``transformers``', with no records) get the structural checks only. Tensor
-data is hashed only by :func:`verify` (``load(..., verify=True)``).
+headers; so every header is read when the folder opens. A single cuboid
+``model.safetensors`` carries its record in its header metadata, with the
+header's own SHA-256 (taken with the two hash values as placeholders).
+Foreign folders (``transformers``', with no records) get the structural
+checks only. Tensor data is hashed only by :func:`verify`
+(``load(..., verify=True)``).
 
 Every folder load goes through :func:`plan_reads` and the mapping's lazy views:
 :func:`load` (``checkpoint.load``: into an existing model, copied into its
@@ -25,8 +28,10 @@ a new model, adopting what was read without copying it).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +45,7 @@ from cuboid.parallel import zero
 from ..common import sharded_parameters
 from .. import hf_io
 from .folder import resolve
-from .format import CheckpointError, DTYPE_OF_NAME, data_end, read_header, sha256_file
+from .format import CheckpointError, DTYPE_OF_NAME, data_end, masked_header, read_header, sha256_file
 from .planner import family_of, hf_prefix, meta
 from .stages import elsewhere
 
@@ -50,8 +55,7 @@ COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkp
 def check_name(where: Path, file: str, what: str) -> None:
     """Refuse a file name that is not a plain name inside the folder (``where`` names the index)."""
     p = Path(file)
-    if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file or "\0" in file \
-            or file in (".", "..") or file.startswith("~"):
+    if not file or p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or "\\" in file or "\0" in file:
         raise CheckpointError(f"{where}: shard name {file!r} for {what} escapes the folder")
 
 
@@ -102,6 +106,7 @@ class TensorFolder:
                 raise CheckpointError(f"{self.path / single}: corrupt {COMMIT_KEY!r} record in the header "
                                       "metadata (not a JSON object)")
             self._check_records(self.path / single)
+            self._check_own_header(self.path / single)
         else:
             extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
                 self.path.glob("*.bin")) else ""
@@ -137,6 +142,22 @@ class TensorFolder:
             problem = _record_problem(rec)
             if problem is not None:
                 raise CheckpointError(f"{where}: the record of {file} is corrupt ({problem})")
+
+    def _check_own_header(self, full: Path) -> None:
+        """A single file's header against the header SHA-256 its own record holds (cuboid's, when present)."""
+        want = self.metadata.get("header_sha256")
+        if not self.metadata or ("header_sha256" not in self.metadata and self.metadata.get("version") == 1):
+            return  # written by transformers, or by cuboid before header hashes (version 1)
+        if not isinstance(want, str):
+            raise CheckpointError(f"{full}: the {COMMIT_KEY!r} record in the header metadata has no header "
+                                  "SHA-256 (corrupted)")
+        with open(full, "rb") as f:
+            raw = f.read(8)
+            raw += f.read(struct.unpack("<Q", raw)[0])  # the length was checked when the header was read
+        got = hashlib.sha256(masked_header(raw, self.metadata.get("data_sha256"), want)).hexdigest()
+        if got != want:
+            raise CheckpointError(f"{full}: safetensors header SHA-256 mismatch (corrupted): the file's record "
+                                  f"holds {want!r}")
 
     @property
     def recorded(self) -> bool:

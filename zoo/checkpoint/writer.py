@@ -31,7 +31,7 @@ import torch
 from cuboid.parallel import zero
 
 from . import folder as folder_mod
-from .format import HASH_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
+from .format import HASH_PLACEHOLDER, HEADER_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
 from .planner import ShardPlan, Size, Source, family_of, model_sources, plan_shards
 from .reader import COMMIT_KEY
 from .stages import StageLayout, describe, merge_optimizer_info, plan_stages, stage_layout, stage_part
@@ -119,7 +119,8 @@ def write_model_files(plan: ShardPlan, sources: Sequence[Source], job: Job,
         shards = write_shards(plan, sources, job, lambda f: {"format": "pt"}, progress)
         job.file(INDEX, lambda: write_json(job.tmp / INDEX, index_json(plan, {**extra, **shards})))
     else:
-        record = json.dumps({"version": 1, "data_sha256": HASH_PLACEHOLDER,
+        # version 2: the record holds header_sha256 (a reader requires it unless the record says version 1)
+        record = json.dumps({"version": 2, "data_sha256": HASH_PLACEHOLDER, "header_sha256": HEADER_PLACEHOLDER,
                              "files": {f: r.to_json() for f, r in sorted(extra.items())}}, sort_keys=True)
         write_shards(plan, sources, job, lambda f: {"format": "pt", COMMIT_KEY: record}, progress)
 
