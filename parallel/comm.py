@@ -83,7 +83,7 @@ __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatte
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
            "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_",
            "CollectiveError", "CollectiveTimeout", "timeout_s", "set_timeout", "new_group", "guarded",
-           "as_collective_error", "guard_fsdp", "ddp_comm_hook"]
+           "as_collective_error", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
 
 
 # ----------------------------------------------------------------- group names
@@ -191,6 +191,19 @@ def as_collective_error(op: str, group, exc: BaseException, *, known: bool = Tru
     why = "a peer closed its connection (it died or gave up)" if closed else text.splitlines()[0] if text \
         else type(exc).__name__
     return CollectiveError(f"{where} failed: {why}")
+
+
+def wait_p2p(works, op: str, group) -> None:
+    """Wait for p2p ``works`` as :class:`guarded` says. On gloo each waits at most :func:`timeout_s` (its
+    plain wait on a p2p never times out); NCCL's plain wait, stream-ordered, is kept (with a timeout it
+    would block the CPU until the transfer ends) and its watchdog ends a stall."""
+    timeout = datetime.timedelta(seconds=timeout_s()) if dist.get_backend(group) == "gloo" else None
+    with guarded(op, group):
+        for w in works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
 
 
 class guarded:
@@ -475,11 +488,8 @@ def ring_shift(t: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
     t = t.contiguous()
     out = torch.empty_like(t)
     _record("send", group, _nbytes(t))
-    wait = datetime.timedelta(seconds=timeout_s())  # gloo's plain p2p wait never times out
-    with guarded(f"ring_shift (send to rank {to}, recv from rank {frm})", group):
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group),
-                                         dist.P2POp(dist.irecv, out, frm, group)]):
-            w.wait(wait)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, out, frm, group)])
+    wait_p2p(works, f"ring_shift (send to rank {to}, recv from rank {frm})", group)
     return out
 
 

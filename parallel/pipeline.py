@@ -29,7 +29,6 @@ share of the global batch's label count, so a step is one device's step.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -215,8 +214,8 @@ def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _timed_p2p(group):
-    """Make the schedules' p2p waits give up after the groups' timeout (``comm.timeout_s()``) and fail
-    as :class:`~cuboid.parallel.comm.CollectiveTimeout` naming rank, peers and ``group`` (``pp``).
+    """Make the schedules' p2p waits give up after the groups' timeout (:func:`~cuboid.parallel.comm.wait_p2p`)
+    and fail as :class:`~cuboid.parallel.comm.CollectiveTimeout` naming rank, peers and ``group`` (``pp``).
 
     gloo's ``Work.wait()`` without a timeout waits for ever on a peer that
     stalls (collectives, and the blocking sends and receives of the first
@@ -228,7 +227,6 @@ def _timed_p2p(group):
     from torch.distributed.pipelining import schedules
 
     plain_wait, plain_batch = schedules._wait_batch_p2p, schedules._batch_p2p
-    timeout = datetime.timedelta(seconds=comm.timeout_s())
     posted: dict = {}  # id(list of work) -> (that list, what it sends and receives)
 
     def batch(p2p_ops, *args, **kwargs):
@@ -243,10 +241,7 @@ def _timed_p2p(group):
 
     def timed(work):
         entry = posted.pop(id(work), None)
-        what = entry[1] if entry is not None and entry[0] is work else "p2p"
-        with comm.guarded(what, group):
-            for w in work:
-                w.wait(timeout)
+        comm.wait_p2p(work, entry[1] if entry is not None and entry[0] is work else "p2p", group)
 
     schedules._wait_batch_p2p, schedules._batch_p2p = timed, batch
     try:
