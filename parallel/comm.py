@@ -351,7 +351,9 @@ def _count_pipeline_sends() -> Iterator[None]:
 
 def ddp_comm_hook(group, bucket):  # no return annotation: DDP checks it against the real type
     """DDP's bucket average over ``group`` (what its built-in all-reduce does: divide, then sum), counted
-    as an ``all_reduce`` like :func:`all_reduce_`. Register it with ``model.register_comm_hook(group, ...)``."""
+    as an ``all_reduce`` like :func:`all_reduce_`. Register it with ``model.register_comm_hook(group, ...)``.
+    A failed all-reduce fails backward with a RuntimeError quoting the :class:`CollectiveError` (DDP's
+    reducer keeps the message, not the type)."""
     buf = bucket.buffer()
     p = group_size(group) if group is not None else dist.get_world_size()
     _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(buf))
@@ -362,7 +364,7 @@ def ddp_comm_hook(group, bucket):  # no return annotation: DDP checks it against
     def done(f):
         try:
             return f.value()[0]
-        except RuntimeError as e:  # DDP re-raises it from backward as a RuntimeError carrying this message
+        except RuntimeError as e:
             raise as_collective_error("all_reduce (DDP gradient bucket)", group, e) from e
 
     return fut.then(done)
