@@ -187,6 +187,24 @@ def _agreed_resume(resume: Optional[str], out: Path, mesh: Mesh) -> Optional[Pat
     return None if answer[1] is None else Path(answer[1])
 
 
+def _verify_once(ckpt, path: Path, mesh: Mesh) -> None:
+    """``ckpt.verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
+    error = None
+    if mesh.is_main:
+        try:
+            ckpt.verify(path)
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError; the other ranks must hear of it
+            error = str(e)
+    if mesh.world_size > 1:
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ckpt.CheckpointError(error)
+
+
 def _restart_count(mesh: Mesh) -> int:
     """How often the job has been restarted: the largest ``TORCHELASTIC_RESTART_COUNT`` of any rank.
 
@@ -380,7 +398,8 @@ def run(cfg: FinetuneConfig) -> dict:
     resume_from = _agreed_resume(cfg.resume, out, mesh) if restart == 0 else \
         _agreed_resume("latest", out, mesh) or _agreed_resume(cfg.resume, out, mesh)  # a restart resumes by itself
     if resume_from is not None:
-        ckpt.load(model, resume_from, verify=True)  # every file against its SHA-256 before any value is used
+        _verify_once(ckpt, resume_from, mesh)  # every file against its SHA-256 before any value is used
+        ckpt.load(model, resume_from)
         saved = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)["state"]
         start = int(saved["step"])
         batches.position = int(saved["data"]["position"])
