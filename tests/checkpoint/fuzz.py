@@ -18,8 +18,8 @@ this process (torch and cuboid are imported once, so a fresh child costs millise
 interpreter start) that runs the loaders on it, each in its own ``try``:
 
 - ``load``: ``checkpoint.load(model, path)`` into a model whose parameters are NaN;
-- ``load_verify``: the same with ``verify=True`` (cuboid variant);
-- ``verify``: ``checkpoint.verify(path)`` (cuboid variant);
+- ``load_verify``: the same with ``verify=True`` (not in the foreign variant, which records nothing);
+- ``verify``: ``checkpoint.verify(path)`` (the same);
 - ``new``: ``cuboid.load(path)`` (the ``read_new`` path, tensors adopted from the mmap).
 
 A loader that returns is compared with the saved parameters (``ok`` or ``wrong``); one that raises
@@ -56,7 +56,7 @@ import torch
 INDEX = "model.safetensors.index.json"
 LIMIT_S = 20.0  # per case; a healthy case takes well under a second
 
-# Each variant's kinds, repeated by weight: case i gets the (i // variants)-th entry, cycling.
+# Each variant's kinds (repeated to weigh them): its cases take them in turn. Case i damages VARIANTS[i % 10].
 _HEADER = ["truncate", "header-flip", "header-shape", "header-dtype", "header-offsets"]
 KINDS = {
     "cuboid": ["truncate", "header-flip", "data-flip", "header-flip", "truncate", "header-shape", "data-flip",
@@ -133,6 +133,10 @@ def _tensors(header: dict) -> List[str]:
     return [k for k in header if k != "__metadata__"]
 
 
+def _without_meta(header: dict) -> dict:
+    return {k: v for k, v in header.items() if k != "__metadata__"}
+
+
 class Damage:
     """The generators: each damages the folder ``root`` for ``case`` with the random source ``rng``."""
 
@@ -180,7 +184,7 @@ class Damage:
         self.case.detail = f"byte {at} ^= {mask:#04x}"
         try:
             n2, h2, _ = split(bytes(new))
-            same = n2 == n and {k: v for k, v in h2.items() if k != "__metadata__"} == _tensors_of(header)
+            same = n2 == n and _without_meta(h2) == _without_meta(header)
         except (ValueError, UnicodeDecodeError):
             same = False
         if same and self.case.variant != "cuboid":  # a cuboid index records the shard's header SHA-256
@@ -361,10 +365,6 @@ class Damage:
         self.write_index(index)
 
 
-def _tensors_of(header: dict) -> dict:
-    return {k: v for k, v in header.items() if k != "__metadata__"}
-
-
 def make_case(pristine: Dict[str, Path], root: Path, i: int, seed: int) -> Case:
     """Case ``i``: a copy of the variant's pristine folder at ``root``, damaged."""
     variant = VARIANTS[i % len(VARIANTS)]
@@ -395,7 +395,8 @@ def make_pristine(tmp: Path) -> Tuple[Dict[str, Path], Dict[str, torch.Tensor]]:
                                              "weight_map": index["weight_map"]}, indent=2))
     single = checkpoint.save(model, tmp / "single")
     assert (single / "model.safetensors").is_file() and not (single / INDEX).exists()
-    return {"cuboid": path, "foreign": foreign, "single": single}, {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"cuboid": path, "foreign": foreign, "single": single}, params
 
 
 def _same(model: torch.nn.Module, expected: Dict[str, torch.Tensor]) -> bool:

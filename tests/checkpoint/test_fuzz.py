@@ -124,3 +124,32 @@ def test_fuzz(tmp_path):
     assert flips and all(c.outcomes[op][0] == "refused" and "SHA-256 mismatch" in c.outcomes[op][1]
                          for c in flips for op in ("load_verify", "verify"))
     assert max(c.seconds for c in cases) < fuzz.LIMIT_S
+
+
+def test_files_written_before_header_hashes_still_load(pristine, tmp_path):
+    """Records without header_sha256 (cuboid before it; version 1 for a single file) are read as before."""
+    folders, expected = pristine
+    old = {"cuboid": tmp_path / "cuboid", "single": tmp_path / "single"}
+    shutil.copytree(folders["cuboid"], old["cuboid"])
+    index = json.loads((old["cuboid"] / fuzz.INDEX).read_text())
+    for rec in index["metadata"]["files"].values():
+        rec.pop("header_sha256", None)
+    (old["cuboid"] / fuzz.INDEX).write_text(json.dumps(index))
+    shutil.copytree(folders["single"], old["single"])
+    f = old["single"] / "model.safetensors"
+    n, header, data = fuzz.split(f.read_bytes())
+    record = json.loads(header["__metadata__"]["cuboid"])
+    record["version"] = 1
+    del record["header_sha256"]
+    header["__metadata__"]["cuboid"] = json.dumps(record)
+    f.write_bytes(fuzz.join(header, data, n))
+    for path in old.values():
+        assert checkpoint.verify(path)["tensors"] == len(index["weight_map"])
+        model = cuboid.load("gpt-debug", seed=1)
+        checkpoint.load(model, path, verify=True)
+        assert all(torch.equal(p, expected[name]) for name, p in model.named_parameters())
+    record["version"] = 2  # a version-2 record that lost its header hash is damage
+    header["__metadata__"]["cuboid"] = json.dumps(record)
+    f.write_bytes(fuzz.join(header, data, n))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: the 'cuboid' record .* has no header SHA-256"):
+        checkpoint.load(cuboid.load("gpt-debug", seed=1), old["single"])
