@@ -23,6 +23,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,22 +52,29 @@ def cli_args(data: Path) -> list[str]:
 def launch(*commands: list, env: dict | None = None, what: str, timeout: float = RUN_TIMEOUT) -> list[str]:
     """Run ``commands`` side by side, each in its own process group; their stderr. A failure or a
     timeout fails the test with the command's last lines, and kills every process it started."""
-    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env={**ENV, **(env or {})}, start_new_session=True) for c in commands]
-    errs, deadline = [], time.monotonic() + timeout
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]  # files, not pipes: no launcher blocks on a full one
+    procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=log, text=True, env={**ENV, **(env or {})},
+                              start_new_session=True) for c, log in zip(commands, logs)]
+    deadline = time.monotonic() + timeout
     try:
-        for p in procs:
+        for p, log in zip(procs, logs):
             try:
-                errs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1])
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"{what} did not finish within {timeout:.0f} s (a hang, or restarts that never end)")
+                log.seek(0)
+                pytest.fail(f"{what} did not finish within {timeout:.0f} s (a hang, or restarts that never end); "
+                            f"its last output:\n{log.read()[-2000:]}")
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-    for p, err in zip(procs, errs):
-        tail = "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-3000:]
+    errs = []
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        errs.append(log.read())
+        log.close()
+        tail = "\n".join(line for line in errs[-1].splitlines() if not line.startswith("[rank"))[-3000:]
         assert p.returncode == 0, f"{what} failed with exit code {p.returncode}:\n{tail}"
     return errs
 
