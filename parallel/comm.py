@@ -61,7 +61,7 @@ an unnamed group is ``group[r0,r1,...]`` (its global ranks).
         loss.backward()
     tally.bytes("all_reduce", "tp"), tally.per_group(), tally.total
 
-**Failures.** Groups made by :func:`new_group` wait :func:`timeout_s` seconds
+**Failures** (:mod:`.timeouts`, re-exported here). Groups made by :func:`new_group` wait :func:`timeout_s` seconds
 (``CUBOID_TIMEOUT_S``, default 300) for their peers. A failed call here, in
 DDP's bucket hook (:func:`ddp_comm_hook`) or FSDP2's comms (:func:`guard_fsdp`)
 raises :class:`CollectiveError` naming this rank, the op and the group
@@ -71,13 +71,14 @@ the process so that the elastic launcher restarts the workers.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 from collections import defaultdict
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from .timeouts import (CollectiveError, CollectiveTimeout, as_collective_error, guard_fsdp, guarded, new_group,
+                       set_timeout, timeout_s, wait_p2p)
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
@@ -124,132 +125,6 @@ def _active(group) -> int:
     """The group size, or 0 when calls on ``group`` are no-ops."""
     p = group_size(group)
     return p if p > 1 else 0
-
-
-# ----------------------------------------------------------------- timeouts and failures
-
-
-class CollectiveError(RuntimeError):
-    """A collective or p2p of this rank failed; the message names the rank, the operation and the group."""
-
-
-class CollectiveTimeout(CollectiveError):
-    """A collective or p2p waited past its group's timeout: a peer stalled or died."""
-
-
-_TIMEOUT_S: list = []  # [seconds] once set
-
-
-def set_timeout(seconds: float) -> None:
-    """The timeout of the groups made from now on (``init_distributed`` sets the world's)."""
-    if not seconds > 0:
-        raise ValueError(f"a process group timeout must be a positive number of seconds, got {seconds}")
-    _TIMEOUT_S[:] = [float(seconds)]
-
-
-def timeout_s() -> float:
-    """Seconds a collective or p2p waits for its peers: as set, else ``CUBOID_TIMEOUT_S``, else 300."""
-    return _TIMEOUT_S[0] if _TIMEOUT_S else float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
-
-
-def new_group(ranks: list, name: Optional[str] = None):
-    """``dist.new_group(ranks)`` with :func:`timeout_s` (torch's default is the backend's, 30 minutes for
-    gloo, not the world's) and ``name`` as its description (NCCL's watchdog prints it); every rank of the
-    world calls it, in the same order."""
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s()), group_desc=name)
-
-
-def _group_timeout(group) -> float:
-    """The timeout ``group`` was made with, in seconds (:func:`timeout_s` when its backend does not say)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # noqa: BLE001 - NCCL, or another torch
-        return timeout_s()
-
-
-def as_collective_error(op: str, group, exc: BaseException, *, known: bool = True) -> Optional[CollectiveError]:
-    """``exc``, raised by ``op`` over ``group`` (None: the world), as a :class:`CollectiveError` naming this
-    rank, the op and the group (:class:`CollectiveTimeout` for a timeout). ``known=False``: the call may
-    not have been a collective, so None unless the message says timeout or a closed connection."""
-    if isinstance(exc, CollectiveError):
-        return exc
-    text, world = str(exc), dist.group.WORLD if dist.is_initialized() else None
-    low = text.lower()
-    timeout = "timed out" in low or "timeout" in low
-    closed = any(k in low for k in ("closed by peer", "connection reset", "broken pipe"))
-    if not (known or timeout or closed):
-        return None
-    group = world if group is None else group
-    try:
-        ranks = " (ranks " + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
-    except Exception:  # noqa: BLE001 - ranks are only a label
-        ranks = ""
-    name = "world" if group is world and id(group) not in _NAMES else group_name(group)
-    where = f"rank {dist.get_rank() if world is not None else 0}: {op} over group '{name}'{ranks}"
-    if timeout:
-        return CollectiveTimeout(f"{where} timed out after {_group_timeout(group):g} s: a peer stalled or died")
-    why = "a peer closed its connection (it died or gave up)" if closed else text.splitlines()[0] if text \
-        else type(exc).__name__
-    return CollectiveError(f"{where} failed: {why}")
-
-
-def wait_p2p(works, op: str, group) -> None:
-    """Wait for p2p ``works`` as :class:`guarded` says. On gloo each waits at most :func:`timeout_s` (its
-    plain wait on a p2p never times out); NCCL's plain wait, stream-ordered, is kept (with a timeout it
-    would block the CPU until the transfer ends) and its watchdog ends a stall."""
-    timeout = datetime.timedelta(seconds=timeout_s()) if dist.get_backend(group) == "gloo" else None
-    with guarded(op, group):
-        for w in works:
-            if timeout is None:
-                w.wait()
-            else:
-                w.wait(timeout)
-
-
-class guarded:
-    """``with guarded(op, group): <call>`` re-raises the call's RuntimeError as :func:`as_collective_error`
-    says; free when the call succeeds."""
-
-    __slots__ = ("op", "group")
-
-    def __init__(self, op: str, group) -> None:
-        self.op, self.group = op, group
-
-    def __enter__(self) -> "guarded":
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if kind is not None and issubclass(kind, RuntimeError) and not issubclass(kind, CollectiveError):
-            raise as_collective_error(self.op, self.group, exc) from exc
-        return False
-
-
-_FSDP_COMMS: list = []  # (all-gather, reduce-scatter), made once
-
-
-def guard_fsdp(model: torch.nn.Module) -> torch.nn.Module:
-    """Give every ``fully_shard`` unit of ``model`` (ZeRO-3) torch's default FSDP2 comms wrapped in
-    :class:`guarded`: FSDP2 runs them synchronously, so a failure surfaces in the call."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    if not _FSDP_COMMS:
-        class GuardedAllGather(DefaultAllGather):
-            def __call__(self, output_tensor, input_tensor, group, async_op=False):
-                with guarded("all_gather (ZeRO-3 parameters)", group):
-                    return super().__call__(output_tensor, input_tensor, group, async_op)
-
-        class GuardedReduceScatter(DefaultReduceScatter):
-            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-                with guarded("reduce_scatter (ZeRO-3 gradients)", group):
-                    return super().__call__(output_tensor, input_tensor, group, op, async_op)
-
-        _FSDP_COMMS[:] = [GuardedAllGather(), GuardedReduceScatter()]
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(_FSDP_COMMS[0])
-            m.set_custom_reduce_scatter(_FSDP_COMMS[1])
-    return model
 
 
 # ----------------------------------------------------------------- byte tallies

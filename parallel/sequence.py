@@ -168,10 +168,10 @@ class _Exchange:
             comm._record("send", group, s.numel() * s.element_size())
             ops += [dist.P2POp(dist.isend, s, to, group, tag + i), dist.P2POp(dist.irecv, buf, frm, group, tag + i)]
         self.works = dist.batch_isend_irecv(ops)
+        self.group, self.op = group, f"ring attention hop (send to rank {to}, receive from rank {frm})"
 
     def wait(self) -> list:
-        for w in self.works:
-            w.wait()
+        comm.wait_p2p(self.works, self.op, self.group)  # a stalled peer is a CollectiveTimeout, not a hang
         self.sent = None
         return self.recv
 

@@ -359,7 +359,7 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
     fully_shard(model, mesh=mesh)
     for n, p in model.named_parameters():
         p.placement = tags[n]
-    return model
+    return comm.guard_fsdp(model)  # a stalled gather or reduce-scatter names rank, group and op
 
 
 def reshard(model: nn.Module) -> None:

@@ -107,7 +107,7 @@ def _plane_group(mesh):
     create = dist.is_available() and dist.is_initialized() and q > 1
     mine = None
     for ranks in grid.reshape(-1, q * q).tolist():
-        group = dist.new_group(ranks) if create else None
+        group = comm.new_group(ranks, "tp_plane") if create else None
         if mesh.rank in ranks:
             mine = group
             comm.name_group(group, "tp_plane")
