@@ -53,7 +53,8 @@ def main() -> None:
         t_new, e_new = step_time(case["model"], case["plans"][new], hw)
         predicted = t_base / t_new
         off = predicted / case["reported_speedup"] - 1
-        rows.append((case["paper"].split(":")[0].split(" (")[0][:28], f"{new} over {base}", hw.name,
+        short = {"2104.05343": "Optimus", "2105.14450": "3D (Bian et al.)", "2105.14500": "Tesseract"}
+        rows.append((short.get(str(case.get("arxiv", "")), case["paper"][:20]), f"{new} over {base}", hw.name,
                      f"{case['reported_speedup']:.2f}x", f"{predicted:.2f}x", f"{off:+.0%}",
                      f"{t_base * 1e3:.0f} / {t_new * 1e3:.0f}",
                      f"{e_base.comm_s / t_base:.0%} / {e_new.comm_s / t_new:.0%}"))

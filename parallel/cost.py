@@ -307,8 +307,9 @@ def _all_reduce(n: int, nbytes: float) -> float:
     return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
-# collectives per block and step of each tensor mode (forward + backward), for the alpha term only
-_TP_CALLS_PER_BLOCK = {"1d": 4, "2d": 40, "2.5d": 48, "3d": 36}
+# collectives per block and step of each tensor mode (forward + backward), for the alpha term only:
+# counted with comm.count on a 2-block GPT (2D on 4 ranks, 2.5D and 3D on 8), embeddings and head included
+_TP_CALLS_PER_BLOCK = {"1d": 4, "2d": 65, "2.5d": 100, "3d": 70}
 
 
 def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int, *, spec=None,
