@@ -1,6 +1,6 @@
 """Predicted against measured step time on this machine (the ``local`` profile), per plan.
 
-    python bench/plans_local.py                 # calibrate, time 7 plans on 1-4 gloo ranks, print, bench/plans_local.json
+    python bench/plans_local.py                 # calibrate, time 17 plans on 1-4 gloo ranks, print, bench/plans_local.json
     python bench/plans_local.py --steps 5
 
 Calibrates the ``local`` profile in-process (``cuboid.calibrate``: a
@@ -22,12 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-PLANS = {1: ["single"], 2: ["dp2", "tp1d", "pp2"], 4: ["dp2-tp2", "zero2", "tp2d"]}
+PLANS = {1: ["single"], 2: ["dp2", "dp2-ckpt", "pp=2,microbatches=2,activation_checkpoint=true", "tp1d", "pp2",
+                            "pp=2,microbatches=8", "sp2", "sp2-a2a"], 4: ["dp=4,activation_checkpoint=true", "dp=4,zero=2,activation_checkpoint=true", "dp4", "zero2",
+                                    "dp2-tp2", "tp1d-4", "tp2d", "pp4"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--json", default=str(HERE / "plans_local.json"))
     args = ap.parse_args()
     import torch
@@ -35,6 +37,7 @@ def main() -> None:
     from cuboid import zoo
     from cuboid.calibrate import calibrate
     from cuboid.cli import _table
+    from cuboid.parallel import Plan
     from cuboid.planner import estimate
     from tests.parallel.cost_checks import TIMED, TIMED_BATCH, TIMED_SEQ, time_worker
     from tests.parallel.launch import run_world
@@ -51,7 +54,7 @@ def main() -> None:
             measured = run_world(time_worker, world, plans, args.steps, timeout=900)
         for name in plans:
             took = max(r[name] for r in measured)
-            e = estimate(config, zoo.READY_PLANS[name], hw, TIMED_BATCH, TIMED_SEQ)
+            e = estimate(config, Plan.parse(name, zoo.READY_PLANS), hw, TIMED_BATCH, TIMED_SEQ)
             rows.append((name, str(world), f"{took:.3f}", f"{e.step_s:.3f}", f"{e.step_s / took - 1:+.0%}",
                          f"{e.compute_s:.3f}", f"{e.comm_s:.3f}", f"{e.bubble_s + e.optimizer_s:.3f}"))
             out.append({"plan": name, "ranks": world, "measured_s": took, "predicted_s": e.step_s,

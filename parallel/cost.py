@@ -20,7 +20,12 @@
   the step time: FLOPs at the profile's sustained rate, each collective
   ``alpha + bytes / bandwidth`` on the link its group spans (inside a node
   or across nodes), the optimizer's memory traffic, and the pipeline
-  bubble. Nothing overlaps (a conservative model).
+  bubble. Nothing overlaps (a conservative model). CPU profiles (``cores``
+  set: ``local``) also price the activation elements that are not matmul
+  work (``elementwise_ns``, split per plan as the activations are), and slow
+  every part by what their calibration measured when all cores are busy and
+  when ranks outnumber cores (an idle pipeline stage's core then serves the
+  others, so the bubble shrinks).
 
 Hardware profiles are TOML files (``parallel/hardware/*.toml``; ``local``
 is measured on this machine by ``cuboid plans --calibrate``).
@@ -71,17 +76,26 @@ class Hardware:
     description: str = ""
     source: str = ""
     cores: int = 0                   # CPU profiles: devices beyond this many share the cores
+    elementwise_ns: float = 0.0      # CPU profiles: ns per activation element per step (norms, softmax, adds)
+    busy: float = 1.0                # CPU profiles: slowdown of a rank when every core runs one
+    oversubscribed: float = 1.0      # CPU profiles: extra slowdown at two ranks per core, beyond time slicing
 
-    def rate(self, dtype: str, ranks_here: int = 1) -> float:
-        """Sustained FLOP/s of one rank when ``ranks_here`` ranks share a node."""
+    def rate(self, dtype: str) -> float:
+        """Sustained matmul FLOP/s of one rank (GPU profiles: of training, other work included)."""
         if dtype not in self.flops:
             raise ValueError(f"hardware profile {self.name} has no FLOP/s for dtype {dtype}")
-        share = min(1.0, self.cores / ranks_here) if self.cores else 1.0
-        return float(self.flops[dtype]) * share
+        return float(self.flops[dtype])
 
     def crowding(self, ranks_here: int) -> float:
-        """How many ranks share each core (CPU profiles; 1 on accelerators): links and memory slow alike."""
-        return max(1.0, ranks_here / self.cores) if self.cores else 1.0
+        """Slowdown of every part of a rank's step when ``ranks_here`` ranks share the node's cores (CPU
+        profiles; 1 on accelerators): ``busy`` once the cores are all in use, times the time slicing of
+        more ranks than cores, and ``oversubscribed``'s measured extra at two ranks per core."""
+        if not self.cores:
+            return 1.0
+        share = ranks_here / self.cores
+        if share <= 1:
+            return 1.0 + (self.busy - 1.0) * max(0.0, (ranks_here - 1) / max(self.cores - 1, 1))
+        return self.busy * share * (1.0 + (self.oversubscribed - 1.0) * min(1.0, share - 1.0))
 
     def link(self, ranks: Sequence[int]) -> Link:
         """The link a group of global ``ranks`` uses: intra-node when all sit on one node."""
@@ -98,7 +112,8 @@ class Hardware:
                        intra=Link(float(d["intra"]["alpha_us"]) * 1e-6, float(d["intra"]["bandwidth_gbs"]) * 1e9),
                        inter=Link(float(d["inter"]["alpha_us"]) * 1e-6, float(d["inter"]["bandwidth_gbs"]) * 1e9),
                        description=d.get("description", ""), source=d.get("source", ""),
-                       cores=int(d.get("cores", 0)))
+                       cores=int(d.get("cores", 0)), elementwise_ns=float(d.get("elementwise_ns", 0.0)),
+                       busy=float(d.get("busy", 1.0)), oversubscribed=float(d.get("oversubscribed", 1.0)))
         except KeyError as e:
             raise ValueError(f"hardware profile {name or d.get('name', '?')} lacks the field {e.args[0]}") from None
 
@@ -106,6 +121,8 @@ class Hardware:
         f = ", ".join(f"{k} = {v:.4g}" for k, v in self.flops.items())
         return (f'name = "{self.name}"\ndescription = "{self.description}"\nsource = "{self.source}"\n'
                 f"gpus_per_node = {self.gpus_per_node}\ncores = {self.cores}\n"
+                f"elementwise_ns = {self.elementwise_ns:.4g}\nbusy = {self.busy:.4g}\n"
+                f"oversubscribed = {self.oversubscribed:.4g}\n"
                 f"memory_gb = {self.memory_bytes / 1e9:.4g}\nmemory_bandwidth_gbs = {self.memory_bytes_per_s / 1e9:.4g}\n"
                 f"flops = {{ {f} }}\n"
                 f"intra = {{ alpha_us = {self.intra.alpha_s * 1e6:.4g}, bandwidth_gbs = {self.intra.bytes_per_s / 1e9:.4g} }}\n"
@@ -266,6 +283,16 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
     out["masters"] = sum(k * 4 for k, s in pieces if s < 4)
     out["total"] = sum(out.values())
     return out
+
+
+def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq: int) -> float:
+    """Activation elements a rank's blocks make in a step (Korthikanti's 17 per token and hidden unit,
+    split as :func:`activation_bytes` splits them; a third more when recomputing): what a CPU profile's
+    ``elementwise_ns`` prices, the norms, softmax, adds and activations that are not matmuls."""
+    tokens = batch / plan.dp * seq / plan.sp
+    split_all = plan.tp if (plan.tp_mode != "1d" or plan.tp_sequence) else 1
+    per = 17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp
+    return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.activation_checkpoint else 1.0)
 
 
 def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
@@ -500,7 +527,8 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         stages = stages_of(plan, block_cuts) if plan.pp > 1 else [Stage(shape.n_layers)]
     est = Estimate(plan=plan, name=name)
     per_node = min(hw.gpus_per_node, plan.world_size)
-    rate = hw.rate(plan.dtype, per_node)
+    rate = hw.rate(plan.dtype)
+    crowd = hw.crowding(per_node)
     from .mesh import Mesh
 
     worst = -1.0
@@ -517,16 +545,19 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
             axes = tensor_axes(plan) if op == "tensor" else (group,)
             for a in axes:
                 link = hw.link(mesh.group_ranks.get(a, [rank]))
-                comm_s += link.time(nbytes / len(axes), calls / len(axes)) * hw.crowding(per_node)
+                comm_s += link.time(nbytes / len(axes), calls / len(axes)) * crowd
             by_group[group] = by_group.get(group, 0.0) + nbytes
         block_share = stage.blocks / max(shape.n_layers, 1)
         full = step_flops(shape, batch, seq, plan.activation_checkpoint)
         head = 3 * 2 * batch * seq * shape.dim * shape.vocab_size
         flops = ((full - head) * block_share + (head if stage.last else 0.0)) / (plan.dp * plan.tp * plan.sp)
-        compute_s = flops / rate
-        bubble_s = compute_s * bubble_fraction(plan)
+        compute_s = (flops / rate + elementwise_elements(shape, plan, stage, batch, seq)
+                     * hw.elementwise_ns * 1e-9) * crowd
+        # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
+        idle = max(0.0, 2.0 - per_node / hw.cores) if hw.cores and per_node > hw.cores else 1.0
+        bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
         opt_bytes = sum(p.numel() for p in _trainable(params.values())) / (plan.dp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
-        optimizer_s = opt_bytes / hw.memory_bytes_per_s * hw.crowding(per_node)
+        optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
         step = compute_s + bubble_s + comm_s + optimizer_s
         memory = states["total"] + (act_ck if plan.activation_checkpoint else act)
         if step > worst:
