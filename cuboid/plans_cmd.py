@@ -45,8 +45,11 @@ def _size(text: str) -> float:
     return float(m.group(1)) * {"gb": 1e9, "gib": 2 ** 30, "tb": 1e12, "mb": 1e6}[unit]
 
 
+_UNIT = [1e9, "GB"]  # set per table: MB when every figure is under a GB
+
+
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.2f}"
+    return f"{x / _UNIT[0]:.2f}"
 
 
 def cmd_plans(args: argparse.Namespace) -> int:
@@ -92,15 +95,17 @@ def cmd_plans(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{k: e.to_dict()[k] for k in FIELDS} for e in ests], indent=1))
         return 0
+    biggest = max(max(e.memory, e.sent_total) for e in ests)
+    _UNIT[:] = [1e9, "GB"] if biggest >= 1e9 else [1e6, "MB"]
     print(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each), batch {batch} x "
-          f"{seq} tokens, {args.dtype}, AdamW; GB per rank, time per step\n")
+          f"{seq} tokens, {args.dtype}, AdamW; {_UNIT[1]} per rank, time per step\n")
     rows = []
     for i, e in enumerate([e for e in ests if e.fits][:args.top], 1):
         ck = " (ckpt)" if e.plan.activation_checkpoint else ""
         rows.append((str(i), e.plan.describe() + ck, _gb(e.params), _gb(e.grads), _gb(e.optimizer + e.masters),
                      f"{_gb(e.activations)}/{_gb(e.activations_checkpointed)}", _gb(e.sent_total),
-                     f"{e.bubble:.2f}", f"{e.step_s * 1e3:.1f} ms",
-                     f"{e.compute_s * 1e3:.0f}+{e.comm_s * 1e3:.0f}+{(e.bubble_s + e.optimizer_s) * 1e3:.0f}"))
+                     f"{e.bubble:.2f}", f"{e.step_s * 1e3:.3g} ms",
+                     f"{e.compute_s * 1e3:.3g}+{e.comm_s * 1e3:.3g}+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
     print(_table(rows, ("#", "plan", "params", "grads", "optim", "act/ckpt", "sent", "bubble", "step",
                         "compute+comm+other ms")))
     misfits = [e for e in ests if not e.fits]
