@@ -88,7 +88,25 @@ def training_seconds(reps: int = 3) -> float:
         torch.set_num_threads(threads)
 
 
-def _crowd_rank(barrier, queue, reps: int) -> None:
+def _answers(ctx, target, args: list, answers: int, timeout: float, what: str) -> list:
+    """Run ``target(*a, queue)`` for each ``a`` of ``args`` in its own spawned process; the first
+    ``answers`` values put on the queue, or a RuntimeError naming ``what`` after ``timeout`` seconds."""
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, queue), daemon=True) for a in args]
+    for p in procs:
+        p.start()
+    try:
+        return [queue.get(timeout=timeout) for _ in range(answers)]
+    except Exception:
+        raise RuntimeError(f"{what} gave no answer within {timeout:.0f} s") from None
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _crowd_rank(barrier, reps: int, queue) -> None:
     step, _, _ = _probe_step()
     step()
     barrier.wait()
@@ -100,19 +118,9 @@ def crowded_seconds(procs: int, reps: int = 3, timeout: float = 180.0) -> float:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(procs), ctx.Queue()
-    ps = [ctx.Process(target=_crowd_rank, args=(barrier, queue, reps), daemon=True) for _ in range(procs)]
-    for p in ps:
-        p.start()
-    try:
-        return max(queue.get(timeout=timeout) for _ in ps)
-    except Exception:
-        raise RuntimeError(f"the {procs}-process compute probe gave no answer within {timeout:.0f} s") from None
-    finally:
-        for p in ps:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    barrier = ctx.Barrier(procs)
+    return max(_answers(ctx, _crowd_rank, [(barrier, reps)] * procs, procs, timeout,
+                        f"the {procs}-process compute probe"))
 
 
 def adamw_bytes_per_s(numel: int = 1 << 21, reps: int = 5) -> float:
@@ -159,20 +167,8 @@ def gloo_link(timeout: float = 120.0) -> Link:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_probe_rank, args=(r, port, queue), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        times = queue.get(timeout=timeout)
-    except Exception:
-        raise RuntimeError(f"the gloo probe on 127.0.0.1:{port} gave no answer within {timeout:.0f} s") from None
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    times, = _answers(mp.get_context("spawn"), _probe_rank, [(0, port), (1, port)], 1, timeout,
+                      f"the gloo probe on 127.0.0.1:{port}")
     # latency: the smallest all-reduce; bandwidth: the slope between the two largest (a least-squares fit
     # over all four lets the big sizes' noise swamp the intercept)
     small, mid, big = SIZES[0], SIZES[-2], SIZES[-1]

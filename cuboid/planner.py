@@ -85,24 +85,23 @@ class _Shards:
         self.cache: dict = {}
 
     def of(self, plan: Plan, rank: int):
+        """The meta model ``rank`` of ``plan`` holds: built once per tensor and pipeline split and position."""
         from cuboid.parallel import Mesh
 
-        mesh = Mesh.layout(plan, rank)
-        key = (plan.tp, plan.tp_mode, plan.depth, plan.pp, plan.schedule, plan.stage_blocks, plan.microbatches > 0,
-               mesh.coords.get("pp", 0), mesh.coords.get("tp", 0))
-        if key not in self.cache:
+        coords = Mesh.layout(plan, rank).coords
+        split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth, microbatches=plan.microbatches,
+                     schedule=plan.schedule, stage_blocks=plan.stage_blocks)
+        same = coords.get("pp", 0) * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
+        if (split, same) not in self.cache:
             import cuboid
 
-            self.cache[key] = cuboid.load(self.model, plan=plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"),
-                                          device="meta", mesh=Mesh.layout(plan.replace(dp=1, sp=1, zero=0,
-                                                                                       sp_mode="ring"),
-                                                                          _strip_rank(plan, mesh)))
-        return self.cache[key]
+            self.cache[split, same] = cuboid.load(self.model, plan=split, device="meta", mesh=Mesh.layout(split, same))
+        return self.cache[split, same]
 
 
-def _strip_rank(plan: Plan, mesh) -> int:
-    """The rank with the same pp and tp coordinates in the plan without dp and sp."""
-    return mesh.coords.get("pp", 0) * plan.tp + mesh.coords.get("tp", 0)
+def meta_shards(model, plan: Plan, rank: int):
+    """The meta model (its parameters: shapes of the shards and stages) that ``rank`` of ``plan`` holds."""
+    return _Shards(model).of(plan, rank)
 
 
 def _ranks_to_look_at(plan: Plan, block_cuts) -> list[int]:
@@ -111,7 +110,7 @@ def _ranks_to_look_at(plan: Plan, block_cuts) -> list[int]:
     if plan.pp > 2 and block_cuts:
         from cuboid.parallel.cost import stages_of
 
-        stages.add(max(stages_of(plan, block_cuts), key=lambda s: s.blocks).index)
+        stages.add(max(stages_of(plan, block_cuts, 0), key=lambda s: s.blocks).index)
     per_pp = plan.world_size // plan.pp
     return sorted({s * per_pp + t for s in stages for t in {0, plan.tp - 1}})
 
@@ -135,20 +134,17 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
 def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
                plans: Optional[Iterable[Plan]] = None, progress: bool = False) -> list[Estimate]:
     """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last. A plan
-    that fits only with activation checkpointing is listed with it on."""
-    from cuboid import zoo
-
-    config = zoo.build(model).config if isinstance(model, str) and model in zoo.PRESETS else _config_of(model)
+    that does not fit as it is is listed with activation checkpointing on (its misfit reason then says
+    that even checkpointed activations leave too little room)."""
+    config = config_of(model)
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
     shards = _Shards(model)
     out = []
     bar = _bar(len(todo), progress)
     for plan in todo:
         est = estimate(model, plan, hw, batch, seq, shards=shards)
-        if not est.fits and not plan.activation_checkpoint:
-            ck = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards)
-            if ck.fits:
-                est = ck
+        if not est.fits and not plan.activation_checkpoint:  # checkpointed: fits, or at least says so
+            est = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards)
         out.append(est)
         bar.update(1)
     bar.close()
@@ -156,7 +152,8 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
     return out
 
 
-def _config_of(model):
+def config_of(model):
+    """The config of a preset name, a model folder or a config (read on the meta device: no weights)."""
     import cuboid
 
     return cuboid.load(model, device="meta").config

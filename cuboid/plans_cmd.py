@@ -78,12 +78,12 @@ def cmd_plans(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     from dataclasses import replace
 
-    from cuboid.planner import _config_of, rank_plans
+    from cuboid.planner import config_of, rank_plans
 
     hw = cost.load_hardware(args.hardware)
     if args.gpu_memory:
         hw = replace(hw, memory_bytes=_size(args.gpu_memory))
-    config = _config_of(args.model)
+    config = config_of(args.model)
     batch = args.batch or max(8, 4 * args.gpus)
     seq = args.seq or min(getattr(config, "n_positions", 0) or 2048, 2048)
     if hasattr(config, "patch_size"):

@@ -199,11 +199,11 @@ class Stage:
     index: int = 0              # pipeline rank
 
 
-def stages_of(plan: Plan, block_cuts: Sequence[range]) -> list[Stage]:
+def stages_of(plan: Plan, block_cuts: Sequence[range], n_layers: int) -> list[Stage]:
     """One :class:`Stage` per pipeline rank from the cut (one range per stage, two per rank for
-    ``interleaved`` / ``zbv``)."""
+    ``interleaved`` / ``zbv``); without pp, one stage of all ``n_layers`` blocks."""
     if plan.pp == 1:
-        return [Stage(sum(len(r) for r in block_cuts) if block_cuts else 0)]
+        return [Stage(n_layers)]
     from .pipeline import stage_ids
 
     out = []
@@ -237,6 +237,19 @@ def in_flight(plan: Plan, stage: Stage) -> int:
 # ----------------------------------------------------------------------------- bytes held
 
 
+def _buckets(ps) -> list:
+    """(elements, element bytes) of each ZeRO-1/2 flat bucket of trainable ``ps`` (:func:`.zero.plan_buckets`)."""
+    from .zero import plan_buckets
+
+    return [(sum(p.numel() for p in b), b[0].element_size()) for b in plan_buckets(ps)]
+
+
+def _fsdp_rows(p: torch.Tensor, n: int) -> tuple:
+    """(rows, rows per rank, elements per row) of FSDP2's dim-0 cut of ``p`` over ``n`` ranks."""
+    rows = p.shape[0] if p.dim() else 1
+    return rows, math.ceil(rows / n), p.numel() // max(rows, 1)
+
+
 def _trainable(params) -> list:
     seen, out = set(), []
     for p in params:
@@ -255,8 +268,6 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
     (moments of its pieces) and ``masters`` (fp32 copies of half-precision pieces). ``dp_rank``: which
     dp rank (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
     """
-    from .zero import plan_buckets
-
     ps = _trainable(params)
     n = plan.dp
     pbytes = sum(p.numel() * p.element_size() for p in ps)
@@ -266,17 +277,16 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
         out = {"params": pbytes + frozen, "grads": pbytes}
     elif plan.zero in (1, 2):
         pieces, grads = [], 0
-        for bucket in plan_buckets(ps):
-            numel, size = sum(p.numel() for p in bucket), bucket[0].element_size()
+        for numel, size in _buckets(ps):
             pieces.append((math.ceil(numel / n), size))
             grads += (math.ceil(numel / n) if plan.zero == 2 else numel) * size
         out = {"params": pbytes + frozen, "grads": grads}
     else:  # FSDP2 keeps rows [r ceil(R / n), (r + 1) ceil(R / n)) of every parameter on rank r
         pieces = []
         for p in ps:
-            rows = p.shape[0] if p.dim() else 1
-            mine = min(math.ceil(rows / n), max(0, rows - dp_rank * math.ceil(rows / n)))
-            pieces.append((mine * (p.numel() // max(rows, 1)), p.element_size()))
+            rows, chunk, per_row = _fsdp_rows(p, n)
+            mine = min(chunk, max(0, rows - dp_rank * chunk))
+            pieces.append((mine * per_row, p.element_size()))
         held = sum(k * s for k, s in pieces)
         out = {"params": held + frozen, "grads": held}
     out["optimizer"] = sum(k * ADAMW_STATE_BYTES for k, _ in pieces)
@@ -285,13 +295,20 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
     return out
 
 
-def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq: int) -> float:
-    """Activation elements a rank's blocks make in a step (Korthikanti's 17 per token and hidden unit,
-    split as :func:`activation_bytes` splits them; a third more when recomputing): what a CPU profile's
-    ``elementwise_ns`` prices, the norms, softmax, adds and activations that are not matmuls."""
-    tokens = batch / plan.dp * seq / plan.sp
+def _activation_split(plan: Plan) -> tuple:
+    """(elements per token and hidden unit a rank holds of a block's 17 (Korthikanti et al.), the split of
+    a block's input): 1D tensor parallelism splits 12 of them over ``tp`` (``tp_sequence`` all 17), the
+    grid modes all 17."""
     split_all = plan.tp if (plan.tp_mode != "1d" or plan.tp_sequence) else 1
-    per = 17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp
+    return (17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp), split_all
+
+
+def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq: int) -> float:
+    """Activation elements a rank's blocks make in a step (split as :func:`activation_bytes` splits them;
+    a third more when recomputing): what a CPU profile's ``elementwise_ns`` prices, the norms, softmax,
+    adds and activations that are not matmuls."""
+    tokens = batch / plan.dp * seq / plan.sp
+    per, _ = _activation_split(plan)
     return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.activation_checkpoint else 1.0)
 
 
@@ -310,8 +327,8 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     e = _dtype_bytes(plan.dtype)
     tokens = micro_rows * seq / plan.sp
     h = shape.dim
-    split_all = plan.tp if (plan.tp_mode != "1d" or plan.tp_sequence) else 1
-    per_block = tokens * h * e * (17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp)
+    per, split_all = _activation_split(plan)
+    per_block = tokens * h * e * per
     held_block = tokens * h * e / split_all if ckpt else per_block
     flight = in_flight(plan, stage)
     out = flight * stage.blocks * held_block + (per_block if ckpt and stage.blocks else 0.0)
@@ -369,12 +386,13 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
     # of them a loss row (an estimate: measured 0.8% low at sp2 x tp2)
     if plan.tp > 1:
         costs = mode_of(plan.tp_mode).costs(plan, pdtype, autocast)
-        parts = step_parts(costs, config, rows // m, seq)
-        if plan.sp > 1:
+        if plan.sp == 1:
+            parts = step_parts(costs, config, rows // m, seq)
+        else:
             t = seq + (-seq) % (2 * plan.sp)
             n = rows * (t // plan.sp)
-            parts = dict(step_parts(costs, config, rows, t // plan.sp), first=step_parts(costs, config, rows, t)["first"])
-            parts["last"] = [costs.norm(shape.dim, n), costs.lm_loss(shape.vocab_size, shape.dim, n, n)]
+            parts = dict(step_parts(costs, config, rows, t // plan.sp), first=step_parts(costs, config, rows, t)["first"],
+                         last=[costs.norm(shape.dim, n), costs.lm_loss(shape.vocab_size, shape.dim, n, n)])
         fwd_bwd = lambda xs: sum(f + b for f, b in xs)  # noqa: E731
         # recompute reruns a block's forward up to the last tensor backward needs (torch's non-reentrant
         # checkpoint stops early): under 1D that leaves out the last row linear's all-reduce, whose output
@@ -402,10 +420,8 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         group = "dpsp" if plan.sp > 1 else "dp"
         _add(out, ("all_reduce", group), _all_reduce(n, grad_bytes), max(1, math.ceil(grad_bytes / (25 * 2 ** 20))))
     elif n > 1 and plan.zero in (1, 2):
-        from .zero import plan_buckets
-
-        for bucket in plan_buckets(ps):
-            padded = math.ceil(sum(p.numel() for p in bucket) / n) * n * bucket[0].element_size()
+        for numel, size in _buckets(ps):
+            padded = math.ceil(numel / n) * n * size
             _add(out, ("reduce_scatter", "dp"), (n - 1) / n * padded)
             _add(out, ("all_gather", "dp"), (n - 1) / n * padded)
     elif n > 1 and plan.zero == 3:
@@ -414,8 +430,8 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         for name, p in named.items():
             if id(p) not in trainable:
                 continue
-            rows_p = p.shape[0] if p.dim() else 1
-            padded = math.ceil(rows_p / n) * n * (p.numel() // max(rows_p, 1)) * p.element_size()
+            _, chunk, per_row = _fsdp_rows(p, n)
+            padded = chunk * n * per_row * p.element_size()
             gathers = 2 if name.startswith(blocks) else 1  # the root unit stays gathered into backward
             _add(out, ("all_gather", "dp"), gathers * (n - 1) / n * padded, 0)
             _add(out, ("reduce_scatter", "dp"), (n - 1) / n * padded, 0)
@@ -461,14 +477,15 @@ def _add_pipeline(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, 
 # ----------------------------------------------------------------------------- FLOPs and time
 
 
-def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False) -> float:
+def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False, *, parts: bool = False):
     """FLOPs of one training step over a ``batch`` x ``seq`` global batch (Narayanan et al.):
     per block forward ``2 B s (4 h^2 + 2 h f) + 4 B s^2 h``, the logits ``2 B s h V``; backward
-    twice forward, recompute one forward of the blocks more."""
+    twice forward, recompute one forward of the blocks more. ``parts``: (all blocks, head) apart."""
     h, f = shape.dim, shape.hidden
     block = 2 * batch * seq * (4 * h * h + 2 * h * f) + 4 * batch * seq * seq * h
-    head = 2 * batch * seq * h * shape.vocab_size
-    return (3 + (1 if recompute else 0)) * shape.n_layers * block + 3 * head
+    blocks = (3 + (1 if recompute else 0)) * shape.n_layers * block
+    head = 3 * 2 * batch * seq * h * shape.vocab_size
+    return (blocks, head) if parts else blocks + head
 
 
 @dataclass
@@ -524,7 +541,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
     if layers_only:
         stages = [Stage(shape.n_layers, first=False, last=False)]
     else:
-        stages = stages_of(plan, block_cuts) if plan.pp > 1 else [Stage(shape.n_layers)]
+        stages = stages_of(plan, block_cuts, shape.n_layers)
     est = Estimate(plan=plan, name=name)
     per_node = min(hw.gpus_per_node, plan.world_size)
     rate = hw.rate(plan.dtype)
@@ -548,9 +565,8 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
                 comm_s += link.time(nbytes / len(axes), calls / len(axes)) * crowd
             by_group[group] = by_group.get(group, 0.0) + nbytes
         block_share = stage.blocks / max(shape.n_layers, 1)
-        full = step_flops(shape, batch, seq, plan.activation_checkpoint)
-        head = 3 * 2 * batch * seq * shape.dim * shape.vocab_size
-        flops = ((full - head) * block_share + (head if stage.last else 0.0)) / (plan.dp * plan.tp * plan.sp)
+        blocks, head = step_flops(shape, batch, seq, plan.activation_checkpoint, parts=True)
+        flops = (blocks * block_share + (head if stage.last else 0.0)) / (plan.dp * plan.tp * plan.sp)
         compute_s = (flops / rate + elementwise_elements(shape, plan, stage, batch, seq)
                      * hw.elementwise_ns * 1e-9) * crowd
         # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
@@ -559,7 +575,9 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         opt_bytes = sum(p.numel() for p in _trainable(params.values())) / (plan.dp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
         optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
         step = compute_s + bubble_s + comm_s + optimizer_s
-        memory = states["total"] + (act_ck if plan.activation_checkpoint else act)
+        held = act_ck if plan.activation_checkpoint else act
+        if states["total"] + held > est.memory:
+            est.memory, memory_parts = states["total"] + held, (states["total"], held)
         if step > worst:
             worst = step
             est.params, est.grads = states["params"], states["grads"]
@@ -569,9 +587,10 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
             est.bubble, est.flops = bubble_fraction(plan), flops
             est.compute_s, est.comm_s, est.optimizer_s, est.bubble_s, est.step_s = (
                 compute_s, comm_s, optimizer_s, bubble_s, step)
-        est.memory = max(est.memory, memory)
     if est.memory > hw.memory_bytes:
+        states, held = memory_parts
         est.fits = False
-        est.why = (f"needs {est.memory / 1e9:.1f} GB per rank ({(est.memory - est.activations) / 1e9:.1f} GB model "
-                   f"states + activations), more than the {hw.memory_bytes / 1e9:.0f} GB of a {hw.name} device")
+        est.why = (f"needs {est.memory / 1e9:.1f} GB per rank ({states / 1e9:.1f} GB model states, {held / 1e9:.1f} GB "
+                   f"activations{' checkpointed' if plan.activation_checkpoint else ''}), more than the "
+                   f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name} device")
     return est

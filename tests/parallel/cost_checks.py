@@ -31,6 +31,7 @@ def cost_worker(plans) -> dict:
     from cuboid import zoo
     from cuboid.parallel import comm, cost, zero
     from cuboid.parallel.optim import AdamW
+    from cuboid.planner import meta_shards
 
     config = zoo.config_of("gpt-debug", **HELD_OUT)
     report = {}
@@ -46,13 +47,9 @@ def cost_worker(plans) -> dict:
             cuboid.train_step(model, opt, batch)
         measured = _grouped({k: (v[1], v[0]) for k, v in tally.items().items()})
 
-        meta = cuboid.load(config, plan=plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"), device="meta",
-                           mesh=cuboid.parallel.Mesh.layout(plan.replace(dp=1, sp=1, zero=0, sp_mode="ring"),
-                                                            mesh.coords.get("pp", 0) * plan.tp + mesh.coords.get("tp", 0)))
+        meta = meta_shards(config, plan, mesh.rank)  # what the planner prices for this rank
         named = dict(meta.named_parameters())
-        cuts = getattr(meta, "pipeline_blocks", ())
-        stages = cost.stages_of(plan, cuts) if plan.pp > 1 else [cost.Stage(config.n_layers)]
-        stage = stages[mesh.coords.get("pp", 0)]
+        stage = cost.stages_of(plan, getattr(meta, "pipeline_blocks", ()), config.n_layers)[mesh.coords.get("pp", 0)]
         predicted = _grouped(cost.traffic(config, plan, named, stage, BATCH, SEQ, spec=zoo.spec_of(meta)))
 
         held = zero.model_state_bytes(model, opt)  # after the step: no gradients held
