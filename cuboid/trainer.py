@@ -167,42 +167,39 @@ def _interrupted(out: Path) -> list[str]:
     return tmp + [p.name for p in _checkpoints(out) if not _complete(p)]
 
 
-def _agreed_resume(resume: Optional[str], out: Path, mesh: Mesh) -> Optional[Path]:
-    """:func:`_resolve_resume` decided on rank 0 and sent to every rank, so no two ranks resume differently."""
+def _decided_on_rank0(mesh: Mesh, decide, errors=(ValueError,)):
+    """``decide()`` run on rank 0 only and its answer sent to every rank; an error of ``errors`` there is
+    raised on every rank (as a ValueError), so no rank goes on alone."""
     answer: tuple = ("ok", None)
     if mesh.is_main:
         try:
-            found = _resolve_resume(resume, out)
-            answer = ("ok", None if found is None else str(found))
-        except ValueError as e:
-            answer = ("error", e.args[0])
+            answer = ("ok", decide())
+        except errors as e:
+            answer = ("error", str(e.args[0]) if e.args else str(e))
     if mesh.world_size > 1:
         import torch.distributed as dist
 
         box = [answer]
-        dist.broadcast_object_list(box, src=0)
+        with comm.guarded("broadcast_object_list (rank 0's decision)", None):
+            dist.broadcast_object_list(box, src=0)
         answer = box[0]
     if answer[0] == "error":
         raise ValueError(answer[1])
-    return None if answer[1] is None else Path(answer[1])
+    return answer[1]
+
+
+def _agreed_resume(resume: Optional[str], out: Path, mesh: Mesh) -> Optional[Path]:
+    """:func:`_resolve_resume` decided on rank 0 and sent to every rank, so no two ranks resume differently."""
+    found = _decided_on_rank0(mesh, lambda: _resolve_resume(resume, out))
+    return None if found is None else Path(found)
 
 
 def _verify_once(ckpt, path: Path, mesh: Mesh) -> None:
     """``ckpt.verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
-    error = None
-    if mesh.is_main:
-        try:
-            ckpt.verify(path)
-        except (ValueError, OSError) as e:  # CheckpointError is a ValueError; the other ranks must hear of it
-            error = str(e)
-    if mesh.world_size > 1:
-        import torch.distributed as dist
-
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise ckpt.CheckpointError(error)
+    try:
+        _decided_on_rank0(mesh, lambda: ckpt.verify(path) and None, errors=(ValueError, OSError))
+    except ValueError as e:  # CheckpointError is a ValueError; the other ranks hear of it too
+        raise ckpt.CheckpointError(e.args[0]) from None
 
 
 def _restart_count(mesh: Mesh) -> int:
@@ -217,7 +214,8 @@ def _restart_count(mesh: Mesh) -> int:
     import torch.distributed as dist
 
     counts: list = [None] * mesh.world_size
-    dist.all_gather_object(counts, mine)
+    with comm.guarded("all_gather_object (restart counts)", None):
+        dist.all_gather_object(counts, mine)
     return max(counts)
 
 
@@ -406,8 +404,9 @@ def run(cfg: FinetuneConfig) -> dict:
         log(f"resumed from {resume_from} at step {start}" + (f" (restart {restart})" if restart else ""))
     elif restart:
         log(f"restart {restart}: no complete checkpoint in {out}, starting from step 0")
-    if restart and mesh.is_main and _interrupted(out):
-        log(f"restart {restart}: ignored the interrupted save(s) {', '.join(_interrupted(out))}")
+    skipped = _interrupted(out) if restart and mesh.is_main else []
+    if skipped:
+        log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
 
     n_params = zoo.count_parameters(zoo.build(model.config))  # the whole model (a pp stage holds part of it)
     name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
