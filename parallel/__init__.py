@@ -3,7 +3,8 @@
 ``Plan`` (data) + ``Mesh`` (process groups) + ``shard`` / ``prepare`` (plan -> drop-in model).
 """
 from .apply import (ShardingSpec, checkpoint_blocks, input_splitter, prepare,
-                    set_gradient_sync, shard, split_batch, unwrap)
+                    set_gradient_sync, shard, unwrap)
+from .batch import pad_batch, split_batch
 from .mesh import Mesh, init_distributed
 from .plan import Plan
 

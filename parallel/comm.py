@@ -77,38 +77,18 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .timeouts import (CollectiveError, CollectiveTimeout, as_collective_error, guard_fsdp, guarded, new_group,
-                       set_timeout, timeout_s, wait_p2p)
+from .groups import group_name, name_group
+from .timeouts import (CollectiveError, CollectiveTimeout, as_collective_error, forget_groups, guard_fsdp, guarded,
+                       new_group, set_timeout, timeout_s, wait_p2p)
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
            "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_",
            "CollectiveError", "CollectiveTimeout", "timeout_s", "set_timeout", "new_group", "guarded",
-           "as_collective_error", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
+           "as_collective_error", "forget_groups", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
 
 
 # ----------------------------------------------------------------- group names
-
-
-_NAMES: dict[int, tuple[object, str]] = {}  # id(group) -> (group kept alive, name)
-
-
-def name_group(group, name: str) -> None:
-    """Give ``group`` a human name for the tallies (the mesh calls this for its groups)."""
-    if group is not None:
-        _NAMES[id(group)] = (group, name)
-
-
-def group_name(group) -> str:
-    if group is None:
-        return "none"
-    entry = _NAMES.get(id(group))
-    if entry is not None and entry[0] is group:
-        return entry[1]
-    try:
-        return "group[" + ",".join(map(str, dist.get_process_group_ranks(group))) + "]"
-    except Exception:  # noqa: BLE001 - a name is only a label
-        return f"group@{id(group):x}"
 
 
 def group_size(group) -> int:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .apply import pad_batch, split_batch
+from .batch import pad_batch, split_batch
 
 
 def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.0,

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
+from .groups import _NAMES, group_name
 
 class CollectiveError(RuntimeError):
     """A collective or p2p of this rank failed; the message names the rank, the operation and the group."""
@@ -40,11 +40,38 @@ def timeout_s() -> float:
     return _TIMEOUT_S[0] if _TIMEOUT_S else float(os.environ.get("CUBOID_TIMEOUT_S", "300"))
 
 
+_MADE: dict = {}  # (ranks, name, timeout) -> (the world it was made in, group)
+
+
 def new_group(ranks: list, name: Optional[str] = None):
     """``dist.new_group(ranks)`` with :func:`timeout_s` (torch's default is the backend's, 30 minutes for
     gloo, not the world's) and ``name`` as its description (NCCL's watchdog prints it); every rank of the
-    world calls it, in the same order."""
-    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s()), group_desc=name)
+    world calls it, in the same order.
+
+    A group is made once per (ranks, name, timeout) in a world and reused by
+    every later call: each gloo group holds threads and sockets, and a process
+    that loads many models (sweeps, notebooks, the planner) would otherwise
+    gain them with every load. Every rank decides the same way, since every
+    rank makes the same calls in the same order.
+    """
+    key = (tuple(int(r) for r in ranks), name, timeout_s())
+    world = dist.group.WORLD
+    made = _MADE.get(key)
+    if made is not None and made[0] is world:
+        return made[1]
+    group = dist.new_group(list(key[0]), timeout=datetime.timedelta(seconds=key[2]), group_desc=name)
+    _MADE[key] = (world, group)
+    return group
+
+
+def forget_groups() -> None:
+    """Make the next :func:`new_group` calls make new groups (the ones made so far stay usable).
+
+    Every rank must call it at the same point. For a process that goes on
+    after a :class:`CollectiveError` (a test of failures; a training job
+    should end and be restarted): the failed group is broken for good.
+    """
+    _MADE.clear()
 
 
 def _group_timeout(group) -> float:
@@ -72,8 +99,6 @@ def as_collective_error(op: str, group, exc: BaseException, *, known: bool = Tru
         ranks = " (ranks " + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
     except Exception:  # noqa: BLE001 - ranks are only a label
         ranks = ""
-    from .comm import _NAMES, group_name
-
     name = "world" if group is world and id(group) not in _NAMES else group_name(group)
     where = f"rank {dist.get_rank() if world is not None else 0}: {op} over group '{name}'{ranks}"
     if timeout:
