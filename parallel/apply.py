@@ -164,10 +164,15 @@ class BatchSplit:
 
     def after(self, module, args, kwargs, output):
         batch, pad = self._sizes.pop()
+        return self.whole(output, batch, pad)
+
+    def whole(self, output, batch: int = 0, pad: int = 0):
+        """``output``'s fields made whole when read: plain tensor fields (activations in the mode's layout)
+        gathered over the grid, ``pad`` padding rows cut (``batch`` rows kept); in place, returned."""
         if not hasattr(output, "defer"):
             return output
         for name in ("logits", "last_hidden_state", "pooler_output"):
-            if not output.is_deferred(name):  # a plain tensor field is an activation in the mode's layout
+            if not output.is_deferred(name):
                 output.defer(name, self._gather_hidden)
             if pad:
                 output.defer(name, lambda t: t[:batch])
@@ -295,16 +300,15 @@ def _shard_over_dp(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[Shar
 
 
 def _pipeline_forward(pipeline, *args, **kwargs):
-    """``model(**batch)`` under pp: the pipeline's forward without gradients (evaluation, inference)."""
+    """``model(**batch)`` under pp: the pipeline's forward without gradients (evaluation, inference), the
+    same outputs on every rank."""
     if args:
         raise TypeError("a model under pipeline parallelism takes its inputs by name: model(**batch)")
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() and kwargs.get("labels") is not None:
         raise RuntimeError("a model under pipeline parallelism trains through its schedule: use "
-                           "cuboid.train_step(model, optimizer, global_batch); a forward runs under torch.no_grad()")
-    if kwargs.get("labels") is None:
-        raise ValueError("a forward under pipeline parallelism needs labels (evaluation); inference without "
-                         "labels is not built yet")
-    return pipeline.evaluate(kwargs)
+                           "cuboid.train_step(model, optimizer, global_batch); a forward with labels runs under "
+                           "torch.no_grad() (evaluation), one without labels anywhere (inference, no gradients)")
+    return pipeline.forward_only(kwargs)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -85,7 +85,7 @@ __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatte
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
            "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_",
            "CollectiveError", "CollectiveTimeout", "timeout_s", "set_timeout", "new_group", "guarded",
-           "as_collective_error", "forget_groups", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
+           "as_collective_error", "forget_groups", "send_", "recv_", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
 
 
 # ----------------------------------------------------------------- group names
@@ -292,6 +292,27 @@ def broadcast_(t: torch.Tensor, group, src: int = 0) -> torch.Tensor:
     with guarded("broadcast", group):
         dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
     return t
+
+
+def send_(tensors: list, group, dst: int) -> None:
+    """Send ``tensors`` (contiguous) to the group's rank ``dst`` (an index inside the group); returns once
+    they are sent. The receiver calls :func:`recv_` with tensors of the same shapes and dtypes."""
+    works = []
+    for t in tensors:
+        _record("send", group, _nbytes(t))
+        with guarded("send", group):
+            works.append(dist.isend(t, dist.get_global_rank(group, dst), group=group))
+    wait_p2p(works, f"send of {len(tensors)} tensor(s) to group rank {dst}", group)
+
+
+def recv_(tensors: list, group, src: int) -> list:
+    """Receive into ``tensors`` from the group's rank ``src`` (:func:`send_`'s pair); returns them."""
+    works = []
+    for t in tensors:
+        with guarded("recv", group):
+            works.append(dist.irecv(t, dist.get_global_rank(group, src), group=group))
+    wait_p2p(works, f"recv of {len(tensors)} tensor(s) from group rank {src}", group)
+    return tensors
 
 
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:

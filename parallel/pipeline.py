@@ -157,54 +157,93 @@ class StageModule(nn.Module):
                                    if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
-        self.collected: Optional[list] = None  # the last stage's (logits, loss sum, targets) when evaluating
 
-    def forward(self, *inputs):
-        info, model = self.info, self.model
-        if info.stage == 0:
-            batch = dict(zip(self._keys_from.input_keys, inputs))
-            if self.batch_split is not None:
-                size = batch[self._keys_from.input_keys[0]].shape[0]
-                batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
-            x = model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
-            residual = torch.zeros_like(x)
-            mask = batch.get("attention_mask")
-            if mask is None:  # no key is masked
-                mask = torch.ones(x.shape[0], 1, dtype=torch.long, device=x.device)
-            labels = batch["labels"]
-        inferring = False
-        if info.stage > 0:
-            x, residual, mask, labels = inputs
-            x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
-            inferring = self.inferring
-            if inferring:
-                # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
-                # the first training step and again before the first evaluation); labels and masks there are
-                # noise, so that pass ignores and keeps all
-                labels, mask = torch.full_like(labels, -100), torch.ones_like(mask)
+    def start(self, batch: dict) -> tuple:
+        """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
+        batch has none)."""
+        if self.batch_split is not None:
+            size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+            batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
+        x = self.model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
+        mask = batch.get("attention_mask")
+        if mask is None:  # no key is masked
+            mask = torch.ones(x.shape[0], 1, dtype=torch.long, device=x.device)
+        return x, torch.zeros_like(x), mask, batch.get("labels")
+
+    def run_blocks(self, x, residual, mask):
         key_mask = _key_mask(mask)
         for block in self.blocks.values():
             x, r = block(x, residual, key_mask)
             residual = r if r is not None else torch.zeros_like(x)
+        return x, residual
+
+    def forward(self, *inputs):
+        """The schedule's call: the batch tensors (first stage) or the stream in; the stream or the
+        micro-batch's mean loss (last stage) out."""
+        info = self.info
+        if info.stage == 0:
+            x, residual, mask, labels = self.start(dict(zip(self._keys_from.input_keys, inputs)))
+        else:
+            x, residual, mask, labels = inputs
+            x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
+            if self.inferring:
+                # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
+                # the first training step); labels and masks there are noise, so that pass ignores and keeps all
+                labels, mask = torch.full_like(labels, -100), torch.ones_like(mask)
+        x, residual = self.run_blocks(x, residual, mask)
         if info.stage < info.stages - 1:
             # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
             # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
             return tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
-        out = model.head(x, residual, labels)
-        if self.collected is not None and not inferring:  # (under 2D/3D the loss is the whole micro-batch's)
-            self.collected.append((out.logits.detach(), out.loss.detach().float()))
-        return out.loss
+        return self.model.head(x, residual, labels).loss
+
+    def forward_only(self, stream):
+        """One stage of a forward without the schedule: ``stream`` is a micro-batch (first stage) or the
+        previous stage's ``(x, residual, mask, labels)``; returns the next stream, or the model's Output
+        (last stage)."""
+        x, residual, mask, labels = self.start(stream) if self.info.stage == 0 else stream
+        x, residual = self.run_blocks(x, residual, mask)
+        if self.info.stage < self.info.stages - 1:
+            return x, residual, mask, labels
+        out = self.model.head(x, residual, labels)
+        return self.batch_split.whole(out) if self.batch_split is not None else out
 
 
 @dataclass
 class PipelineOutput:
-    """What a model under pp returns from a forward without gradients, the same on every rank."""
+    """What a model under pp returns from a forward without gradients, the same on every rank: the fields
+    of the zoo model's Output (``loss`` only when the batch had labels)."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
     last_hidden_state: Optional[torch.Tensor] = None
     pooler_output: Optional[torch.Tensor] = None
+
+
+FIELDS = ("logits", "last_hidden_state", "pooler_output")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+_HEADER = 6  # per tensor: ndim (-1: none), four sizes, dtype code
+
+
+def _header(tensors) -> torch.Tensor:
+    """What a receiver needs to allocate ``tensors`` (None allowed): :data:`_HEADER` int64 per tensor."""
+    rows = []
+    for t in tensors:
+        if t is None:
+            rows.append([-1, 0, 0, 0, 0, 0])
+            continue
+        if t.dim() > 4:
+            raise ValueError(f"a pipeline stream tensor has at most 4 dims, got {tuple(t.shape)}")
+        rows.append([t.dim(), *t.shape, *[0] * (4 - t.dim()), _DTYPES.index(t.dtype)])
+    return torch.tensor(rows, dtype=torch.int64).flatten()
+
+
+def _empty_from(header: torch.Tensor, device) -> list:
+    out = []
+    for row in header.view(-1, _HEADER).tolist():
+        out.append(None if row[0] < 0 else torch.empty(row[1:1 + row[0]], dtype=_DTYPES[row[5]], device=device))
+    return out
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -362,9 +401,10 @@ class Pipeline:
                     self._schedule.step(*args, return_outputs=False)
         except Exception as e:
             raise self._failed(e, "") from e
-        for p in self.tied:
-            if p.grad is not None:
-                comm.all_reduce_(p.grad, self.embedding_group)
+        for p in self.tied:  # every rank of the embedding group calls, whatever its stage's head used
+            if p.grad is None:  # this end did not use the tied module in this step: it contributes zeros
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce_(p.grad, self.embedding_group)
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
 
@@ -400,59 +440,86 @@ class Pipeline:
         return pad_batch(batch, self.microbatches * self.parts)
 
     @torch.no_grad()
-    def evaluate(self, batch: dict) -> "PipelineOutput":
-        """The pipeline's forward of ``batch`` on every rank: the mean loss over its label positions and
-        the whole logits, the same on every rank (the last stage's, broadcast over ``pp``).
+    def forward_only(self, batch: dict) -> PipelineOutput:
+        """The model's forward of ``batch`` without gradients, under every schedule: every rank gets the
+        last stage's outputs (logits, hidden states, pooled output; with labels, the mean loss over the
+        label positions), the same everywhere.
 
-        A batch that does not divide into the micro-batches is padded with
-        rows whose labels are ignored; their logits are cut.
+        Not torch's schedule: micro-batches go through the stages in order,
+        each stage receiving its stream from the rank of the stage before (a
+        rank holding two stages, interleaved or ZBV, runs both), so every
+        schedule has one forward, labels or not. A batch that does not
+        divide into the micro-batches (and 2D/3D blocks) is padded with rows
+        that weigh nothing; their outputs are cut.
         """
-        if self.schedule == "zbv":
-            raise NotImplementedError("evaluation under the zbv schedule is not built yet (torch 2.13's "
-                                      "ScheduleZBVZeroBubble cannot run forward-only); evaluate under 1f1b")
         size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-        batch = self.pad(batch)
-        args = self._first_args(batch)
-        self._fit_shapes(batch)
-        last = self.modules[self.ids.index(self.first.stages - 1)] if self.has_last else None
-        if last is not None:
-            last.collected = []
-        weights = torch.zeros(self.microbatches, device=next(iter(batch.values())).device)
+        micro = split_batch(self.pad(batch), self.microbatches)
+        group, total = self.mesh.group("pp"), self.first.stages
+        owner = [next(r for r in range(self.pp) if s in stage_ids(self.schedule, r, self.pp)) for s in range(total)]
+        device = next(self.model.parameters()).device
+        outs: list = []
         try:
-            with _timed_p2p(self.mesh.group("pp")):
-                if self.has_last:
-                    self._schedule.eval(*args, target=weights, losses=[], return_outputs=False)
-                else:
-                    self._schedule.eval(*args, return_outputs=False)
+            for mb in micro:
+                stream = None
+                for s in range(total):
+                    if owner[s] != self.rank:
+                        continue
+                    if s > 0 and owner[s - 1] != self.rank:  # the stream comes from another rank
+                        header = torch.empty(4 * _HEADER, dtype=torch.int64, device=device)
+                        stream = _empty_from(comm.recv_([header], group, owner[s - 1])[0].cpu(), device)
+                        comm.recv_([t for t in stream if t is not None], group, owner[s - 1])
+                    result = self.modules[self.ids.index(s)].forward_only(mb if s == 0 else stream)
+                    if s == total - 1:
+                        outs.append(self._resolved(result, mb))
+                    elif owner[s + 1] != self.rank:
+                        comm.send_([_header(result).to(device)], group, owner[s + 1])
+                        comm.send_([t.contiguous() for t in result if t is not None], group, owner[s + 1])
+                    else:
+                        stream = result
         except Exception as e:
-            raise self._failed(e, " in evaluation") from e
+            raise self._failed(e, " in a forward") from e
+        return self._from_last(outs, size, device)
+
+    def _resolved(self, out, mb: dict) -> dict:
+        """The last stage's Output of one micro-batch as plain tensors (reading deferred fields gathers
+        over tp: every rank of the last stage reads them, in one order)."""
+        fields = {name: getattr(out, name) for name in FIELDS}
+        fields = {k: (v.detach() if v is not None else None) for k, v in fields.items()}
+        n = self.model.num_targets(mb) if mb.get("labels") is not None else 0
+        loss = float(out.loss) * n if n and out.loss is not None else 0.0
+        return dict(fields, loss_sum=loss, targets=n)
+
+    def _from_last(self, outs: list, size: int, device) -> PipelineOutput:
+        """The last stage's micro-batch outputs, joined, on every rank of ``pp`` (broadcast from its rank)."""
         group, src = self.mesh.group("pp"), self.last_rank
-        if last is not None:
-            collected, last.collected = last.collected, None
-            logits = torch.cat([c[0] for c in collected]).float()
-            counts = [self.model.num_targets(mb) for mb in split_batch(batch, self.microbatches)]
-            stats = torch.tensor([sum(float(c[1]) * n for c, n in zip(collected, counts) if n), sum(counts)],
-                                 dtype=torch.float64)
-            shape = torch.tensor([logits.dim(), *logits.shape, *[0] * (4 - logits.dim())], dtype=torch.int64)
+        if outs:
+            joined = [torch.cat([o[name] for o in outs]) if outs[0][name] is not None else None for name in FIELDS]
+            stats = torch.tensor([sum(o["loss_sum"] for o in outs), sum(o["targets"] for o in outs)],
+                                 dtype=torch.float64, device=device)
+            header = _header(joined).to(device)
         else:
-            stats, shape = torch.zeros(2, dtype=torch.float64), torch.zeros(5, dtype=torch.int64)
-        device = next(iter(batch.values())).device
-        shape = comm.broadcast_(shape.to(device), group, src).cpu()
-        stats = comm.broadcast_(stats.to(device), group, src).cpu()
-        if last is None:
-            logits = torch.empty(tuple(shape[1:1 + int(shape[0])].tolist()), device=device)
-        logits = comm.broadcast_(logits.contiguous(), group, src)
-        loss = torch.tensor(stats[0].item() / stats[1].item() if stats[1] else float("nan"))
-        return PipelineOutput(logits=logits[:size], loss=loss)
+            joined, stats = None, torch.zeros(2, dtype=torch.float64, device=device)
+            header = torch.zeros(len(FIELDS) * _HEADER, dtype=torch.int64, device=device)
+        header = comm.broadcast_(header, group, src).cpu()
+        if joined is None:
+            joined = _empty_from(header, device)
+        joined = [comm.broadcast_(t.contiguous(), group, src) if t is not None else None for t in joined]
+        stats = comm.broadcast_(stats, group, src).cpu()
+        values = {name: (t[:size] if t is not None else None) for name, t in zip(FIELDS, joined)}
+        loss = torch.tensor(stats[0].item() / stats[1].item()) if stats[1] else None
+        return PipelineOutput(loss=loss, **values)
 
     def _average_over_dp(self) -> None:
         group = self.mesh.group("dp")
         if group is None or self.zero is not None:  # ZeRO reduce-scatters at the step
             return
         by_dtype: dict = {}
-        for p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for p in self.params:  # the same list on every dp rank: a parameter without a gradient sends zeros
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce_(flat, group)

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Union
 
@@ -84,8 +85,14 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
 
 
 def spec_of(model: nn.Module):
-    """The sharding spec of a zoo model."""
-    return SPECS[family_of(model).name]
+    """The sharding spec of a zoo model: its family's, with the tie between the pipeline's ends only where
+    the model's head reads the token embedding (an LM or MLM head; a classifier or a backbone does not, so
+    the last stage neither holds nor sums it)."""
+    spec = SPECS[family_of(model).name]
+    tied = set(spec.first) & set(spec.last)
+    if tied and getattr(getattr(model, "config", None), "head", None) not in ("lm", "mlm"):
+        spec = dataclasses.replace(spec, last=tuple(n for n in spec.last if n not in tied))
+    return spec
 
 
 def to_hf(model: nn.Module, path: os.PathLike):
