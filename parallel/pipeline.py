@@ -35,10 +35,12 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from . import comm
 from .batch import pad_batch, split_batch
+from .sequence_split import TensorSequenceSplit
 
 
 def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.0,
@@ -157,6 +159,8 @@ class StageModule(nn.Module):
                                    if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
+        seq = getattr(model, "sequence_split", None)
+        self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
@@ -166,16 +170,28 @@ class StageModule(nn.Module):
             batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
         x = self.model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
         mask = batch.get("attention_mask")
-        if mask is None:  # no key is masked
-            mask = torch.ones(x.shape[0], 1, dtype=torch.long, device=x.device)
+        if mask is None:  # no key is masked ((B, T) under tp_sequence: the last stage reads T from it)
+            mask = torch.ones(x.shape[0], x.shape[1] if self.seq is not None else 1, dtype=torch.long,
+                              device=x.device)
+        if self.seq is not None:  # Megatron sequence parallelism: this rank's T / tp tokens travel
+            x = comm.scatter_to(F.pad(x, (0, 0, 0, (-x.shape[1]) % self.seq.tp)), self.seq.group, 1)
         return x, torch.zeros_like(x), mask, batch.get("labels")
 
     def run_blocks(self, x, residual, mask):
+        if self.seq is not None:  # attention sees the whole (gathered, padded) sequence
+            mask = F.pad(mask, (0, x.shape[1] * self.seq.tp - mask.shape[1]))
         key_mask = _key_mask(mask)
         for block in self.blocks.values():
             x, r = block(x, residual, key_mask)
             residual = r if r is not None else torch.zeros_like(x)
         return x, residual
+
+    def head(self, x, residual, mask, labels):
+        """The model's head on the last stage (under tp_sequence after the sequence is gathered)."""
+        if self.seq is not None:
+            x = comm.gather_from(x, self.seq.group, 1)[:, :mask.shape[1]]
+            residual = comm.gather_from(residual, self.seq.group, 1)[:, :mask.shape[1]]
+        return self.model.head(x, residual, labels)
 
     def forward(self, *inputs):
         """The schedule's call: the batch tensors (first stage) or the stream in; the stream or the
@@ -196,7 +212,7 @@ class StageModule(nn.Module):
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
             # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
             return tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
-        return self.model.head(x, residual, labels).loss
+        return self.head(x, residual, mask, labels).loss
 
     def forward_only(self, stream):
         """One stage of a forward without the schedule: ``stream`` is a micro-batch (first stage) or the
@@ -206,7 +222,7 @@ class StageModule(nn.Module):
         x, residual = self.run_blocks(x, residual, mask)
         if self.info.stage < self.info.stages - 1:
             return x, residual, mask, labels
-        out = self.model.head(x, residual, labels)
+        out = self.head(x, residual, mask, labels)
         return self.batch_split.whole(out) if self.batch_split is not None else out
 
 

@@ -170,8 +170,8 @@ class Plan:
     def unimplemented(self) -> list[str]:
         """The features this plan asks for that this build does not have yet."""
         missing = []
-        if self.tp_sequence and (self.sp > 1 or self.pp > 1):
-            missing.append("tp_sequence with " + ("sequence parallelism" if self.sp > 1 else "pipeline stages"))
+        if self.tp_sequence and self.sp > 1:
+            missing.append("tp_sequence with sequence parallelism")
         if self.sp > 1 and (self.tp_mode != "1d" and self.tp > 1 or self.pp > 1 or self.zero):
             missing.append(f"sequence parallelism (sp={self.sp}) with "
                            + ", ".join(w for w, on in ((f"tp_mode {self.tp_mode}", self.tp_mode != "1d" and self.tp > 1),

@@ -221,7 +221,9 @@ def four_rank_worker(plans):
 
 
 def test_pp4_and_dp2_pp2_with_and_without_zero_on_4_ranks():
-    plans = [("pp4", {}), ("dp2-pp2", {}), ("dp2-pp2-zero1", {}), ("dp=2,pp=2,microbatches=2,zero=2", {})]
+    plans = [("pp4", {}), ("dp2-pp2", {}), ("dp2-pp2-zero1", {}), ("dp=2,pp=2,microbatches=2,zero=2", {}),
+             ("pp=2,tp=2,tp_sequence=true,microbatches=2", {}),  # Megatron sequence parallelism in the stages
+             ("pp=2,tp=2,tp_sequence=true,microbatches=2,schedule=zbv", {"n_layers": 4})]
     check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 2 * 2)
 
 
