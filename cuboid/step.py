@@ -147,8 +147,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
 def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype, scaler) -> StepResult:
     """:func:`train_step` under pipeline parallelism: the schedule runs the micro-batches."""
     pipe = core.pipeline
-    if scaler is not None:
-        raise NotImplementedError("fp16 grad scaling under pipeline parallelism is not built yet; use bf16")
+    if scaler is not None and pipe.zero is not None:
+        raise NotImplementedError("fp16 grad scaling under pipeline parallelism with ZeRO is not built yet; "
+                                  "use bf16, or fp16 without ZeRO")
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
                          f"microbatches), not {parts}")
@@ -162,20 +163,31 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp")
     weights = torch.tensor([n * dp / total for n in counts], dtype=torch.float32, device=device)
+    scale = 1.0
+    if scaler is not None:  # the schedule's loss function scales each micro-batch's loss through its weight
+        scale_t = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+        weights, scale = weights * scale_t, float(scale_t)
     batch = _to(share, device)
     with autocast_for(dtype, device):
         local = pipe.run(batch, weights)
     # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
     loss = torch.zeros(1, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
     if local is not None:
-        loss += float(local.detach()) / dp
+        loss += float(local.detach()) / dp / scale
     comm.all_reduce_(loss, mesh.group("dp"))
     comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
+    if scaler is not None:  # every stage's inf check, agreed over the world: all skip or none
+        scaler.unscale_(optimizer)
+        sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:
         grad_norm = float(clip_grad_norm_(list(core.parameters()), max_grad_norm, sum_group=mesh.group("pp"),
                                           exclude={id(p) for p in pipe.counted_elsewhere}))
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=float(loss), targets=int(total), grad_norm=grad_norm)
 

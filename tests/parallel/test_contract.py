@@ -38,9 +38,8 @@ def _scaler_skips_together(plan):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     ids = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids}
-    shard = model.blocks[0].mlp.fc.weight  # split over tp: each rank holds different rows
-    if torch.distributed.get_rank() == 0:
-        shard.register_hook(lambda g: torch.full_like(g, float("inf")))
+    if torch.distributed.get_rank() == 0:  # (tp: a shard of rank 0's rows; pp: a layer of the first stage only)
+        model.blocks[0].mlp.fc.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
     before = [p.detach().clone() for p in model.parameters()]
     cuboid.train_step(model, opt, batch, scaler=scaler)
     moved = sum(int(not torch.equal(a, p.detach())) for a, p in zip(before, model.parameters()))
