@@ -271,8 +271,8 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if plan.zero and mesh.size("dp") > 1:  # the pieces are reduced at the step, after the schedule
             from .zero import FlatShards
 
-            model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, mesh.group("dp"), plan.zero,
-                                                          hooks=False)
+            group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")  # (sp: every weight on each)
+            model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, group, plan.zero, hooks=False)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
     elif mesh.size("dp") > 1 and plan.zero:
         _shard_over_dp(model, plan, mesh, spec)

@@ -40,7 +40,7 @@ from torch import nn
 
 from . import comm
 from .batch import pad_batch, split_batch
-from .sequence_split import TensorSequenceSplit
+from .sequence_split import SequenceSplit, TensorSequenceSplit
 
 
 def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.0,
@@ -161,6 +161,7 @@ class StageModule(nn.Module):
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
         seq = getattr(model, "sequence_split", None)
         self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
+        self.sp = seq if isinstance(seq, SequenceSplit) else None  # sp: blocks on this rank's zigzag chunks
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
@@ -168,6 +169,9 @@ class StageModule(nn.Module):
         if self.batch_split is not None:
             size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
             batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
+        if self.sp is not None:  # sequence parallelism: this rank's chunks travel, with the whole (B, T) mask
+            x, keep, local, labels, _ = self.sp.enter(batch)
+            return x, torch.zeros_like(x), keep.long(), local if local is not None else labels
         x = self.model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
         mask = batch.get("attention_mask")
         if mask is None:  # no key is masked ((B, T) under tp_sequence: the last stage reads T from it)
@@ -180,7 +184,7 @@ class StageModule(nn.Module):
     def run_blocks(self, x, residual, mask):
         if self.seq is not None:  # attention sees the whole (gathered, padded) sequence
             mask = F.pad(mask, (0, x.shape[1] * self.seq.tp - mask.shape[1]))
-        key_mask = _key_mask(mask)
+        key_mask = _key_mask(mask) if self.sp is None else self.sp.key_mask(mask, x.shape[1] * self.sp.sp)
         for block in self.blocks.values():
             x, r = block(x, residual, key_mask)
             residual = r if r is not None else torch.zeros_like(x)
@@ -191,6 +195,9 @@ class StageModule(nn.Module):
         if self.seq is not None:
             x = comm.gather_from(x, self.seq.group, 1)[:, :mask.shape[1]]
             residual = comm.gather_from(residual, self.seq.group, 1)[:, :mask.shape[1]]
+        if self.sp is not None:  # the loss summed over sp, outputs gathered in order when read
+            token = labels is not None and labels.dim() == 2
+            return self.sp.leave(x, residual, labels if token else None, labels, mask.shape[1])
         return self.model.head(x, residual, labels)
 
     def forward(self, *inputs):
@@ -526,7 +533,8 @@ class Pipeline:
         return PipelineOutput(loss=loss, **values)
 
     def _average_over_dp(self) -> None:
-        group = self.mesh.group("dp")
+        axis = "dpsp" if self.mesh.size("sp") > 1 else "dp"  # every sp rank holds every weight of its stages
+        group = self.mesh.group(axis)
         if group is None or self.zero is not None:  # ZeRO reduce-scatters at the step
             return
         by_dtype: dict = {}
@@ -539,7 +547,7 @@ class Pipeline:
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce_(flat, group)
-            flat /= self.mesh.size("dp")
+            flat /= self.mesh.size(axis)
             offset = 0
             for g in grads:
                 n = g.numel()

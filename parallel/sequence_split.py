@@ -132,26 +132,32 @@ class SequenceSplit:
         parts = comm.gather_from(t.contiguous(), self.group, 1).chunk(self.sp, dim=1)
         return zigzag_merge(list(parts), self.sp, 1)[:, :length]
 
-    def forward(self, **batch):
-        model = self.model
+    def enter(self, batch: dict) -> tuple:
+        """The embeddings of the whole batch, cut: ``(x, keep, local_labels, labels, n)`` with ``x`` this rank's
+        (B, T_pad / sp, C) tokens, ``keep`` the whole (B, T) mask of kept tokens, ``local_labels`` this rank's
+        aligned token labels (None for example labels or none), ``labels`` the batch's and ``n`` the token
+        label positions of the whole batch."""
         labels = batch.get("labels")
-        x, keep = _embed_whole(model, self._embed_args, batch, "sequence parallelism")
-        B, T, _ = x.shape
+        x, keep = _embed_whole(self.model, self._embed_args, batch, "sequence parallelism")
         token_labels = labels if labels is not None and labels.dim() == 2 else None
         if token_labels is not None and self.shifted:  # position t learns token t + 1 (maybe another rank's)
             token_labels = torch.cat([token_labels[:, 1:], torch.full_like(token_labels[:, :1], -100)], 1)
-        pad = (-T) % (2 * self.sp)
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-            keep = F.pad(keep, (0, pad), value=False)
-            if token_labels is not None:
-                token_labels = F.pad(token_labels, (0, pad), value=-100)
-        key_mask = None if bool(keep.all()) else self._split(keep)  # the same choice on every sp rank
-        x = self._split(x)
-        residual = None
-        for block in getattr(model, self.spec.blocks):
-            x, residual = block(x, residual, key_mask)
-        local_labels = self._split(token_labels) if token_labels is not None else None
+        pad = (-x.shape[1]) % (2 * self.sp)
+        x = self._split(F.pad(x, (0, 0, 0, pad)))
+        local = self._split(F.pad(token_labels, (0, pad), value=-100)) if token_labels is not None else None
+        return x, keep, local, labels, int((token_labels != -100).sum()) if token_labels is not None else 0
+
+    def key_mask(self, keep: torch.Tensor, tokens: int) -> Optional[torch.Tensor]:
+        """This rank's key padding mask for the whole (B, T) ``keep`` padded to ``tokens`` (None: all kept;
+        the same choice on every sp rank)."""
+        keep = F.pad(keep.to(torch.bool), (0, tokens - keep.shape[1]), value=False)
+        return None if bool(keep.all()) else self._split(keep)
+
+    def leave(self, x, residual, local_labels, labels, length: int, n_total: Optional[int] = None):
+        """The model's head on this rank's tokens: the single-device loss (summed over sp) and outputs
+        gathered in order, ``length`` tokens, when read. ``n_total``: the batch's token label positions
+        (None: counted here, a sum over sp)."""
+        model = self.model
         front = back = 0
         if self.pooled_first:  # the true first token (rank 0's position 0) in front of this rank's tokens
             x = torch.cat([_FromFirstRank.apply(x[:, :1], self.group), x], 1)
@@ -167,11 +173,14 @@ class SequenceSplit:
             if local_labels is not None:
                 local_labels = F.pad(local_labels, (1, 0), value=-100)
             back = 1
-        out = model.head(x, residual, local_labels if token_labels is not None else labels)
+        token = labels is not None and labels.dim() == 2
+        out = model.head(x, residual, local_labels if token else labels)
         if labels is not None and out.loss is not None:
-            if token_labels is not None:
+            if token:  # this rank's share of the label positions
                 n_local = int((local_labels != -100).sum())
-                n_total = int((token_labels != -100).sum())
+                if n_total is None:  # (every sp rank counts alike)
+                    counts = torch.tensor([float(n_local)], dtype=torch.float64, device=x.device)
+                    n_total = int(comm.all_reduce_(counts, self.group).item())
                 term = out.loss.nan_to_num(0.0) * 0.0 if n_local == 0 else out.loss * (n_local / max(n_total, 1))
             else:
                 term = out.loss / self.sp
@@ -180,13 +189,21 @@ class SequenceSplit:
         def cut(t):
             return t[:, front:t.shape[1] - back]
 
-        fields = ["last_hidden_state"] + (["logits"] if token_labels is not None or labels is None else [])
+        fields = ["last_hidden_state"] + (["logits"] if token or labels is None else [])
         for name in fields:
             value = object.__getattribute__(out, name)
             if value is None or (name == "logits" and not _is_per_token(model)):
                 continue
-            out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, T))
+            out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, length))
         return out
+
+    def forward(self, **batch):
+        x, keep, local_labels, labels, n_total = self.enter(batch)
+        key_mask = self.key_mask(keep, x.shape[1] * self.sp)
+        residual = None
+        for block in getattr(self.model, self.spec.blocks):
+            x, residual = block(x, residual, key_mask)
+        return self.leave(x, residual, local_labels, labels, keep.shape[1], n_total)
 
 
 def _is_per_token(model: nn.Module) -> bool:

@@ -228,7 +228,8 @@ def test_pp2_schedules_and_heads_on_2_ranks():
 
 def four_rank_worker(plans):
     report = pp_worker(plans)
-    report.update(pp_worker([("pp4", {}), ("dp2-pp2-zero1", {})], HEADS[:1]))  # BERT sequence classification
+    report.update(pp_worker([("pp4", {}), ("dp2-pp2-zero1", {}), ("pp=2,sp=2,microbatches=2", {})],
+                            HEADS[:1]))  # BERT sequence classification
     return report
 
 
@@ -236,8 +237,10 @@ def test_pp4_and_dp2_pp2_with_and_without_zero_on_4_ranks():
     plans = [("pp4", {}), ("dp2-pp2", {}), ("dp2-pp2-zero1", {}), ("dp=2,pp=2,microbatches=2,zero=2", {}),
              ("pp=2,tp=2,tp_sequence=true,microbatches=2", {}),  # Megatron sequence parallelism in the stages
              ("pp=2,tp=2,tp_sequence=true,microbatches=2,schedule=zbv", {"n_layers": 4}),
-             ("dp=2,pp=2,microbatches=2,dtype=fp16", {})]
-    check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 2 * 2)
+             ("dp=2,pp=2,microbatches=2,dtype=fp16", {}),
+             ("pp=2,sp=2,microbatches=2", {}), ("pp=2,sp=2,sp_mode=all_to_all,microbatches=2,schedule=zbv",
+                                                {"n_layers": 4})]  # sequence chunks in the stages
+    check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 3 * 2)
 
 
 def test_dp2_pp2_tp2_and_pp2_tp2d_on_8_ranks():
