@@ -147,7 +147,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
 def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype, scaler) -> StepResult:
     """:func:`train_step` under pipeline parallelism: the schedule runs the micro-batches."""
     pipe = core.pipeline
-    if scaler is not None and pipe.zero is not None:
+    if scaler is not None and (pipe.zero is not None or pipe.fsdp):
         raise NotImplementedError("fp16 grad scaling under pipeline parallelism with ZeRO is not built yet; "
                                   "use bf16, or fp16 without ZeRO")
     if parts != pipe.microbatches:

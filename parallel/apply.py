@@ -266,12 +266,13 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if blocks is None:
             raise ValueError("a pp plan needs the model cut into stages first (cuboid.load does it)")
         split = BatchSplit(plan, mesh) if mesh.size("tp") > 1 and plan.tp_mode != "1d" else None
+        group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")  # (sp: every weight on each)
+        sharded = plan.zero == 3 and group is not None
         model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches,
-                                  batch_split=split)
-        if plan.zero and mesh.size("dp") > 1:  # the pieces are reduced at the step, after the schedule
+                                  batch_split=split, shard_group=group if sharded else None)
+        if plan.zero in (1, 2) and group is not None:  # the pieces are reduced at the step, after the schedule
             from .zero import FlatShards
 
-            group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")  # (sp: every weight on each)
             model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, group, plan.zero, hooks=False)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
     elif mesh.size("dp") > 1 and plan.zero:

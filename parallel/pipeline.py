@@ -371,7 +371,7 @@ class Pipeline:
     SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
     def __init__(self, model: nn.Module, spec, mesh, blocks: Sequence[range], *, schedule: str = "1f1b",
-                 microbatches: int = 1, batch_split=None) -> None:
+                 microbatches: int = 1, batch_split=None, shard_group=None) -> None:
         from torch.distributed import pipelining as P
 
         if schedule not in self.SCHEDULES:
@@ -390,6 +390,11 @@ class Pipeline:
         self.model = model
         self.modules = [StageModule(model, spec, infos[s], self.first, batch_split) for s in self.ids]
         self.parts = batch_split.parts if batch_split is not None else 1  # 2D/3D batch blocks per micro-batch
+        self.has_first, self.has_last = 0 in self.ids, total - 1 in self.ids
+        tied = [n for n in spec.first if n in spec.last]
+        self.fsdp = shard_group is not None  # ZeRO-3: FSDP2 units per block and per stage over dp
+        if self.fsdp:
+            _shard_stages(model, self.modules, shard_group)
         device = next(model.parameters()).device
         stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
@@ -398,8 +403,6 @@ class Pipeline:
         one = schedule in ("gpipe", "1f1b")
         self._schedule = kinds[schedule](stages[0] if one else stages, microbatches, loss_fn=_weighted,
                                          scale_grads=False)
-        self.has_first, self.has_last = 0 in self.ids, total - 1 in self.ids
-        tied = [n for n in spec.first if n in spec.last]
         # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
             if self.has_first != self.has_last else []
@@ -427,7 +430,8 @@ class Pipeline:
         for p in self.tied:  # every rank of the embedding group calls, whatever its stage's head used
             if p.grad is None:  # this end did not use the tied module in this step: it contributes zeros
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce_(p.grad, self.embedding_group)
+            # (ZeRO-3: each end holds the same dp rows of the gradient; their sum is the rows' sum)
+            comm.all_reduce_(getattr(p.grad, "_local_tensor", p.grad), self.embedding_group)
         self._average_over_dp()
         return torch.stack([l.reshape(()) for l in losses]).sum() if self.has_last else None
 
@@ -491,7 +495,10 @@ class Pipeline:
                         header = torch.empty(4 * _HEADER, dtype=torch.int64, device=device)
                         stream = _empty_from(comm.recv_([header], group, owner[s - 1])[0].cpu(), device)
                         comm.recv_([t for t in stream if t is not None], group, owner[s - 1])
-                    result = self.modules[self.ids.index(s)].forward_only(mb if s == 0 else stream)
+                    module = self.modules[self.ids.index(s)]
+                    if self.fsdp:  # the stage's own unit (embeddings, head): its forward hook is not run here
+                        module.unshard()
+                    result = module.forward_only(mb if s == 0 else stream)
                     if s == total - 1:
                         outs.append(self._resolved(result, mb))
                     elif owner[s + 1] != self.rank:
@@ -501,6 +508,10 @@ class Pipeline:
                         stream = result
         except Exception as e:
             raise self._failed(e, " in a forward") from e
+        finally:
+            if self.fsdp:
+                for module in self.modules:
+                    module.reshard()
         return self._from_last(outs, size, device)
 
     def _resolved(self, out, mb: dict) -> dict:
@@ -535,7 +546,7 @@ class Pipeline:
     def _average_over_dp(self) -> None:
         axis = "dpsp" if self.mesh.size("sp") > 1 else "dp"  # every sp rank holds every weight of its stages
         group = self.mesh.group(axis)
-        if group is None or self.zero is not None:  # ZeRO reduce-scatters at the step
+        if group is None or self.zero is not None or self.fsdp:  # ZeRO reduce-scatters (1, 2: at the step)
             return
         by_dtype: dict = {}
         for p in self.params:  # the same list on every dp rank: a parameter without a gradient sends zeros
@@ -553,6 +564,31 @@ class Pipeline:
                 n = g.numel()
                 g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
+
+
+def _shard_stages(model: nn.Module, modules: list, group) -> None:
+    """ZeRO-3 under pp: FSDP2 ``fully_shard`` over the dp ``group``, one unit per kept block and one per stage
+    module (its embeddings or head), as torchtitan composes FSDP with pipelining; torch's stages then run
+    their FSDP units without gradient sync until the last micro-batch's backward. (No module belongs to two
+    stages of a rank: only ZBV puts both ends on one rank, and ZBV with ZeRO-3 is refused.)"""
+    import warnings
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")  # as zero.py
+    mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+    tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
+                p.data = p.data.contiguous()
+    for unit in [b for m in modules for b in m.blocks.values()] + modules:
+        fully_shard(unit, mesh=mesh)
+    for m in modules:
+        comm.guard_fsdp(m)  # a stalled gather or reduce-scatter names rank, group and op
+    for name, p in model.named_parameters():  # tensor-parallel placements survive the DTensor swap
+        p.placement = tags[name]
 
 
 def embedding_group(mesh, last_rank: int):

@@ -239,7 +239,9 @@ def test_pp4_and_dp2_pp2_with_and_without_zero_on_4_ranks():
              ("pp=2,tp=2,tp_sequence=true,microbatches=2,schedule=zbv", {"n_layers": 4}),
              ("dp=2,pp=2,microbatches=2,dtype=fp16", {}),
              ("pp=2,sp=2,microbatches=2", {}), ("pp=2,sp=2,sp_mode=all_to_all,microbatches=2,schedule=zbv",
-                                                {"n_layers": 4})]  # sequence chunks in the stages
+                                                {"n_layers": 4}),  # sequence chunks in the stages
+             ("dp=2,pp=2,zero=3,microbatches=2", {}),  # FSDP2 units per block and per stage
+             ("dp=2,pp=2,zero=3,microbatches=2,schedule=interleaved", {"n_layers": 4})]
     check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 3 * 2)
 
 

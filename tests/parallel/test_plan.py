@@ -65,6 +65,8 @@ def test_unbuilt_combinations_are_named_not_run():
         Plan(sp=2, tp=4, tp_mode="2d").require_implemented()
     with pytest.raises(NotImplementedError, match="\\(sp=2\\) with ZeRO stage 2"):
         Plan(sp=2, pp=2, dp=2, zero=2, microbatches=2).require_implemented()
+    with pytest.raises(NotImplementedError, match="ZeRO stage 3 under the zbv schedule"):
+        Plan(dp=2, pp=2, zero=3, microbatches=2, schedule="zbv").require_implemented()
     with pytest.raises(NotImplementedError, match="tp_sequence with sequence parallelism"):
         Plan(sp=2, tp=2, tp_sequence=True).require_implemented()
     with pytest.raises(ValueError, match="tp_sequence shards the sequence inside a 1D tensor-parallel group"):
