@@ -269,7 +269,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
             model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, mesh.group("dp"), plan.zero,
                                                           hooks=False)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
-    elif mesh.size("dp") > 1 and plan.zero:
+    elif plan.zero and (mesh.size("dp") > 1 or mesh.size("sp") > 1):
         _shard_over_dp(model, plan, mesh, spec)
     elif mesh.size("dp") > 1 or mesh.size("sp") > 1:
         from torch.distributed._composable import replicate
@@ -284,13 +284,17 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
 
 
 def _shard_over_dp(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> None:
-    """ZeRO over the dp group (:mod:`.zero`): flat buckets for stages 1 and 2, FSDP2 for stage 3."""
+    """ZeRO over the dp group (:mod:`.zero`): flat buckets for stages 1 and 2, FSDP2 for stage 3.
+
+    Under sp the group is ``dpsp`` (dp x sp): every sp rank holds every weight and gradients are averaged
+    over dp x sp, so ZeRO cuts states dp * sp ways (:func:`.zero.group_of`)."""
     from . import zero
 
+    group = zero.group_of(mesh)
     if plan.zero == 3:
-        zero.shard_parameters(model, mesh.group("dp"), spec.blocks if spec is not None else "blocks")
+        zero.shard_parameters(model, group, spec.blocks if spec is not None else "blocks")
         return
-    model.zero = zero.FlatShards(model.parameters(), mesh.group("dp"), plan.zero)
+    model.zero = zero.FlatShards(model.parameters(), group, plan.zero)
     model.set_requires_gradient_sync = model.zero.set_sync
 
 

@@ -172,11 +172,10 @@ class Plan:
         missing = []
         if self.tp_sequence and (self.sp > 1 or self.pp > 1):
             missing.append("tp_sequence with " + ("sequence parallelism" if self.sp > 1 else "pipeline stages"))
-        if self.sp > 1 and (self.tp_mode != "1d" and self.tp > 1 or self.pp > 1 or self.zero):
+        if self.sp > 1 and (self.tp_mode != "1d" and self.tp > 1 or self.pp > 1):
             missing.append(f"sequence parallelism (sp={self.sp}) with "
                            + ", ".join(w for w, on in ((f"tp_mode {self.tp_mode}", self.tp_mode != "1d" and self.tp > 1),
-                                                         ("pipeline stages", self.pp > 1),
-                                                         (f"ZeRO stage {self.zero}", self.zero)) if on))
+                                                         ("pipeline stages", self.pp > 1)) if on))
         return missing
 
     def require_implemented(self) -> "Plan":

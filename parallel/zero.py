@@ -62,7 +62,21 @@ from torch import nn
 from . import comm
 
 __all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "reshard", "before_step", "after_step", "zero_grads",
-           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets"]
+           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets", "group_of"]
+
+
+def group_of(mesh):
+    """The group ZeRO shards over: ``dp``, or under sequence parallelism ``dpsp`` (dp x sp).
+
+    Every sp rank holds every weight and its gradients are averaged over dp x
+    sp (the loss's backward is scaled by sp), so the sp ranks are replicas
+    like the dp ones: sharding over dp x sp cuts states ``dp * sp`` ways with
+    one reduce-scatter + all-gather over that group (the bytes of the
+    all-reduce plain sp x dp sends). Sharding over dp alone would keep ``sp``
+    times the state and add an all-reduce over sp (DeepSpeed-Ulysses also
+    shards ZeRO over its data x sequence group).
+    """
+    return mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")
 
 
 @dataclass
