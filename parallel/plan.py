@@ -15,7 +15,7 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   ``2d`` (q x q, tp = q^2), ``2.5d`` (depth x q x q, tp = depth q^2),
   ``3d`` (q x q x q, tp = q^3);
 - ``sp``: sequence-parallel ranks, ``sp_mode`` ``ring | all_to_all``;
-- ``zero``: 0 (off), 1 (optimizer state sharded over dp), 2 (+ gradients),
+- ``zero``: 0 (off), 1 (optimizer state sharded over dp, or dp x sp under sp), 2 (+ gradients),
   3 (+ parameters; not with ``pp``), see :mod:`cuboid.parallel.zero`;
 - ``tp_sequence``: under 1D ``tp``, the norms, dropout and residual stream
   between the linears hold only ``T / tp`` tokens (Megatron's sequence

@@ -1,5 +1,8 @@
 """ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the ``dp`` group.
 
+(Under sequence parallelism over ``dpsp``, dp x sp, where the gradients are averaged: :func:`group_of`;
+``N`` below is that group's size.)
+
 Rajbhandari et al. (arXiv 1910.02054). Model-state bytes per rank, for ``P``
 parameters over ``N`` dp ranks with Adam-type state (``K`` bytes per
 parameter: fp32 moments, plus an fp32 master copy of half-precision
