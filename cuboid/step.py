@@ -67,17 +67,28 @@ def autocast_for(dtype: Optional[str], device: torch.device):
 def sync_found_inf(scaler, optimizer, mesh: Optional[Mesh]) -> None:
     """Make an fp16 grad scaler's inf check agree on every rank (max over the world) after ``unscale_``.
 
-    Under tensor parallelism each rank sees only its shards' gradients; an inf
-    in one shard must make every rank skip the step, or the shards diverge.
-    (torch's ``ShardedGradScaler`` does the same for FSDP.)
+    Under tensor parallelism each rank sees only its shards' gradients, under
+    ZeRO only its pieces (:func:`cuboid.parallel.zero.unscale_`); an inf in
+    one of them must make every rank skip the step, or the shards diverge.
+    (torch's ``ShardedGradScaler`` does the same for FSDP.) One flag per rank
+    travels, however many devices its gradients were on, so the collective
+    never depends on what one rank holds.
     """
     if mesh is None or mesh.world_size == 1 or not dist.is_initialized():
         return
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
     if state is None or "found_inf_per_device" not in state:
         raise RuntimeError("sync_found_inf: call scaler.unscale_(optimizer) first")
-    for found in state["found_inf_per_device"].values():
-        comm.all_reduce_(found, dist.group.WORLD, "max")
+    found = state["found_inf_per_device"]
+    device = next(iter(found.values())).device if found else scaler._scale.device
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for f in found.values():
+        flag = torch.maximum(flag, f.to(device))
+    comm.all_reduce_(flag, dist.group.WORLD, "max")
+    if not found:  # scaler.step needs a flag to read
+        found[device] = flag
+    for f in found.values():
+        f.copy_(flag)
 
 
 def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Optional[Mesh]:
@@ -100,8 +111,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     dtype = dtype if dtype is not None else getattr(plan, "dtype", None)
     parts = microbatches or getattr(plan, "microbatches", 1) or 1
     share = rank_share(global_batch, mesh)
-    if scaler is not None and getattr(plan, "zero", 0) and mesh is not None and mesh.size("dp") > 1:
-        raise NotImplementedError("fp16 grad scaling under ZeRO is not built yet; use bf16 (plan dtype=bf16)")
     if getattr(core, "pipeline", None) is not None:
         return _pipeline_step(core, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
     micro_batches = split_batch(share, parts) if parts > 1 else [share]
@@ -129,7 +138,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     finally:
         set_gradient_sync(model, True)
     if scaler is not None:
-        scaler.unscale_(optimizer)
+        zero.unscale_(scaler, optimizer)  # ZeRO: the pieces the optimizer steps (scaler.unscale_ otherwise)
         sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:

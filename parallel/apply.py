@@ -13,9 +13,9 @@ Two steps, so that big models never exist whole on a rank:
   cut the batch, applies activation checkpointing, and averages gradients
   over ``dp``.
 
-A plan asking for what this build lacks (sequence parallelism with 2D/3D
-tensor parallelism, pipeline stages or ZeRO) is a ``NotImplementedError``
-naming it, never a silent single-device run.
+A plan asking for what this build lacks (``Plan.unimplemented``: sequence
+parallelism with 2D/2.5D/3D tensor parallelism, ZeRO-3 under ZBV) is a
+``NotImplementedError`` naming it, never a silent single-device run.
 
 Data parallelism is torch's composable DDP (``replicate``) over the mesh's
 ``dp`` group: gradients are averaged in buckets while backward runs, and the
@@ -266,7 +266,9 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if blocks is None:
             raise ValueError("a pp plan needs the model cut into stages first (cuboid.load does it)")
         split = BatchSplit(plan, mesh) if mesh.size("tp") > 1 and plan.tp_mode != "1d" else None
-        group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")  # (sp: every weight on each)
+        from . import zero
+
+        group = zero.group_of(mesh)  # dp, or dp x sp under sp (every sp rank holds every weight)
         sharded = plan.zero == 3 and group is not None
         model.pipeline = Pipeline(model, spec, mesh, blocks, schedule=plan.schedule, microbatches=plan.microbatches,
                                   batch_split=split, shard_group=group if sharded else None)
@@ -275,7 +277,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
 
             model.zero = model.pipeline.zero = FlatShards(model.pipeline.params, group, plan.zero, hooks=False)
         model.forward = functools.partial(_pipeline_forward, model.pipeline)
-    elif mesh.size("dp") > 1 and plan.zero:
+    elif plan.zero and (mesh.size("dp") > 1 or mesh.size("sp") > 1):
         _shard_over_dp(model, plan, mesh, spec)
     elif mesh.size("dp") > 1 or mesh.size("sp") > 1:
         from torch.distributed._composable import replicate
@@ -290,13 +292,17 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
 
 
 def _shard_over_dp(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> None:
-    """ZeRO over the dp group (:mod:`.zero`): flat buckets for stages 1 and 2, FSDP2 for stage 3."""
+    """ZeRO over the dp group (:mod:`.zero`): flat buckets for stages 1 and 2, FSDP2 for stage 3.
+
+    Under sp the group is ``dpsp`` (dp x sp): every sp rank holds every weight and gradients are averaged
+    over dp x sp, so ZeRO cuts states dp * sp ways (:func:`.zero.group_of`)."""
     from . import zero
 
+    group = zero.group_of(mesh)
     if plan.zero == 3:
-        zero.shard_parameters(model, mesh.group("dp"), spec.blocks if spec is not None else "blocks")
+        zero.shard_parameters(model, group, spec.blocks if spec is not None else "blocks")
         return
-    model.zero = zero.FlatShards(model.parameters(), mesh.group("dp"), plan.zero)
+    model.zero = zero.FlatShards(model.parameters(), group, plan.zero)
     model.set_requires_gradient_sync = model.zero.set_sync
 
 

@@ -261,15 +261,16 @@ def _trainable(params) -> list:
 
 def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -> dict:
     """Bytes of parameters, gradients and AdamW state this rank holds, from its parameters ``params``
-    (meta tensors do: the shapes of its shards and stages) under ``plan``'s ZeRO stage over ``dp``.
+    (meta tensors do: the shapes of its shards and stages) under ``plan``'s ZeRO stage over ``dp`` (under
+    sp over dp x sp: :func:`.zero.group_of`).
 
     What :func:`.zero.model_state_bytes` measures after a backward with the optimizer's state made:
     ``params`` (ZeRO-3: this rank's rows), ``grads`` (ZeRO-2: its bucket shards), ``optimizer``
     (moments of its pieces) and ``masters`` (fp32 copies of half-precision pieces). ``dp_rank``: which
-    dp rank (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
+    rank of the ZeRO group (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
     """
     ps = _trainable(params)
-    n = plan.dp
+    n = plan.dp * plan.sp
     pbytes = sum(p.numel() * p.element_size() for p in ps)
     frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)
     if plan.zero == 0 or n == 1:
@@ -420,11 +421,13 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         group = "dpsp" if plan.sp > 1 else "dp"
         _add(out, ("all_reduce", group), _all_reduce(n, grad_bytes), max(1, math.ceil(grad_bytes / (25 * 2 ** 20))))
     elif n > 1 and plan.zero in (1, 2):
+        group = "dpsp" if plan.sp > 1 else "dp"
         for numel, size in _buckets(ps):
             padded = math.ceil(numel / n) * n * size
-            _add(out, ("reduce_scatter", "dp"), (n - 1) / n * padded)
-            _add(out, ("all_gather", "dp"), (n - 1) / n * padded)
+            _add(out, ("reduce_scatter", group), (n - 1) / n * padded)
+            _add(out, ("all_gather", group), (n - 1) / n * padded)
     elif n > 1 and plan.zero == 3:
+        group = "dpsp" if plan.sp > 1 else "dp"
         blocks = (spec.blocks if spec is not None else "blocks") + "."
         trainable = {id(p) for p in ps}
         for name, p in named.items():
@@ -433,11 +436,11 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
             _, chunk, per_row = _fsdp_rows(p, n)
             padded = chunk * n * per_row * p.element_size()
             gathers = 2 if name.startswith(blocks) else 1  # the root unit stays gathered into backward
-            _add(out, ("all_gather", "dp"), gathers * (n - 1) / n * padded, 0)
-            _add(out, ("reduce_scatter", "dp"), (n - 1) / n * padded, 0)
+            _add(out, ("all_gather", group), gathers * (n - 1) / n * padded, 0)
+            _add(out, ("reduce_scatter", group), (n - 1) / n * padded, 0)
         units = shape.n_layers + 1
-        _add(out, ("all_gather", "dp"), 0.0, 2 * units - 1)
-        _add(out, ("reduce_scatter", "dp"), 0.0, units)
+        _add(out, ("all_gather", group), 0.0, 2 * units - 1)
+        _add(out, ("reduce_scatter", group), 0.0, units)
 
     # the pipeline: activations forward, their gradients back, the tied embedding, the loss
     if plan.pp > 1:
@@ -572,7 +575,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
         idle = max(0.0, 2.0 - per_node / hw.cores) if hw.cores and per_node > hw.cores else 1.0
         bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
-        opt_bytes = sum(p.numel() for p in _trainable(params.values())) / (plan.dp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
+        opt_bytes = sum(p.numel() for p in _trainable(params.values())) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
         optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
         step = compute_s + bubble_s + comm_s + optimizer_s
         held = act_ck if plan.activation_checkpoint else act

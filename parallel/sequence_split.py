@@ -23,8 +23,8 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
    rank's share of the label positions and summed over ``sp``; an
    example-level loss (classification, the same on every sp rank) by
    ``1 / sp``. Gradients are averaged over the ``dp x sp`` group by the data
-   parallel wrapper, so the loss's backward is scaled by ``sp`` (the mean over
-   ``dp`` of the sum over ``sp``). Logits and hidden states are gathered
+   parallel wrapper (or by ZeRO, which shards over that group), so the loss's
+   backward is scaled by ``sp`` (the mean over ``dp`` of the sum over ``sp``). Logits and hidden states are gathered
    over ``sp`` (and put back in order) only when read.
 """
 from __future__ import annotations

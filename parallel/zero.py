@@ -1,5 +1,8 @@
 """ZeRO: optimizer state (stage 1), gradients (2) and parameters (3) sharded over the ``dp`` group.
 
+(Under sequence parallelism over ``dpsp``, dp x sp, where the gradients are averaged: :func:`group_of`;
+``N`` below is that group's size.)
+
 Rajbhandari et al. (arXiv 1910.02054). Model-state bytes per rank, for ``P``
 parameters over ``N`` dp ranks with Adam-type state (``K`` bytes per
 parameter: fp32 moments, plus an fp32 master copy of half-precision
@@ -62,7 +65,21 @@ from torch import nn
 from . import comm
 
 __all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "reshard", "before_step", "after_step", "zero_grads",
-           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets"]
+           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets", "group_of", "unscale_"]
+
+
+def group_of(mesh):
+    """The group ZeRO shards over: ``dp``, or under sequence parallelism ``dpsp`` (dp x sp).
+
+    Every sp rank holds every weight and its gradients are averaged over dp x
+    sp (the loss's backward is scaled by sp), so the sp ranks are replicas
+    like the dp ones: sharding over dp x sp cuts states ``dp * sp`` ways with
+    one reduce-scatter + all-gather over that group (the bytes of the
+    all-reduce plain sp x dp sends). Sharding over dp alone would keep ``sp``
+    times the state and add an all-reduce over sp (DeepSpeed-Ulysses also
+    shards ZeRO over its data x sequence group).
+    """
+    return mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")
 
 
 @dataclass
@@ -331,6 +348,53 @@ def after_step(params) -> None:
 def zero_grads(params) -> None:
     for e in engines_of(params):
         e.zero_grad()
+
+
+@torch.no_grad()
+def unscale_(scaler, optimizer) -> None:
+    """``scaler.unscale_(optimizer)`` on what the optimizer steps: ZeRO pieces, or whole gradients.
+
+    torch's :class:`~torch.amp.GradScaler` unscales ``p.grad``: under ZeRO 1/2 the
+    gradients live in the buckets' pieces after the reduce-scatter (stage 2
+    leaves ``p.grad`` empty), under ZeRO-3 they are DTensors whose local rows
+    are the piece. So the gradients are reduced first (stage 1's
+    reduce-scatter, stage 2's leftovers), then each rank checks and unscales
+    its pieces with torch's own kernel and records the flags where
+    ``scaler.step`` reads them. The flags see only this rank's pieces: make
+    them agree over the world (:func:`cuboid.step.sync_found_inf`) before
+    stepping. Without ZeRO parameters this is ``scaler.unscale_``.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    pieces = [view_of(p) for p in params]
+    if all(pc is None for pc in pieces):
+        return scaler.unscale_(optimizer)
+    if not scaler.is_enabled():
+        return None
+    from torch.amp.grad_scaler import OptState
+
+    scale, _ = scaler._check_scale_growth_tracker("unscale_")
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is not OptState.READY:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the last update(), "
+                           "or after step()")
+    before_step(params)  # ZeRO 1/2: the pieces the optimizer steps exist after the reduce-scatter
+    pieces = [view_of(p) for p in params]
+    grads: dict = {}
+    for p, pc in zip(params, pieces):
+        g = p.grad if pc is None else pc.grad
+        if g is None:
+            continue
+        if g.dtype == torch.float16:
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        grads.setdefault((g.device, g.dtype), []).append(g)
+    inv = scale.double().reciprocal().float()
+    found: dict = {scale.device: torch.zeros((), dtype=torch.float32, device=scale.device)}
+    for (device, _), gs in grads.items():
+        flag = found.setdefault(device, torch.zeros((), dtype=torch.float32, device=device))
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, inv.to(device))
+    state["found_inf_per_device"] = found
+    state["stage"] = OptState.UNSCALED
+    return None
 
 
 # ------------------------------------------------------------------ stage 3

@@ -53,7 +53,7 @@ def cost_worker(plans) -> dict:
         predicted = _grouped(cost.traffic(config, plan, named, stage, BATCH, SEQ, spec=zoo.spec_of(meta)))
 
         held = zero.model_state_bytes(model, opt)  # after the step: no gradients held
-        want = cost.model_states(list(named.values()), plan, dp_rank=mesh.coords.get("dp", 0))
+        want = cost.model_states(list(named.values()), plan, dp_rank=mesh.coords.get("dpsp", mesh.coords.get("dp", 0)))
         states = {"params": (held["params"], want["params"]), "optimizer": (held["optimizer"], want["optimizer"]),
                   "masters": (held["masters"], want["masters"])}
         if plan.pp == 1:  # gradients as a backward leaves them (train_step's own are cleared by its step)
