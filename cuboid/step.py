@@ -156,9 +156,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
 def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype, scaler) -> StepResult:
     """:func:`train_step` under pipeline parallelism: the schedule runs the micro-batches."""
     pipe = core.pipeline
-    if scaler is not None and (pipe.zero is not None or pipe.fsdp):
-        raise NotImplementedError("fp16 grad scaling under pipeline parallelism with ZeRO is not built yet; "
-                                  "use bf16, or fp16 without ZeRO")
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
                          f"microbatches), not {parts}")
@@ -186,7 +183,7 @@ def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_gra
     comm.all_reduce_(loss, mesh.group("dp"))
     comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
     if scaler is not None:  # every stage's inf check, agreed over the world: all skip or none
-        scaler.unscale_(optimizer)
+        zero.unscale_(scaler, optimizer)  # (ZeRO: on the pieces the optimizer steps)
         sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:
