@@ -146,6 +146,7 @@ class _Bucket:
                 p.data = view.view(p.shape)
         self.grad: Optional[torch.Tensor] = None        # whole (padded) gradient while it is collected
         self.grad_shard: Optional[torch.Tensor] = None  # this rank's piece, dp-averaged
+        self.done = False  # reduced in this backward (stage 2) or step
         self.arrived: set = set()
 
 
@@ -239,6 +240,11 @@ class FlatShards:
         self.got.add(id(p))
 
     def _on_grad(self, p) -> None:
+        if self.sync and not self._callback_queued:  # the first gradient of a synchronised backward
+            self._callback_queued = True
+            for b in self.buckets:
+                b.done = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._collect(p)
         self.reduced = False
         if not self.sync:
@@ -246,18 +252,21 @@ class FlatShards:
         b = self.bucket_of[id(p)]
         if len(b.arrived) == len(b.params):
             self._reduce(b)
-        if not self._callback_queued:  # buckets with unused parameters are reduced when backward ends
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        """Reduce every bucket this backward has not reduced, with zeros for gradients this rank did not
+        make: whether a rank reduces a bucket never depends on which gradients it got (another dp rank
+        may have got them, and a reduce-scatter called on one rank alone waits for ever)."""
         self._callback_queued = False
         if self.sync:
             for b in self.buckets:
-                if b.grad is not None:
+                if not b.done:
                     self._reduce(b)
 
     def _reduce(self, b: _Bucket) -> None:
+        if b.grad is None:  # no gradient of this bucket on this rank: it contributes zeros
+            b.grad = torch.zeros(b.padded, dtype=b.flat.dtype, device=b.flat.device)
+        b.done = True
         out = comm.reduce_scatter_(b.grad, self.group)
         out /= self.n
         if b.grad_shard is None:
@@ -279,8 +288,8 @@ class FlatShards:
         for p in self.params:
             if p.grad is not None:
                 self._collect(p)
-        for b in self.buckets:
-            if b.grad is not None:
+        for b in self.buckets:  # stage 1 and pp: every bucket, every step; stage 2: what backward left
+            if b.grad is not None or not self.hooks:
                 self._reduce(b)
         self.reduced = True
 
