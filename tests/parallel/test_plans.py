@@ -1,10 +1,18 @@
-"""Plan parity through the public path: every ready plan, every zoo family, as a user would write it.
+"""Plan parity through the public path: every plan the enumeration yields, every zoo family, as a user writes it.
 
-Inside one world per size, each ready plan's model is loaded with
-``cuboid.load(name, plan)`` next to the single-device model of the same seed
-(built in the same process), optimizers are built the plain way
-(``Opt(model.parameters(), ...)``, no reducer), and three steps are taken on
-a fixed global batch, alternating the two public ways to train:
+One world per size (2, 4, 8 ranks) runs every plan
+:func:`cuboid.parallel.plan_space.enumerate_plans` yields for that world (the
+same set for gpt-debug, bert-debug with its MLM head and vit-debug: asserted),
+then the ready plans of that size the enumeration does not hold (a toggle
+on, such as ``dp2-ckpt``) and EXTRA. A plan the enumeration gains (a
+composition built, a clause gone from ``Plan.unimplemented``) is tested here
+with no edit. For each plan and family, ``cuboid.load(name, plan, seed=0,
+mesh=mesh)`` is compared with one device's run of the same seed (computed
+once per process for each family, optimizer and path, since every plan is
+held to the same run), with one optimizer built the plain way
+(``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB and LARS by
+the plan's index, so each plan meets all three over its families. Three
+steps on fixed global batches, alternating the two public ways to train:
 
 - the natural loop: ``share = cuboid.rank_share(model, batch)``,
   ``model(**share).loss.backward()``, ``clip_grad_norm_``, ``opt.step()``
@@ -12,16 +20,26 @@ a fixed global batch, alternating the two public ways to train:
 - ``cuboid.train_step(model, opt, batch, max_grad_norm=1.0)`` (on a batch
   whose shares hold different label counts).
 
-Checked: initial parameters equal one device's exactly; every step's loss,
-the logits, hidden states and pooled output of a share (single-device
-shapes and values, logits read lazily) and of an odd-sized eval batch (the
-2D/3D batch split pads it), and every parameter after the steps (gathered).
-Tolerance 1e-5 relative. Parameters are compared with one norm over all of
-them, dropping the largest 0.1% of element differences: with Adam-type
-steps a few elements whose exact gradient is zero move by rounding noise on
-any plan (a systematic error, such as an unreduced LAMB trust ratio, moves
-every element and is caught). AdamW and LAMB run with eps=1e-3 for the same
-reason (see test_data_parallel.py).
+A pipeline plan trains through ``train_step`` only (its forward with
+gradients is refused, as the contract says). Checked: initial parameters
+equal one device's exactly; every step's loss, the logits, hidden states and
+pooled output of the first share (single-device shapes and values, logits
+read lazily), and an odd-sized batch under no_grad with labels and without
+them (``model(**{k: v for k, v in batch.items() if k != "labels"})``; a
+pipeline returns loss and logits; ZBV's evaluation and a pipeline's
+label-free forward, not built yet, must be refused in words), and every
+parameter after the steps (gathered). Tolerances: loss and outputs 1e-5
+relative, parameters 1e-6, NaN always fails. Parameters are compared with
+one norm over all of them, dropping the largest 0.1% of element differences:
+with Adam-type steps a few elements whose exact gradient is zero move by
+rounding noise on any plan (a systematic error, such as an unreduced LAMB
+trust ratio, moves every element and is caught). AdamW and LAMB run with
+eps=1e-3 for the same reason (see test_data_parallel.py).
+
+Budget: each world writes its count and per-run seconds to
+``/tmp/cuboid-plan-parity/world{N}.json`` and prints them (``pytest -s``).
+The 8-rank world also runs test_cost's 2.5D/3D cost check and the
+groups-made-once check (200 loads, threads and groups unchanged).
 """
 import torch
 
