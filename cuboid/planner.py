@@ -1,7 +1,7 @@
 """Which plan for this model on this cluster: ``cuboid plans --model M --gpus N``.
 
-:func:`candidate_plans` lists every plan this build runs on ``N`` ranks
-(dp x pp x tp x sp, each tensor mode, ZeRO stages, ring / all-to-all);
+:func:`candidate_plans` lists every plan this build runs on ``N`` ranks (the one
+enumeration, :func:`cuboid.parallel.plan_space.enumerate_plans`, with the batch's filters);
 :func:`rank_plans` builds each one's shards on the meta device for the few
 ranks whose shapes differ (first, last and fullest pipeline stage; first and
 last tensor rank), so the bytes held are those of the real layers, and asks
@@ -10,70 +10,18 @@ device memory (even with activation checkpointing) say why.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional
 
 from cuboid.parallel.cost import Estimate, Hardware, predict
 from cuboid.parallel.plan import Plan
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_layouts(tp: int) -> list[dict]:
-    """The tensor modes ``tp`` ranks can form: 1D always, 2D on a square, 2.5D on d q^2 (d, q > 1), 3D on a cube."""
-    out = [{"tp": tp}] if tp > 1 else [{}]
-    if tp < 4:
-        return out
-    q = math.isqrt(tp)
-    if q * q == tp:
-        out.append({"tp": tp, "tp_mode": "2d"})
-    for d in range(2, tp):
-        q = math.isqrt(tp // d) if tp % d == 0 else 0
-        if q > 1 and d * q * q == tp:
-            out.append({"tp": tp, "tp_mode": "2.5d", "depth": d})
-    c = round(tp ** (1 / 3))
-    if c ** 3 == tp:
-        out.append({"tp": tp, "tp_mode": "3d"})
-    return out
+from cuboid.parallel.plan_space import enumerate_plans
 
 
 def candidate_plans(config, world: int, batch: int, *, dtype: str = "fp32") -> list[Plan]:
-    """Every plan of ``world`` ranks that this build runs and that fits ``config`` and a global
-    ``batch`` (divisible over dp and, under pp, into micro-batches of the tensor mode's blocks)."""
-    layers = config.n_layers
-    plans = []
-    for dp in _divisors(world):
-        if batch % dp:
-            continue
-        for pp in _divisors(world // dp):
-            if pp > layers:
-                continue
-            for sp in _divisors(world // dp // pp):
-                tp = world // dp // pp // sp
-                for layout in _tp_layouts(tp):
-                    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
-                    for zero in zeros:
-                        modes = ("ring", "all_to_all") if sp > 1 else ("ring",)
-                        for sp_mode in modes:
-                            fields = dict(dp=dp, pp=pp, sp=sp, zero=zero, dtype=dtype, **layout)
-                            if sp > 1:
-                                fields["sp_mode"] = sp_mode
-                            if pp > 1:
-                                rows = batch // dp
-                                m = next((k for k in (4 * pp, 2 * pp, pp) if rows % k == 0), 0)
-                                if not m:
-                                    continue
-                                fields["microbatches"] = m
-                            try:
-                                plan = Plan(**fields).validate(config, world)
-                            except ValueError:
-                                continue
-                            if plan.unimplemented() or (batch // dp) % (plan.batch_parts * plan.microbatches):
-                                continue
-                            plans.append(plan)
-    return plans
+    """Every plan of ``world`` ranks that this build runs for ``config`` (the one enumeration,
+    :func:`cuboid.parallel.plan_space.enumerate_plans`) that a global ``batch`` divides over: dp shares of whole
+    tensor-grid blocks and, under pp, 4, 2 or 1 micro-batches per stage (the most that divide)."""
+    return enumerate_plans(config, world, batch=batch, per_stage=(4, 2, 1), dtype=dtype)
 
 
 class _Shards:

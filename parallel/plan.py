@@ -130,12 +130,20 @@ class Plan:
 
     def validate(self, model_config: Any = None, world_size: Optional[int] = None) -> "Plan":
         """Raise a one-sentence ``ValueError`` when the plan does not fit; returns self."""
+        if self.sp > 1 and self.tp > 1 and self.tp_mode != "1d":
+            raise ValueError(f"sequence parallelism (sp={self.sp}) does not combine with tp_mode {self.tp_mode}: "
+                             f"the {self.tp_mode} grid already cuts each batch into blocks along rows and hidden "
+                             "columns, so sequence chunks would have to cut across those blocks and ring attention "
+                             "follow the grid's layout; use sp with tp_mode 1d, or the grid alone")
         if world_size is not None and world_size != self.world_size:
             raise ValueError(
                 f"plan {self.describe()} needs dp*pp*tp*sp = {self.world_size} processes, "
                 f"but the world size is {world_size}"
             )
         grid = self.tp_grid
+        if self.tp_mode == "2.5d" and (self.depth == 1 or grid[1] == 1):
+            raise ValueError(f"tp_mode 2.5d needs depth >= 2 and q >= 2 (tp = depth*q*q), got depth={self.depth}, "
+                             f"q={grid[1]}: depth 1 is tp_mode 2d, and q 1 is data parallelism over the depth")
         if self.pp > 1 and self.microbatches < self.pp and self.schedule != "gpipe":
             raise ValueError(f"schedule {self.schedule} with pp={self.pp} needs microbatches >= pp, "
                              f"got {self.microbatches}")
@@ -172,8 +180,6 @@ class Plan:
         if self.zero == 3 and self.pp > 1 and self.schedule == "zbv":  # measured: steps off one device's by 1e-2
             missing.append("ZeRO stage 3 under the zbv schedule (torch's split weight-gradient backward does not "
                            "compose with FSDP2's sharded parameters)")
-        if self.sp > 1 and self.tp_mode != "1d" and self.tp > 1:
-            missing.append(f"sequence parallelism (sp={self.sp}) with tp_mode {self.tp_mode}")
         return missing
 
     def require_implemented(self) -> "Plan":

@@ -61,8 +61,13 @@ def test_validate_says_what_does_not_fit(plan, world, message):
 
 
 def test_unbuilt_combinations_are_named_not_run():
-    with pytest.raises(NotImplementedError, match="sequence parallelism \\(sp=2\\) with tp_mode 2d"):
-        Plan(sp=2, tp=4, tp_mode="2d").require_implemented()
+    with pytest.raises(ValueError, match="sequence parallelism \\(sp=2\\) does not combine with tp_mode 2d: the 2d "
+                                         "grid already cuts each batch into blocks"):
+        Plan(sp=2, tp=4, tp_mode="2d").validate()
+    with pytest.raises(ValueError, match="tp_mode 2.5d needs depth >= 2 and q >= 2"):
+        Plan(tp=4, tp_mode="2.5d", depth=1).validate()
+    with pytest.raises(ValueError, match="q 1 is data parallelism over the depth"):
+        Plan(tp=2, tp_mode="2.5d", depth=2).validate()
     with pytest.raises(NotImplementedError, match="ZeRO stage 3 under the zbv schedule"):
         Plan(dp=2, pp=2, zero=3, microbatches=2, schedule="zbv").require_implemented()
     with pytest.raises(NotImplementedError, match="tp_sequence with sequence parallelism"):
@@ -70,9 +75,10 @@ def test_unbuilt_combinations_are_named_not_run():
     with pytest.raises(ValueError, match="tp_sequence shards the sequence inside a 1D tensor-parallel group"):
         Plan(tp=4, tp_mode="2d", tp_sequence=True)
     with pytest.raises(ValueError, match="the 6 attention heads to divide over sp x the tensor split of heads = 2 x 2"):
-        Plan(sp=2, tp=4, tp_mode="2d", sp_mode="all_to_all").validate(_Heads(6))
+        Plan(sp=2, tp=2, sp_mode="all_to_all").validate(_Heads(6))
     for plan in (Plan(dp=2, zero=2), Plan(sp=2, tp=2), Plan(tp=2, tp_sequence=True), Plan(dp=2, sp=2),
-                 Plan(dp=2, sp=2, zero=3), Plan(dp=2, tp=2, tp_sequence=True, zero=2)):
+                 Plan(dp=2, sp=2, zero=3), Plan(dp=2, tp=2, tp_sequence=True, zero=2),
+                 Plan(dp=2, pp=2, sp=2, zero=2, microbatches=2), Plan(dp=2, pp=2, zero=3, microbatches=2)):
         assert plan.require_implemented() == plan
 
 

@@ -1,10 +1,18 @@
-"""Plan parity through the public path: every ready plan, every zoo family, as a user would write it.
+"""Plan parity through the public path: every plan the enumeration yields, every zoo family, as a user writes it.
 
-Inside one world per size, each ready plan's model is loaded with
-``cuboid.load(name, plan)`` next to the single-device model of the same seed
-(built in the same process), optimizers are built the plain way
-(``Opt(model.parameters(), ...)``, no reducer), and three steps are taken on
-a fixed global batch, alternating the two public ways to train:
+One world per size (2, 4, 8 ranks) runs every plan
+:func:`cuboid.parallel.plan_space.enumerate_plans` yields for that world (the
+same set for gpt-debug, bert-debug with its MLM head and vit-debug: asserted),
+then the ready plans of that size the enumeration does not hold (a toggle
+on, such as ``dp2-ckpt``) and EXTRA. A plan the enumeration gains (a
+composition built, a clause gone from ``Plan.unimplemented``) is tested here
+with no edit. For each plan and family, ``cuboid.load(name, plan, seed=0,
+mesh=mesh)`` is compared with one device's run of the same seed (computed
+once per process for each family, optimizer and path, since every plan is
+held to the same run), with one optimizer built the plain way
+(``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB and LARS by
+the plan's index, so each plan meets all three over its families. Three
+steps on fixed global batches, alternating the two public ways to train:
 
 - the natural loop: ``share = cuboid.rank_share(model, batch)``,
   ``model(**share).loss.backward()``, ``clip_grad_norm_``, ``opt.step()``
@@ -12,16 +20,28 @@ a fixed global batch, alternating the two public ways to train:
 - ``cuboid.train_step(model, opt, batch, max_grad_norm=1.0)`` (on a batch
   whose shares hold different label counts).
 
-Checked: initial parameters equal one device's exactly; every step's loss,
-the logits, hidden states and pooled output of a share (single-device
-shapes and values, logits read lazily) and of an odd-sized eval batch (the
-2D/3D batch split pads it), and every parameter after the steps (gathered).
-Tolerance 1e-5 relative. Parameters are compared with one norm over all of
-them, dropping the largest 0.1% of element differences: with Adam-type
-steps a few elements whose exact gradient is zero move by rounding noise on
-any plan (a systematic error, such as an unreduced LAMB trust ratio, moves
-every element and is caught). AdamW and LAMB run with eps=1e-3 for the same
-reason (see test_data_parallel.py).
+A pipeline plan trains through ``train_step`` only (its forward with
+gradients is refused, as the contract says). Checked: initial parameters
+equal one device's exactly; every step's loss, the logits, hidden states and
+pooled output of the first share (single-device shapes and values, logits
+read lazily), and an odd-sized batch under no_grad with labels and without
+them (``model(**{k: v for k, v in batch.items() if k != "labels"})``, under
+every schedule: logits, hidden states and pooled output), and every
+parameter after the steps (gathered). Tolerances: loss and outputs 1e-5
+relative, parameters 1e-6, NaN always fails. Parameters are compared with
+one norm over all of them, dropping the largest 0.1% of element differences:
+with Adam-type steps a few elements whose exact gradient is zero move by
+rounding noise on any plan (a systematic error, such as an unreduced LAMB
+trust ratio, moves every element and is caught). AdamW and LAMB run with
+eps=1e-3 for the same reason (see test_data_parallel.py).
+
+Budget: each world writes its count and per-run seconds to
+``/tmp/cuboid-plan-parity/world{N}.json`` and prints them (``pytest -s``).
+When a world's enumeration times 3 families passes RUN_BUDGET runs, each
+enumerated plan runs on one family, turned by its index (the CI machine has
+2 cores; the suite must stay under 30 minutes).
+The 8-rank world also runs test_cost's 2.5D/3D cost check and the
+groups-made-once check (200 loads, threads and groups unchanged).
 """
 import torch
 
@@ -56,6 +76,11 @@ def rel_norm(a: torch.Tensor, b: torch.Tensor, drop: float = 0.001) -> float:
     return (d.norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+def worst(*errors: float) -> float:
+    """The largest error, NaN counting as infinite (``max(x, nan)`` would keep ``x``)."""
+    return max(float("inf") if e != e else e for e in errors)
+
+
 def rel_max(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
@@ -75,17 +100,17 @@ def params_err(model, ref) -> float:
     return rel_norm(a, b)
 
 
-def outputs_err(out, ref_out, rows=None) -> float:
+def outputs_err(out, ref_out, rows=None, fields=("logits", "last_hidden_state", "pooler_output")) -> float:
     """Largest relative error of logits / hidden states / pooled output; shapes must match one device's."""
     err = 0.0
-    for field in ("logits", "last_hidden_state", "pooler_output"):
+    for field in fields:
         a, b = getattr(out, field), getattr(ref_out, field)
         if b is None:
             assert a is None, field
             continue
         b = b if rows is None else b[rows]
         assert tuple(a.shape) == tuple(b.shape), (field, tuple(a.shape), tuple(b.shape))
-        err = max(err, rel_max(a.detach(), b.detach()))
+        err = worst(err, rel_max(a.detach(), b.detach()))
     return err
 
 
@@ -99,7 +124,66 @@ def make_optimizer(kind, params):
     return LARS(params, lr=0.5, momentum=0.9, weight_decay=1e-3)
 
 
-def plan_parity_worker(plans, optimizers=("adamw", "lamb", "lars")):
+OPTIMIZERS = ("adamw", "lamb", "lars")
+_REFS: dict = {}  # one device's run, per (family, optimizer, path, batch size), computed once per process
+
+
+def _batch_size(dp: int) -> int:
+    return max(8, 2 * dp)  # even_batch's dp shares of 2+ rows, alternating 0 and 3 padded positions
+
+
+def reference(name, kind, pipelined, size, extra):
+    """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
+    ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
+    step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
+    labels. Every plan of this family, optimizer and path is compared with the same run."""
+    import cuboid
+    from cuboid.parallel.optim import clip_grad_norm_
+
+    key = (name, kind, pipelined, size, tuple(sorted(extra.items())))
+    if key in _REFS:
+        return _REFS[key]
+    ref = cuboid.load(name, seed=0, **extra).train()
+    init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opt = make_optimizer(kind, ref.parameters())
+    losses, first = [], None
+    for step in range(STEPS):
+        if not pipelined and step % 2 == 0:  # the natural loop
+            out = ref(**even_batch(name, ref, size))
+            out.loss.backward()
+            clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            first = out if first is None else first
+        else:
+            losses.append(cuboid.train_step(ref, opt, global_batch(name, ref), max_grad_norm=1.0).loss)
+    odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
+    ref.eval()
+    with torch.no_grad():
+        evaluated = ref(**odd)
+        free = ref(**{k: v for k, v in odd.items() if k != "labels"})
+    _REFS[key] = dict(init=init, params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
+                      first=first, eval=evaluated, free=free, odd=odd)
+    return _REFS[key]
+
+
+def _params_err(model, want) -> float:
+    pairs = gathered(model)
+    return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
+
+
+def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=False):
+    """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
+
+    ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
+    index, so each plan meets AdamW, LAMB and LARS once over its three families. ``one_family``: each plan
+    runs on one family only, turned by its index (the CI budget, see RUN_BUDGET). A pipeline plan trains through
+    ``cuboid.train_step`` only (its forward with gradients is refused); the others alternate the natural loop
+    and ``train_step``. Returns {key: errors} with each plan's seconds (load, 3 steps, evaluation) under
+    ``seconds``."""
+    import time
+
     import torch.distributed as dist
 
     import cuboid
@@ -108,55 +192,67 @@ def plan_parity_worker(plans, optimizers=("adamw", "lamb", "lars")):
     from cuboid.zoo import READY_PLANS
 
     report = {}
-    for plan_name in plans:
-        plan = Plan.parse(plan_name, READY_PLANS)
+    for index, spec in enumerate(plans):
+        plan = Plan.parse(spec, READY_PLANS)
+        label = spec if isinstance(spec, str) else plan.describe()
         mesh = Mesh.build(plan)
-        dp = mesh.size("dp")
-        for name in FAMILIES:
+        dp, pipelined = mesh.size("dp"), plan.pp > 1
+        size = _batch_size(dp)
+        for f, name in enumerate(FAMILIES):
+            if one_family and f != index % len(FAMILIES):
+                continue
             extra = {"vocab_size": 510} if name != "vit-debug" else {}  # 510 does not divide tp=4: padding
-            for kind in optimizers:
-                ref = cuboid.load(name, seed=0, **extra).train()
+            kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
+            for kind in kinds:
+                want = reference(name, kind, pipelined, size, extra)
+                dist.barrier()
+                start = time.perf_counter()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
                 assert model.plan == plan and model.mesh is mesh
-                init_err = params_err(model, ref)
-                opt_ref, opt = make_optimizer(kind, ref.parameters()), make_optimizer(kind, model.parameters())
-                errs = {"init": init_err, "loss": 0.0, "outputs": 0.0}
+                errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
+                opt = make_optimizer(kind, model.parameters())
                 for step in range(STEPS):
-                    if step % 2 == 0:  # the natural loop
-                        batch = even_batch(name, ref)
-                        share = cuboid.rank_share(model, batch)
-                        rows = slice(mesh.coords["dp"] * len(share["labels"]), None)
-                        rows = slice(rows.start, rows.start + len(share["labels"]))
-                        out, ref_out = model(**share), ref(**batch)
+                    if not pipelined and step % 2 == 0:  # the natural loop
+                        share = cuboid.rank_share(model, even_batch(name, model, size))
+                        out = model(**share)
                         out.loss.backward()
-                        ref_out.loss.backward()
                         loss = out.loss.detach().clone().reshape(1)
                         comm.all_reduce_(loss, mesh.group("dp"))
-                        errs["loss"] = max(errs["loss"], abs(loss.item() / dp - ref_out.loss.item())
-                                           / abs(ref_out.loss.item()))
+                        loss = loss.item() / dp
                         if step == 0:
-                            errs["outputs"] = max(errs["outputs"], outputs_err(out, ref_out, rows))
+                            start_row = mesh.coords["dp"] * len(share["labels"])
+                            rows = slice(start_row, start_row + len(share["labels"]))
+                            errs["outputs"] = outputs_err(out, want["first"], rows)
                         clip_grad_norm_(model.parameters(), 1.0)
-                        clip_grad_norm_(ref.parameters(), 1.0)
-                        for o in (opt, opt_ref):
-                            o.step()
-                            o.zero_grad()
+                        opt.step()
+                        opt.zero_grad()
                     else:
-                        batch = global_batch(name, ref)
-                        a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0)
-                        b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0)
-                        errs["loss"] = max(errs["loss"], abs(a.loss - b.loss) / abs(a.loss))
-                errs["params"] = params_err(model, ref)
-                # an odd-sized batch, the same on every rank, without grad: logits as one device
-                odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
-                model.eval(), ref.eval()
-                with torch.no_grad():
-                    out, ref_out = model(**odd), ref(**odd)
-                    errs["eval_outputs"] = outputs_err(out, ref_out)
-                    errs["eval_loss"] = abs(out.loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item())
-                report[f"{plan_name}/{name}/{kind}"] = errs
-        dist.barrier()
+                        loss = cuboid.train_step(model, opt, global_batch(name, model), max_grad_norm=1.0).loss
+                    errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
+                errs["params"] = _params_err(model, want["params"])
+                # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
+                odd = want["odd"]
+                model.eval()
+                fields = ("logits", "last_hidden_state", "pooler_output")
+                with torch.no_grad():  # every schedule (ZBV too) and every plan: one device's outputs
+                    out = model(**odd)
+                    errs["eval_outputs"] = outputs_err(out, want["eval"], fields=fields)
+                    errs["eval_loss"] = worst(abs(out.loss.item() - want["eval"].loss.item())
+                                              / abs(want["eval"].loss.item()))
+                    free = model(**{k: v for k, v in odd.items() if k != "labels"})
+                    assert free.loss is None, label
+                    errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
+                dist.barrier()
+                errs["seconds"] = time.perf_counter() - start
+                report[f"{label}/{name}/{kind}"] = errs
     return report
+
+
+# (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
+KNOWN_BROKEN = {("tp=2,sp=4", "bert-debug"): "NaN gradients from the first backward (ring sp=4 x tp=2, MLM head; "
+                                             "sp2-tp2 on 4 ranks and tp=2,sp=4 on GPT are right)"}
+TOLERANCE = {"loss": 1e-5, "outputs": 1e-5, "eval_outputs": 1e-5, "eval_loss": 1e-5, "free_outputs": 1e-5,
+             "params": 1e-6}
 
 
 def check(reports):
@@ -165,59 +261,131 @@ def check(reports):
         assert report
         for key, errs in report.items():
             assert errs["init"] == 0.0, (rank, key, "initialisation differs", errs)
-            for what in ("loss", "outputs", "params", "eval_outputs", "eval_loss"):
-                assert errs[what] < 1e-5, (rank, key, what, errs)
+            assert "free_outputs" in errs and "eval_outputs" in errs, (rank, key, errs)
+            broken = KNOWN_BROKEN.get(tuple(key.split("/")[:2]))
+            bad = [what for what, tol in TOLERANCE.items() if not worst(errs.get(what, 0.0)) < tol]
+            if broken:  # strict: once it passes, take it off the list
+                assert bad, (rank, key, f"passes now: remove it from KNOWN_BROKEN ({broken})")
+                continue
+            assert not bad, (rank, key, bad, errs)
 
 
-SP2 = ["sp2", "sp2-a2a", "sp=2,activation_checkpoint=true", "tp2-seq"]  # ring, all-to-all, recomputed ring, Megatron
-SP4 = ["sp4", "sp2-tp2", "dp2-sp2"]
+# ------------------------------------------------------------------------- the generated test
+
+# ready plans the enumeration does not hold (a toggle on, another spelling) run beside it, with these
+EXTRA = {2: ["sp=2,activation_checkpoint=true"]}  # the ring recomputed in backward
 
 
-def two_rank_worker():
-    report = plan_parity_worker(["dp2", "dp2-ckpt", "tp1d"])
-    report.update(plan_parity_worker(SP2, ("adamw", "lamb")))  # sequences of 12 split in 4 zigzag chunks
+def generated(world: int):
+    """The plans one world runs: every enumerated plan (each family's enumeration is the same set of plans
+    for the debug configs: asserted), then the ready plans of this world size it does not hold, then EXTRA."""
+    from cuboid import zoo
+    from cuboid.parallel.plan_space import enumerate_plans
+
+    per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in FAMILIES]
+    assert all(p == per_family[0] for p in per_family), "the families' enumerations differ"
+    plans = per_family[0]
+    ready = [name for name, p in zoo.READY_PLANS.items() if p.world_size == world and p not in plans]
+    ready = [n for i, n in enumerate(ready) if zoo.READY_PLANS[n] not in [zoo.READY_PLANS[m] for m in ready[:i]]]
+    return plans, ready + EXTRA.get(world, [])
+
+
+# runs (plan x family) a world may take on CI's 2 cores: above it, each enumerated plan runs on one family,
+# turned by its index (about 1 s a run at 8 ranks, 0.5 s at 4, 0.2 s at 2, measured on 2 shared cores)
+RUN_BUDGET = {2: 120, 4: 200, 8: 200}
+
+
+def one_family(world: int, plans) -> bool:
+    return 3 * len(plans) > RUN_BUDGET[world]
+
+
+def generated_worker(world: int):
+    plans, others = generated(world)
+    report = plan_parity_worker(plans, rotate=True, one_family=one_family(world, plans))
+    report.update(plan_parity_worker(others, rotate=True))
     return report
 
 
-def four_rank_worker():
-    report = plan_parity_worker(["dp4", "tp1d-4", "dp2-tp2", "tp2d"])
-    report.update(plan_parity_worker(SP4, ("adamw", "lamb")))  # sp4: 12 tokens padded to 16 inside
-    return report
+def run_generated(world: int, timeout: float, *extra_work):
+    """Runs the generated parity test of ``world`` ranks; writes its per-plan times to
+    /tmp/cuboid-plan-parity/world{N}.json and prints the count and time per N."""
+    import json
+    import os
+    import time
 
-
-def test_dp_tp1d_and_sequence_parallel_on_2_ranks():
-    reports = run_world(two_rank_worker, 2, timeout=600)
+    plans, others = generated(world)
+    start = time.perf_counter()
+    results = run_world(generated_worker if not extra_work else extra_work[0], world, world, timeout=timeout)
+    took = time.perf_counter() - start
+    reports = [r if not extra_work else r[0] for r in results]
+    seconds = {k: max(r[k]["seconds"] for r in reports) for k in reports[0]}
+    os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
+    with open(f"/tmp/cuboid-plan-parity/world{world}.json", "w") as fh:
+        json.dump({"world": world, "plans": len(plans), "ready_and_extra": len(others), "runs": len(seconds),
+                   "one_family_per_plan": one_family(world, plans),
+                   "wall_s": took, "per_run_s": seconds, "errors": reports[0]}, fh, indent=1)
     check(reports)
-    assert len(reports[0]) == 3 * 3 * 3 + len(SP2) * 3 * 2
+    families = 1 if one_family(world, plans) else 3
+    assert len(reports[0]) == families * len(plans) + 3 * len(others)
+    assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
+    print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} famil"
+          f"{'ies' if families > 1 else 'y'} + {len(others)} ready/extra x 3 = {len(seconds)} runs in {took:.0f} s "
+          f"({sum(seconds.values()) / len(seconds):.2f} s a run)")
+    return results
 
 
-def test_dp_tp_2d_and_sequence_parallel_on_4_ranks():
-    reports = run_world(four_rank_worker, 4, timeout=900)
-    check(reports)
-    assert len(reports[0]) == 4 * 3 * 3 + len(SP4) * 3 * 2
+def test_every_enumerated_plan_on_2_ranks():
+    run_generated(2, 900)
+
+
+def test_every_enumerated_plan_on_4_ranks():
+    run_generated(4, 1200)
 
 
 EIGHT_RANK_COST = ["tp2.5d", "tp=8,tp_mode=3d,activation_checkpoint=true"]  # the cost model, in this world
 
 
-def eight_rank_worker():
+# groups made once: a hybrid plan with dp, pp, tp and the tied embedding's groups, on a small GPT
+GROUPS_PLAN, GROUP_LOADS = "dp=2,pp=2,tp=2,microbatches=2", 200
+SMALL = dict(vocab_size=64, n_positions=16, dim=32, n_heads=4, n_layers=2)
+
+
+def groups_worker(loads: int = GROUP_LOADS) -> dict:
+    """Threads of this process (``/proc/self/task``) and groups made, after the first of ``loads``
+    ``cuboid.load`` calls under one plan and after the last, and the seconds the loads took."""
+    import os
+    import time
+
+    import cuboid
+    from cuboid.parallel import timeouts
+
+    start = time.perf_counter()
+    cuboid.load("gpt-debug", GROUPS_PLAN, seed=0, **SMALL)
+    first = (len(os.listdir("/proc/self/task")), len(timeouts._MADE))
+    for _ in range(loads - 1):
+        cuboid.load("gpt-debug", GROUPS_PLAN, seed=0, **SMALL)
+    last = (len(os.listdir("/proc/self/task")), len(timeouts._MADE))
+    return {"threads": (first[0], last[0]), "groups": (first[1], last[1]), "seconds": time.perf_counter() - start}
+
+
+def eight_rank_worker(world):
     from .cost_checks import cost_worker
 
-    report = plan_parity_worker(["tp2.5d", "tp3d"])
-    # ZeRO over the dp group of a 2D grid: each dp rank's pieces of its grid blocks
-    report.update(plan_parity_worker(["dp=2,tp=4,tp_mode=2d,zero=2", "dp=2,tp=4,tp_mode=2d,zero=3"],
-                                     ("adamw", "lamb")))
-    return report, cost_worker(EIGHT_RANK_COST)
+    return generated_worker(world), cost_worker(EIGHT_RANK_COST), groups_worker()
 
 
-def test_tp2p5d_tp3d_and_zero_over_2d_on_8_ranks():
+def test_every_enumerated_plan_on_8_ranks():
     """Plan parity, and (test_cost's check, run here to share the world) bytes sent and held under 2.5D and
     3D equal the cost model's."""
     from .cost_checks import check_cost
 
-    results = run_world(eight_rank_worker, 8, timeout=1200)
-    reports = [r for r, _ in results]
-    check(reports)
-    assert len(reports[0]) == 2 * 3 * 3 + 2 * 3 * 2
-    check_cost([c for _, c in results])
-    assert all(len(c) == len(EIGHT_RANK_COST) for _, c in results)
+    results = run_generated(8, 1800, eight_rank_worker)
+    check_cost([c for _, c, _ in results])
+    assert all(len(c) == len(EIGHT_RANK_COST) for _, c, _ in results)
+    # groups made once per (ranks, name, timeout): 200 loads under a hybrid plan leave the threads (each gloo
+    # group holds its own) and the groups where the first load left them
+    for rank, (_, _, g) in enumerate(results):
+        assert g["groups"][0] >= 4 and g["groups"][1] == g["groups"][0], (rank, g)
+        assert g["threads"][1] == g["threads"][0], (rank, f"{GROUP_LOADS} loads", g)
+    print(f"{GROUP_LOADS} loads under {GROUPS_PLAN}: threads {results[0][2]['threads']}, groups "
+          f"{results[0][2]['groups']}, {max(g['seconds'] for _, _, g in results):.1f} s")

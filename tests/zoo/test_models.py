@@ -104,7 +104,7 @@ def test_bad_inputs_are_clear_errors():
         cuboid.load("gpt3")
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         cuboid.load("./nowhere")
-    with pytest.raises(NotImplementedError, match="sequence parallelism \\(sp=2\\) with tp_mode 2d"):
+    with pytest.raises(ValueError, match="sequence parallelism \\(sp=2\\) does not combine with tp_mode 2d"):
         cuboid.load("gpt-debug", plan="sp=2,tp=4,tp_mode=2d")
     with pytest.raises(ValueError, match="needs dp\\*pp\\*tp\\*sp = 2 processes, but the world size is 1"):
         cuboid.load("gpt-debug", plan="sp=2")
