@@ -403,6 +403,14 @@ def flat_rows(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_ind
     return logits, labels
 
 
+def mean_of(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count`` for a loss: NaN when ``count`` is 0 (as ``F.cross_entropy`` when every label is
+    ignored), with a zero gradient then (``0 / 0`` would send NaN into every gradient, even when the caller
+    multiplies the loss by zero, as a rank or micro-batch without labels does)."""
+    count = count.to(total.dtype)
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                   chunk: Optional[int] = None) -> torch.Tensor:
     """Mean cross-entropy of (..., V) logits against (...) labels, HF style (-100 ignored).
@@ -420,7 +428,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
     if chunk is None:
         chunk = max(1, min(logits.shape[0], (1 << 24) // max(v, 1)))
     count = (labels != ignore_index).sum()
-    return _ChunkedCrossEntropy.apply(logits, labels, ignore_index, chunk) / count
+    return mean_of(_ChunkedCrossEntropy.apply(logits, labels, ignore_index, chunk), count)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

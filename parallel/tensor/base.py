@@ -395,7 +395,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     Every rank returns the same loss; no rank ever holds the full (.., V) logits.
     """
     total, count = vocab_parallel_ce_sum(local_logits, labels, group, start, vocab_size, ignore_index)
-    return total / count
+    return L.mean_of(total, count)
 
 
 class VocabParallel:

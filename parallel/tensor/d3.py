@@ -303,7 +303,7 @@ class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
         total, count = self._ce_sum(logits, labels, self._g("tp_col"), ignore_index)
         stats = torch.stack([total, count.to(total.dtype)])
         stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_row")), self._g("tp_dep"))
-        return stats[0] / stats[1]
+        return L.mean_of(stats[0], stats[1])
 
 
 class Tensor3D(Sharded3D, L.Tensor):

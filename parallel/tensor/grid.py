@@ -187,7 +187,7 @@ def batch_mean(total: torch.Tensor, count: torch.Tensor, mesh_or_grid) -> torch.
     g = Grid.of(mesh_or_grid)
     s = torch.stack([total.float(), count.to(torch.float32)])
     s = comm.reduce_from(comm.reduce_from(s, g.col), g.dep)
-    return s[0] / s[1]
+    return L.mean_of(s[0], s[1])
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh_or_grid, ignore_index: int = -100) -> torch.Tensor:

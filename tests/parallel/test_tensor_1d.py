@@ -292,3 +292,20 @@ def test_mesh_tensor_grids():
     assert m.groups["tp_row"] is None and "tp_row" not in Mesh.layout(Plan(tp=4), 0).groups
     m = Mesh.layout(Plan(tp=4, tp_mode="2.5d", depth=1), rank=3)
     assert m.group_ranks["tp_dep"] == [3] and m.size("tp_dep") == 1
+
+
+def test_a_loss_without_labels_is_nan_with_zero_gradients():
+    """A rank or micro-batch whose labels are all ignored (sequence chunks of a masked-LM batch) has a NaN
+    loss, as F.cross_entropy, and its zeroed term must send zeros back, not 0 * (1 / 0) = NaN: found by the
+    generated parity test as NaN gradients of BERT under tp=2,sp=4."""
+    from cuboid.parallel import layers as L
+    from cuboid.parallel.tensor.base import vocab_parallel_cross_entropy
+
+    for loss_of in (lambda x, y: vocab_parallel_cross_entropy(x, y, None, 0, 7),
+                    lambda x, y: L.cross_entropy(x.half(), y)):  # the chunked half-precision path
+        logits = torch.randn(3, 5, 7, requires_grad=True)
+        labels = torch.full((3, 5), -100)
+        loss = loss_of(logits, labels)
+        assert torch.isnan(loss)
+        (loss.nan_to_num(0.0) * 0.0).backward()
+        assert torch.equal(logits.grad, torch.zeros_like(logits)), logits.grad
