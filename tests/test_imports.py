@@ -9,6 +9,9 @@ the tree) that break one rule each, and the same contracts must then fail.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import multiprocessing
 import os
 import re
 import subprocess
@@ -123,3 +126,37 @@ def test_a_regression_breaks_its_contract(tmp_path, probe):
     assert out.returncode != 0, report
     assert verdicts(report)[contract] == "BROKEN", report
     assert named in report, report
+
+
+# ----------------------------------------------------------------- the root shadows nothing
+
+
+def where(name: str):
+    """Where ``import name`` would load from here (None: nowhere). Module level: a spawned child runs it."""
+    spec = importlib.util.find_spec(name)
+    return spec.origin if spec is not None else None
+
+
+def _from_root(name: str, origin) -> bool:
+    """Whether ``origin`` is the repository's own top-level folder ``name``."""
+    return origin is not None and Path(origin).resolve().is_relative_to(ROOT / name)
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """kernels/, parallel/ and zoo/ are cuboid.kernels, ...: as top-level names they must lose to installed packages.
+
+    The root stays on sys.path (last) only so that ``tests.*`` import, here and in spawned ranks.
+    """
+    entries = [os.path.realpath(p or os.curdir) for p in sys.path]
+    sites = [i for i, p in enumerate(entries) if os.path.basename(p) in ("site-packages", "dist-packages")]
+    assert str(ROOT) in entries and sites, sys.path
+    assert entries.index(str(ROOT)) > max(sites), f"the repository root comes before site-packages: {sys.path}"
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    for name in ("kernels", "parallel", "zoo"):
+        if name in installed:  # Hugging Face's kernels arrives with transformers >= 5.25
+            assert not _from_root(name, where(name)), f"import {name} finds {where(name)}, the repository's folder"
+    assert _from_root("tests", where("tests")), "the tests package must still import (spawned ranks unpickle from it)"
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a spawned rank inherits the order
+        child = pool.apply(where, ("kernels",))
+        assert pool.apply(where, ("tests.parallel.launch",)) is not None
+    assert child == where("kernels")
