@@ -70,9 +70,9 @@ def main() -> None:
                     entry["sweep"][f"dim{dim}-batch{batch}"] = (step_time(m, case["plans"][base], hw)[0]
                                                                 / step_time(m, case["plans"][new], hw)[0])
         out.append(entry)
-    from cuboid.cli import _table
+    from cuboid.tables import table
 
-    print(_table(rows, ("paper", "speedup", "hardware", "reported", "predicted", "off", "step ms (base/new)",
+    print(table(rows, ("paper", "speedup", "hardware", "reported", "predicted", "off", "step ms (base/new)",
                         "comm share (base/new)")))
     if args.sweep:
         for e in out:

@@ -36,7 +36,7 @@ def main() -> None:
 
     from cuboid import zoo
     from cuboid.calibrate import calibrate
-    from cuboid.cli import _table
+    from cuboid.tables import table
     from cuboid.parallel import Plan
     from cuboid.planner import estimate
     from tests.parallel.cost_checks import TIMED, TIMED_BATCH, TIMED_SEQ, time_worker
@@ -60,7 +60,7 @@ def main() -> None:
             out.append({"plan": name, "ranks": world, "measured_s": took, "predicted_s": e.step_s,
                         "compute_s": e.compute_s, "comm_s": e.comm_s, "bubble_s": e.bubble_s,
                         "optimizer_s": e.optimizer_s})
-    print(_table(rows, ("plan", "ranks", "measured s", "predicted s", "off", "compute", "comm", "bubble+optim")))
+    print(table(rows, ("plan", "ranks", "measured s", "predicted s", "off", "compute", "comm", "bubble+optim")))
     by_measured = [r["plan"] for r in sorted(out, key=lambda r: r["measured_s"])]
     by_predicted = [r["plan"] for r in sorted(out, key=lambda r: r["predicted_s"])]
     print(f"\nfastest by measurement: {by_measured[:3]}; by prediction: {by_predicted[:3]}")

@@ -60,23 +60,18 @@ def backend_table() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
 def cmd_info(args: argparse.Namespace) -> int:
     from cuboid import kernels
+    from cuboid.tables import table
 
     print("cuboid environment\n")
-    print(_table(_versions(), ("package", "version")))
+    print(table(_versions(), ("package", "version")))
     print()
-    print(_table(_devices(), ("device", "details")))
+    print(table(_devices(), ("device", "details")))
     print()
     print(f"Triton interpreter: {'on' if kernels.interpreter_active() else 'off'} (TRITON_INTERPRET at import)")
     print()
-    print(_table(backend_table(), ("op", "device", "backend", "why")))
+    print(table(backend_table(), ("op", "device", "backend", "why")))
     return 0
 
 

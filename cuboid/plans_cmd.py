@@ -53,7 +53,7 @@ def _gb(x: float) -> str:
 
 
 def cmd_plans(args: argparse.Namespace) -> int:
-    from cuboid.cli import _table
+    from cuboid.tables import table
     from cuboid.parallel import cost
 
     if args.calibrate:
@@ -66,12 +66,12 @@ def cmd_plans(args: argparse.Namespace) -> int:
             return 0
     if args.list_hardware:
         rows = [(n, cost.load_hardware(n).description) for n in cost.profile_names()]
-        print(_table(rows, ("profile", "description")))
+        print(table(rows, ("profile", "description")))
         return 0
     if args.gpus is None:
         from cuboid import zoo
 
-        print(_table([(name, plan.describe(), str(plan.world_size)) for name, plan in zoo.READY_PLANS.items()],
+        print(table([(name, plan.describe(), str(plan.world_size)) for name, plan in zoo.READY_PLANS.items()],
                      ("plan", "fields", "processes")))
         return 0
     if args.gpus < 1:
@@ -106,7 +106,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
                      f"{_gb(e.activations)}/{_gb(e.activations_checkpointed)}", _gb(e.sent_total),
                      f"{e.bubble:.2f}", f"{e.step_s * 1e3:.3g} ms",
                      f"{e.compute_s * 1e3:.3g}+{e.comm_s * 1e3:.3g}+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
-    print(_table(rows, ("#", "plan", "params", "grads", "optim", "act/ckpt", "sent", "bubble", "step",
+    print(table(rows, ("#", "plan", "params", "grads", "optim", "act/ckpt", "sent", "bubble", "step",
                         "compute+comm+other ms")))
     misfits = [e for e in ests if not e.fits]
     if misfits:

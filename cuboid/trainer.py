@@ -134,8 +134,7 @@ def _checkpoints(out: Path) -> list[Path]:
 
 def _complete(path: Path) -> bool:
     """A training checkpoint with its commit file (the model index, or the single model file)."""
-    from cuboid.zoo.checkpoint.state import TRAINER_STATE
-    from cuboid.zoo.checkpoint.writer import INDEX
+    from cuboid.zoo.checkpoint.format import INDEX, TRAINER_STATE
 
     return (path / TRAINER_STATE).is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file())
 

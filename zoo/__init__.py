@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -16,18 +17,15 @@ from torch import nn
 
 from . import hf_io
 from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
-from .bert.hf import FAMILY as _BERT
 from .bert.model import Bert
 from .common import Output, count_parameters
+from .families import FAMILIES, family_of
 from .plans import READY_PLANS, SPECS
 from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
-from .gpt.hf import FAMILY as _GPT
 from .gpt.model import GPT
 from .vit.config import PRESETS as _VIT_PRESETS, ViTConfig
-from .vit.hf import FAMILY as _VIT
 from .vit.model import ViT
 
-FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT}
 PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS}
 _CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT}
 
@@ -67,21 +65,32 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu", *, s
     return model
 
 
-def family_of(model: nn.Module) -> hf_io.Family:
-    for fam in FAMILIES.values():
-        if isinstance(model, fam.build):
-            return fam
-    raise TypeError(f"{type(model).__name__} is not a zoo model")
-
-
 def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = True,
             transform=None) -> nn.Module:
-    """Build the zoo model for a local HF folder (config.json + safetensors) and load its weights.
+    """Build the zoo model for a local folder (HF's or a cuboid checkpoint) and load its weights.
 
-    ``transform(meta_model) -> model`` runs before allocation (sharding for a plan).
+    The model is built on the meta device; ``transform(meta_model) -> model``
+    runs there (the tensor modes shard it for a plan), and ``dtype`` casts it
+    there, before anything is allocated. :func:`cuboid.zoo.checkpoint.reader.read_new`
+    then validates every tensor and reads only this rank's slices; on CPU,
+    parts read as they are stored stay backed by the mapped files
+    (copy-on-write), as ``transformers`` keeps them. ``device="meta"`` checks
+    names and shapes and returns the model unallocated.
     """
-    return hf_io.from_hf(path, list(FAMILIES.values()), dtype=dtype, device=device, strict=strict,
-                         transform=transform)
+    from .checkpoint.reader import read_new  # late: the checkpoint package loads on first use
+
+    path = Path(path)
+    cfg = hf_io.read_config(path)
+    family, arch = hf_io.architecture_from_config(cfg, list(FAMILIES.values()), path)
+    config = family.config_from_hf(cfg, arch)
+    with torch.device("meta"):
+        model = family.build(config)
+    if transform is not None:
+        model = transform(model)
+    if dtype is not None:
+        model.to(dtype)  # on meta: free; every tensor is cast as it is read
+    read_new(model, path, device=device or "cpu", strict=strict)
+    return model
 
 
 def spec_of(model: nn.Module):
@@ -96,5 +105,11 @@ def spec_of(model: nn.Module):
 
 
 def to_hf(model: nn.Module, path: os.PathLike):
-    """Write ``model`` as a folder ``transformers.AutoModel*.from_pretrained`` loads."""
-    return hf_io.save_hf(model, family_of(model), path)
+    """Write ``model`` as a folder ``transformers.AutoModel*.from_pretrained`` loads.
+
+    ``config.json`` + ``model.safetensors``, through :func:`cuboid.zoo.checkpoint.writer.export`.
+    """
+    from .checkpoint.writer import export  # late: the checkpoint package loads on first use
+
+    family_of(model)  # not a zoo model: a TypeError before anything is written
+    return export(model, path)

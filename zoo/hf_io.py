@@ -9,20 +9,20 @@ transposed, BERT's and ViT's separate query/key/value are stacked into the fused
 slices like the full zoo tensor, reading only its own part of the file), and
 ``to_hf`` splits a full zoo tensor into the stored ones.
 
-This module holds the mapping and the two entry points; the I/O is the
-checkpoint package's, so a Hugging Face folder and a cuboid checkpoint are
-read by the same reader (:mod:`cuboid.zoo.checkpoint.reader`) and written by
-the same writer (:mod:`cuboid.zoo.checkpoint.writer`).
+This module holds the mapping only and imports nothing of the zoo: the I/O is
+the checkpoint package's, so a Hugging Face folder and a cuboid checkpoint
+are read by the same reader (:mod:`cuboid.zoo.checkpoint.reader`) and written
+by the same writer (:mod:`cuboid.zoo.checkpoint.writer`); ``cuboid.zoo.from_hf``
+and ``to_hf`` join the two.
 
 ``transformers`` itself is never imported: configs are plain JSON.
 """
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Sequence
 
 import torch
 
@@ -232,38 +232,3 @@ def architecture_from_config(cfg: dict, families: Sequence[Family], path: Path) 
     supported = sorted(a for fam in families for a in fam.architectures)
     got = ", ".join(archs) if archs else f"none (model_type={cfg.get('model_type')!r})"
     raise ValueError(f"{path}: unsupported architecture {got}; supported: {', '.join(supported)}")
-
-
-def from_hf(path: os.PathLike, families: Sequence[Family], *, dtype: Optional[torch.dtype] = None,
-            device=None, strict: bool = True, transform: Optional[Callable] = None) -> torch.nn.Module:
-    """Build the zoo model for a local folder (HF's or a cuboid checkpoint) and load its weights.
-
-    The model is built on the meta device; ``transform(model)`` runs there
-    (the tensor modes shard it), and ``dtype`` casts it there, before anything
-    is allocated. :func:`cuboid.zoo.checkpoint.reader.read_new` then
-    validates every tensor and reads only this rank's slices; on CPU, parts
-    read as they are stored stay backed by the mapped files (copy-on-write),
-    as ``transformers`` keeps them. ``device="meta"`` checks names and shapes
-    and returns the model unallocated.
-    """
-    from .checkpoint.reader import read_new  # the checkpoint package imports this module
-
-    path = Path(path)
-    cfg = read_config(path)
-    family, arch = architecture_from_config(cfg, families, path)
-    config = family.config_from_hf(cfg, arch)
-    with torch.device("meta"):
-        model = family.build(config)
-    if transform is not None:
-        model = transform(model)
-    if dtype is not None:
-        model.to(dtype)  # on meta: free; every tensor is cast as it is read
-    read_new(model, path, device=device or "cpu", strict=strict)
-    return model
-
-
-def save_hf(model: torch.nn.Module, family: Family, path: os.PathLike) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` that ``transformers`` loads (:func:`.checkpoint.writer.export`)."""
-    from .checkpoint.writer import export
-
-    return export(model, path)

@@ -33,7 +33,10 @@ other stages' layers), :mod:`.folder` (the atomic replace protocol and what a cr
 :mod:`.reader` (validation, verify, and the one folder reader: ``load`` here,
 ``cuboid.load(folder)`` / ``zoo.from_hf`` through ``read_new``, both reading
 only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
-(optimizer, RNG, training state), :mod:`.convert`.
+(optimizer, RNG, training state as a save records them), :mod:`.resume`
+(reading them back), :mod:`.convert`. The reader and the writer never import
+each other: what both need (file names, records, errors) is in :mod:`.format`,
+the shard plan in :mod:`.planner`, the stage rule in :mod:`.stages`.
 
 Checkpoint code reaches parameters only through the layers' full-tensor
 interface (``full_shape``, ``shard_slices``, ``full_tensor``, ``load_full``;
@@ -45,7 +48,7 @@ from .convert import convert
 from .folder import resolve
 from .format import CheckpointError
 from .reader import TensorFolder, load, verify
-from .state import load_training_state
+from .resume import load_training_state
 from .writer import save
 
 __all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve", "CheckpointError",

@@ -44,6 +44,12 @@ DTYPE_OF_NAME = {v: k for k, v in DTYPES.items()}
 
 HASH_PLACEHOLDER = "?" * 64  # patched with the data's SHA-256 once the data is written
 HEADER_PLACEHOLDER = "!" * 64  # patched with the header's SHA-256 (taken with both placeholders in place)
+
+# the names both sides of a folder agree on (the reader and the writer import them from here)
+COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkpoint's record
+INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+TRAINER_STATE = "trainer_state.json"
 _CHUNK = 8 << 20
 
 

@@ -19,6 +19,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 
 from ..common import sharded_parameters
 from .. import hf_io
+from ..families import family_of
 from .format import CheckpointError
 
 Size = Union[int, str, None]
@@ -73,12 +74,6 @@ def plan_shards(sources: Sequence[Source], stem: str, max_shard_size: Size) -> S
 
 
 # ------------------------------------------------------------------ the model
-
-
-def family_of(model: torch.nn.Module) -> hf_io.Family:
-    import cuboid.zoo as zoo  # late: zoo/__init__ may import this package
-
-    return zoo.family_of(model)
 
 
 def hf_prefix(model: torch.nn.Module, family: hf_io.Family) -> str:

@@ -44,12 +44,11 @@ from cuboid.parallel import zero
 
 from ..common import sharded_parameters
 from .. import hf_io
+from ..families import family_of
 from .folder import resolve
-from .format import CheckpointError, DTYPE_OF_NAME, data_end, masked_header, read_header, sha256_file
-from .planner import family_of, hf_prefix, meta
+from .format import COMMIT_KEY, CheckpointError, DTYPE_OF_NAME, data_end, masked_header, read_header, sha256_file
+from .planner import hf_prefix, meta
 from .stages import elsewhere
-
-COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkpoint's record
 
 
 def check_name(where: Path, file: str, what: str) -> None:

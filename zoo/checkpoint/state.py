@@ -1,4 +1,4 @@
-"""Optimizer and training state for exact resume.
+"""Optimizer and training state for exact resume: what a save records (:mod:`.resume` reads it back).
 
 Beside the model files a training checkpoint holds:
 
@@ -18,8 +18,8 @@ Beside the model files a training checkpoint holds:
 Optimizer state of a parameter whose shard is smaller than its full shape
 (tensor-parallel modes) is gathered by the layer's ``full_tensor_like(name,
 local)`` (a collective: every rank calls it in the same order) and read back
-through the layer's ``local_part(name, sliceable)`` (packed segments, padding)
-or, without one, ``shard_slices``; a layer without ``full_tensor_like`` is an
+(:mod:`.resume`) through the layer's ``local_part(name, sliceable)`` (packed
+segments, padding) or, without one, ``shard_slices``; a layer without ``full_tensor_like`` is an
 error at planning time. Single-device and data-parallel runs (every rank a
 full replica) need nothing more. Under pipeline parallelism each stage
 writes the state of its own parameters (:mod:`.stages`), the index records
@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import random
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -45,14 +43,10 @@ import torch
 from cuboid.parallel import zero
 
 from ..common import sharded_parameters
-from .folder import resolve
 from .format import CheckpointError
 from .planner import Source, meta
-from .reader import TensorFolder
-from .stages import elsewhere
 
-TRAINER_STATE = "trainer_state.json"
-FORMAT = "cuboid-training-state"
+FORMAT = "cuboid-training-state"  # trainer_state.json's "format"
 
 
 def dist_info() -> Tuple[int, int]:
@@ -79,13 +73,8 @@ def jsonable(v: Any, what: str) -> Any:
     raise CheckpointError(f"{what}: a {type(v).__name__} cannot be stored in a checkpoint (JSON values only)")
 
 
-def _restore_type(saved: Any, current: Any) -> Any:
-    if isinstance(current, tuple) and isinstance(saved, list):
-        return tuple(saved)
-    return saved
-
-
-def _names(model: torch.nn.Module) -> Dict[int, tuple]:
+def parameters_by_id(model: torch.nn.Module) -> Dict[int, tuple]:
+    """id(parameter) -> (zoo name, owning layer, its local name), for the parameters the optimizer holds."""
     zero.reshard(model)  # the parameters the optimizer holds (ZeRO-3 after an evaluation forward)
     return {id(p): (name, mod, local) for name, mod, local, p in sharded_parameters(model)}
 
@@ -104,7 +93,7 @@ def _fetch_state(mod, local: str, v: torch.Tensor, sharded: bool, p: torch.Tenso
 
 def optimizer_sources(model: torch.nn.Module, optimizer) -> Tuple[List[Source], dict]:
     """The optimizer's tensors as sources (full shapes) and the JSON record of the rest."""
-    names = _names(model)
+    names = parameters_by_id(model)
     groups, scalars, tensor_keys, sources = [], {}, {}, []
     for gi, g in enumerate(optimizer.param_groups):
         gnames = []
@@ -135,71 +124,6 @@ def optimizer_sources(model: torch.nn.Module, optimizer) -> Tuple[List[Source], 
                        "params": gnames})
     return sources, {"class": type(optimizer).__name__, "param_groups": groups, "state": scalars,
                      "tensors": tensor_keys}
-
-
-def _local_part(mod, local: str, sl, what: str) -> torch.Tensor:
-    """This rank's local tensor, shaped like the parameter, from a lazy slice of the full one.
-
-    The tensor modes' ``local_part`` assembles packed segments (a list of
-    slice tuples) and zero padding; a plain tuple of slices is read directly.
-    """
-    if hasattr(mod, "local_part"):
-        return mod.local_part(local, sl)
-    slices = mod.shard_slices(local)
-    if not isinstance(slices, tuple):
-        raise CheckpointError(f"{what}: {type(mod).__name__}.shard_slices is not one tuple of slices; "
-                              "the layer needs local_part(name, full)")
-    return sl[slices]
-
-
-def load_optimizer(root, model: torch.nn.Module, optimizer) -> None:
-    """Restore ``optimizer`` from the checkpoint, each rank reading its parameters' slices.
-
-    Param groups are matched by position and their parameters by name; a
-    pipeline stage model loads the state of its own parameters only.
-    """
-    ts = TensorFolder(root, "optimizer")
-    info = ts.metadata.get("optimizer")
-    if not isinstance(info, dict):
-        raise CheckpointError(f"{ts.index_path}: no optimizer record in the index metadata")
-    if info["class"] != type(optimizer).__name__:
-        raise CheckpointError(f"{root}: the checkpoint holds {info['class']} state, not {type(optimizer).__name__}")
-    names = _names(model)
-    saved_groups, cur_groups = info["param_groups"], optimizer.param_groups
-    if len(saved_groups) != len(cur_groups):
-        raise CheckpointError(f"{root}: {len(saved_groups)} optimizer param groups saved, {len(cur_groups)} now")
-    groups, state, idx = [], {}, 0
-    for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
-        cur_names = [names[id(p)][0] if id(p) in names else "<not a model parameter>" for p in cur["params"]]
-        # state is matched by name: the order may differ (stages saved in stage order); names of
-        # another pipeline stage's layers are that stage's to load
-        want = {n for n in saved["params"] if not elsewhere(model, n)}
-        if set(cur_names) != want or len(set(cur_names)) != len(cur_names):
-            diff = sorted(set(cur_names) ^ want) or ["(a parameter listed twice)"]
-            raise CheckpointError(f"{root}: optimizer param group {gi} differs from the checkpoint's: "
-                                  f"{', '.join(diff[:8])}")
-        group = {k: _restore_type(v, cur.get(k)) for k, v in saved.items() if k != "params"}
-        group["params"] = list(range(idx, idx + len(cur_names)))
-        groups.append(group)
-        for j, p in enumerate(cur["params"]):
-            name, mod, local = names[id(p)]
-            st = dict(info["state"].get(name, {}))
-            for key in info["tensors"].get(name, []):
-                stored = f"{name}/{key}"
-                shape, _ = ts.shape_dtype(stored)
-                full = tuple(mod.full_shape(local))
-                if shape == full and full != tuple(p.shape):  # sharded parameter: this rank's part only
-                    st[key] = _local_part(mod, local, ts.get_slice(stored), stored)
-                else:
-                    st[key] = ts.get_tensor(stored)
-                if shape == full and tuple(st[key].shape) != tuple(p.shape):
-                    raise CheckpointError(f"{stored}: checkpoint {tuple(st[key].shape)}, parameter {tuple(p.shape)}")
-                if shape == full and zero.view_of(p) is not None:  # ZeRO: this dp rank's piece
-                    st[key] = zero.piece_of(p, st[key])
-            if st:
-                state[idx + j] = st
-        idx += len(cur_names)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ---------------------------------------------------------------------------- RNG
@@ -275,45 +199,3 @@ def training_record(model, optimizer, scheduler, state: Optional[dict], world: i
             "optimizer": type(optimizer).__name__ if optimizer is not None else None,
             "rng": gather_rng(world), "world_size": world, "plan": _plan_record(model, world),
             "config": jsonable(config, "config")}
-
-
-def load_training_state(path, model: torch.nn.Module, optimizer=None, scheduler=None, *, rng: bool = True) -> dict:
-    """Restore optimizer, scheduler and this rank's RNG states saved by ``save(..., optimizer=, state=)``.
-
-    Load the model weights first (:func:`load`): optimizers take fp32 masters
-    from the checkpoint, not from the parameters. RNG states are restored only
-    when the world size matches the saved one (rank r gets rank r's states);
-    otherwise a warning says resume is not exact. Returns
-    ``{"step", "state", "plan", "config", "world_size", "rng_restored"}`` where
-    ``state`` is the dict given to ``save``.
-    """
-    root = resolve(path)
-    file = root / TRAINER_STATE
-    if not file.is_file():
-        raise CheckpointError(f"{root}: no {TRAINER_STATE} (saved without optimizer/state?)")
-    try:
-        rec = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if rec.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: not a cuboid training state")
-    config = model.config.to_dict() if hasattr(model.config, "to_dict") else None
-    if config is not None and jsonable(config, "config") != rec.get("config"):
-        warnings.warn(f"{root}: the model's config differs from the checkpoint's", RuntimeWarning, stacklevel=2)
-    if optimizer is not None:
-        load_optimizer(root, model, optimizer)
-    if scheduler is not None:
-        if rec.get("scheduler") is None:
-            raise CheckpointError(f"{root}: no scheduler state was saved")
-        scheduler.load_state_dict(rec["scheduler"])
-    rank, world = dist_info()
-    restored = False
-    if rng:
-        if world == rec.get("world_size") and rank < len(rec.get("rng", [])):
-            set_rng_state(rec["rng"][rank])
-            restored = True
-        else:
-            warnings.warn(f"{root}: saved by {rec.get('world_size')} ranks, loading on {world}: RNG states not "
-                          "restored, resume is not bit-exact", RuntimeWarning, stacklevel=2)
-    return {"step": rec.get("step"), "state": rec.get("state", {}), "plan": rec.get("plan"),
-            "config": rec.get("config"), "world_size": rec.get("world_size"), "rng_restored": restored}

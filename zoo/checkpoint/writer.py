@@ -30,15 +30,13 @@ import torch
 
 from cuboid.parallel import zero
 
+from ..families import family_of
 from . import folder as folder_mod
-from .format import HASH_PLACEHOLDER, HEADER_PLACEHOLDER, CheckpointError, FileRecord, StreamWriter, layout, write_json
-from .planner import ShardPlan, Size, Source, family_of, model_sources, plan_shards
-from .reader import COMMIT_KEY
+from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
+                     CheckpointError, FileRecord, StreamWriter, layout, write_json)
+from .planner import ShardPlan, Size, Source, model_sources, plan_shards
 from .stages import StageLayout, describe, merge_optimizer_info, plan_stages, stage_layout, stage_part
-from .state import TRAINER_STATE, dist_info, optimizer_sources, training_record
-
-INDEX = "model.safetensors.index.json"
-OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+from .state import dist_info, optimizer_sources, training_record
 
 
 class Job:

@@ -1,0 +1,15 @@
+"""Plain-text tables for the commands (``cuboid info``, ``cuboid plans``) and the benchmarks.
+
+Its own module so that the commands import it from one place below them all
+(``cli`` registers ``plans_cmd``, which prints with it: no import circle).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+    """``rows`` under ``header`` in left-aligned columns two spaces apart, a dashed rule under the header."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,0 +1,162 @@
+"""The house rules: ``lint-imports`` with the contracts in pyproject.toml (docs/architecture.md, "Who imports whom").
+
+import-linter (through grimp) finds a package's modules by walking its folder,
+and setuptools' ``package-dir`` puts ``kernels/``, ``parallel/`` and ``zoo/``
+under ``cuboid`` only when installed. So each run lints a mirror: a temporary
+``cuboid/`` folder of links to the real files, with the floors linked in where
+the mapping puts them. The probes add a module or two to the mirror (never to
+the tree) that break one rule each, and the same contracts must then fail.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+CONFIG = tomllib.loads(PYPROJECT.read_text())
+
+
+def package_dirs() -> dict:
+    """cuboid's subpackages that live outside cuboid/: {"kernels": ROOT / "kernels", ...} (from package-dir)."""
+    mapping = CONFIG["tool"]["setuptools"]["package-dir"]
+    assert mapping["cuboid"] == "cuboid"
+    out = {}
+    for name, folder in mapping.items():
+        parts = name.split(".")
+        if len(parts) == 2 and parts[0] == "cuboid" and folder != f"cuboid/{parts[1]}":
+            out[parts[1]] = ROOT / folder
+    for name, folder in mapping.items():  # deeper packages must sit where their parent's folder puts them
+        parts = name.split(".")
+        if len(parts) > 2:
+            assert ROOT / folder == out[parts[1]].joinpath(*parts[2:]), f"{name} = {folder!r} is not nested"
+    return out
+
+
+def _link_tree(src: Path, dst: Path) -> int:
+    """Real folders under ``dst`` with a link to every .py file of ``src``; returns the file count."""
+    n = 0
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        here = dst / Path(dirpath).relative_to(src)
+        here.mkdir(parents=True, exist_ok=True)
+        for f in filenames:
+            if f.endswith(".py"):
+                (here / f).symlink_to(Path(dirpath) / f)
+                n += 1
+    return n
+
+
+def mirror(tmp: Path, extra: dict | None = None) -> int:
+    """The ``cuboid`` namespace as installed, under ``tmp``; ``extra`` {path in it: text} replaces or adds files."""
+    n = _link_tree(ROOT / "cuboid", tmp / "cuboid")
+    for sub, folder in package_dirs().items():
+        n += _link_tree(folder, tmp / "cuboid" / sub)
+    for rel, text in (extra or {}).items():
+        path = tmp / rel
+        if path.is_symlink():
+            path.unlink()
+        else:
+            n += 1
+        path.write_text(text)
+    return n
+
+
+def lint(tmp: Path) -> subprocess.CompletedProcess:
+    """lint-imports on the mirror in ``tmp`` (its folder first on sys.path), with the project's contracts."""
+    env = {**os.environ, "PYTHONPATH": str(tmp), "COLUMNS": "500"}  # one line per contract in the report
+    cmd = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
+           str(PYPROJECT), "--no-cache"]
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+
+
+def verdicts(report: str) -> dict:
+    """{contract id: "KEPT" | "BROKEN"} from the report's summary lines."""
+    lines = dict(re.findall(r"^(.*) (KEPT|BROKEN)$", report, re.M))
+    return {c["id"]: lines.get(c["name"]) for c in CONFIG["tool"]["importlinter"]["contracts"]}
+
+
+def test_the_contracts_hold_without_ignored_imports(tmp_path):
+    contracts = CONFIG["tool"]["importlinter"]["contracts"]
+    assert {c["type"] for c in contracts} >= {"layers", "acyclic_siblings", "independence"}
+    assert not [c["id"] for c in contracts if c.get("ignore_imports")], "no contract may ignore imports"
+    files = mirror(tmp_path)
+    out = lint(tmp_path)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    assert set(verdicts(report).values()) == {"KEPT"}, report
+    analyzed = int(re.search(r"Analyzed (\d+) files", report).group(1))
+    assert analyzed == files > 60, f"the linter saw {analyzed} of the mirror's {files} files"
+
+
+
+
+PROBES = {  # name: (files added to the mirror, the contract it breaks, what the report must name)
+    "upward": ({"cuboid/kernels/_probe.py": "from cuboid.zoo import common  # a kernel that knows a model\n"},
+               "floors", "cuboid.kernels._probe -> cuboid.zoo.common"),
+    "circle": ({"cuboid/parallel/_probe_a.py": "from cuboid.parallel import _probe_b  # noqa\n",
+                "cuboid/parallel/_probe_b.py": "from cuboid.parallel import _probe_a  # noqa\n"},
+               "no-circles", "No cycles are allowed in cuboid.parallel"),
+    "reader-writer": ({"cuboid/zoo/checkpoint/reader.py": (ROOT / "zoo/checkpoint/reader.py").read_text()
+                       + "\nfrom . import writer  # noqa: E402\n"},
+                      "checkpoint-read-write", "cuboid.zoo.checkpoint.reader is not allowed to import"),
+}
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_a_regression_breaks_its_contract(tmp_path, probe):
+    """Each rule can fail: an upward import, a circle inside a floor, the reader reaching the writer."""
+    extra, contract, named = PROBES[probe]
+    mirror(tmp_path, extra)
+    out = lint(tmp_path)
+    report = out.stdout + out.stderr
+    assert out.returncode != 0, report
+    assert verdicts(report)[contract] == "BROKEN", report
+    assert named in report, report
+
+
+# ----------------------------------------------------------------- the root shadows nothing
+
+
+def where(name: str):
+    """Where ``import name`` would load from here (None: nowhere). Module level: a spawned child runs it."""
+    spec = importlib.util.find_spec(name)
+    return spec.origin if spec is not None else None
+
+
+def _from_root(name: str, origin) -> bool:
+    """Whether ``origin`` is the repository's own top-level folder ``name``."""
+    return origin is not None and Path(origin).resolve().is_relative_to(ROOT / name)
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """kernels/, parallel/ and zoo/ are cuboid.kernels, ...: as top-level names they must lose to installed packages.
+
+    The root stays on sys.path (last) only so that ``tests.*`` import, here and in spawned ranks.
+    """
+    entries = [os.path.realpath(p or os.curdir) for p in sys.path]
+    sites = [i for i, p in enumerate(entries) if os.path.basename(p) in ("site-packages", "dist-packages")]
+    assert str(ROOT) in entries and sites, sys.path
+    assert entries.index(str(ROOT)) > max(sites), f"the repository root comes before site-packages: {sys.path}"
+    installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}
+    for name in ("kernels", "parallel", "zoo"):
+        if name in installed:  # Hugging Face's kernels arrives with transformers >= 5.25
+            assert not _from_root(name, where(name)), f"import {name} finds {where(name)}, the repository's folder"
+    assert _from_root("tests", where("tests")), "the tests package must still import (spawned ranks unpickle from it)"
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # a spawned rank inherits the order
+        child = pool.apply(where, ("kernels",))
+        assert pool.apply(where, ("tests.parallel.launch",)) is not None
+    assert child == where("kernels")
