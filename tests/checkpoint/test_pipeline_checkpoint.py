@@ -153,7 +153,7 @@ def _batch(model, step):
     return {k: v.roll(step, 0) for k, v in batch.items()}  # a different batch each step
 
 
-def resume_worker(root):
+def resume_worker(root, plans=("pp2-zbv", "pp2")):
     import torch.distributed as dist
 
     import cuboid
@@ -163,10 +163,10 @@ def resume_worker(root):
 
     root = Path(root)
     report = {}
-    for plan_name in ("pp2-zbv", "pp2"):
+    for plan_name in plans:
         plan = Plan.parse(plan_name, READY_PLANS)
         mesh = Mesh.build(plan)
-        folder = root / plan_name
+        folder = root / plan_name.replace(",", "_").replace("=", "")
         extra = {"n_layers": 4} if plan_name != "pp2" else {}
 
         def opt_of(model):
@@ -248,10 +248,9 @@ def _failures(root, model, opt) -> dict:
     return out
 
 
-def test_pp2_exact_resume(tmp_path):
-    reports = run_world(resume_worker, 2, str(tmp_path), timeout=200)
+def check_resume(reports, plans):
     for rank, report in enumerate(reports):
-        assert set(report) == {"pp2", "pp2-zbv"}
+        assert set(report) == set(plans)
         for plan_name, r in report.items():
             load, folder = r["load"], r["folder"]
             assert load["step"] == 2 and load["loss"] == 0.0 and load["differ"] == [], (rank, plan_name, load)
@@ -260,8 +259,23 @@ def test_pp2_exact_resume(tmp_path):
             assert folder["step"] == 2 and folder["loss"] < 1e-6 and folder["params"] < 1e-6, \
                 (rank, plan_name, folder)
             assert r["single"]["loss"] < 1e-5 and r["single"]["params"] < 1e-5, (rank, plan_name, r["single"])
+
+
+def test_pp2_exact_resume(tmp_path):
+    reports = run_world(resume_worker, 2, str(tmp_path), timeout=200)
+    check_resume(reports, ("pp2", "pp2-zbv"))
+    for rank, report in enumerate(reports):
         r = report["pp2"]
         assert (r["failed"] == "disk full") if rank == 1 else ("rank 1 failed to write" in r["failed"]), (rank, r)
         assert r["still"] and r["left"] == [], (rank, r)
         assert "unexpected: transformer.h.2." in r["mismatch"], (rank, r["mismatch"])
         assert "use cuboid.zoo.checkpoint.save" in r["to_hf"], (rank, r["to_hf"])
+
+
+ZERO_PP = ("dp2-pp2-zero1", "dp=2,pp=2,microbatches=2,zero=2", "dp=2,pp=2,microbatches=2,zero=3")
+
+
+def test_pp_with_zero_saves_and_resumes_on_4_ranks(tmp_path):
+    """ZeRO under pp: every dp rank takes part in assembling whole tensors from pieces (a save where only
+    dp rank 0 fetched waited for ever), and the checkpoint resumes exactly, on the plan and on one device."""
+    check_resume(run_world(resume_worker, 4, str(tmp_path), ZERO_PP, timeout=400), ZERO_PP)

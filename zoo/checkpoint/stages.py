@@ -65,7 +65,10 @@ def stage_layout(model: torch.nn.Module, rank: int) -> StageLayout:
         return StageLayout(writes=rank == 0)
     coords = mesh.coords
     replica = coords.get("dp", 0) == 0 and coords.get("sp", 0) == 0
-    return StageLayout(stages=pp, stage=coords["pp"], fetches=replica, writes=replica and coords.get("tp", 0) == 0)
+    # under ZeRO a whole tensor is assembled over dp (x sp) from every rank's piece: every rank fetches
+    sharded = getattr(getattr(mesh, "plan", None), "zero", 0) > 0
+    return StageLayout(stages=pp, stage=coords["pp"], fetches=replica or sharded,
+                       writes=replica and coords.get("tp", 0) == 0)
 
 
 Description = List[Tuple[Tuple[str, ...], Tuple[Tuple[tuple, torch.dtype], ...]]]
