@@ -191,7 +191,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         if nproc is not None and nproc != plan.world_size:
             raise ValueError(f"--nproc-per-node {nproc} does not fit plan {plan.describe()}, "
                              f"which needs {plan.world_size} processes")
-        plan.require_implemented()
+        plan.validate().require_implemented()  # what needs no model is said before any process starts
         if plan.world_size > 1 or restarts:
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:

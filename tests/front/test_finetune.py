@@ -147,7 +147,7 @@ def test_dp2_through_the_launcher_resumes_exactly(tmp_path):
     (["--data", "digits", "--model", "vit-debug", "--plan", "dp=2", "--nproc-per-node", "3"],
      "--nproc-per-node 3 does not fit plan dp=2"),
     (["--data", "digits", "--model", "vit-debug", "--plan", "sp=2,tp=4,tp_mode=2d"],
-     "sequence parallelism (sp=2) with tp_mode 2d"),
+     "sequence parallelism (sp=2) does not combine with tp_mode 2d"),
     (["--data", "digits", "--model", "vit-debug", "--label-column", "digit"], "column 'digit' not found"),
     (["--data", "digits", "--model", "vit-debug", "--plan", "banana"], "unknown plan 'banana'"),
 ])
