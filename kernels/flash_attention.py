@@ -1,9 +1,14 @@
 """Scaled dot-product attention: FlashAttention-2 Triton kernels + torch reference.
 
 Layout is (batch, heads, seq, head_dim) throughout: ``q`` is (B, H, Sq, D) and
-``k``/``v`` are (B, H, Sk, D); Sq may differ from Sk. ``causal`` is aligned to
-the *end* as in flash-attention: query ``i`` attends key ``j`` iff
-``j <= i + Sk - Sq``. ``key_padding_mask`` is (B, Sk) bool, True = keep.
+``k``/``v`` are (B, Hkv, Sk, D); Sq may differ from Sk. Grouped-query attention
+(Ainslie et al. 2023, arXiv 2305.13245): H must be a multiple of Hkv, and query
+head ``h`` reads K/V head ``h // (H // Hkv)`` (Hkv == H is multi-head, Hkv == 1
+multi-query). K/V are never repeated in memory: the kernels index the shared
+head, and dK/dV come back (B, Hkv, Sk, D), summed over each group's heads.
+``causal`` is aligned to the *end* as in flash-attention: query ``i`` attends
+key ``j`` iff ``j <= i + Sk - Sq``. ``key_padding_mask`` is (B, Sk) bool,
+True = keep.
 
 Besides the output, the kernels return the log-sum-exp of each query row,
 ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over kept keys (natural
@@ -16,8 +21,10 @@ an online softmax over key blocks, one program per (query block, batch*head),
 never materializing the (Sq x Sk) matrix; the backward recomputes P from the
 saved lse and is split into a dK/dV kernel (parallel over key blocks) and a dQ
 kernel (parallel over query blocks), so it needs no atomics and is
-deterministic. Tiles are loaded in the input dtype, and every dot product and
-softmax statistic is accumulated in fp32.
+deterministic. Under GQA a dK/dV program owns a key block of one K/V head and
+loops over the query heads of its group, summing into the same fp32 tiles.
+Tiles are loaded in the input dtype, and every dot product and softmax
+statistic is accumulated in fp32.
 """
 from __future__ import annotations
 
@@ -44,8 +51,8 @@ _OP = "attention"
 @triton.jit
 def _attn_fwd_kernel(
     Q,  # (B, H, Sq, D) input, any strides
-    K,  # (B, H, Sk, D) input, any strides
-    V,  # (B, H, Sk, D) input, any strides
+    K,  # (B, Hkv, Sk, D) input, any strides; H % Hkv == 0
+    V,  # (B, Hkv, Sk, D) input, any strides
     O,  # (B, H, Sq, D) output, q's dtype, any strides
     LSE,  # (B, H, Sq) fp32 output, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
@@ -54,7 +61,7 @@ def _attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_mb, stride_mn,
-    H, SEQ_Q, SEQ_K, HEAD_D,
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -76,8 +83,9 @@ def _attn_fwd_kernel(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    off_hkv = off_h // GROUP  # the K/V head this query head shares
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
@@ -152,28 +160,34 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V,  # (B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D) inputs, any strides
+    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
     DO,  # (B, H, Sq, D) gradient of the output, any strides
     LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
-    DK, DV,  # (B, H, Sk, D) outputs, input dtype, contiguous
+    DK, DV,  # (B, Hkv, Sk, D) outputs, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_mb, stride_mn,
-    H, SEQ_Q, SEQ_K, HEAD_D,
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     sm_scale, qk_scale,  # scale, and scale * log2(e)
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One program owns a block of keys and loops over the query blocks that see it.
+    # One program owns a block of keys of one K/V head and loops over the query
+    # heads of its group and, per head, the query blocks that see the keys. The
+    # group sum of dK/dV happens in the program's fp32 tiles: no (B, H, Sk, D)
+    # per-query-head temporaries (H/Hkv times dK/dV's size, as FlashAttention-2's
+    # CUDA code allocates before summing), no atomics, still deterministic. The
+    # price is Hkv (not H) programs per key block; long sequences keep the grid full.
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    off_b = pid_bh // H
-    off_h = pid_bh % H
+    pid_bkv = tl.program_id(1).to(tl.int64)  # b * Hkv + hkv
+    Hkv = H // GROUP
+    off_b = pid_bkv // Hkv
+    off_hkv = pid_bkv % Hkv
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -182,10 +196,10 @@ def _attn_bwd_dkdv_kernel(
     d_ok = offs_d < HEAD_D
     kv_mask = n_ok[:, None] & d_ok[None, :]
 
-    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -193,46 +207,50 @@ def _attn_bwd_dkdv_kernel(
     if HAS_MASK:
         km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
         keep_n = keep_n & (km != 0)
-    q_base = Q + off_b * stride_qb + off_h * stride_qh
-    do_base = DO + off_b * stride_dob + off_h * stride_doh
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators, summed over the group
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     lo = 0
     if IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
         lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
         lo = (lo // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, SEQ_Q, BLOCK_M):
-        offs_m = start_m + offs_m0
-        m_ok = offs_m < SEQ_Q
-        qd_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("inf"))
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
-        delta = tl.load(DELTA + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
-        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2 domain
-        keep = keep_n[:, None] & m_ok[None, :]
-        if IS_CAUSAL:
-            keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
-        pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
-        dst = pt * (dpt - delta[None, :])  # dS^T, w.r.t. the scaled scores
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+    for g in range(0, GROUP):
+        off_h = off_hkv * GROUP + g  # a query head that reads this K/V head
+        row0 = (off_b * H + off_h) * SEQ_Q  # its first row in LSE / DELTA
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        for start_m in range(lo, SEQ_Q, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < SEQ_Q
+            qd_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask,
+                         other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=float("inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
+            delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2
+            keep = keep_n[:, None] & m_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
+            pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
+            dst = pt * (dpt - delta[None, :])  # dS^T, w.r.t. the scaled scores
+            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
 
     dk = dk * sm_scale
-    out_offs = pid_bh * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
+    out_offs = pid_bkv * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V,  # (B, H, Sq, D), (B, H, Sk, D), (B, H, Sk, D) inputs, any strides
+    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
     DO,  # (B, H, Sq, D) gradient of the output, any strides
     LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
@@ -243,7 +261,7 @@ def _attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_mb, stride_mn,
-    H, SEQ_Q, SEQ_K, HEAD_D,
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv
     sm_scale, qk_scale,  # scale, and scale * log2(e)
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -272,8 +290,9 @@ def _attn_bwd_dq_kernel(
     lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
     delta = tl.load(DELTA + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
-    k_base = K + off_b * stride_kb + off_h * stride_kh
-    v_base = V + off_b * stride_vb + off_h * stride_vh
+    off_hkv = off_h // GROUP  # the K/V head this query head shares
+    k_base = K + off_b * stride_kb + off_hkv * stride_kh
+    v_base = V + off_b * stride_vb + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
     hi = SEQ_K
@@ -347,8 +366,9 @@ def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
 
 
 def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
+    """(out, lse) of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), H % Hkv == 0 (checked by the caller)."""
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
+    Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     cfg = _config(D, q.dtype, backward=False)
@@ -357,15 +377,16 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, m_ptr,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
-        H, Sq, Sk, D, scale * _LOG2E,
+        H, H // Hkv, Sq, Sk, D, scale * _LOG2E,
         IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg,
     )
     return out, lse
 
 
 def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float):
+    """(dq, dk, dv): dq like q (B, H, Sq, D); dk, dv like k (B, Hkv, Sk, D), summed over each group."""
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
+    Hkv, Sk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype, backward=True)
     launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
@@ -376,12 +397,13 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float)
         HAS_DLSE=has_dlse, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=4,
     )
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, Sk, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, H, Sk, D), dtype=v.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Sk, D), dtype=v.dtype, device=q.device)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
-    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn, H, Sq, Sk, D, scale, scale * _LOG2E)
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
+              H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg, **launch)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * H)](
+    _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *common, **flags)
     _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, m_ptr, *common, **flags)
@@ -404,10 +426,15 @@ def _validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) ->
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{_OP}: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    for i, what in ((0, "batch"), (1, "heads"), (3, "head_dim")):
+    for i, what in ((0, "batch"), (3, "head_dim")):
         if not q.shape[i] == k.shape[i] == v.shape[i]:
             raise ValueError(f"{_OP}: q, k, v must share {what} (dim {i}), got "
                              f"{q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{_OP}: k and v must share heads (dim 1), got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{_OP}: q's {q.shape[1]} heads must be a multiple of k/v's {k.shape[1]} heads "
+                         f"(grouped-query attention).")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"{_OP}: k and v must have the same sequence length, got {k.shape[2]} and {v.shape[2]}")
     if q.shape[2] < 1 or k.shape[2] < 1:
@@ -435,8 +462,13 @@ def _validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) ->
 
 
 def _ref_chunk(q, k, v, keep, scale: float):
-    """Softmax attention for one chunk of queries; ``keep`` broadcasts to (B, H, c, Sk)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, c, Sk)
+    """Softmax attention for one chunk of queries, heads grouped.
+
+    ``q`` is (B, Hkv, G, c, D), ``k``/``v`` (B, Hkv, 1, Sk, D): the matmuls
+    broadcast each K/V head over its G query heads (no copies), and autograd
+    sums dK/dV over the group. ``keep`` broadcasts to (B, Hkv, G, c, Sk).
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: shift by 0
@@ -463,15 +495,17 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
     if chunk_size < 1:
         raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
     B, H, Sq, D = q.shape
-    Sk = k.shape[2]
+    Hkv, Sk = k.shape[1], k.shape[2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qf, kf, vf = q.to(cdt), k.to(cdt), v.to(cdt)
-    key_keep = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    # heads grouped: q (B, Hkv, G, Sq, D), k, v (B, Hkv, 1, Sk, D); query head h = hkv * G + g
+    qf = q.to(cdt).unflatten(1, (Hkv, H // Hkv))
+    kf, vf = k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
+    key_keep = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]  # (B, 1, 1, 1, Sk)
     checkpoint = Sq > chunk_size and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses = [], []
     for start in range(0, Sq, chunk_size):
         stop = min(Sq, start + chunk_size)
-        keep = torch.ones((1, 1, stop - start, Sk), dtype=torch.bool, device=q.device)
+        keep = torch.ones((1, 1, 1, stop - start, Sk), dtype=torch.bool, device=q.device)
         if causal:
             i = torch.arange(start, stop, device=q.device)[:, None]
             j = torch.arange(Sk, device=q.device)[None, :]
@@ -479,16 +513,16 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
         if key_keep is not None:
             keep = keep & key_keep
         if checkpoint:
-            o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, start:stop], kf, vf, keep, scale,
+            o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, :, start:stop], kf, vf, keep, scale,
                                                      use_reentrant=False)
         else:
-            o, l = _ref_chunk(qf[:, :, start:stop], kf, vf, keep, scale)
+            o, l = _ref_chunk(qf[:, :, :, start:stop], kf, vf, keep, scale)
         outs.append(o)
         lses.append(l)
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).to(q.dtype)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).flatten(1, 2).to(q.dtype)
     if not return_lse:
         return out
-    lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
+    lse = (lses[0] if len(lses) == 1 else torch.cat(lses, dim=3)).flatten(1, 2)
     return out, lse
 
 
@@ -514,7 +548,8 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
         keep = j <= i + (Sk - Sq)  # (Sq, Sk)
         mask = keep if mask is None else mask & keep
         causal = False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
 
 
 # ----------------------------------------------------------------------------
@@ -550,8 +585,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """Softmax attention ``softmax(scale * q @ k^T) @ v`` over (B, H, S, D) tensors.
 
     Args:
-        q: (B, H, Sq, D); k, v: (B, H, Sk, D); one float dtype (fp32/fp16/bf16),
-            one device, any strides.
+        q: (B, H, Sq, D); k, v: (B, Hkv, Sk, D) with H a multiple of Hkv
+            (grouped-query; Hkv == 1 is multi-query); one float dtype
+            (fp32/fp16/bf16), one device, any strides.
         causal: query ``i`` sees keys ``j <= i + Sk - Sq`` (end-aligned).
         key_padding_mask: (B, Sk) bool, True = keep that key.
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -560,7 +596,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             (:func:`cuboid.kernels.resolve_backend`).
 
     Returns ``out`` (B, H, Sq, D) in q's dtype, or ``(out, lse)``. Rows with no
-    kept key give ``out = 0`` and ``lse = -inf``, with zero gradients.
+    kept key give ``out = 0`` and ``lse = -inf``, with zero gradients. The
+    gradients of k and v are (B, Hkv, Sk, D), summed over each group's heads.
     """
     tensors: Sequence[Optional[torch.Tensor]] = [q, k, v]
     for name, t in (("q", q), ("k", k), ("v", v)):

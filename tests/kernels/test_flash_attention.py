@@ -21,15 +21,16 @@ TOL = {F32: dict(atol=1e-5, rtol=1e-5), F16: dict(atol=2e-3, rtol=2e-3), BF16: d
 GRAD_TOL = {F32: dict(atol=2e-5, rtol=1e-5), F16: dict(atol=4e-3, rtol=4e-3), BF16: dict(atol=8e-2, rtol=5e-2)}
 
 
-def make_inputs(B, H, Sq, Sk, D, dtype=F32, mask=None, seed=0, device="cpu"):
-    """q, k, v leaf tensors and a key_padding_mask.
+def make_inputs(B, H, Sq, Sk, D, dtype=F32, mask=None, seed=0, device="cpu", Hkv=None):
+    """q (B, H, Sq, D), k, v (B, Hkv, Sk, D) leaf tensors (Hkv defaults to H) and a key_padding_mask.
 
     mask: None; "pad" = batch 0 keeps a prefix (tail padded), batch 1 (if any)
     is fully padded, later batches random; "random" = random keep pattern.
     """
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, H, S, D, generator=g).to(device=device, dtype=dtype).requires_grad_()
-               for S in (Sq, Sk, Sk))
+    Hkv = H if Hkv is None else Hkv
+    q, k, v = (torch.randn(B, h, S, D, generator=g).to(device=device, dtype=dtype).requires_grad_()
+               for h, S in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))
     m = None
     if mask == "pad":
         m = torch.rand(B, Sk, generator=g) > 0.3
@@ -42,8 +43,12 @@ def make_inputs(B, H, Sq, Sk, D, dtype=F32, mask=None, seed=0, device="cpu"):
 
 
 def naive64(q, k, v, causal=False, mask=None, scale=None, return_lse=True):
-    """float64, full (Sq x Sk) softmax; empty rows give out 0, lse -inf. Returns (out, lse)."""
+    """float64, full (Sq x Sk) softmax; empty rows give out 0, lse -inf. Returns (out, lse).
+
+    Grouped K/V heads are repeated here (autograd of the repeat sums each group's gradients).
+    """
     q, k, v = q.double(), k.double(), v.double()
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     Sq, Sk, D = q.shape[2], k.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
@@ -110,9 +115,9 @@ def _case_id(c):
     return f"B{B}H{H}-q{Sq}k{Sk}-d{D}-{'causal' if causal else 'full'}-{mask or 'nomask'}-{str(dtype)[6:]}"
 
 
-def check_triton_vs_ref(case, device="cpu"):
+def check_triton_vs_ref(case, device="cpu", Hkv=None):
     B, H, Sq, Sk, D, causal, mask, dtype = case
-    q, k, v, m = make_inputs(B, H, Sq, Sk, D, dtype, mask, device=device)
+    q, k, v, m = make_inputs(B, H, Sq, Sk, D, dtype, mask, device=device, Hkv=Hkv)
     out, lse, grads = fwd_bwd(attention, q, k, v, causal=causal, key_padding_mask=m, backend="triton")
     assert out.dtype == dtype and lse.dtype == F32 and out.shape == (B, H, Sq, D) and lse.shape == (B, H, Sq)
     assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
@@ -141,6 +146,48 @@ def test_triton_other_block_sizes(monkeypatch, blocks):
     check_triton_vs_ref((1, 1, 45, 78, 16, True, None, F32))  # Sk - Sq = 33: a key block starts on the diagonal
 
 
+# grouped-query (Hkv > 1) and multi-query (Hkv == 1): (Hkv, (B, H, Sq, Sk, D, causal, mask, dtype))
+GQA_CASES = [
+    (2, (1, 4, 37, 50, 16, True, "random", F32)),  # two groups of two, end-aligned causal
+    (1, (1, 3, 70, 45, 32, True, None, F32)),     # MQA, Sq > Sk: first rows see no key
+    (2, (1, 6, 33, 33, 24, False, "random", F16)),  # groups of three, head dim padded
+]
+
+
+@pytest.mark.parametrize("Hkv,case", GQA_CASES, ids=[f"kv{h}-{_case_id(c)}" for h, c in GQA_CASES])
+def test_triton_gqa_matches_reference(Hkv, case):
+    check_triton_vs_ref(case, Hkv=Hkv)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gqa_is_repeated_kv_with_group_summed_grads(backend):
+    """Grouped K/V give what repeating each K/V head over its group gives; dK/dV are the group sums."""
+    B, H, Hkv, Sq, Sk, D = 2, 6, 2, 29, 40, 16
+    q, k, v, m = make_inputs(B, H, Sq, Sk, D, mask="pad", Hkv=Hkv)
+    kw = dict(causal=True, key_padding_mask=m, backend=backend)
+    out, lse, (dq, dk, dv) = fwd_bwd(attention, q, k, v, **kw)
+    assert dk.shape == dv.shape == (B, Hkv, Sk, D)
+    rq = leaf_copy(q, F32)
+    rk, rv = (t.detach().repeat_interleave(H // Hkv, dim=1).requires_grad_() for t in (k, v))
+    rout, rlse, (rdq, rdk, rdv) = fwd_bwd(attention, rq, rk, rv, **kw)  # plain multi-head, (B, H, Sk, D) grads
+    torch.testing.assert_close(out, rout, atol=1e-6, rtol=1e-6)
+    assert_lse_close(lse, rlse, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dq, rdq, atol=1e-6, rtol=1e-6)
+    for got, per_head in ((dk, rdk), (dv, rdv)):
+        torch.testing.assert_close(got, per_head.unflatten(1, (Hkv, H // Hkv)).sum(2), atol=2e-6, rtol=1e-6)
+        # each group's heads really contribute: no single head's gradient equals the sum
+        assert (got - per_head[:, :: H // Hkv]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gqa_torch_fast_path_and_reference_agree(backend):
+    # no lse: the torch backend runs SDPA with enable_gqa; the reference groups heads by broadcasting
+    q, k, v, m = make_inputs(2, 4, 21, 21, 16, mask="random", Hkv=1)
+    out = attention(q, k, v, causal=True, key_padding_mask=m, backend=backend)
+    want = naive64(*(leaf_copy(t, F64) for t in (q, k, v)), causal=True, mask=m)[0]
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 # (B, H, Sq, Sk, D, causal, mask)
 REF_CASES = [
     (1, 2, 1, 1, 16, False, None),
@@ -152,11 +199,15 @@ REF_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", REF_CASES, ids=lambda c: _case_id((*c, F64)))
+REF_GQA_CASES = [(2, 4, 33, 47, 16, True, "pad", 2), (1, 2, 52, 52, 8, False, "random", 1)]  # (..., Hkv)
+
+
+@pytest.mark.parametrize("case", REF_CASES + REF_GQA_CASES,
+                         ids=lambda c: _case_id((*c[:7], F64)) + (f"-kv{c[7]}" if len(c) > 7 else ""))
 @pytest.mark.parametrize("chunk", [1024, 50])
 def test_reference_matches_float64(case, chunk):
-    B, H, Sq, Sk, D, causal, mask = case
-    q, k, v, m = make_inputs(B, H, Sq, Sk, D, F64, mask)
+    B, H, Sq, Sk, D, causal, mask = case[:7]
+    q, k, v, m = make_inputs(B, H, Sq, Sk, D, F64, mask, Hkv=case[7] if len(case) > 7 else None)
     kw = dict(causal=causal, key_padding_mask=m)
     nout, nlse, ngrads = fwd_bwd(naive64, q, k, v, mask=m, causal=causal)
     # float64 through the reference: same math, chunking (and its checkpointing) is exact
@@ -272,7 +323,9 @@ _x = torch.randn(2, 2, 8, 16)
 ERRORS = [
     ("not-4d", dict(q=torch.randn(2, 8, 16)), ValueError, r"q must be 4-D"),
     ("batch", dict(k=torch.randn(3, 2, 8, 16)), ValueError, r"share batch"),
-    ("heads", dict(v=torch.randn(2, 3, 8, 16)), ValueError, r"share heads"),
+    ("heads", dict(v=torch.randn(2, 3, 8, 16)), ValueError, r"k and v must share heads"),
+    ("gqa-ratio", dict(k=torch.randn(2, 3, 8, 16), v=torch.randn(2, 3, 8, 16)), ValueError,
+     r"^attention: q's 2 heads must be a multiple of k/v's 3 heads \(grouped-query attention\)\.$"),
     ("head-dim", dict(k=torch.randn(2, 2, 8, 32)), ValueError, r"share head_dim"),
     ("kv-seq", dict(v=torch.randn(2, 2, 9, 16)), ValueError, r"k and v must have the same sequence length"),
     ("dtype-mix", dict(k=_x.half()), TypeError, r"share one dtype"),
@@ -313,6 +366,8 @@ def test_cuda_matches_reference(dtype):
     for case in [(2, 2, 127, 200, 64, True, "pad"), (1, 2, 200, 127, 128, True, None),
                  (2, 1, 1, 333, 80, False, "random"), (1, 1, 513, 513, 256, True, None)]:
         check_triton_vs_ref((*case, dtype), device="cuda")
+    check_triton_vs_ref((2, 8, 300, 300, 128, True, "pad", dtype), device="cuda", Hkv=2)  # GQA
+    check_triton_vs_ref((1, 4, 77, 200, 64, True, None, dtype), device="cuda", Hkv=1)  # MQA
 
 
 @pytest.mark.parametrize("sq,sk,causal,pad", [(17, 17, True, False), (9, 17, True, True), (17, 9, False, True),
