@@ -394,7 +394,7 @@ class Pipeline:
         tied = [n for n in spec.first if n in spec.last]
         self.fsdp = shard_group is not None  # ZeRO-3: FSDP2 units per block and per stage over dp
         if self.fsdp:
-            _shard_stages(model, self.modules, shard_group)
+            _shard_stages(model, self.modules, shard_group, split_backward=schedule == "zbv")
         device = next(model.parameters()).device
         stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
@@ -403,6 +403,8 @@ class Pipeline:
         one = schedule in ("gpipe", "1f1b")
         self._schedule = kinds[schedule](stages[0] if one else stages, microbatches, loss_fn=_weighted,
                                          scale_grads=False)
+        if self.fsdp and self.has_first and self.has_last and tied:
+            _check_tied_reduce(self._schedule, self.rank, self.ids)
         # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
             if self.has_first != self.has_last else []
@@ -509,9 +511,11 @@ class Pipeline:
         except Exception as e:
             raise self._failed(e, " in a forward") from e
         finally:
-            if self.fsdp:
-                for module in self.modules:
-                    module.reshard()
+            if self.fsdp:  # every unit (blocks too: under ZBV they keep their parameters gathered after a forward)
+                from torch.distributed.fsdp import FSDPModule
+
+                for unit in (u for module in self.modules for u in module.modules() if isinstance(u, FSDPModule)):
+                    unit.reshard()
         return self._from_last(outs, size, device)
 
     def _resolved(self, out, mb: dict) -> dict:
@@ -566,11 +570,22 @@ class Pipeline:
                 offset += n
 
 
-def _shard_stages(model: nn.Module, modules: list, group) -> None:
+def _shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False) -> None:
     """ZeRO-3 under pp: FSDP2 ``fully_shard`` over the dp ``group``, one unit per kept block and one per stage
     module (its embeddings or head), as torchtitan composes FSDP with pipelining; torch's stages then run
-    their FSDP units without gradient sync until the last micro-batch's backward. (No module belongs to two
-    stages of a rank: only ZBV puts both ends on one rank, and ZBV with ZeRO-3 is refused.)"""
+    their FSDP units without gradient sync until the last micro-batch's backward.
+
+    ``split_backward`` (ZBV): torch's input-gradient step records which weights to differentiate later as
+    the stage module's parameters *at that moment*, so every unit must hold its gathered parameters from
+    the forward to the weight step (``reshard_after_forward=False``; torch's schedule gathers a stage once
+    and frees it after its last action). With the blocks freed after each forward (FSDP2's default), the
+    input step saw the sharded parameters, which are not in the autograd graph, and the weight step made
+    no gradient for them (measured: blocks of every stage but the first with their gradients missing in
+    part or whole, steps off one device's by 1e-1). A module both ends own (the tied embedding, both ends
+    on one rank under ZBV) is sharded with the first stage's unit and left out of the last's
+    (``ignored_params``); the last stage differentiates the same gathered parameter, whose gradient the
+    first stage's unit reduces after its last backward, which ZBV runs last of all on that rank.
+    """
     import warnings
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -583,12 +598,36 @@ def _shard_stages(model: nn.Module, modules: list, group) -> None:
         for p in model.parameters():
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
                 p.data = p.data.contiguous()
-    for unit in [b for m in modules for b in m.blocks.values()] + modules:
-        fully_shard(unit, mesh=mesh)
+    reshard = False if split_backward else None  # None: FSDP2's default (blocks freed after forward, roots kept)
+    for block in (b for m in modules for b in m.blocks.values()):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    sharded: set = set()  # ids of end modules an earlier stage module of this rank shards
+    for m in modules:
+        shared = [e for e in m.ends.values() if id(e) in sharded]
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard,
+                    ignored_params={p for e in shared for p in e.parameters()} or None)
+        sharded.update(id(e) for e in m.ends.values())
     for m in modules:
         comm.guard_fsdp(m)  # a stalled gather or reduce-scatter names rank, group and op
     for name, p in model.named_parameters():  # tensor-parallel placements survive the DTensor swap
         p.placement = tags[name]
+
+
+def _check_tied_reduce(schedule, rank: int, ids: list) -> None:
+    """ZeRO-3 with both ends of a tie on one rank (ZBV's rank 0): the first stage's FSDP unit reduces the tied
+    module's gradient, to which the last stage's backward adds, so that reduction must come after the last
+    stage's every backward action. torch's ZBV order has it so (checked for pp 2..8 with pp..16
+    micro-batches); a torch whose order differs is refused here rather than losing the gradient silently."""
+    from torch.distributed.pipelining import schedules as S
+
+    order = schedule.pipeline_order_with_comms[rank]
+    backward = (S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT)
+    reduced = max(i for i, a in enumerate(order) if a.stage_index == ids[0] and a.computation_type == S.REDUCE_GRAD)
+    last = max(i for i, a in enumerate(order) if a.stage_index == ids[1] and a.computation_type in backward)
+    if reduced < last:
+        raise NotImplementedError(f"this torch's ZBV order reduces stage {ids[0]}'s gradients before stage "
+                                  f"{ids[1]}'s last backward, which adds to the tied module's gradient: ZeRO-3 "
+                                  "with a tied module under zbv is not built for it")
 
 
 def embedding_group(mesh, last_rank: int):

@@ -228,9 +228,14 @@ def test_pp2_schedules_and_heads_on_2_ranks():
         assert moved == 0 and scale == 512.0, (rank, "every stage skips an overflowing step and backs off", tie)
 
 
+# ZeRO-3 under ZBV: FSDP2 units whose weight-gradient step comes after the input-gradient step, both ends (and
+# GPT's and BERT's tied embedding) on rank 0's two stages
+ZBV_ZERO3 = ("dp=2,pp=2,zero=3,microbatches=2,schedule=zbv", {"n_layers": 4})
+
+
 def four_rank_worker(plans):
     report = pp_worker(plans)
-    report.update(pp_worker([("pp4", {}), ("dp2-pp2-zero1", {}), ("pp=2,sp=2,microbatches=2", {})],
+    report.update(pp_worker([("pp4", {}), ("dp2-pp2-zero1", {}), ("pp=2,sp=2,microbatches=2", {}), ZBV_ZERO3],
                             HEADS[:1]))  # BERT sequence classification
     return report
 
@@ -243,9 +248,9 @@ def test_pp4_and_dp2_pp2_with_and_without_zero_on_4_ranks():
              ("pp=2,sp=2,microbatches=2", {}), ("pp=2,sp=2,sp_mode=all_to_all,microbatches=2,schedule=zbv",
                                                 {"n_layers": 4}),  # sequence chunks in the stages
              ("dp=2,pp=2,zero=3,microbatches=2", {}),  # FSDP2 units per block and per stage
-             ("dp=2,pp=2,zero=3,microbatches=2,schedule=interleaved", {"n_layers": 4}),
+             ("dp=2,pp=2,zero=3,microbatches=2,schedule=interleaved", {"n_layers": 4}), ZBV_ZERO3,
              ("dp=2,pp=2,zero=1,microbatches=2,dtype=fp16", {}), ("dp=2,pp=2,zero=3,microbatches=2,dtype=fp16", {})]
-    check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 3 * 2)
+    check(run_world(four_rank_worker, 4, plans, timeout=600), 6 * len(plans) + 4 * 2)
 
 
 def test_dp2_pp2_tp2_and_pp2_tp2d_on_8_ranks():
