@@ -1,9 +1,11 @@
 """Sequence parallelism: ring attention (zigzag, flash form) and all-to-all (Ulysses) attention.
 
-Both functions take this rank's shard of the sequence of q, k, v, each
-(B, H, T/sp, D), and return this rank's rows of the full attention
-``cuboid.kernels.attention(Q, K, V, causal=..., key_padding_mask=...)`` of the
-whole sequence (length T), (B, H, T/sp, D). The mask is (B, T/sp) bool,
+Both functions take this rank's shard of the sequence of q (B, H, T/sp, D)
+and k, v (B, Hkv, T/sp, D) (grouped-query attention: H a multiple of Hkv,
+query head h reads K/V head h // (H / Hkv), as in the kernel), and return this
+rank's rows of the full attention ``cuboid.kernels.attention(Q, K, V,
+causal=..., key_padding_mask=...)`` of the whole sequence (length T),
+(B, H, T/sp, D). The mask is (B, T/sp) bool,
 True = keep, in the same layout as q. A group of ``None`` or of one rank is
 plain attention.
 
@@ -66,21 +68,28 @@ interpreter) the kernel's own ``_flash_bwd``, which takes out and lse as
 arguments; on the torch backend a plain-torch block backward in fp32 (fp64
 for fp64 inputs), queries in chunks so at most a (B, H, 1024, Sk) matrix lives.
 
-**Bytes per rank** (``comm.count()``, op ``send``; n = B H (T/sp) D, e the
-element size of q/k/v, a = 4 (8 for fp64) the accumulator's, m = B T/sp the
-mask's bytes when a mask is given, else 0):
+Under GQA only the Hkv K/V heads travel (and their dK, dV, summed over each
+group by the block backward before they move), never copies per query head.
 
-- forward: (sp - 1) (2 n e + m)  -- K, V and the mask, sp - 1 hops;
-- backward: (sp - 1) 2 n e + sp 2 n a  -- K, V again (the masks were kept),
-  and dK, dV sp hops home.
+**Bytes per rank** (``comm.count()``, op ``send``; n_kv = B Hkv (T/sp) D the
+elements of k (n_kv = n = B H (T/sp) D without GQA), e the element size of
+q/k/v, a = 4 (8 for fp64) the accumulator's, m = B T/sp the mask's bytes when
+a mask is given, else 0):
+
+- forward: (sp - 1) (2 n_kv e + m)  -- K, V and the mask, sp - 1 hops;
+- backward: (sp - 1) 2 n_kv e + sp 2 n_kv a  -- K, V again (the masks were
+  kept), and dK, dV sp hops home.
 
 **All-to-all attention** (DeepSpeed-Ulysses, arXiv 2309.14509): one all-to-all
-of the stacked q, k, v turns (B, H, T/sp, D) into (B, H/sp, T, D), the kernel
-runs on the whole sequence for H/sp heads with the all-gathered mask, and one
-all-to-all brings the output back. Bytes per rank, forward + backward:
-8 (sp-1)/sp n e (all_to_all) + (sp - 1) m (all_gather of the mask, forward).
-The zigzag layout costs only a local reorder (a cat of chunks) on each side.
-H must divide by sp.
+of q, k, v (their heads cut in sp groups, rank i's q, k and v heads side by
+side) turns the (B, H, T/sp, D) / (B, Hkv, T/sp, D) shards into (B, H/sp, T, D)
+/ (B, Hkv/sp, T, D), the kernel runs on the whole sequence for those heads
+(rank i's query heads read exactly rank i's K/V heads) with the all-gathered
+mask, and one all-to-all brings the output back. Bytes per rank, forward +
+backward: 4 (sp-1)/sp (n + n_kv) e (all_to_all; 8 (sp-1)/sp n e without GQA)
++ (sp - 1) m (all_gather of the mask, forward). The zigzag layout costs only a
+local reorder (a cat of chunks) on each side. H and Hkv must divide by sp
+(with Hkv < sp, e.g. multi-query, use ring attention).
 """
 from __future__ import annotations
 
@@ -197,30 +206,40 @@ def _merge(out, lse, o, l) -> None:
 
 
 def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float):
-    """dq, dk, dv (accumulator dtype) of one block, from the FINAL lse and delta = rowsum(dO * O)."""
+    """dq, dk, dv (accumulator dtype) of one block, from the FINAL lse and delta = rowsum(dO * O).
+
+    q, do: (B, H, Sq, D); k, v: (B, Hkv, Sk, D). Heads are grouped (B, Hkv, G, ...)
+    so each K/V head broadcasts over its G query heads; dk, dv sum over the group.
+    """
     acc = lse.dtype
-    qf, kf, vf, dof = (t.to(acc) for t in (q, k, v, do))
-    Sq, Sk = q.shape[2], k.shape[2]
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = (Hkv, H // Hkv)
+    qf, dof = (t.to(acc).unflatten(1, group) for t in (q, do))  # (B, Hkv, G, Sq, D)
+    kf, vf = (t.to(acc).unsqueeze(2) for t in (k, v))  # (B, Hkv, 1, Sk, D): broadcast over the group
+    delta = delta.unflatten(1, group)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)  # empty rows: P = 0
+    lse = lse.unflatten(1, group)
     dq = torch.empty_like(qf)
-    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    dk, dv = torch.zeros_like(kf.squeeze(2)), torch.zeros_like(vf.squeeze(2))  # (B, Hkv, Sk, D)
     j = torch.arange(Sk, device=q.device)
     for start in range(0, Sq, _BWD_CHUNK):
         rows = slice(start, min(Sq, start + _BWD_CHUNK))
-        keep = torch.ones((1, 1, 1, Sk), dtype=torch.bool, device=q.device)
+        keep = torch.ones((1, 1, 1, 1, Sk), dtype=torch.bool, device=q.device)
         if causal:  # end-aligned, as in the kernel
             i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
             keep = keep & (j[None, :] <= i + (Sk - Sq))
         if keep_k is not None:
-            keep = keep & keep_k[:, None, None, :]
-        s = torch.matmul(qf[:, :, rows], kf.transpose(-1, -2)) * scale  # (B, H, c, Sk)
-        p = torch.where(keep, torch.exp(s - lse[:, :, rows, None]), torch.zeros_like(s))
-        dp = torch.matmul(dof[:, :, rows], vf.transpose(-1, -2))
-        ds = p * (dp - delta[:, :, rows, None])
-        dq[:, :, rows] = torch.matmul(ds, kf) * scale
-        dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
-        dv += torch.matmul(p.transpose(-1, -2), dof[:, :, rows])
-    return dq, dk, dv
+            keep = keep & keep_k[:, None, None, None, :]
+        s = torch.matmul(qf[..., rows, :], kf.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
+        p = torch.where(keep, torch.exp(s - lse[..., rows, None]), torch.zeros_like(s))
+        dp = torch.matmul(dof[..., rows, :], vf.transpose(-1, -2))
+        ds = p * (dp - delta[..., rows, None])
+        dq[..., rows, :] = torch.matmul(ds, kf) * scale
+        # group and rows contracted in one matmul: (B, Hkv, Sk, G c) @ (B, Hkv, G c, D)
+        dk += torch.matmul(ds.flatten(2, 3).transpose(-1, -2), qf[..., rows, :].flatten(2, 3)) * scale
+        dv += torch.matmul(p.flatten(2, 3).transpose(-1, -2), dof[..., rows, :].flatten(2, 3))
+    return dq.flatten(1, 2), dk, dv
 
 
 def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float):
@@ -312,14 +331,18 @@ def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{what}: {name} must be a 4-D tensor (batch, heads, seq, head_dim)")
-    if not q.shape == k.shape == v.shape:
-        raise ValueError(f"{what}: q, k, v must have one shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    B, H, S, D = q.shape
+    if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (B, S, D):
+        raise ValueError(f"{what}: k and v must have one shape (batch, kv heads, seq, head_dim) matching q's "
+                         f"batch, seq and head_dim, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"{what}: q's {H} heads must be a multiple of k/v's {k.shape[1]} heads "
+                         f"(grouped-query attention).")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
             raise TypeError(f"{what}: key_padding_mask must be a bool tensor (True = keep)")
-        if tuple(key_padding_mask.shape) != (q.shape[0], q.shape[2]):
-            raise ValueError(f"{what}: key_padding_mask must be (batch, local seq) = {(q.shape[0], q.shape[2])}, "
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"{what}: key_padding_mask must be (batch, local seq) = {(B, S)}, "
                              f"got {tuple(key_padding_mask.shape)}")
 
 
@@ -328,7 +351,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     """This rank's rows of the attention of the whole sequence, K/V passed around the ``group`` ring.
 
     Args:
-        q, k, v: (B, H, T/sp, D), this rank's tokens in the zigzag layout.
+        q: (B, H, T/sp, D), k, v: (B, Hkv, T/sp, D) with H a multiple of Hkv,
+            this rank's tokens in the zigzag layout. Only the Hkv K/V heads
+            travel the ring.
         group: the sp process group (``None`` or one rank: plain attention).
         causal: causal attention over global positions.
         key_padding_mask: (B, T/sp) bool, True = keep, zigzag layout like q.
@@ -358,7 +383,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     """This rank's rows of the whole-sequence attention by a head/sequence all-to-all (Ulysses).
 
     Args:
-        q, k, v: (B, H, T/sp, D), this rank's tokens in ``layout``; H divisible by sp.
+        q: (B, H, T/sp, D), k, v: (B, Hkv, T/sp, D), this rank's tokens in
+            ``layout``; H and Hkv divisible by sp, H a multiple of Hkv.
         group: the sp process group (``None`` or one rank: plain attention).
         causal: causal attention over global positions.
         key_padding_mask: (B, T/sp) bool, True = keep, same layout as q.
@@ -373,19 +399,27 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     sp = comm.group_size(group)
     if not comm._active(group):
         return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
-    if q.shape[1] % sp:
-        raise ValueError(f"all_to_all_attention needs heads ({q.shape[1]}) divisible by sp ({sp}).")
+    H, Hkv = q.shape[1], k.shape[1]
+    if H % sp:
+        raise ValueError(f"all_to_all_attention needs heads ({H}) divisible by sp ({sp}).")
+    if Hkv % sp:
+        raise ValueError(f"all_to_all_attention needs the K/V heads ({Hkv}) divisible by sp ({sp}); "
+                         f"ring attention (sp_mode='ring') takes any number of K/V heads.")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"all_to_all_attention: a zigzag shard holds two equal chunks, got an odd length {q.shape[2]}")
-    qkv = comm.all_to_all(torch.stack([q, k, v]), group, scatter_dim=2, gather_dim=3)  # (3, B, H/sp, T, D)
+    # rank i gets query heads [i H/sp, (i+1) H/sp) and the K/V heads they read, [i Hkv/sp, (i+1) Hkv/sp):
+    # cut each tensor's heads in sp groups and put rank i's q, k, v heads side by side, one all-to-all
+    by_rank = torch.cat([t.unflatten(1, (sp, t.shape[1] // sp)) for t in (q, k, v)], dim=2)  # (B, sp, h, S, D)
+    qkv = comm.all_to_all(by_rank.flatten(1, 2), group, scatter_dim=1, gather_dim=2)  # (B, (H + 2 Hkv)/sp, T, D)
     mask = None
     if key_padding_mask is not None:
         shards = [m.view(torch.bool) for m in comm.all_gather_list(key_padding_mask.view(torch.uint8), group)]
         mask = zigzag_merge(shards, sp, dim=1) if layout == "zigzag" else torch.cat(shards, dim=1)  # (B, T)
     if layout == "zigzag":  # rank order -> global order
-        qkv = zigzag_merge(list(qkv.chunk(sp, dim=3)), sp, dim=3)
-    # (B, H/sp, T, D), the whole sequence for this rank's heads
-    out = kernels.attention(qkv[0], qkv[1], qkv[2], causal=causal, key_padding_mask=mask, scale=scale)
+        qkv = zigzag_merge(list(qkv.chunk(sp, dim=2)), sp, dim=2)
+    # (B, H/sp, T, D) and (B, Hkv/sp, T, D): the whole sequence for this rank's heads
+    qa, ka, va = qkv.split([H // sp, Hkv // sp, Hkv // sp], dim=1)
+    out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale)
     if layout == "zigzag":  # global order -> rank order
         out = torch.cat([zigzag_split(out, sp, i, dim=2) for i in range(sp)], dim=2)
     return comm.all_to_all(out, group, scatter_dim=2, gather_dim=1)

@@ -5,6 +5,8 @@ Sizes are small: the interpreter runs programs one after another. bf16 runs only
 in the float64 comparison of the reference (the interpreter's bf16 arithmetic is wrong).
 """
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +116,21 @@ def test_automatic_backend_and_forced_torch():
         got = rope(q, k, cos, sin)
     for a, b in zip(got, rope_ref(q, k, cos, sin)):
         assert torch.equal(a, b)
+
+
+def test_package_attribute_is_the_function_whichever_import_comes_first():
+    # kernels/rope.py defines rope (swiglu.py swiglu): importing the submodule first must not
+    # leave the module where `from cuboid.kernels import rope` looks
+    code = ("import importlib, types\n"
+            "from cuboid.kernels.rope import rope_ref\n"
+            "from cuboid.kernels.swiglu import swiglu_ref\n"
+            "import cuboid.kernels as K\n"
+            "from cuboid.kernels import rope, swiglu\n"
+            "assert callable(rope) and rope is K.rope and rope.__name__ == 'rope', rope\n"
+            "assert callable(swiglu) and swiglu is K.swiglu and swiglu.__name__ == 'swiglu', swiglu\n"
+            "assert isinstance(importlib.import_module('cuboid.kernels.rope'), types.ModuleType)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
 
 
 # --------------------------------------------------------------------------

@@ -39,12 +39,16 @@ def _mask(kind, sp, B=B, T=T):
     return m
 
 
-def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D)):
-    """(out, dq, dk, dv) errors of ``op`` on fp32 shards against the float64 whole-sequence kernel."""
+def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D), hkv=None):
+    """(out, dq, dk, dv) errors of ``op`` on fp32 shards against the float64 whole-sequence kernel.
+
+    ``hkv``: K/V heads (grouped-query attention; default: as many as q's heads).
+    """
     from cuboid.kernels import attention
 
     g = torch.Generator().manual_seed(seed)
-    full = [torch.randn(*shape, generator=g, dtype=torch.float64) for _ in range(4)]  # q, k, v, dout
+    kv_shape = shape if hkv is None else (shape[0], hkv, *shape[2:])
+    full = [torch.randn(*sh, generator=g, dtype=torch.float64) for sh in (shape, kv_shape, kv_shape, shape)]
     mask = _mask(kind, sp, shape[0], shape[2])
     ref = [t.clone().requires_grad_() for t in full[:3]]
     out = attention(*ref, causal=causal, key_padding_mask=mask, backend="torch")
@@ -103,10 +107,24 @@ def sp_worker():
             _record(out, "a2a contiguous " + key, _case(seed, causal, kind, p, ct_shard, ct_gather, a2a("contiguous")))
             _record(out, "a2a zigzag " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, a2a("zigzag")))
 
+    # grouped-query attention: (H, Hkv) = (8, 4) on every path; multi-query (4, 1) on the ring, and
+    # all-to-all refuses K/V heads that do not divide over sp (1 % sp != 0)
+    for causal, kind, (h, hkv) in ((True, "pad", (8, 4)), (False, "chunk", (8, 4)), (True, "chunk", (4, 1))):
+        seed += 1
+        key = f"sp{p} gqa {h}/{hkv} causal={causal} mask={kind}"
+        shape = (B, h, T, D)
+        _record(out, "ring " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, ring, shape, hkv))
+        if hkv % p == 0:
+            _record(out, "a2a contiguous " + key,
+                    _case(seed, causal, kind, p, ct_shard, ct_gather, a2a("contiguous"), shape, hkv))
+            _record(out, "a2a zigzag " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, a2a("zigzag"), shape, hkv))
+
     if p == 2 and interpreter_active():  # the Triton path (forward kernel + _flash_bwd per block), interpreted
         with use_backend("triton"):
             errs = _case(99, True, "chunk", p, zz_shard, zz_gather, ring, shape=(2, 1, 16, 16))
-        _record(out, "ring triton causal mask=chunk", errs)
+            _record(out, "ring triton causal mask=chunk", errs)
+            errs = _case(98, True, "pad", p, zz_shard, zz_gather, ring, shape=(1, 2, 16, 16), hkv=1)
+            _record(out, "ring triton mqa causal mask=pad", errs)
 
     pos = zigzag_positions(T, p, r)
     out["positions == zigzag_split(arange)"] = (float((pos != zz_shard(torch.arange(T), 0)).sum()), 0.0)
@@ -120,6 +138,14 @@ def sp_worker():
         msg = str(e)
     want = f"all_to_all_attention needs heads (3) divisible by sp ({p})."
     out["a2a heads % sp error"] = (0.0 if msg == want else 1.0, 0.0)
+    try:
+        all_to_all_attention(torch.randn(B, 4, T // p, D), x[:, :1], x[:, :1], group, causal=True)
+        msg = ""
+    except ValueError as e:
+        msg = str(e)
+    want = (f"all_to_all_attention needs the K/V heads (1) divisible by sp ({p}); "
+            f"ring attention (sp_mode='ring') takes any number of K/V heads.")
+    out["a2a kv heads % sp error"] = (0.0 if msg == want else 1.0, 0.0)
 
     # bytes: ring forward + backward, with and without a mask (the module docstring's formula)
     S = T // p
@@ -142,6 +168,22 @@ def sp_worker():
         want = {"all_to_all": 8 * (p - 1) / p * n * e, "all_gather": (p - 1) * mb}
         out[f"a2a bytes mask={kind}"] = (sum(abs(tally.bytes(o, "sp") - w) for o, w in want.items())
                                          + abs(tally.total - sum(want.values())), 0.0)
+
+    # GQA bytes: only the K/V heads travel the ring; all-to-all moves q, out and the K/V heads
+    for h, hkv, how in ((4, 1, "ring"), (8, 4, "a2a")):
+        q = torch.randn(B, h, S, D, requires_grad=True)
+        k, v = (torch.randn(B, hkv, S, D, requires_grad=True) for _ in range(2))
+        n, n_kv = B * h * S * D, B * hkv * S * D
+        with comm.count() as tally:
+            if how == "ring":
+                ring_attention(q, k, v, group, causal=True).sum().backward()
+                want = (p - 1) * 2 * n_kv * e + (p - 1) * 2 * n_kv * e + p * 2 * n_kv * a
+                got = tally.bytes("send", "sp")
+            else:
+                all_to_all_attention(q, k, v, group, causal=True).sum().backward()
+                want = 4 * (p - 1) / p * (n + n_kv) * e
+                got = tally.bytes("all_to_all", "sp")
+        out[f"{how} gqa bytes {h}/{hkv}"] = (abs(got - want) + abs(tally.total - want), 0.0)
     return out
 
 
