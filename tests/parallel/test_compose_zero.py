@@ -22,7 +22,7 @@ import torch
 
 from .launch import run_world
 from .test_data_parallel import global_batch
-from .test_plans import check, gathered, plan_parity_worker, rel_norm
+from .test_plans import FAMILIES, check, gathered, plan_parity_worker, rel_norm
 
 SP_ZERO = ["dp=2,sp=2,zero=1", "dp=2,sp=2,sp_mode=all_to_all,zero=1",
            "dp=2,sp=2,zero=2", "dp=2,sp=2,sp_mode=all_to_all,zero=2",
@@ -199,7 +199,7 @@ def test_zero_with_sequence_parallelism_tp_sequence_and_fp16_scaling_on_4_ranks(
     reports = run_world(compose_worker, 4, timeout=900)
     check([r["parity"] for r in reports])
     check_cost([r["cost"] for r in reports])
-    n_parity = (len(SP_ZERO) + len(SP_ZERO_CKPT) + len(SP_ZERO_LAMB) + len(TP_SEQ_ZERO)) * 3
+    n_parity = (len(SP_ZERO) + len(SP_ZERO_CKPT) + len(SP_ZERO_LAMB) + len(TP_SEQ_ZERO)) * len(FAMILIES)
     for rank, r in enumerate(reports):
         assert len(r["parity"]) == n_parity, (rank, sorted(r["parity"]))
         for key, errs in r["parity"].items():
