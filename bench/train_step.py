@@ -39,6 +39,11 @@ def hf_model(family: str, s: dict):
         cfg = T.BertConfig(hidden_size=s["dim"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                            intermediate_size=s["mlp"], vocab_size=8192, max_position_embeddings=s["seq"], **drop)
         return T.BertForMaskedLM(cfg)
+    if family == "llama":  # grouped-query attention (heads / 2 key/value heads), SwiGLU, RMSNorm, RoPE
+        cfg = T.LlamaConfig(hidden_size=s["dim"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                            num_key_value_heads=s["heads"] // 2, intermediate_size=s["mlp"], vocab_size=8192,
+                            max_position_embeddings=s["seq"])
+        return T.LlamaForCausalLM(cfg)
     cfg = T.ViTConfig(hidden_size=s["dim"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                       intermediate_size=s["mlp"], image_size=s["image"], patch_size=s["patch"], num_labels=100, **drop)
     return T.ViTForImageClassification(cfg)
@@ -67,7 +72,7 @@ def run(sizes, steps: int, warmup: int = 2) -> list[dict]:
     rows = []
     for size in sizes:
         s = SIZES[size]
-        for family in ("gpt", "bert", "vit"):
+        for family in ("gpt", "bert", "vit", "llama"):
             torch.manual_seed(0)
             hf = hf_model(family, s).train()
             with tempfile.TemporaryDirectory() as d:

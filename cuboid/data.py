@@ -179,7 +179,7 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
         return {"input_ids": block, "labels": block.clone()}
     enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
     out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
-    if "token_type_ids" in enc:
+    if "token_type_ids" in enc and hasattr(config, "type_vocab_size"):  # only models with segments take them
         out["token_type_ids"] = enc["token_type_ids"]
     if task == "seqcls":
         _need_column(ds, label_column, "--label-column")

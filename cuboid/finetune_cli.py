@@ -32,7 +32,7 @@ FLAGS = [
     ("--model", str, "a preset (vit-debug, gpt2, bert-base, ...) or a local Hugging Face folder"),
     ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
     ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
-    ("--task", str, "causal | mlm | seqcls | imgcls (default: from the model's head)"),
+    ("--task", str, "causal (or clm) | mlm | seqcls | imgcls (default: from the model's head)"),
     ("--steps", int, "optimizer steps (default: from --epochs)"),
     ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),
     ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),

@@ -24,6 +24,8 @@ is the tests' deterministic SIGKILL.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import os
@@ -43,7 +45,9 @@ from cuboid import data as D
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.step import evaluate, train_step
 
-TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls"}
+TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls",
+                ("llama", "lm"): "causal", ("llama", "cls"): "seqcls"}
+TASK_ALIASES = {"clm": "causal"}  # the name transformers' run_clm.py gives causal language modelling
 HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
 OPTIMIZERS = ("adamw", "lamb", "lars")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -332,8 +336,10 @@ def run(cfg: FinetuneConfig) -> dict:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if cfg.task in TASK_ALIASES:
+        cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
     if cfg.task is not None and cfg.task not in D.TASKS:
-        raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(D.TASKS)}")
+        raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(D.TASKS)} (clm: causal)")
     plan = Plan.parse(cfg.plan, READY_PLANS)
     if cfg.dtype is not None:
         plan = plan.replace(dtype=cfg.dtype)

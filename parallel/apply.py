@@ -46,7 +46,8 @@ class ShardingSpec:
     """What each layer of a model *is*: module path patterns -> role.
 
     ``roles`` maps glob patterns (``blocks.*.attn.qkv``) to ``column``,
-    ``row``, ``vocab``, ``embedding``, ``norm`` or ``replicate``; the tensor
+    ``column_qkv``, ``column_kv`` (grouped key/value heads), ``row``,
+    ``vocab``, ``embedding``, ``norm`` or ``replicate``; the tensor
     modes decide what a role means on their grid. ``blocks`` names the
     repeated blocks (activation checkpointing and pipeline stages cut there);
     ``first`` and ``last`` name the modules of the pipeline's ends.

@@ -171,6 +171,9 @@ class Shape:
     vocab_size: int             # 0: no vocabulary (ViT)
     n_positions: int
     tied_head: bool             # an LM head tied to the token embedding (GPT; BERT's MLM head)
+    kv_heads: int = 0           # key/value heads (grouped-query attention); 0: n_heads
+    head_dim: int = 0           # 0: dim // n_heads
+    mlp_matrices: int = 2       # fc + proj; SwiGLU's gate + up + down: 3
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -178,8 +181,20 @@ class Shape:
         hidden = getattr(config, "hidden", None) or getattr(config, "mlp_hidden", 0) or 4 * dim
         vocab = getattr(config, "vocab_size", 0) or 0
         positions = getattr(config, "n_positions", None) or (getattr(config, "n_patches", 0) + 1)
+        swiglu = hasattr(config, "n_kv_heads")
         return cls(config.n_layers, dim, config.n_heads, int(hidden), int(vocab), int(positions),
-                   getattr(config, "head", "") in ("lm", "mlm"))
+                   getattr(config, "head", "") in ("lm", "mlm") and getattr(config, "tie_embeddings", True),
+                   getattr(config, "n_kv_heads", 0) or 0, getattr(config, "head_dim", 0) or 0, 3 if swiglu else 2)
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of the attention output): heads x head_dim."""
+        return self.n_heads * (self.head_dim or self.dim // self.n_heads)
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values)."""
+        return (self.kv_heads or self.n_heads) * (self.head_dim or self.dim // self.n_heads)
 
 
 def _dtype_bytes(name: str) -> int:
@@ -409,7 +424,9 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
     if plan.sp > 1:
         elem = 2 if autocast is not None else 4
         first = {"bert": 1, "vit": 2}.get(_family(config), 0)
-        for op, b in sp_bytes(n_layers=shape.n_layers, heads=shape.n_heads // plan.tp, head_dim=shape.dim // shape.n_heads,
+        kv = shape.kv_heads or shape.n_heads
+        for op, b in sp_bytes(n_layers=shape.n_layers, heads=shape.n_heads // plan.tp,
+                              kv_heads=kv // plan.tp if kv % plan.tp == 0 else 1, head_dim=shape.q_dim // shape.n_heads,
                               batch=rows, seq=seq, sp=plan.sp, mode=plan.sp_mode, masked=masked, elem=elem,
                               dim=shape.dim, first_token=first, recompute=ckpt).items():
             _add(out, (op, "sp"), b, shape.n_layers * (plan.sp - 1) if op == "send" else shape.n_layers)
@@ -483,9 +500,12 @@ def _add_pipeline(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, 
 def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False, *, parts: bool = False):
     """FLOPs of one training step over a ``batch`` x ``seq`` global batch (Narayanan et al.):
     per block forward ``2 B s (4 h^2 + 2 h f) + 4 B s^2 h``, the logits ``2 B s h V``; backward
-    twice forward, recompute one forward of the blocks more. ``parts``: (all blocks, head) apart."""
+    twice forward, recompute one forward of the blocks more. Grouped-query attention and SwiGLU
+    (Llama): ``2 B s ((2 q + 2 kv) h + 3 h f) + 4 B s^2 q`` with ``q``, ``kv`` the query and key
+    widths. ``parts``: (all blocks, head) apart."""
     h, f = shape.dim, shape.hidden
-    block = 2 * batch * seq * (4 * h * h + 2 * h * f) + 4 * batch * seq * seq * h
+    q, kv = shape.q_dim, shape.kv_dim
+    block = 2 * batch * seq * ((2 * q + 2 * kv) * h + shape.mlp_matrices * h * f) + 4 * batch * seq * seq * q
     blocks = (3 + (1 if recompute else 0)) * shape.n_layers * block
     head = 3 * 2 * batch * seq * h * shape.vocab_size
     return (blocks, head) if parts else blocks + head

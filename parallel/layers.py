@@ -33,7 +33,7 @@ from torch import nn
 import cuboid.kernels as kernels
 from cuboid.parallel import comm
 
-ROLES = ("column", "column_qkv", "row", "vocab", "norm", "replicate", "embedding")
+ROLES = ("column", "column_qkv", "column_kv", "row", "vocab", "norm", "replicate", "embedding")
 
 
 @dataclass(frozen=True, eq=False)
@@ -337,22 +337,68 @@ def sync_rng(group) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The attention core: (B, H, T, D) in, (B, H, T, D) out, through the kernel."""
+    """The attention core: q (B, H, T, D), k and v (B, Hkv, S, D) with H a multiple of Hkv (grouped-query
+    attention), out (B, H, T, D), through the kernel."""
     return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
 
+class Rotary(nn.Module):
+    """Rotary position embeddings (RoPE) of q and k; no parameters.
+
+    ``forward(q, k, positions)`` rotates (B, H, T, D) ``q`` and (B, Hkv, T, D)
+    ``k`` by the angles of ``positions`` (LongTensor (T,) or (B, T)), HF
+    Llama's ``rotate_half`` layout, through the fused kernel. The positions
+    are the attention core's to give: it knows where its tokens sit in the
+    sequence (one device: ``0 .. T-1``; a sequence-parallel rank: its zigzag
+    chunks). The cos/sin tables are computed in fp32 (``scaling``: HF's
+    ``rope_scaling`` dict, type ``llama3``) and cast to q's dtype, as
+    ``transformers`` does; the last tables are kept (one entry for all layers) when the core names its positions.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+
+    _cached: tuple = (None, None)  # (key, tables), shared by every layer: the blocks of a model reuse one table
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, key: Optional[tuple] = None) -> tuple:
+        """(cos, sin) of ``positions`` in ``dtype``; ``key`` names the positions (e.g. ``("range", T)``), so the
+        next layer with the same key reuses them."""
+        if key is not None:
+            key = (positions.device, dtype, self.head_dim, self.theta, str(self.scaling), *key)
+            if Rotary._cached[0] == key:
+                return Rotary._cached[1]
+        cos, sin = kernels.rope_tables(positions, self.head_dim, self.theta, self.scaling)
+        out = (cos.to(dtype), sin.to(dtype))
+        Rotary._cached = (key, out)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, key: Optional[tuple] = None) -> tuple:
+        cos, sin = self.tables(positions, q.dtype, key)
+        return kernels.rope(q, k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+
 class Attention(nn.Module):
-    """The attention core as a layer (no parameters; role ``attention``): (B, H, T, D) q, k, v in, out.
+    """The attention core as a layer (no parameters; role ``attention``): (B, H, T, D) q, (B, Hkv, T, D) k
+    and v in, (B, H, T, D) out; with ``rope`` (a :class:`Rotary`), q and k are rotated first by their
+    positions in the sequence.
 
     A layer so that a plan can swap it: sequence parallelism replaces it by
     ring or all-to-all attention over the ``sp`` group (:mod:`.sequence`), the
-    model code unchanged.
+    model code unchanged; the core, not the model, knows which positions its
+    tokens hold.
     """
 
     role = "attention"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                key_padding_mask: Optional[torch.Tensor] = None, rope: Optional[Rotary] = None) -> torch.Tensor:
+        if rope is not None:
+            T = q.shape[2]
+            q, k = rope(q, k, torch.arange(T, device=q.device), ("range", T))
         return attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
 
 

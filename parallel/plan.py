@@ -155,6 +155,18 @@ class Plan:
             if heads is not None and heads % split:
                 raise ValueError(f"{heads} attention heads do not divide over the tensor-parallel split of "
                                  f"{split} (tp={self.tp}, tp_mode={self.tp_mode})")
+            kv = getattr(model_config, "n_kv_heads", None) or heads
+            if kv is not None and kv != heads:  # grouped-query attention
+                if self.tp_mode == "1d" and kv % split and split % kv:
+                    raise ValueError(f"{kv} key/value heads neither divide over tp={split} nor are a divisor of it "
+                                     "(1D cuts them like the query heads, or gives each rank a copy of one)")
+                if self.tp_mode != "1d" and kv % split:
+                    raise ValueError(f"{kv} key/value heads do not divide over the {split} ranks that split heads "
+                                     f"in tp_mode {self.tp_mode}; use tp_mode 1d, which replicates them")
+                local_kv = kv // split if kv % split == 0 else 1
+                if self.sp > 1 and self.sp_mode == "all_to_all" and local_kv % self.sp:
+                    raise ValueError(f"all_to_all sequence parallelism needs the key/value heads of each tensor rank "
+                                     f"({local_kv} of {kv}) to divide over sp={self.sp}; use sp_mode ring")
             hidden_parts = 1 if self.tp_mode == "1d" else grid[-1] ** (3 if self.tp_mode == "3d" else 2)
             if dim is not None and dim % hidden_parts:
                 raise ValueError(f"hidden size {dim} does not divide into the {hidden_parts} blocks the "

@@ -37,11 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .sequence import all_to_all_attention, ring_attention, zigzag_merge, zigzag_split
+from .sequence import all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions, zigzag_split
 
 
 class SequenceAttention(nn.Module):
-    """The attention core over the ``sp`` group: ``ring`` or ``all_to_all``, on zigzag-laid-out tokens."""
+    """The attention core over the ``sp`` group: ``ring`` or ``all_to_all``, on zigzag-laid-out tokens
+    (rotary embeddings, when the model gives them, at those tokens' positions in the whole sequence)."""
 
     role = "attention"
 
@@ -49,7 +50,11 @@ class SequenceAttention(nn.Module):
         super().__init__()
         self.group, self.mode = group, mode
 
-    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None):
+    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None, rope=None):
+        if rope is not None:  # this rank's tokens sit at its zigzag chunks' positions
+            sp, rank = comm.group_size(self.group), comm.group_rank(self.group)
+            T = q.shape[2] * sp
+            q, k = rope(q, k, zigzag_positions(T, sp, rank, q.device), ("zigzag", T, sp, rank))
         if self.mode == "ring":
             return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask)
         return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask,
@@ -262,14 +267,15 @@ class TensorSequenceSplit:
 
 def bytes_per_step(*, n_layers: int, heads: int, head_dim: int, batch: int, seq: int, sp: int, mode: str = "ring",
                    masked: bool = False, elem: int = 4, dim: int = 0, first_token: int = 0,
-                   recompute: bool = False) -> dict:
+                   recompute: bool = False, kv_heads: Optional[int] = None) -> dict:
     """Bytes one rank sends over ``sp`` in one training step (forward + backward), per op, in
     :mod:`cuboid.parallel.comm`'s convention; what a test measures with ``comm.count``.
 
     ``heads`` are the heads this rank's attention runs (``n_heads / tp`` under
     1D), ``seq`` the sequence length before padding to ``2 sp``, ``elem`` the
     bytes of q/k/v elements, ``masked`` whether a key padding mask travels
-    (an attention mask with zeros, or padding), ``first_token`` how many
+    (an attention mask with zeros, or padding), ``kv_heads`` the key/value
+    heads of grouped-query attention (None: ``heads``), ``first_token`` how many
     (B, 1, dim) tensors a pooled head takes from sp rank 0 (BERT 1, ViT 2:
     its pre-LN residual too), ``recompute`` activation checkpointing (the
     forward's attention traffic runs again in backward). Not counted: the
@@ -277,10 +283,12 @@ def bytes_per_step(*, n_layers: int, heads: int, head_dim: int, batch: int, seq:
     Ring per layer: forward ``(sp - 1)(2 n e + m)``, backward ``(sp - 1) 2 n e
     + sp 2 n 4`` (dK/dV travel in fp32); all-to-all per layer ``8 (sp - 1) / sp
     n e`` plus ``(sp - 1) m`` for the mask's all-gather; ``n = B H (T/sp) D``,
-    ``m = B T / sp`` mask bytes.
+    ``m = B T / sp`` mask bytes. Under grouped-query attention the ring's ``n``
+    counts the key/value heads, and all-to-all moves ``2 n + 2 n_kv`` each way.
     """
     t = seq + (-seq) % (2 * sp)
     n = batch * heads * (t // sp) * head_dim
+    nkv = batch * (kv_heads or heads) * (t // sp) * head_dim  # the ring passes only the key/value heads
     m = batch * t // sp if masked else 0
     out: dict = {}
 
@@ -289,9 +297,10 @@ def bytes_per_step(*, n_layers: int, heads: int, head_dim: int, batch: int, seq:
 
     forward_layers = n_layers * (2 if recompute else 1)
     if mode == "ring":
-        add("send", forward_layers * (sp - 1) * (2 * n * elem + m) + n_layers * ((sp - 1) * 2 * n * elem + sp * 2 * n * 4))
-    else:
-        per = 8 * (sp - 1) / sp * n * elem
+        add("send", forward_layers * (sp - 1) * (2 * nkv * elem + m)
+            + n_layers * ((sp - 1) * 2 * nkv * elem + sp * 2 * nkv * 4))
+    else:  # q, k, v and the output each way
+        per = 2 * (sp - 1) / sp * (2 * n + 2 * nkv) * elem
         add("all_to_all", n_layers * per + (forward_layers - n_layers) * per / 2)
         add("all_gather", forward_layers * (sp - 1) * m)
     add("all_reduce", 2 * (sp - 1) / sp * 4)  # the loss's sum over sp (fp32 scalar)

@@ -1,4 +1,4 @@
-"""cuboid.zoo: GPT, BERT and ViT, their presets, and Hugging Face interop.
+"""cuboid.zoo: GPT, BERT, ViT and the Llama family (Llama, Qwen2, Mistral), their presets, and Hugging Face interop.
 
 - :func:`build` makes a model from a preset name or a config, on the meta
   device by default (no memory, exact parameter counts);
@@ -23,15 +23,17 @@ from .families import FAMILIES, family_of
 from .plans import READY_PLANS, SPECS
 from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
 from .gpt.model import GPT
+from .llama.config import PRESETS as _LLAMA_PRESETS, LlamaConfig
+from .llama.model import Llama
 from .vit.config import PRESETS as _VIT_PRESETS, ViTConfig
 from .vit.model import ViT
 
-PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS}
-_CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT}
+PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS, **_LLAMA_PRESETS}
+_CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT, LlamaConfig: Llama}
 
-Config = Union[GPTConfig, BertConfig, ViTConfig]
+Config = Union[GPTConfig, BertConfig, ViTConfig, LlamaConfig]
 
-__all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "GPTConfig", "BertConfig", "ViTConfig",
+__all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "Llama", "GPTConfig", "BertConfig", "ViTConfig", "LlamaConfig",
            "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
 
 
@@ -82,7 +84,10 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
     path = Path(path)
     cfg = hf_io.read_config(path)
     family, arch = hf_io.architecture_from_config(cfg, list(FAMILIES.values()), path)
-    config = family.config_from_hf(cfg, arch)
+    try:
+        config = family.config_from_hf(cfg, arch)
+    except KeyError as e:
+        raise ValueError(f"{path / 'config.json'}: {arch} needs {e.args[0]!r}, which it lacks") from None
     with torch.device("meta"):
         model = family.build(config)
     if transform is not None:
@@ -95,11 +100,13 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
 
 def spec_of(model: nn.Module):
     """The sharding spec of a zoo model: its family's, with the tie between the pipeline's ends only where
-    the model's head reads the token embedding (an LM or MLM head; a classifier or a backbone does not, so
-    the last stage neither holds nor sums it)."""
+    the model's head reads the token embedding (a tied LM or MLM head; a classifier, a backbone or an untied
+    LM head does not, so the last stage neither holds nor sums it)."""
     spec = SPECS[family_of(model).name]
     tied = set(spec.first) & set(spec.last)
-    if tied and getattr(getattr(model, "config", None), "head", None) not in ("lm", "mlm"):
+    config = getattr(model, "config", None)
+    reads_table = getattr(config, "head", None) in ("lm", "mlm") and getattr(config, "tie_embeddings", True)
+    if tied and not reads_table:
         spec = dataclasses.replace(spec, last=tuple(n for n in spec.last if n not in tied))
     return spec
 

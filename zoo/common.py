@@ -133,16 +133,23 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None):
         if self.pre_ln:
-            if residual is None:
-                h, residual = self.ln1(x), x
-            else:
-                h, residual = self.ln1(x, residual)
-            x = self.attn(h, key_padding_mask)
-            h, residual = self.ln2(x, residual)
-            return self.mlp(h), residual
+            return pre_norm(self, x, residual, key_padding_mask)
         x, _ = self.ln1(self.attn(x, key_padding_mask), x)
         x, _ = self.ln2(self.mlp(x), x)
         return x, None
+
+
+def pre_norm(block: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
+             key_padding_mask: Optional[torch.Tensor]) -> tuple:
+    """A pre-norm block's ``(x', residual')`` from its ``ln1``, ``attn``, ``ln2`` and ``mlp`` (GPT-2, ViT, Llama):
+    each norm fuses the residual add, and the true hidden state is ``x' + residual'``."""
+    if residual is None:
+        h, residual = block.ln1(x), x
+    else:
+        h, residual = block.ln1(x, residual)
+    x = block.attn(h, key_padding_mask)
+    h, residual = block.ln2(x, residual)
+    return block.mlp(h), residual
 
 
 def padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The model families the zoo knows (GPT, BERT, ViT) and which one a model belongs to.
+"""The model families the zoo knows (GPT, BERT, ViT, Llama) and which one a model belongs to.
 
 Its own module, below both the package's front (``cuboid.zoo``) and the
 checkpoint package, so that the checkpoint code finds a model's Hugging Face
@@ -11,9 +11,10 @@ from torch import nn
 from .bert.hf import FAMILY as _BERT
 from .gpt.hf import FAMILY as _GPT
 from .hf_io import Family
+from .llama.hf import FAMILY as _LLAMA
 from .vit.hf import FAMILY as _VIT
 
-FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT}
+FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT, "llama": _LLAMA}
 
 
 def family_of(model: nn.Module) -> Family:

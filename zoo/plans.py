@@ -18,6 +18,18 @@ _BLOCK_ROLES = {
     "blocks.*.ln2": "norm",
 }
 
+_LLAMA_BLOCK = {
+    "blocks.*.attn.q": "column",
+    "blocks.*.attn.k": "column_kv",  # key/value heads: cut like q where they divide, else replicated (1D)
+    "blocks.*.attn.v": "column_kv",
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.gate": "column",
+    "blocks.*.mlp.up": "column",
+    "blocks.*.mlp.proj": "row",
+    "blocks.*.ln1": "norm",
+    "blocks.*.ln2": "norm",
+}
+
 SPECS = {
     "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES},
                         first=("tok_emb", "pos_emb"), last=("ln_f", "tok_emb"), shifted_labels=True),
@@ -31,6 +43,10 @@ SPECS = {
                                "ln_f": "norm", "pooler": "replicate", "classifier": "replicate", **_BLOCK_ROLES},
                         first=("patch", "cls_token", "pos_emb"), last=("ln_f", "pooler", "classifier"),
                         pooled_first=True),
+    # the head is lm_head (untied) or tok_emb (tied: spec_of keeps the tie only then)
+    "llama": ShardingSpec(roles={"tok_emb": "vocab", "lm_head": "vocab", "ln_f": "norm", "classifier": "replicate",
+                                 **_LLAMA_BLOCK},
+                          first=("tok_emb",), last=("ln_f", "lm_head", "classifier", "tok_emb"), shifted_labels=True),
 }
 
 # the plans that work in this build, the same for every family
@@ -72,13 +88,17 @@ def stage_costs(config, seq_len=None) -> tuple:
     """(per-block, embedding, head) forward costs of a zoo config, in multiply-adds per token: what
     pipeline stages are balanced by (``cuboid.parallel.pipeline.cut_stages``).
 
-    A block: QKV, projection and MLP matmuls plus attention over ``seq_len``
-    keys; the embedding: lookups (GPT, BERT) or the patch matmul (ViT); the
+    A block: QKV, projection and MLP matmuls (Llama: grouped K/V, three SwiGLU
+    matrices) plus attention over ``seq_len`` keys; the embedding: lookups (GPT, BERT) or the patch matmul (ViT); the
     head: the vocabulary matmul of an LM head, else pooler and classifier.
     """
     h = config.dim
     t = seq_len or getattr(config, "n_positions", None) or getattr(config, "n_patches", 0) + 1
-    block = 4 * h * h + 2 * h * config.hidden + 2 * t * h
+    if hasattr(config, "n_kv_heads"):  # grouped-query attention and a SwiGLU MLP (three matrices)
+        q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        block = (2 * q + 2 * kv) * h + 3 * h * config.hidden + 2 * t * q
+    else:
+        block = 4 * h * h + 2 * h * config.hidden + 2 * t * h
     embed = config.channels * config.patch_size ** 2 * h if hasattr(config, "patch_size") else 3 * h
     if getattr(config, "head", "") in ("lm", "mlm"):
         head = h * config.vocab_size + (h * h if config.head == "mlm" else 0)

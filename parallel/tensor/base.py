@@ -170,8 +170,8 @@ def _ctor_args(cls, old: nn.Module) -> tuple:
         return old.in_features, old.out_features, old.bias is not None
     if issubclass(cls, L.Embedding):
         return old.num_embeddings, old.dim
-    if issubclass(cls, L.LayerNorm):
-        return old.dim, old.eps, old.bias is not None
+    if issubclass(cls, L.LayerNorm):  # an RMSNorm source has no bias
+        return old.dim, old.eps, getattr(old, "bias", None) is not None
     return tuple(old.weight.shape)  # a Tensor
 
 

@@ -65,7 +65,7 @@ from cuboid.parallel.tensor import engine
 from cuboid.parallel.tensor.base import Axes, Cut, Sharded, VocabParallel, to_compute, vocab_parallel_cross_entropy
 from cuboid.parallel.tensor.engine import ANY, Mode, Style, no_row_sibling, parallelize_module, step_bytes
 
-__all__ = ["ColumnLinear", "RowLinear", "VocabEmbedding", "VocabTensor", "vocab_parallel_cross_entropy",
+__all__ = ["ColumnLinear", "ReplicatedKVLinear", "KVColumn", "RowLinear", "VocabEmbedding", "VocabTensor", "vocab_parallel_cross_entropy",
            "shard_1d", "tp_axes", "Costs", "bytes_per_step", "STYLES", "MODE"]
 
 
@@ -135,6 +135,51 @@ class ColumnLinear(_Tp, L.Linear):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
                 f"packed={self.packed}, gather_output={self.gather_output}, tp={self.tp_size}")
+
+
+class ReplicatedKVLinear(ColumnLinear):
+    """A key or value projection when ``tp`` is a multiple of the key/value heads (Megatron's rule for
+    grouped-query attention): the weight is whole on every rank, and rank r computes only the head its
+    query heads read, ``r // (tp / kv_heads)``. Each rank's weight gradient covers that head; the
+    gradients are summed over ``tp`` (the copies of each head add up, the other rows add zeros), so every
+    copy takes the same step. Replicated input and its gradient as :class:`ColumnLinear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, group=None, head_dim: int,
+                 device=None, dtype=None) -> None:
+        L.ShardedModule.__init__(self)
+        self._setup(tp_axes(group))
+        self.in_features, self.out_features, self.head_dim = in_features, out_features, head_dim
+        self.packed, self.gather_output = 1, False
+        heads = out_features // head_dim
+        if self.tp_size % heads:
+            raise ValueError(f"{heads} key/value heads neither divide nor are divided by tp={self.tp_size}")
+        head = self.tp_rank // (self.tp_size // heads)
+        self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        w = self._cut("weight", (out_features, in_features))
+        b = self._cut("bias", (out_features,)) if bias else None
+        self._init_params({"weight": (w, "normal"), "bias": (b, "zeros")}, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_compute(x)
+        x = comm.copy_to(x, self.group) if self.seq_dim is None else comm.all_gather_to(x, self.group, self.seq_dim)
+        w = comm.copy_to(self.weight, self.group)[self.rows]  # backward: the gradient summed over tp
+        b = comm.copy_to(self.bias, self.group)[self.rows] if self.bias is not None else None
+        return F.linear(x, w, b)  # (.., head_dim): this rank's head
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (rows {self.rows.start}:{self.rows.stop}), tp={self.tp_size}"
+
+
+class KVColumn:
+    """The 1D layer of a ``column_kv`` projection: :class:`ColumnLinear` where the key/value heads divide
+    over ``tp``, :class:`ReplicatedKVLinear` where ``tp`` is a multiple of them."""
+
+    @staticmethod
+    def from_full(old, where, *, head_dim: int):
+        heads = old.out_features // head_dim
+        if heads % where.size("tp") == 0:
+            return ColumnLinear.from_full(old, where)
+        return ReplicatedKVLinear.from_full(old, where, head_dim=head_dim)
 
 
 class RowLinear(_Tp, L.Linear):
@@ -266,6 +311,7 @@ STYLES = (
     # a column layer with no row sibling (ViT's patch projection) gathers its output back to replicated
     Style(("column", "column_qkv"), L.Linear, ColumnLinear,
           lambda s: {"packed": s.packed, "gather_output": no_row_sibling(s)}),
+    Style(("column_kv",), L.Linear, KVColumn, lambda s: {"head_dim": s.model.config.head_dim}),
     Style(("row",), L.Linear, RowLinear),
     Style(("vocab",), L.Embedding, VocabEmbedding),
     Style(("vocab",), L.Tensor, VocabTensor),

@@ -141,15 +141,17 @@ class LayerNorm2D(GridSharded, L.LayerNorm):
     ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``, as
     :class:`cuboid.parallel.layers.LayerNorm`. Mean and variance are two
     all-reduces over ``tp_row`` (two-pass, as one device computes them).
+    ``rms=True`` is the RMS norm of :class:`cuboid.parallel.layers.RMSNorm`: no
+    mean, no bias, one all-reduce.
     """
 
     role = "norm"
 
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, grid=None, device=None,
-                 dtype=None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, grid=None, rms: bool = False,
+                 device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_grid(grid)
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.rms = dim, eps, rms
         s = self._cut("weight", (dim,), Cut(0, _BOTH))
         if bias:
             self._cut("bias", (dim,), Cut(0, _BOTH))
@@ -160,8 +162,8 @@ class LayerNorm2D(GridSharded, L.LayerNorm):
             x = x + residual
         row = self.grid.row
         h = x.float()
-        mean = _row_sum(h.sum(-1, keepdim=True), row) / self.dim
-        h = h - mean
+        if not self.rms:  # RMS norm (Llama): no centring
+            h = h - _row_sum(h.sum(-1, keepdim=True), row) / self.dim
         var = _row_sum((h * h).sum(-1, keepdim=True), row) / self.dim
         h = h * torch.rsqrt(var + self.eps) * self._vec(self.weight).float()
         if self.bias is not None:
@@ -170,7 +172,7 @@ class LayerNorm2D(GridSharded, L.LayerNorm):
         return y if residual is None else (y, x)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, {self.grid}"
+        return f"{self.dim}, eps={self.eps}, rms={self.rms}, {self.grid}"
 
 
 class VocabEmbedding2D(VocabParallel, GridSharded, L.Embedding):

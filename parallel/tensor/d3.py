@@ -211,15 +211,17 @@ class LayerNorm3D(Sharded3D, L.LayerNorm):
 
     ``forward(x)`` -> ``norm(x)``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``.
     Statistics are fp32 sums all-reduced over ``tp_col``; weight and bias (H/q
-    each) are replicated over ``tp_dep`` and ``tp_row``.
+    each) are replicated over ``tp_dep`` and ``tp_row``. ``rms=True``: the RMS
+    norm (no mean, no bias).
     """
 
     role = "norm"
 
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, mesh, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, mesh, rms: bool = False, device=None,
+                 dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
-        self.dim, self.eps = dim, eps
+        self.dim, self.eps, self.rms = dim, eps, rms
         w = self._cut("weight", (dim,), Cut(0, ("tp_col",)))
         b = self._cut("bias", (dim,), Cut(0, ("tp_col",))) if bias else None
         self._init_params({"weight": (w, "ones"), "bias": (b, "zeros")}, device, dtype)
@@ -231,6 +233,8 @@ class LayerNorm3D(Sharded3D, L.LayerNorm):
         stats = torch.stack([h32.sum(-1), (h32 * h32).sum(-1)], -1)     # (.., 2) local sums
         stats = comm.copy_to(comm.reduce_from(stats, col), col) / self.dim  # all-reduce both ways
         mean, sq = stats[..., :1], stats[..., 1:]
+        if self.rms:  # RMS norm (Llama): no centring
+            mean = torch.zeros_like(mean)
         y = (h32 - mean) * torch.rsqrt((sq - mean * mean).clamp_min(0.0) + self.eps)
         params = torch.stack([self.weight] + ([self.bias] if self.bias is not None else []))
         params = self._rep(params, "tp_dep", "tp_row").float()
@@ -506,10 +510,12 @@ STYLES = (
     # a column layer with no row sibling (ViT's patch projection) takes whole features to the block layout
     Style(("column",), L.Linear, Head3D, lambda s: {"in_layout": "full", "out_layout": "hidden"}, no_row_sibling),
     Style(("column", "column_qkv", "row"), L.Linear, Linear3D, lambda s: {"role": s.role}),
+    Style(("column_kv",), L.Linear, Linear3D, lambda s: {"role": "column"}),
     Style(("vocab",), L.Embedding, VocabEmbedding3D),
     Style(("vocab",), L.Tensor, VocabTensor3D),
     Style(("embedding",), L.Embedding, Embedding3D),
     Style(("norm",), L.LayerNorm, LayerNorm3D),
+    Style(("norm",), L.RMSNorm, LayerNorm3D, lambda s: {"rms": True}),
     Style(("replicate",), L.Linear, Head3D, _head_out, takes_hidden),
     Style(("replicate",), L.Tensor, Tensor3D, when=hidden_last),
     Style(("replicate",), ANY, None),  # other replicated layers stay whole

@@ -195,11 +195,19 @@ class Costs:
 
 def step_parts(costs, config, batch: int, seq: int) -> dict:
     """The ``(forward, backward)`` bytes of a GPT-shaped training step per part: ``first`` (token and
-    position embeddings), ``block`` (one transformer block) and ``last`` (final norm, tied head and loss);
+    position embeddings), ``block`` (one transformer block: GPT's, or Llama's with grouped K/V and SwiGLU)
+    and ``last`` (final norm, vocab-parallel head and loss);
     the arguments as in :func:`step_bytes`. A pipeline stage sums the parts it holds."""
     h, v = config.dim, config.vocab_size
     f = getattr(config, "hidden", None) or getattr(config, "mlp_hidden", 0) or 4 * h
     n = batch * seq
+    if getattr(config, "n_kv_heads", 0):  # Llama: q, k, v apart (grouped k, v), SwiGLU, RMSNorm, no position table
+        q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        block = [costs.norm(h, n, bias=False), costs.linear("column", h, q, n), costs.linear("column", h, kv, n),
+                 costs.linear("column", h, kv, n), costs.linear("row", q, h, n), costs.norm(h, n, bias=False),
+                 costs.linear("column", h, f, n), costs.linear("column", h, f, n), costs.linear("row", f, h, n)]
+        return {"first": [costs.lookup(v, h, n)], "block": block,
+                "last": [costs.norm(h, n, bias=False), costs.lm_loss(v, h, n, batch * (seq - 1))]}
     block = [costs.norm(h, n), costs.linear("column_qkv", h, 3 * h, n), costs.linear("row", h, h, n),
              costs.norm(h, n), costs.linear("column", h, f, n), costs.linear("row", f, h, n)]
     return {"first": [costs.lookup(v, h, n), costs.embedding(config.n_positions, h)], "block": block,

@@ -208,13 +208,14 @@ def styles(classes: dict) -> tuple:
     """The 2D / 2.5D role -> layer table over a mode's ``classes`` (:data:`.d2.CLASSES`, :data:`.d2p5.CLASSES`)."""
     return (
         Style(("column_qkv", "row"), L.Linear, classes["linear"], lambda s: {"packed": s.packed}),
-        Style(("column",), L.Linear, classes["linear"], when=row_sibling),
+        Style(("column", "column_kv"), L.Linear, classes["linear"], when=row_sibling),
         # a column layer taking a model input (ViT's patches): whole input features, replicated over the row
         Style(("column",), L.Linear, classes["linear"], lambda s: {"input_is_parallel": False}, no_row_sibling),
         Style(("vocab",), L.Embedding, classes["vocab"]),
         Style(("vocab",), L.Tensor, classes["vocab_tensor"]),
         Style(("embedding",), L.Embedding, classes["embedding"]),
         Style(("norm",), L.LayerNorm, classes["norm"]),
+        Style(("norm",), L.RMSNorm, classes["norm"], lambda s: {"rms": True}),
         Style(("replicate",), L.Linear, classes["linear"], when=square),  # hidden -> hidden stays in the layout
         Style(("replicate",), L.Linear, classes["head"]),
         Style(("replicate",), L.Tensor, classes["tensor"]),

@@ -82,6 +82,20 @@ def hf_gpt2_folder(folder: Path) -> Path:
     return folder
 
 
+def hf_qwen2_folder(folder: Path, head: str = "lm", num_labels: int = 2) -> Path:
+    """A tiny random Qwen2 (grouped-query attention, q/k/v biases, tied embeddings) with a local BPE tokenizer."""
+    import transformers as T
+
+    tok = bpe_tokenizer(folder)
+    cfg = T.Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=96, vocab_size=len(tok), max_position_embeddings=64,
+                        tie_word_embeddings=True, num_labels=num_labels, pad_token_id=tok.eos_token_id,
+                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    (T.Qwen2ForCausalLM if head == "lm" else T.Qwen2ForSequenceClassification)(cfg).save_pretrained(str(folder))
+    return folder
+
+
 def image_folder(folder: Path, per_class: int = 12, size: int = 20) -> Path:
     """Two classes of PNGs: bright top half vs bright bottom half."""
     import numpy as np

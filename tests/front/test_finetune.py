@@ -102,6 +102,45 @@ def test_mlm_csv_and_seqcls_parquet_predictions_match_transformers(text_files, t
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_qwen2_folder_clm_on_a_text_file_and_seqcls_load_in_transformers(text_files, tmp_path):
+    """A Llama-family folder (Qwen2-shaped, its own tokenizer.json) fine-tunes from the CLI on a text file with
+    --task clm, and as a classifier; both final folders load in transformers with cuboid's logits."""
+    import transformers as T
+
+    import cuboid
+
+    qwen = F.hf_qwen2_folder(tmp_path / "qwen")
+    out = tmp_path / "clm-run"
+    rc, _, err = cli("finetune", "--model", str(qwen), "--data", str(text_files / "data.txt"), "--task", "clm",
+                     "--steps", "6", "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--output-dir", str(out),
+                     "--eval-every", "3", "--no-progress", "--no-plot")
+    assert rc == 0, err
+    rows = metrics(out)
+    assert rows[-1]["step"] == 6 and rows[-1]["perplexity"] < rows[0]["perplexity"]
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    theirs = T.AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    assert type(theirs).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(cuboid.load(out / "final").eval()(input_ids=ids).logits, theirs(input_ids=ids).logits,
+                              atol=1e-5, rtol=1e-5)
+
+    cls = F.hf_qwen2_folder(tmp_path / "qwen-cls", head="cls")
+    out = tmp_path / "cls-run"
+    rc, _, err = cli("finetune", "--model", str(cls), "--data", str(text_files / "data.parquet"), "--task", "seqcls",
+                     "--steps", "30", "--batch-size", "16", "--lr", "3e-3", "--seq-len", "24", "--output-dir", str(out),
+                     "--no-progress", "--no-plot")
+    assert rc == 0, err
+    assert metrics(out)[-1]["accuracy"] > 0.5
+    tok = T.AutoTokenizer.from_pretrained(out / "final")
+    enc = tok([t for t, _ in F.sentences(8, seed=9)], padding="max_length", max_length=24, truncation=True,
+              return_tensors="pt")
+    enc = {k: enc[k] for k in ("input_ids", "attention_mask")}
+    theirs = T.AutoModelForSequenceClassification.from_pretrained(out / "final").eval()
+    with torch.no_grad():
+        a, b = cuboid.load(out / "final").eval()(**enc).logits, theirs(**enc).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_imagefolder_and_in_memory_api(tmp_path):
     import datasets
 

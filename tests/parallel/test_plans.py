@@ -2,7 +2,8 @@
 
 One world per size (2, 4, 8 ranks) runs every plan
 :func:`cuboid.parallel.plan_space.enumerate_plans` yields for that world (the
-same set for gpt-debug, bert-debug with its MLM head and vit-debug: asserted),
+same set for gpt-debug, bert-debug with its MLM head, vit-debug and llama-debug
+with as many key/value heads as query heads: asserted),
 then the ready plans of that size the enumeration does not hold (a toggle
 on, such as ``dp2-ckpt``) and EXTRA. A plan the enumeration gains (a
 composition built, a clause gone from ``Plan.unimplemented``) is tested here
@@ -37,9 +38,12 @@ eps=1e-3 for the same reason (see test_data_parallel.py).
 
 Budget: each world writes its count and per-run seconds to
 ``/tmp/cuboid-plan-parity/world{N}.json`` and prints them (``pytest -s``).
-When a world's enumeration times 3 families passes RUN_BUDGET runs, each
-enumerated plan runs on one family, turned by its index (the CI machine has
-2 cores; the suite must stay under 30 minutes).
+When a world's enumeration times the 4 families passes RUN_BUDGET runs, each
+enumerated plan runs on the Llama family and one other, turned by its index
+(the CI machine has 2 cores; the suite must stay under 30 minutes). The
+Llama family runs with 1, 2 or 4 key/value heads for its 4 query heads,
+turned by the plan's index (:func:`family_options`): multi-query, grouped
+(under tp=4 1D each rank then holds a copy of one key/value head) and plain.
 The 8-rank world also runs test_cost's 2.5D/3D cost check and the
 groups-made-once check (200 loads, threads and groups unchanged).
 """
@@ -49,7 +53,35 @@ from .launch import run_world
 from .test_data_parallel import global_batch
 
 STEPS = 3
-FAMILIES = ("gpt-debug", "bert-debug", "vit-debug")
+FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug")
+KV_HEADS = (1, 2, 4)  # llama-debug's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
+
+
+def family_options(name, plan, index):
+    """The config overrides family ``name`` runs ``plan`` with: a vocabulary of 510 (it does not divide tp=4:
+    padding) and, for the Llama family, the key/value heads turned by the plan's index over KV_HEADS, the
+    first the plan takes (2D/3D and all-to-all need them to divide their head split)."""
+    from cuboid import zoo
+
+    if name == "vit-debug":
+        return {}
+    if not name.startswith("llama"):
+        return {"vocab_size": 510}
+    for kv in KV_HEADS[index % 3:] + KV_HEADS[:index % 3]:
+        try:
+            plan.validate(zoo.config_of(name, n_kv_heads=kv))
+        except ValueError:
+            continue
+        return {"vocab_size": 510, "n_kv_heads": kv}
+    raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
+
+
+def families_of(index, one_family):
+    """The families plan number ``index`` runs on: all, or (``one_family``) the Llama family and one of the
+    others turned by the index."""
+    if not one_family:
+        return FAMILIES
+    return (FAMILIES[index % 3], "llama-debug")
 
 
 def even_batch(name, model, size=8):
@@ -177,8 +209,8 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
     """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
 
     ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
-    index, so each plan meets AdamW, LAMB and LARS once over its three families. ``one_family``: each plan
-    runs on one family only, turned by its index (the CI budget, see RUN_BUDGET). A pipeline plan trains through
+    index, so each plan meets AdamW, LAMB and LARS over its families. ``one_family``: each plan runs on
+    the Llama family and one other, turned by its index (the CI budget, see RUN_BUDGET). A pipeline plan trains through
     ``cuboid.train_step`` only (its forward with gradients is refused); the others alternate the natural loop
     and ``train_step``. Returns {key: errors} with each plan's seconds (load, 3 steps, evaluation) under
     ``seconds``."""
@@ -199,9 +231,9 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
         dp, pipelined = mesh.size("dp"), plan.pp > 1
         size = _batch_size(dp)
         for f, name in enumerate(FAMILIES):
-            if one_family and f != index % len(FAMILIES):
+            if name not in families_of(index, one_family):
                 continue
-            extra = {"vocab_size": 510} if name != "vit-debug" else {}  # 510 does not divide tp=4: padding
+            extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
                 want = reference(name, kind, pipelined, size, extra)
@@ -281,8 +313,10 @@ def generated(world: int):
     from cuboid import zoo
     from cuboid.parallel.plan_space import enumerate_plans
 
-    per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in FAMILIES]
+    per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in FAMILIES if f != "llama-debug"]
     assert all(p == per_family[0] for p in per_family), "the families' enumerations differ"
+    # with as many key/value heads as query heads, the Llama family takes the same plans
+    assert enumerate_plans(zoo.config_of("llama-debug", n_kv_heads=4), world, batch=8) == per_family[0]
     plans = per_family[0]
     ready = [name for name, p in zoo.READY_PLANS.items() if p.world_size == world and p not in plans]
     ready = [n for i, n in enumerate(ready) if zoo.READY_PLANS[n] not in [zoo.READY_PLANS[m] for m in ready[:i]]]
@@ -293,11 +327,11 @@ def generated(world: int):
 # turned by its index. Measured on this 2-core machine, quiet: about 1.05 s a run at 8 ranks, 0.55 s at 4,
 # 0.2 s at 2; the whole suite took 925 s with one family per plan at 4 and 8 ranks, so every family fits
 # (172 x 3 runs at 8 ranks, about 9 minutes)
-RUN_BUDGET = {2: 120, 4: 200, 8: 600}
+RUN_BUDGET = {2: 120, 4: 250, 8: 600}
 
 
 def one_family(world: int, plans) -> bool:
-    return 3 * len(plans) > RUN_BUDGET[world]
+    return len(FAMILIES) * len(plans) > RUN_BUDGET[world]
 
 
 def generated_worker(world: int):
@@ -326,11 +360,11 @@ def run_generated(world: int, timeout: float, *extra_work):
                    "one_family_per_plan": one_family(world, plans),
                    "wall_s": took, "per_run_s": seconds, "errors": reports[0]}, fh, indent=1)
     check(reports)
-    families = 1 if one_family(world, plans) else 3
-    assert len(reports[0]) == families * len(plans) + 3 * len(others)
+    families = 2 if one_family(world, plans) else len(FAMILIES)
+    assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others)
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
-    print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} famil"
-          f"{'ies' if families > 1 else 'y'} + {len(others)} ready/extra x 3 = {len(seconds)} runs in {took:.0f} s "
+    print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} families + "
+          f"{len(others)} ready/extra x {len(FAMILIES)} = {len(seconds)} runs in {took:.0f} s "
           f"({sum(seconds.values()) / len(seconds):.2f} s a run)")
     return results
 

@@ -22,6 +22,18 @@ def vit_config(**kw):
                        **kw)
 
 
+def _decoder(cls, **kw):
+    return lambda: cls(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=32, **kw)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}  # short: the scaled frequencies bite at length 7
+llama_config = _decoder(T.LlamaConfig, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
+qwen2_config = _decoder(T.Qwen2Config, num_key_value_heads=1, tie_word_embeddings=True)  # biases, MQA, tied
+mistral_config = _decoder(T.MistralConfig, num_key_value_heads=4, sliding_window=None)
+
+
 # name -> (HF class, config factory, task)
 CASES = {
     "GPT2LMHeadModel": (T.GPT2LMHeadModel, gpt2_config, "causal"),
@@ -31,6 +43,16 @@ CASES = {
     "BertModel": (T.BertModel, bert_config, "base-text"),
     "ViTForImageClassification": (T.ViTForImageClassification, lambda: vit_config(num_labels=5), "imgcls"),
     "ViTModel": (T.ViTModel, vit_config, "base-image"),
+    "LlamaForCausalLM": (T.LlamaForCausalLM, llama_config, "causal"),
+    "Qwen2ForCausalLM": (T.Qwen2ForCausalLM, qwen2_config, "causal"),
+    "MistralForCausalLM": (T.MistralForCausalLM, mistral_config, "causal"),
+    "LlamaForSequenceClassification": (T.LlamaForSequenceClassification,
+                                       _decoder(T.LlamaConfig, num_key_value_heads=2, num_labels=3, pad_token_id=0),
+                                       "seqcls"),
+    "Qwen2ForSequenceClassification": (T.Qwen2ForSequenceClassification,
+                                       _decoder(T.Qwen2Config, num_key_value_heads=2, num_labels=3, pad_token_id=0),
+                                       "seqcls"),
+    "LlamaModel": (T.LlamaModel, llama_config, "base-text"),
 }
 
 
@@ -58,6 +80,8 @@ def make_batch(name, labels=True):
     ids = torch.randint(1, 97, (3, 7), generator=g)
     mask = torch.ones(3, 7, dtype=torch.long)
     mask[1, 4:] = 0
+    if task == "seqcls" and not name.startswith("Bert"):  # decoders pool the last token that is not padding (id 0)
+        ids[1, 4:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
     if name.startswith("Bert"):
         batch["token_type_ids"] = torch.tensor([[0] * 4 + [1] * 3] * 3)

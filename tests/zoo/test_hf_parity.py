@@ -109,9 +109,32 @@ def test_to_hf_round_trip_is_bit_exact_and_loads_in_transformers(case, tmp_path)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
-    with pytest.raises(ValueError, match="unsupported architecture LlamaForCausalLM; supported: Bert"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5ForConditionalGeneration"],
+                                                      "model_type": "t5"}))
+    with pytest.raises(ValueError, match="unsupported architecture T5ForConditionalGeneration; supported: Bert"):
         cuboid.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM needs 'num_attention_heads', which it lacks"):
+        cuboid.load(tmp_path)
+
+
+def test_llama_family_configs_refused_in_one_sentence(tmp_path):
+    """A sliding window shorter than the positions, another rope type, another activation: refused by name."""
+    base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 97, "hidden_size": 48,
+            "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 64}
+    cases = [({"sliding_window": 16}, "sliding-window attention .* is not supported"),
+             ({"sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+              "rope_scaling of type 'yarn' is not supported"),
+             ({"sliding_window": None, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported")]
+    for extra, message in cases:
+        (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
+        with pytest.raises(ValueError, match=message):
+            cuboid.load(tmp_path)
+    # a window as long as the positions changes nothing: accepted (checked on meta, no weights needed)
+    from cuboid.zoo.llama.hf import config_from_hf
+
+    assert config_from_hf({**base, "sliding_window": 64}, "MistralForCausalLM").n_kv_heads == 2
 
 
 def test_mismatched_weights_name_key_and_shapes(tmp_path):
