@@ -17,7 +17,7 @@ import torch
 
 from .launch import run_world
 from .test_data_parallel import global_batch
-from .test_plans import gathered, make_optimizer, rel_norm
+from .test_plans import make_optimizer, outputs_err, params_err, worst
 
 
 def test_cut_stages_balances_costs():
@@ -58,18 +58,13 @@ def free_err(model, ref, batch) -> float:
     free = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         want = ref(**free)
-    err = 0.0
+    errs = []
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
             out = model(**free)
         assert out.loss is None
-        for field in ("logits", "last_hidden_state", "pooler_output"):
-            a, b = getattr(out, field), getattr(want, field)
-            assert (a is None) == (b is None), field
-            if b is not None:
-                assert tuple(a.shape) == tuple(b.shape), (field, tuple(a.shape), tuple(b.shape))
-                err = max(err, ((a - b).abs().max() / b.abs().max()).item())
-    return err
+        errs.append(outputs_err(out, want))
+    return worst(*errs)
 
 
 def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
@@ -88,14 +83,7 @@ def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
             for kind in optimizers if trains else optimizers[:1]:
                 ref = cuboid.load(name, seed=0, **extra, **head).train()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra, **head).train()
-                refs = dict(ref.named_parameters())
-
-                def err():
-                    pairs = gathered(model)
-                    a = torch.cat([t.flatten() for _, t in pairs])
-                    return rel_norm(a, torch.cat([refs[n].detach().flatten() for n, _ in pairs])), len(pairs)
-
-                init, held = err()
+                init = params_err(model, ref)
                 opt, opt_ref = make_optimizer(kind, model.parameters()), make_optimizer(kind, ref.parameters())
                 loss_err = 0.0
                 fp16 = plan.dtype == "fp16"  # each with its own grad scaler, as a user would
@@ -105,9 +93,9 @@ def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
                     a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0, dtype=plan.dtype, scaler=scalers[0])
                     b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0, scaler=scalers[1])
                     # (the norm before clipping: a gradient left scaled would hide behind clipping and Adam)
-                    loss_err = max(loss_err, abs(a.loss - b.loss) / abs(a.loss),
-                                   abs(a.grad_norm - b.grad_norm) / a.grad_norm)
-                params, _ = err()
+                    loss_err = worst(loss_err, abs(a.loss - b.loss) / abs(a.loss),
+                                     abs(a.grad_norm - b.grad_norm) / a.grad_norm)
+                params = params_err(model, ref)
                 # evaluation: an odd-sized batch (padded to the micro-batches inside), the same Output everywhere
                 odd = {k: v[:5] for k, v in batch_for(name, head, ref).items()}
                 model.eval(), ref.eval()
@@ -118,15 +106,15 @@ def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
                     whole = batch_for(name, head, ref)  # batches of changing shapes
                     metrics = cuboid.evaluate(model, [whole, odd, whole])
                     want_metrics = cuboid.evaluate(ref, [whole, odd, whole])
-                    eval_err = max(eval_err, abs(out.loss.item() - want.loss.item()) / abs(want.loss.item()),
-                                   ((out.logits - want.logits).abs().max() / want.logits.abs().max()).item(),
-                                   max(abs(metrics[k] - want_metrics[k]) / max(abs(want_metrics[k]), 1e-12)
+                    eval_err = worst(eval_err, abs(out.loss.item() - want.loss.item()) / abs(want.loss.item()),
+                                     outputs_err(out, want, fields=("logits",)),
+                                     *(abs(metrics[k] - want_metrics[k]) / max(abs(want_metrics[k]), 1e-12)
                                        for k in want_metrics))
-                    assert tuple(out.logits.shape) == tuple(want.logits.shape), (out.logits.shape, want.logits.shape)
                 model.train(), ref.train()
+                names = sorted(n for n, _ in model.named_parameters())
                 report[f"{plan_name}/{name}/{head}/{kind}/{extra}"] = dict(
-                    init=init, loss=loss_err, params=params, held=held, total=len(refs), eval=eval_err,
-                    blocks=[len(r) for r in model.pipeline_blocks], names=sorted(n for n, _ in model.named_parameters()))
+                    init=init, loss=loss_err, params=params, held=len(names), total=len(list(ref.parameters())),
+                    eval=eval_err, blocks=[len(r) for r in model.pipeline_blocks], names=names)
         if plan_name == "pp2":  # bad input: one sentence, no hang
             model = cuboid.load("gpt-debug", plan, seed=0, mesh=mesh)
             opt = make_optimizer("adamw", model.parameters())
@@ -189,11 +177,7 @@ def tie_worker():
             a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0)
             b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0)
             errs.append(abs(a.loss - b.loss) / abs(a.loss))
-        refs = dict(ref.named_parameters())
-        pairs = gathered(model)
-        params = rel_norm(torch.cat([t.flatten() for _, t in pairs]),
-                          torch.cat([refs[n].detach().flatten() for n, _ in pairs]))
-        return dict(held=held, loss=max(errs), params=params)
+        return dict(held=held, loss=max(errs), params=params_err(model, ref))
     finally:
         zoo.spec_of = derived
         comm.set_timeout(300)
