@@ -123,3 +123,26 @@ def test_converts_a_transformers_folder(tmp_path):
     checkpoint.verify(tmp_path / "single")
     hf, ours = tensors(tmp_path / "hf"), tensors(tmp_path / "single")
     assert hf.keys() == ours.keys() and all(torch.equal(hf[n], ours[n]) for n in hf)
+
+
+@pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForSequenceClassification"])
+def test_converts_llama_family_folders_that_load_back(arch, tmp_path):
+    """A sharded Llama-family folder (Qwen2 with tied embeddings and biases; a Llama classifier) becomes one
+    file, bf16 too, and both transformers and cuboid load what convert wrote to the source's logits."""
+    from ..zoo.hf_cases import CASES, make_batch, make_hf
+
+    hf = make_hf(arch)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "single"), "--quiet"]) == 0
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "bf16"), "--dtype", "bf16", "--quiet"]) == 0
+    src, one = tensors(tmp_path / "hf"), tensors(tmp_path / "single")
+    assert src.keys() == one.keys() and all(torch.equal(src[n], one[n]) for n in src)
+    assert all(t.dtype == torch.bfloat16 for t in tensors(tmp_path / "bf16").values())
+    batch = {k: v for k, v in make_batch(arch).items() if k != "labels"}
+    with torch.no_grad():
+        want = hf(**batch).logits
+        back = CASES[arch][0].from_pretrained(tmp_path / "single").eval()(**batch).logits
+        ours = cuboid.load(tmp_path / "single").eval()(**batch).logits
+    keep = batch["attention_mask"].bool() if want.dim() == 3 else slice(None)
+    assert torch.equal(back, want)
+    assert torch.allclose(ours[keep], want[keep], atol=1e-5, rtol=1e-5)
