@@ -315,6 +315,49 @@ def recv_(tensors: list, group, src: int) -> list:
     return tensors
 
 
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+HEADER = 6  # int64 per tensor in a description: ndim (-1: none), four sizes, dtype code
+
+
+def describe(tensors, device=None) -> torch.Tensor:
+    """What a receiver needs to allocate ``tensors`` (None allowed, at most 4 dims each): :data:`HEADER`
+    int64 per tensor, on ``device`` (the first tensor's by default)."""
+    rows = []
+    for t in tensors:
+        if t is None:
+            rows.append([-1, 0, 0, 0, 0, 0])
+            continue
+        if t.dim() > 4:
+            raise ValueError(f"a described tensor has at most 4 dims, got {tuple(t.shape)}")
+        rows.append([t.dim(), *t.shape, *[0] * (4 - t.dim()), _DTYPES.index(t.dtype)])
+    if device is None:
+        device = next((t.device for t in tensors if t is not None), "cpu")
+    return torch.tensor(rows, dtype=torch.int64, device=device).flatten()
+
+
+def empty_described(header: torch.Tensor, device) -> list:
+    """Uninitialised tensors (None where the sender had none) as :func:`describe` described them."""
+    out = []
+    for row in header.view(-1, HEADER).tolist():
+        out.append(None if row[0] < 0 else torch.empty(row[1:1 + row[0]], dtype=_DTYPES[row[5]], device=device))
+    return out
+
+
+def send_described(tensors: list, group, dst: int) -> None:
+    """:func:`send_` of ``tensors`` (None allowed) preceded by their description, to a receiver that does
+    not know their shapes (:func:`recv_described`)."""
+    send_([describe(tensors)], group, dst)
+    send_([t.contiguous() for t in tensors if t is not None], group, dst)
+
+
+def recv_described(count: int, group, src: int, device) -> list:
+    """The ``count`` tensors (None where the sender had none) that :func:`send_described` sent from ``src``."""
+    header = recv_([torch.empty(count * HEADER, dtype=torch.int64, device=device)], group, src)[0]
+    tensors = empty_described(header.cpu(), device)
+    recv_([t for t in tensors if t is not None], group, src)
+    return tensors
+
+
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape and dtype on all ranks), in group order; ``[t]`` when no-op."""
     p = _active(group)

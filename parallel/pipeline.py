@@ -245,28 +245,6 @@ class PipelineOutput:
 
 
 FIELDS = ("logits", "last_hidden_state", "pooler_output")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
-_HEADER = 6  # per tensor: ndim (-1: none), four sizes, dtype code
-
-
-def _header(tensors) -> torch.Tensor:
-    """What a receiver needs to allocate ``tensors`` (None allowed): :data:`_HEADER` int64 per tensor."""
-    rows = []
-    for t in tensors:
-        if t is None:
-            rows.append([-1, 0, 0, 0, 0, 0])
-            continue
-        if t.dim() > 4:
-            raise ValueError(f"a pipeline stream tensor has at most 4 dims, got {tuple(t.shape)}")
-        rows.append([t.dim(), *t.shape, *[0] * (4 - t.dim()), _DTYPES.index(t.dtype)])
-    return torch.tensor(rows, dtype=torch.int64).flatten()
-
-
-def _empty_from(header: torch.Tensor, device) -> list:
-    out = []
-    for row in header.view(-1, _HEADER).tolist():
-        out.append(None if row[0] < 0 else torch.empty(row[1:1 + row[0]], dtype=_DTYPES[row[5]], device=device))
-    return out
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -494,9 +472,7 @@ class Pipeline:
                     if owner[s] != self.rank:
                         continue
                     if s > 0 and owner[s - 1] != self.rank:  # the stream comes from another rank
-                        header = torch.empty(4 * _HEADER, dtype=torch.int64, device=device)
-                        stream = _empty_from(comm.recv_([header], group, owner[s - 1])[0].cpu(), device)
-                        comm.recv_([t for t in stream if t is not None], group, owner[s - 1])
+                        stream = comm.recv_described(4, group, owner[s - 1], device)
                     module = self.modules[self.ids.index(s)]
                     if self.fsdp:  # the stage's own unit (embeddings, head): its forward hook is not run here
                         module.unshard()
@@ -504,8 +480,7 @@ class Pipeline:
                     if s == total - 1:
                         outs.append(self._resolved(result, mb))
                     elif owner[s + 1] != self.rank:
-                        comm.send_([_header(result).to(device)], group, owner[s + 1])
-                        comm.send_([t.contiguous() for t in result if t is not None], group, owner[s + 1])
+                        comm.send_described(list(result), group, owner[s + 1])
                     else:
                         stream = result
         except Exception as e:
@@ -534,13 +509,13 @@ class Pipeline:
             joined = [torch.cat([o[name] for o in outs]) if outs[0][name] is not None else None for name in FIELDS]
             stats = torch.tensor([sum(o["loss_sum"] for o in outs), sum(o["targets"] for o in outs)],
                                  dtype=torch.float64, device=device)
-            header = _header(joined).to(device)
+            header = comm.describe(joined, device)
         else:
             joined, stats = None, torch.zeros(2, dtype=torch.float64, device=device)
-            header = torch.zeros(len(FIELDS) * _HEADER, dtype=torch.int64, device=device)
+            header = torch.zeros(len(FIELDS) * comm.HEADER, dtype=torch.int64, device=device)
         header = comm.broadcast_(header, group, src).cpu()
         if joined is None:
-            joined = _empty_from(header, device)
+            joined = comm.empty_described(header, device)
         joined = [comm.broadcast_(t.contiguous(), group, src) if t is not None else None for t in joined]
         stats = comm.broadcast_(stats, group, src).cpu()
         values = {name: (t[:size] if t is not None else None) for name, t in zip(FIELDS, joined)}
