@@ -250,6 +250,42 @@ def _rope_torch(q, k, cos, sin) -> Tuple[Tensor, Tensor]:
     return q_rot.to(q.dtype), k_rot.to(k.dtype)
 
 
+def _rotate(x: Tensor, c: Tensor, s: Tensor, transpose: bool) -> Tensor:
+    """``x * c + rotate_half(x) * s`` (or its transpose, the backward's map) half by half, without the
+    ``cat`` of :func:`_rotate_half`; c, s broadcast to x and in x's compute dtype."""
+    h = x.shape[-1] // 2
+    x1, x2, c1, c2, s1, s2 = x[..., :h], x[..., h:], c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    out = torch.empty(torch.broadcast_shapes(x.shape, c.shape), dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :h], out[..., h:]
+    if transpose:  # dx1 = c1 dy1 + s2 dy2, dx2 = c2 dy2 - s1 dy1
+        torch.mul(x1, c1, out=o1).addcmul_(x2, s2)
+        torch.mul(x2, c2, out=o2).addcmul_(x1, s1, value=-1.0)
+    else:  # y1 = c1 x1 - s1 x2, y2 = c2 x2 + s2 x1
+        torch.mul(x1, c1, out=o1).addcmul_(x2, s1, value=-1.0)
+        torch.mul(x2, c2, out=o2).addcmul_(x1, s2)
+    return out
+
+
+class _RopeTorchFunction(torch.autograd.Function):
+    """The torch path of RoPE on (q, k) with tables that need no gradient: forward and backward (the
+    transposed rotation) half by half in fp32 (fp64 for fp64), saving only the tables."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        c, s = cos.to(cdt), sin.to(cdt)
+        c, s = (c[None, None], s[None, None]) if c.dim() == 2 else (c[:, None], s[:, None])  # (B or 1, 1, T, D)
+        ctx.save_for_backward(c, s)
+        return _rotate(q.to(cdt), c, s, False).to(q.dtype), _rotate(k.to(cdt), c, s, False).to(k.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk):
+        c, s = ctx.saved_tensors
+        return (_rotate(dq.to(c.dtype), c, s, True).to(dq.dtype), _rotate(dk.to(c.dtype), c, s, True).to(dk.dtype),
+                None, None)
+
+
 def _check(q, k, cos, sin, *, triton_path: bool) -> None:
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     if not triton_path:
@@ -345,5 +381,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: Optional[st
     chosen = resolve_backend(_OP, [q, k, cos, sin], backend)
     _check(q, k, cos, sin, triton_path=chosen == "triton")
     if chosen == "torch":
-        return _rope_torch(q, k, cos, sin)
+        if cos.requires_grad or sin.requires_grad:  # gradients of the tables: through autograd
+            return _rope_torch(q, k, cos, sin)
+        return _RopeTorchFunction.apply(q, k, cos, sin)
     return _RopeFunction.apply(q, k, cos, sin)

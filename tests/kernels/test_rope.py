@@ -115,7 +115,29 @@ def test_automatic_backend_and_forced_torch():
     with use_backend("torch"):
         got = rope(q, k, cos, sin)
     for a, b in zip(got, rope_ref(q, k, cos, sin)):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("table", ["hf", "random"])
+def test_torch_path_forward_and_backward_match_float64(table):
+    """The CPU path (half by half, saving only the tables) against float64 autograd through the reference."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 8, requires_grad=True), torch.randn(2, 2, 9, 8, requires_grad=True)
+    if table == "hf":
+        cos, sin = rope_tables(torch.arange(9), 8, 10000.0)
+    else:  # halves that differ: the transposed rotation must pair the right halves
+        cos, sin = torch.randn(9, 8), torch.randn(9, 8)
+    with use_backend("torch"):
+        got = rope(q, k, cos, sin)
+    assert "RopeTorch" in type(got[0].grad_fn).__name__
+    q64, k64 = (t.detach().double().requires_grad_() for t in (q, k))
+    want = rope_ref(q64, k64, cos.double(), sin.double())
+    ups = [torch.randn_like(t) for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-6, rtol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, (q, k), [u.float() for u in ups]),
+                    torch.autograd.grad(want, (q64, k64), ups)):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5)
 
 
 def test_package_attribute_is_the_function_whichever_import_comes_first():
