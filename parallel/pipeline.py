@@ -381,8 +381,9 @@ class Pipeline:
         one = schedule in ("gpipe", "1f1b")
         self._schedule = kinds[schedule](stages[0] if one else stages, microbatches, loss_fn=_weighted,
                                          scale_grads=False)
-        if self.fsdp and self.has_first and self.has_last and tied:
-            _check_tied_reduce(self._schedule, self.rank, self.ids)
+        both = [r for r in range(pp) if {0, total - 1} <= set(stage_ids(schedule, r, pp))]  # ZBV's rank 0
+        if self.fsdp and tied and both:  # every rank checks that rank's order (torch plans all): all refuse together
+            _check_tied_reduce(self._schedule, both[0], stage_ids(schedule, both[0], pp))
         # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
             if self.has_first != self.has_last else []
@@ -505,7 +506,7 @@ class Pipeline:
     def _from_last(self, outs: list, size: int, device) -> PipelineOutput:
         """The last stage's micro-batch outputs, joined, on every rank of ``pp`` (broadcast from its rank)."""
         group, src = self.mesh.group("pp"), self.last_rank
-        if outs:
+        if self.rank == src:
             joined = [torch.cat([o[name] for o in outs]) if outs[0][name] is not None else None for name in FIELDS]
             stats = torch.tensor([sum(o["loss_sum"] for o in outs), sum(o["targets"] for o in outs)],
                                  dtype=torch.float64, device=device)
@@ -589,10 +590,11 @@ def _shard_stages(model: nn.Module, modules: list, group, split_backward: bool =
 
 
 def _check_tied_reduce(schedule, rank: int, ids: list) -> None:
-    """ZeRO-3 with both ends of a tie on one rank (ZBV's rank 0): the first stage's FSDP unit reduces the tied
-    module's gradient, to which the last stage's backward adds, so that reduction must come after the last
-    stage's every backward action. torch's ZBV order has it so (checked for pp 2..8 with pp..16
-    micro-batches); a torch whose order differs is refused here rather than losing the gradient silently."""
+    """ZeRO-3 with both ends of a tie on pp rank ``rank`` (ZBV's rank 0): the first stage's FSDP unit reduces
+    the tied module's gradient, to which the last stage's backward adds, so that reduction must come after
+    the last stage's every backward action. torch's ZBV order has it so (checked for pp 2..8 with pp..16
+    micro-batches); a torch whose order differs is refused here rather than losing the gradient silently.
+    ``schedule`` holds every rank's order, so every rank checks ``rank``'s and all raise together."""
     from torch.distributed.pipelining import schedules as S
 
     order = schedule.pipeline_order_with_comms[rank]
