@@ -480,48 +480,23 @@ class _ReduceFrom(torch.autograd.Function):
         return g, None
 
 
-class _ScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p, dim):
-        ctx.args = (group, p, dim)
-        return _chunk(x, group, p, dim)
+class _Along(torch.autograd.Function):
+    """One collective along a dim forward and its pair backward; ``there`` and ``back`` take
+    ``(x, group, p, dim)`` (:func:`_chunk`, :func:`_gather`, :func:`_reduce_scatter`)."""
 
     @staticmethod
-    def backward(ctx, g):
-        return _gather(g, *ctx.args), None, None, None
-
-
-class _GatherFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p, dim):
-        ctx.args = (group, p, dim)
-        return _gather(x, group, p, dim)
+    def forward(ctx, x, group, p, dim, there, back):
+        ctx.args, ctx.back = (group, p, dim), back
+        return there(x, group, p, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _chunk(g, *ctx.args), None, None, None
+        return ctx.back(g, *ctx.args), None, None, None, None, None
 
 
-class _ReduceScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p, dim):
-        ctx.args = (group, p, dim)
-        return _reduce_scatter(x, group, p, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, *ctx.args), None, None, None
-
-
-class _AllGatherTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, p, dim):
-        ctx.args = (group, p, dim)
-        return _gather(x, group, p, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, *ctx.args), None, None, None
+def _along(x: torch.Tensor, group, dim: int, there, back) -> torch.Tensor:
+    p = _active(group)
+    return _Along.apply(x, group, p, dim % x.ndim, there, back) if p else x
 
 
 class _AllToAll(torch.autograd.Function):
@@ -547,26 +522,22 @@ def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of a replicated ``x`` along ``dim``; backward all-gathers."""
-    p = _active(group)
-    return _ScatterTo.apply(x, group, p, dim % x.ndim) if p else x
+    return _along(x, group, dim, _chunk, _gather)
 
 
 def gather_from(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' chunks along ``dim`` into a replicated tensor; backward keeps own chunk."""
-    p = _active(group)
-    return _GatherFrom.apply(x, group, p, dim % x.ndim) if p else x
+    return _along(x, group, dim, _gather, _chunk)
 
 
 def reduce_scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """Sum partial ``x`` over ranks and keep own chunk along ``dim``; backward all-gathers."""
-    p = _active(group)
-    return _ReduceScatterTo.apply(x, group, p, dim % x.ndim) if p else x
+    return _along(x, group, dim, _reduce_scatter, _gather)
 
 
 def all_gather_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     """All-gather along ``dim`` whose backward reduce-scatters (each copy's gradient is partial)."""
-    p = _active(group)
-    return _AllGatherTo.apply(x, group, p, dim % x.ndim) if p else x
+    return _along(x, group, dim, _gather, _reduce_scatter)
 
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
