@@ -8,7 +8,7 @@ from torch import nn
 
 import cuboid.kernels as kernels
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Output, count_targets, init_parameters, padding_mask, pre_norm
+from cuboid.zoo.common import Output, count_targets, init_parameters, linears, padding_mask, pre_norm
 
 from .config import LlamaConfig
 
@@ -29,7 +29,7 @@ class Attention(nn.Module):
         self.dropout = L.Dropout(c.dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        q, k, v = self.q(x), self.k(x), self.v(x)  # (B, T, H * D), (B, T, Hkv * D) twice
+        q, k, v = linears(x, (self.q, self.k, self.v))  # (B, T, H * D), (B, T, Hkv * D) twice
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
         y = self.core(q, k, v, causal=True, key_padding_mask=key_padding_mask, rope=self.rope)  # (B, H, T, D)
@@ -46,7 +46,7 @@ class SwiGLU(nn.Module):
         self.proj = L.Linear(c.mlp_hidden, c.dim, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(kernels.swiglu(self.gate(x), self.up(x)))
+        return self.proj(kernels.swiglu(*linears(x, (self.gate, self.up))))
 
 
 class LlamaBlock(nn.Module):
