@@ -3,7 +3,9 @@
 Subcommands: ``finetune`` (the main job; with no arguments it trains a small
 ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
 processes), ``info`` (environment and kernel backends), ``plans`` (the ready
-plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`). Bad values are one line on stderr and exit code 2.
+plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`), ``eval`` (loss and
+perplexity of a causal LM on a text: :mod:`cuboid.eval_cmd`) and ``convert``. Bad values are one line on stderr
+and exit code 2.
 """
 from __future__ import annotations
 
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     from cuboid.plans_cmd import add_parser as add_plans
 
     add_plans(sub)
+    from cuboid.eval_cmd import add_parser as add_eval
+
+    add_eval(sub)
     try:
         from cuboid.convert_cmd import add_parser as add_convert
     except ImportError:  # pragma: no cover - arrives with the checkpoint package

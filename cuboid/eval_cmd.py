@@ -1,0 +1,134 @@
+"""``cuboid eval``: loss and perplexity of a causal language model on a held-out text.
+
+    cuboid eval --model FOLDER|PRESET --data corpus.txt [--max-length N] [--stride S]
+
+The text (a .txt file, or any source ``cuboid finetune --data`` reads, its
+text column joined by blank lines) is one token sequence, scored with
+transformers' documented sliding window: windows of ``max_length`` tokens
+start every ``stride`` tokens, and each window scores only the tokens the
+previous one did not, so every token after the first window is predicted
+from at least ``max_length - stride`` tokens of context. Under torchrun with
+``--plan``, data-parallel ranks share the windows and the sums are reduced.
+Errors are one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Optional
+
+import torch
+
+
+def sliding_windows(n_tokens: int, max_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, scored) of each window over ``n_tokens``: tokens [begin, end) go in, the last ``scored``
+    of them are targets (transformers' perplexity recipe)."""
+    if max_length < 2 or stride < 1 or stride > max_length:
+        raise ValueError(f"need max_length >= 2 and 1 <= stride <= max_length, got max_length={max_length}, "
+                         f"stride={stride}")
+    if n_tokens < 2:
+        raise ValueError(f"the text has {n_tokens} token(s): perplexity needs at least 2")
+    out, previous_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + max_length, n_tokens)
+        out.append((begin, end, end - previous_end))
+        previous_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None, stride: Optional[int] = None,
+               progress: bool = False) -> dict:
+    """Mean negative log-likelihood (``loss``) and ``perplexity`` of a (1, N) token sequence under a causal LM
+    (a cuboid model under any plan: every rank of a tensor or pipeline group passes the same windows), with
+    the sliding window of :func:`sliding_windows`; ``max_length`` defaults to the model's positions and
+    ``stride`` to half of it. Each window's mean loss is weighted by the targets it really averages over."""
+    from cuboid.parallel import comm
+    from cuboid.parallel import unwrap
+
+    core = unwrap(model)
+    if getattr(core.config, "head", None) != "lm":
+        raise ValueError(f"perplexity needs a causal LM head, got head {getattr(core.config, 'head', None)!r}")
+    ids = input_ids.reshape(1, -1)
+    max_length = max_length or core.config.n_positions
+    stride = stride or max(1, max_length // 2)
+    windows = sliding_windows(ids.shape[1], max_length, stride)
+    mesh = getattr(core, "mesh", None)
+    dp, rank = (mesh.size("dp"), mesh.coords.get("dp", 0)) if mesh is not None else (1, 0)
+    mine = windows[rank::dp]
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        mine = tqdm(mine, desc="perplexity", unit="window")
+    was_training = core.training
+    core.eval()
+    sums = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for begin, end, scored in mine:
+            window = ids[:, begin:end].to(next(core.parameters()).device)
+            labels = window.clone()
+            labels[:, :-scored] = -100
+            n = int((labels[:, 1:] != -100).sum())  # the shifted targets the loss averages over
+            if n:
+                sums += torch.tensor([float(core(input_ids=window, labels=labels).loss) * n, n], dtype=torch.float64)
+    if dp > 1:
+        comm.all_reduce_(sums, mesh.group("dp"))
+    if was_training:
+        core.train()
+    loss = (sums[0] / sums[1]).item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(sums[1]), "windows": len(windows)}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``eval`` on an ``add_subparsers()`` object; the handler is ``args.func``."""
+    p = subparsers.add_parser("eval", help="loss and perplexity of a causal LM on a held-out text (sliding window)",
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
+    p.add_argument("--model", required=True, help="a local folder (with its tokenizer) or a preset")
+    p.add_argument("--data", required=True, help="a text file, or a source with a text column")
+    p.add_argument("--text-column", default="text", help="the text column of a table source (default text)")
+    p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
+    p.add_argument("--max-length", type=int, help="tokens per window (default: the model's positions)")
+    p.add_argument("--stride", type=int, help="tokens between window starts (default: half of --max-length)")
+    p.add_argument("--plan", help="a plan (under torchrun): ready name or spec such as dp=2 or tp=2")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+    return p
+
+
+def _text_of(source: str, column: str) -> str:
+    from cuboid import data as D
+
+    if os.path.isfile(source) and source.endswith(".txt"):
+        with open(source, encoding="utf-8") as fh:
+            return fh.read()
+    ds = D.load_source(source)
+    if column not in ds.column_names:
+        raise ValueError(f"{source} has no column {column!r} (columns: {', '.join(ds.column_names)}); set --text-column")
+    return "\n\n".join(t for t in ds[column] if isinstance(t, str))
+
+
+def run(args: argparse.Namespace) -> int:
+    import cuboid
+    from cuboid import data as D
+    from cuboid.parallel import init_distributed
+
+    if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_distributed()
+    tokenizer = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
+    model = cuboid.load(args.model, args.plan)
+    text = _text_of(args.data, args.text_column)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    vocab = model.config.vocab_size
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(f"the tokenizer gives ids up to {int(ids.max())}, beyond the model's {vocab} tokens")
+    result = perplexity(model, ids, args.max_length, args.stride, progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{args.data}: {result['tokens']} tokens scored in {result['windows']} windows: "
+              f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}")
+    return 0
