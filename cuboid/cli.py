@@ -4,7 +4,8 @@ Subcommands: ``finetune`` (the main job; with no arguments it trains a small
 ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
 processes), ``info`` (environment and kernel backends), ``plans`` (the ready
 plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`), ``eval`` (loss and
-perplexity of a causal LM on a text: :mod:`cuboid.eval_cmd`) and ``convert``. Bad values are one line on stderr
+perplexity of a causal LM on a text: :mod:`cuboid.eval_cmd`), ``generate`` (text from a causal LM:
+:mod:`cuboid.generate_cmd`) and ``convert``. Bad values are one line on stderr
 and exit code 2.
 """
 from __future__ import annotations
@@ -91,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plans(sub)
     from cuboid.eval_cmd import add_parser as add_eval
+    from cuboid.generate_cmd import add_parser as add_generate
 
     add_eval(sub)
+    add_generate(sub)
     try:
         from cuboid.convert_cmd import add_parser as add_convert
     except ImportError:  # pragma: no cover - arrives with the checkpoint package

@@ -69,6 +69,18 @@ class Output:
         object.__setattr__(self, name, d)
 
 
+class Decoder(nn.Module):
+    """Base of the zoo's causal LMs (GPT-2, the Llama family): :meth:`generate`."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **options):
+        """Left-padded prompts followed by generated tokens, with a key/value cache: see
+        :func:`cuboid.zoo.generation.generate` (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``,
+        ``top_p``, ``eos_token_id``, ``pad_token_id``, ``seed``, ``streamer``)."""
+        from .generation import generate
+
+        return generate(self, input_ids, attention_mask, **options)
+
+
 class MLP(nn.Module):
     """fc -> GELU -> proj, (B, T, C) -> (B, T, C)."""
 

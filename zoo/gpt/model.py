@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask
+from cuboid.zoo.common import Block, Decoder, Output, count_targets, init_parameters, padding_mask
 
 from .config import GPTConfig
 
 
-class GPT(nn.Module):
+class GPT(Decoder):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = c = config

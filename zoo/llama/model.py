@@ -8,7 +8,7 @@ from torch import nn
 
 import cuboid.kernels as kernels
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Output, count_targets, init_parameters, linears, padding_mask, pre_norm
+from cuboid.zoo.common import Decoder, Output, count_targets, init_parameters, linears, padding_mask, pre_norm
 
 from .config import LlamaConfig
 
@@ -64,7 +64,7 @@ class LlamaBlock(nn.Module):
         return pre_norm(self, x, residual, key_padding_mask)
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = c = config

@@ -1,0 +1,140 @@
+"""Text generation with a key/value cache for the zoo's decoders (GPT-2, the Llama family).
+
+:func:`generate` swaps every attention core of the model (the
+:class:`~cuboid.parallel.layers.Attention` layers, role ``attention``, as
+sequence parallelism swaps them) for a :class:`CachedAttention` holding that
+layer's keys and values, runs the prompt once (prefill), then one token per
+step against the cache, and puts the cores back. The model code is unchanged:
+a core appends the new keys and values (after RoPE, at each token's position)
+and attends over everything cached; the end-aligned causal mask of the kernel
+lets a step's queries see every earlier token.
+
+Prompts of different lengths are left-padded (as transformers does); each
+row's positions count only its kept tokens (``attention_mask.cumsum - 1``),
+and a row that produced ``eos_token_id`` keeps producing it. Under a plan the
+cores hold what the blocks give them (1D: this rank's heads; 2D/3D: this
+rank's rows), every rank of a tensor group samples with the same generator, so
+the tokens agree, and each data-parallel rank generates for its own prompts.
+Pipeline parallelism is refused in one sentence (its stages run whole
+micro-batches, not one cached token at a time).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cuboid.parallel import layers as L
+
+
+class CachedAttention(nn.Module):
+    """An attention core with this layer's key/value cache: (B, Hkv, S, D) keys and values so far."""
+
+    role = "attention"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None, rope=None):
+        if rope is not None:  # the new tokens' positions: each row's kept tokens before them (its rows only)
+            T, S = q.shape[2], q.shape[2] + (0 if self.k is None else self.k.shape[2])
+            if key_padding_mask is None:
+                q, k = rope(q, k, torch.arange(S - T, S, device=q.device))
+            else:
+                q, k = rope(q, k, (key_padding_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:])
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        return L.attention(q, self.k, self.v, causal=causal, key_padding_mask=key_padding_mask)
+
+
+def _swap_cores(model: nn.Module) -> list:
+    swapped = []
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if getattr(child, "role", None) == "attention" and not isinstance(child, CachedAttention):
+                if type(child) is not L.Attention:
+                    raise NotImplementedError(f"generation under sequence parallelism is not built "
+                                              f"({type(child).__name__} cores)")
+                setattr(mod, name, CachedAttention())
+                swapped.append((mod, name, child))
+    return swapped
+
+
+def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
+            generator: Optional[torch.Generator]) -> torch.Tensor:
+    """(B,) next tokens from (B, V) fp32 logits: argmax, or a draw after temperature, top-k and top-p."""
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits / max(temperature, 1e-6)
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+             max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
+             seed: Optional[int] = None, streamer=None) -> torch.Tensor:
+    """``input_ids`` (B, T) left-padded prompts (``attention_mask`` 0 on the padding) followed by up to
+    ``max_new_tokens`` generated tokens each: (B, T + n). Greedy unless ``do_sample``; ``seed`` fixes the
+    draws (the same tokens under every plan). ``streamer(tokens)`` is called with each step's (B,) tokens."""
+    config = model.config
+    if getattr(config, "head", None) != "lm":
+        raise ValueError(f"generation needs a causal LM head, got head {getattr(config, 'head', None)!r}")
+    plan = getattr(model, "plan", None)
+    if plan is not None and plan.pp > 1:
+        raise NotImplementedError("generation under pipeline parallelism is not built: its stages run whole "
+                                  "micro-batches, not one cached token at a time")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, length >= 1), got {tuple(input_ids.shape)}")
+    if max_new_tokens < 0 or temperature <= 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"need max_new_tokens >= 0, temperature > 0, 0 < top_p <= 1 and top_k >= 0; got "
+                         f"{max_new_tokens}, {temperature}, {top_p}, {top_k}")
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device=device, dtype=ids.dtype)
+    if ids.shape[1] + max_new_tokens > config.n_positions:
+        raise ValueError(f"{ids.shape[1]} prompt tokens + {max_new_tokens} new exceed the model's "
+                         f"{config.n_positions} positions")
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    swapped = _swap_cores(model)
+    learned_positions = "position_ids" in inspect.signature(type(model).forward).parameters  # GPT-2
+    was_training = model.training
+    model.eval()
+    try:
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+        new = ids
+        for step in range(max_new_tokens):
+            inputs = {"input_ids": new, "attention_mask": mask}
+            if learned_positions:  # (B, T_new): each row's kept tokens before each new one
+                inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -new.shape[1]:]
+            logits = model(**inputs).logits[:, -1].float()  # (B, V); a collective under tp: every rank reads it
+            token = _sample(logits, do_sample, temperature, top_k, top_p, generator).to(ids.dtype)
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, pad), token)
+                done |= token == eos_token_id
+            ids = torch.cat([ids, token[:, None]], 1)
+            mask = torch.cat([mask, torch.ones_like(token[:, None])], 1)
+            new = token[:, None]
+            if streamer is not None:
+                streamer(token)
+            if eos_token_id is not None and bool(done.all()):
+                break
+    finally:
+        for mod, name, core in swapped:
+            setattr(mod, name, core)
+        model.train(was_training)
+    return ids
