@@ -2,14 +2,14 @@
 
 One world of 4 ranks loads a GPT-2 and a Llama folder (2 key/value heads for 4 query heads) under tp=4 (1D:
 each rank a copy of one key/value head), tp=4 2D (batch rows and hidden split; the cache holds this rank's
-rows) and dp2 x tp2 (each data-parallel rank generates for its own prompts); pipeline plans refuse in one
-sentence.
+rows), dp2 x tp2 (each data-parallel rank generates for its own prompts) and dp2 x tp2 with ZeRO-3 (FSDP2
+gathers each block's parameters as in any forward); pipeline plans refuse in one sentence.
 """
 import torch
 
 from .launch import run_world
 
-PLANS = ("tp=4", "tp=4,tp_mode=2d", "dp=2,tp=2")
+PLANS = ("tp=4", "tp=4,tp_mode=2d", "dp=2,tp=2", "dp=2,tp=2,zero=3")
 NEW = 24
 
 
