@@ -30,10 +30,13 @@ _EXPORTS = {
     "rope_tables": "rope",
     "swiglu": "swiglu",
     "swiglu_ref": "swiglu",
+    "linear_cross_entropy": "linear_cross_entropy",
+    "linear_cross_entropy_ref": "linear_cross_entropy",
 }
 
 # op name -> what `cuboid info` reports backends for
-OPS = ("attention", "layer_norm", "rms_norm", "rope", "swiglu", "adamw_step", "lamb_step", "lars_step")
+OPS = ("attention", "layer_norm", "rms_norm", "rope", "swiglu", "linear_cross_entropy", "adamw_step", "lamb_step",
+       "lars_step")
 
 __all__ = ["BACKENDS", "OPS", "auto_backend", "interpreter_active", "resolve_backend", "use_backend", *_EXPORTS]
 

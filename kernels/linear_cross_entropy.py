@@ -1,0 +1,398 @@
+"""Fused linear cross-entropy: the LM head's matmul and the cross-entropy, a chunk of rows at a time.
+
+``loss = cross_entropy(x @ W.T + b, labels)`` for x (N, H), W (V, H) and
+labels (N,), without ever holding the (N, V) logits: rows are taken ``chunk``
+at a time; for each chunk the logits (chunk, V) are made, the loss terms and
+at once the gradient of the chunk's logits (``softmax - onehot``, written over
+the logits), and from it the chunk's rows of ``dx`` and its share of ``dW``
+(and ``db``), accumulated. Backward only scales the saved gradients by the
+incoming gradient. So the largest temporary is one chunk's logits, and a
+training step makes the same three matmuls as the unfused head (forward,
+``dx``, ``dW``). This is Liger-Kernel's design (``fused_linear_cross_entropy``),
+re-derived here; it differs in that backward scales out of place (so a second
+backward through a retained graph, as torch's zero-bubble pipeline schedule
+makes, gets the same gradients) and in its vocab-parallel form.
+
+**Vocab-parallel.** W may be one slice of a vocabulary split over ranks: local
+column ``c`` is global class ``vocab_start + c``; global classes at or past
+``vocab_size`` are padding (masked to -inf: they never win and get zero
+gradient). The softmax normaliser is then reduced over the ranks by the
+caller's ``reduce(tensor, op)`` (an in-place all-reduce, ``op`` "max" or
+"sum"): per chunk one reduce of the rows' max (chunk,) fp32 and one of the
+rows' (sum of exponentials, target logit) (chunk, 2) fp32, the traffic of
+the unfused vocab-parallel loss. ``dx`` is then this rank's partial sum over
+vocab slices (the caller's collective sums it in backward); ``dW`` and ``db``
+are this slice's. This module knows nothing of process groups: ``reduce`` is
+any callable, so the same code serves one device and every tensor mode.
+
+**Backends.** CPU tensors run the chunked torch path (``backend="torch"``);
+CUDA tensors (and CPU under ``TRITON_INTERPRET=1``) the Triton path, where
+the matmuls are torch's (cuBLAS) and two Triton kernels do the per-row work on
+each chunk: one pass for the row statistics (online max and sum of
+exponentials, target logit), one that writes the logits' gradient in place.
+``linear_cross_entropy_ref`` is the unfused reference (``F.linear`` then
+``F.cross_entropy``), which holds the whole logits.
+
+Dtypes: x, W (and b) fp32, fp16 or bf16 (the torch path also float64), one
+dtype (under autocast they are cast to the autocast dtype first, as
+``F.linear`` would). The logits are made in that dtype, as the unfused head
+makes them; every softmax statistic, the loss and the accumulation of ``dW``
+and ``db`` are fp32 (float64 for float64 inputs); the logits' gradient is
+rounded to the input dtype before its matmuls, as the unfused backward does.
+``ignore_index`` rows count for nothing (zero gradient). No label smoothing:
+the loss it replaces has none.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import check_floating, check_same_dtype, resolve_backend
+
+Tensor = torch.Tensor
+Reduce = Callable[[Tensor, str], Tensor]
+_OP = "linear_cross_entropy"
+CHUNK_ELEMS = 1 << 24  # logits per chunk by default (64 MiB in fp32): rows = CHUNK_ELEMS // local vocab
+MAX_BLOCK_V = 4096  # vocab columns per step of a row program
+
+
+# ----------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _lce_stats_kernel(
+    Z,  # (C, Vl) logits of the chunk, row stride stride_z, unit column stride, input dtype
+    LABELS,  # (C,) int64 global labels
+    STATS,  # (C, 3) fp32 out: local max, sum of exp(z - local max), target logit (0 when not on this slice)
+    n_cols,  # Vl: local columns
+    n_valid,  # local columns that are real classes (the rest is padding)
+    start,  # global class of local column 0
+    ignore_index,
+    stride_z,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for off in range(0, n_cols, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        z = tl.load(z_row + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of padding only: nothing to add
+        s = s * tl.exp(m - base) + tl.sum(tl.exp(z - base), 0)
+        m = m_new
+    label = tl.load(LABELS + row)
+    local = label - start
+    here = (label != ignore_index) & (local >= 0) & (local < n_valid)
+    target = tl.load(z_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
+    tl.store(STATS + row * 3, m)
+    tl.store(STATS + row * 3 + 1, s)
+    tl.store(STATS + row * 3 + 2, tl.where(here, target, 0.0))
+
+
+@triton.jit
+def _lce_grad_kernel(
+    Z,  # (C, Vl) logits of the chunk, overwritten with their gradient softmax - onehot (input dtype)
+    LABELS,  # (C,) int64 global labels
+    LSE,  # (C,) fp32 log-sum-exp of each row over the whole vocabulary
+    n_cols,
+    n_valid,
+    start,
+    ignore_index,
+    stride_z,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    label = tl.load(LABELS + row)
+    lse = tl.load(LSE + row)
+    valid = label != ignore_index
+    local = label - start
+    for off in range(0, n_cols, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        in_row = cols < n_cols
+        z = tl.load(z_row + cols, mask=in_row, other=0.0).to(tl.float32)
+        p = tl.where(cols < n_valid, tl.exp(z - lse), 0.0)  # padding columns: probability 0
+        g = p - tl.where(cols == local, 1.0, 0.0)
+        g = tl.where(valid, g, 0.0)
+        tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=in_row)
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+def _on_device(t: Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch_cfg(n_cols: int) -> tuple:
+    """(BLOCK_V, num_warps) of the row programs: one heuristic, no autotune."""
+    block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_V)
+    return block, 8 if block >= 2048 else 4 if block >= 512 else 2
+
+
+def _stats_triton(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int) -> Tensor:
+    stats = torch.empty((z.shape[0], 3), dtype=torch.float32, device=z.device)
+    if z.shape[0]:
+        block, warps = _launch_cfg(z.shape[1])
+        with _on_device(z):
+            _lce_stats_kernel[(z.shape[0],)](z, labels, stats, z.shape[1], n_valid, start, ignore_index, z.stride(0),
+                                             BLOCK_V=block, num_warps=warps)
+    return stats
+
+
+def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
+    if z.shape[0]:
+        block, warps = _launch_cfg(z.shape[1])
+        with _on_device(z):
+            _lce_grad_kernel[(z.shape[0],)](z, labels, lse, z.shape[1], n_valid, start, ignore_index, z.stride(0),
+                                            BLOCK_V=block, num_warps=warps)
+
+
+# ----------------------------------------------------------------------------
+# One chunk of rows, either backend
+# ----------------------------------------------------------------------------
+
+
+def _chunk_torch(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, reduce: Optional[Reduce],
+                 acc: torch.dtype, grad: bool):
+    """Loss terms (C,) of one chunk of logits ``z`` (C, Vl), and (``grad``) their gradient written over ``z``
+    (returned, in z's dtype). Statistics in ``acc``; the max is reduced first, then (sum of exp, target)."""
+    x = z if z.dtype == acc else z.to(acc)  # fp32 / fp64 logits are worked on in place
+    if n_valid < x.shape[1]:
+        x[:, n_valid:] = float("-inf")  # padding never wins
+    m = x.max(-1).values
+    if reduce is not None:
+        reduce(m, "max")
+    x.sub_(m.unsqueeze(-1))
+    local = y - start
+    here = valid & (local >= 0) & (local < n_valid)
+    idx = torch.where(here, local, 0).unsqueeze(-1)
+    target = torch.where(here, x.gather(-1, idx).squeeze(-1), 0.0)
+    x.exp_()
+    stats = torch.stack([x.sum(-1), target], -1)  # (C, 2)
+    if reduce is not None:
+        reduce(stats, "sum")
+    rows = torch.where(valid, stats[:, 0].log() - stats[:, 1], 0.0)
+    if not grad:
+        return rows, None
+    x.div_(stats[:, :1])  # softmax over the whole vocabulary, this slice's columns
+    x.scatter_add_(-1, idx, -here.to(acc).unsqueeze(-1))
+    x.mul_(valid.to(acc).unsqueeze(-1))
+    if x is not z:
+        z.copy_(x)  # rounded to the logits' dtype, in their buffer
+    return rows, z
+
+
+def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, reduce: Optional[Reduce],
+                  ignore_index: int, grad: bool):
+    """As :func:`_chunk_torch` with the two Triton row kernels (statistics in fp32; the same reduces)."""
+    stats = _stats_triton(z, y, n_valid, start, ignore_index)
+    m, s, target = stats.unbind(-1)
+    if reduce is not None:
+        mg = m.clone(memory_format=torch.contiguous_format)
+        reduce(mg, "max")
+        s = s * torch.exp(m - mg)  # this slice's sum relative to the global max (0 for a slice of padding)
+        st = torch.stack([s, target], -1)
+        reduce(st, "sum")
+        m, s, target = mg, st[:, 0], st[:, 1]
+    lse = m + s.log()
+    rows = torch.where(valid, lse - target, 0.0)
+    if not grad:
+        return rows, None
+    _grad_triton(z, y, lse.contiguous(), n_valid, start, ignore_index)
+    return rows, z
+
+
+def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int, vocab_start: int,
+           vocab_size: int, reduce: Optional[Reduce], chunk: int, backend: str, need: tuple):
+    """(sum of the rows' losses, dx, dW, db) of (N, H) ``x``; the gradients those ``need`` asks for (else None)."""
+    N, _ = x.shape
+    n_local = weight.shape[0]
+    n_valid = max(0, min(n_local, vocab_size - vocab_start))
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    need_x, need_w, need_b = need
+    grad = any(need)
+    dx = torch.empty_like(x) if need_x else None
+    dw = None
+    if need_w:  # accumulated in fp32 for half-precision weights
+        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc), device=weight.device)
+    db = torch.zeros(n_local, dtype=acc, device=x.device) if need_b else None
+    total = torch.zeros((), dtype=acc, device=x.device)
+    for s in range(0, N, chunk):
+        xc, yc = x[s:s + chunk], labels[s:s + chunk]
+        z = F.linear(xc, weight, bias)  # (C, Vl) in the input dtype, as the unfused head
+        valid = yc != ignore_index
+        if backend == "triton":
+            rows, g = _chunk_triton(z, yc, valid, n_valid, vocab_start, reduce, ignore_index, grad)
+        else:
+            rows, g = _chunk_torch(z, yc, valid, n_valid, vocab_start, reduce, acc, grad)
+        total += rows.sum()
+        if not grad:
+            continue
+        if need_x:
+            torch.mm(g, weight, out=dx[s:s + chunk])
+        if need_w:
+            if dw.dtype == g.dtype:
+                dw.addmm_(g.t(), xc)
+            else:
+                dw += g.t() @ xc
+        if need_b:
+            db += g.sum(0, dtype=acc)
+        del z, g
+    return total, dx, dw, db
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of cross-entropy of ``x @ W.T + b``; gradients made in forward, scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, ignore_index, vocab_start, vocab_size, reduce, chunk, backend, need):
+        total, dx, dw, db = _fused(x, weight, bias, labels, ignore_index, vocab_start, vocab_size, reduce, chunk,
+                                   backend, need)
+        ctx.save_for_backward(dx, dw, db)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        dx, dw, db = ctx.saved_tensors
+        tx, tw, tb = ctx.dtypes
+        # out of place: a retained graph (torch's ZBV schedule runs this node once for inputs and once for
+        # weights) must find the saved gradients as they were
+        dx = (dx * grad.to(dx.dtype)).to(tx) if dx is not None else None
+        dw = (dw * grad.to(dw.dtype)).to(tw) if dw is not None else None
+        db = (db * grad.to(db.dtype)).to(tb) if db is not None else None
+        return dx, dw, db, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------
+# Reference and public functions
+# ----------------------------------------------------------------------------
+
+
+def _autocast(*tensors: Optional[Tensor]) -> list:
+    """The tensors in the autocast dtype of their device when autocast is on there (``F.linear``'s rule)."""
+    dev = next(t for t in tensors if t is not None).device.type
+    try:
+        on = torch.is_autocast_enabled(dev)
+        dtype = torch.get_autocast_dtype(dev) if on else None
+    except (RuntimeError, ValueError, TypeError):  # a device autocast does not know (meta)
+        on, dtype = False, None
+    if not on:
+        return list(tensors)
+    return [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
+
+
+def _check(x, weight, bias, labels, *, triton_path: bool) -> None:
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) + (() if triton_path else (torch.float64,))
+    check_floating(_OP, "x", x, dtypes)
+    check_floating(_OP, "weight", weight, dtypes)
+    if bias is not None:
+        check_floating(_OP, "bias", bias, dtypes)
+    check_same_dtype(_OP, x=x, weight=weight, bias=bias)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{_OP}: weight must be (V, {x.shape[-1]}) for x of shape {tuple(x.shape)}, "
+                         f"got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{_OP}: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+        raise TypeError(f"{_OP}: labels must be an integer tensor")
+    if labels.numel() != x.numel() // max(x.shape[-1], 1) or tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{_OP}: labels of shape {tuple(labels.shape)} for x of shape {tuple(x.shape)}: "
+                         f"one label per row expected")
+
+
+def _check_labels(labels: Tensor, vocab_size: int, ignore_index: int) -> None:
+    if labels.is_meta or not labels.numel():
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        raise IndexError(f"{_OP}: label {int(labels[bad][0])} outside [0, {vocab_size})")
+
+
+def _mean(total: Tensor, count: Tensor) -> Tensor:
+    """``total / count``; NaN when count is 0 (as ``F.cross_entropy``), with a zero gradient then."""
+    count = count.to(total.dtype)
+    return torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, float("nan")))
+
+
+def linear_cross_entropy_ref(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                             ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """The unfused head: ``F.cross_entropy(F.linear(x, weight, bias), labels)`` with the whole (N, V) logits
+    (computed in fp32 for half-precision inputs). ``reduction``: "mean" (NaN when every label is ignored) or
+    "sum"."""
+    _check(x, weight, bias, labels, triton_path=False)
+    logits = F.linear(x, weight, bias).reshape(-1, weight.shape[0])
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.to(acc), labels.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction)
+
+
+def default_chunk(n_rows: int, n_local: int) -> int:
+    """Rows per chunk: about CHUNK_ELEMS logits (64 MiB in fp32), at least 1, at most ``n_rows``. It depends on
+    the shapes alone, so every rank of a vocab-parallel group (same rows, same slice width) makes the same
+    number of reduces."""
+    return max(1, min(max(n_rows, 1), CHUNK_ELEMS // max(n_local, 1)))
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", chunk: Optional[int] = None,
+                         vocab_start: int = 0, vocab_size: Optional[int] = None, reduce: Optional[Reduce] = None,
+                         backend: Optional[str] = None) -> Tensor:
+    """Cross-entropy of ``x @ weight.T + bias`` against ``labels`` without holding the whole logits.
+
+    Args:
+        x: (..., H) hidden states; weight: (Vl, H); bias: (Vl,) or None; labels: (...) integer classes,
+            ``ignore_index`` rows counting for nothing.
+        reduction: "mean" over the counted rows (NaN with zero gradients when there are none, as
+            ``F.cross_entropy``) or "sum".
+        chunk: rows per chunk (default :func:`default_chunk`: about 64 MiB of fp32 logits).
+        vocab_start, vocab_size, reduce: the vocab-parallel form (module docstring): weight holds global
+            classes [vocab_start, vocab_start + Vl), those at or past ``vocab_size`` (default: vocab_start + Vl)
+            padding; ``reduce(t, op)`` all-reduces ``t`` in place over the ranks holding the other slices
+            ("max" or "sum"). Every rank then returns the same loss; gradients are this slice's (x's: a partial
+            sum over slices). Labels are global classes in [0, vocab_size).
+        backend: "triton", "torch" or None (automatic, see :func:`cuboid.kernels.resolve_backend`).
+
+    Returns a 0-d tensor (fp32; float64 for float64 inputs), differentiable w.r.t. x, weight and bias.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{_OP}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    chosen = resolve_backend(_OP, [x, weight, bias, labels], backend)
+    x, weight, bias = _autocast(x, weight, bias)
+    _check(x, weight, bias, labels, triton_path=chosen == "triton")
+    n_local = weight.shape[0]
+    vocab_size = vocab_start + n_local if vocab_size is None else vocab_size
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"{_OP}: chunk must be a positive number of rows, got {chunk}")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = labels.reshape(-1).long()
+    _check_labels(y, vocab_size, ignore_index)
+    chunk = chunk or default_chunk(x2.shape[0], n_local)
+    grad = torch.is_grad_enabled()
+    need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
+    with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else contextlib.nullcontext():
+        if any(need):
+            total = _LinearCrossEntropy.apply(x2, weight, bias, y, ignore_index, vocab_start, vocab_size, reduce,
+                                              chunk, chosen, need)
+        else:
+            with torch.no_grad():
+                total = _fused(x2, weight, bias, y, ignore_index, vocab_start, vocab_size, reduce, chunk, chosen,
+                               need)[0]
+    if reduction == "sum":
+        return total
+    return _mean(total, (y != ignore_index).sum())
