@@ -151,12 +151,18 @@ class Block(nn.Module):
         return x, None
 
 
+FUSE_ROWS = 256  # below this many rows (a decoding step) stacking the weights costs more than it saves
+
+
 def linears(x: torch.Tensor, layers: tuple) -> list:
     """``[layer(x) for layer in layers]``, as one matmul over the stacked weights where every layer is a
     plain (unsharded) :class:`~cuboid.parallel.layers.Linear` with or without a bias alike: one larger matmul
-    each way instead of several (measured on CPU: 16% less time for Llama's q/k/v and gate/up). Sharded
-    layers run their own forward (and collectives)."""
-    if len(layers) > 1 and all(type(m) is L.Linear for m in layers) and len({m.bias is None for m in layers}) == 1:
+    each way instead of several (measured on CPU: 16% less time for Llama's q/k/v and gate/up), for inputs
+    of at least FUSE_ROWS rows: a decoding step's few rows would pay more for stacking the weights than the
+    matmuls cost. Sharded layers run their own forward (and collectives)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    plain = all(type(m) is L.Linear for m in layers) and len({m.bias is None for m in layers}) == 1
+    if len(layers) > 1 and plain and rows >= FUSE_ROWS:
         weight = torch.cat([m.weight for m in layers])
         bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
         return list(torch.nn.functional.linear(x, weight, bias).split([m.out_features for m in layers], -1))
