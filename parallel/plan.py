@@ -21,7 +21,15 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   between the linears hold only ``T / tp`` tokens (Megatron's sequence
   parallelism: all-gather before column linears, reduce-scatter after row
   linears);
-- ``activation_checkpoint``: recompute each block in backward;
+- ``checkpoint``: activation checkpointing per block, ``none | full | selective``:
+  ``full`` keeps each block's input and recomputes the whole block in backward;
+  ``selective`` keeps the outputs of the block's matmuls, attention and
+  collectives and recomputes only the cheap ops between them (norms,
+  activations, dropout, adds), see :func:`cuboid.parallel.apply.checkpoint_blocks`;
+- ``activation_checkpoint``: the older switch, kept so that older plans and
+  spec strings read as before: ``true`` is ``checkpoint=full`` (the two are
+  kept equal; ``describe`` still writes ``activation_checkpoint=True`` for it),
+  and it is ``false`` under ``selective``;
 - ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
 """
 from __future__ import annotations
@@ -35,6 +43,7 @@ TP_MODES = ("1d", "2d", "2.5d", "3d")
 SP_MODES = ("ring", "all_to_all")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
+CHECKPOINTS = ("none", "full", "selective")
 
 
 def _int_root(n: int, k: int) -> Optional[int]:
@@ -61,6 +70,7 @@ class Plan:
     dtype: str = "fp32"
     stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
     tp_sequence: bool = False           # 1D tp: norms, dropout and residuals sharded along the sequence (Megatron)
+    checkpoint: str = "none"            # none | full | selective (full is activation_checkpoint=True)
 
     def __post_init__(self) -> None:
         blocks = self.stage_blocks
@@ -90,7 +100,17 @@ class Plan:
             raise ValueError(f"tp_sequence shards the sequence inside a 1D tensor-parallel group: it needs "
                              f"tp > 1 and tp_mode 1d, got tp={self.tp}, tp_mode={self.tp_mode}")
         if not isinstance(self.activation_checkpoint, bool):
-            raise ValueError(f"plan field activation_checkpoint must be true or false, got {self.activation_checkpoint!r}")
+            raise ValueError(f"plan field activation_checkpoint must be true or false, got {self.activation_checkpoint!r}"
+                             + (" (selective recompute is checkpoint=selective)" if isinstance(self.activation_checkpoint, str)
+                                else ""))
+        if not isinstance(self.checkpoint, str) or self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"plan field checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
+        if self.activation_checkpoint and self.checkpoint == "selective":
+            raise ValueError("plan fields activation_checkpoint=true (whole blocks recomputed) and checkpoint=selective "
+                             "contradict each other: give checkpoint=none, full or selective alone")
+        if self.activation_checkpoint or self.checkpoint == "full":  # the two spellings of whole-block recompute
+            object.__setattr__(self, "activation_checkpoint", True)
+            object.__setattr__(self, "checkpoint", "full")
         if self.depth != 1 and self.tp_mode != "2.5d":
             raise ValueError(f"depth={self.depth} only applies to tp_mode 2.5d, not {self.tp_mode}")
 
@@ -204,7 +224,8 @@ class Plan:
         """The inline form, naming only fields that differ from the default."""
         default = Plan()
         parts = [f"{f.name}={_inline(getattr(self, f.name))}" for f in fields(self)
-                 if getattr(self, f.name) != getattr(default, f.name)]
+                 if getattr(self, f.name) != getattr(default, f.name)
+                 and not (f.name == "checkpoint" and self.checkpoint == "full")]  # written activation_checkpoint=True
         return ",".join(parts) or "single"
 
     def to_dict(self) -> dict:
@@ -275,6 +296,12 @@ class Plan:
         return cls.from_dict(values)
 
     def replace(self, **changes) -> "Plan":
+        """A copy with ``changes``; one of ``checkpoint`` / ``activation_checkpoint`` given sets the other
+        (``replace(activation_checkpoint=True)`` of a selective plan is a full one, ``False`` is none)."""
+        if "activation_checkpoint" in changes and "checkpoint" not in changes:
+            changes["checkpoint"] = "full" if changes["activation_checkpoint"] is True else "none"
+        elif "checkpoint" in changes and "activation_checkpoint" not in changes:
+            changes["activation_checkpoint"] = False  # set again from checkpoint by __post_init__
         return replace(self, **changes)
 
 
