@@ -23,6 +23,7 @@ the same under every plan.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -78,6 +79,29 @@ class Deferred:
 def lazy(fn, *args) -> Deferred:
     """``fn(*args)``, computed when read (see :class:`Deferred`)."""
     return Deferred(fn, *args)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    """(device type or None where autocast does not apply, enabled, dtype) of autocast now."""
+    if device.type not in ("cpu", "cuda"):
+        return None, False, None
+    on = torch.is_autocast_enabled(device.type)
+    return device.type, on, torch.get_autocast_dtype(device.type)
+
+
+def _kept(t: torch.Tensor, param: Optional[torch.Tensor], amp: tuple) -> torch.Tensor:
+    """``t`` as the lazy logits keep it: in the autocast dtype (a new tensor) when autocast is on, else a copy
+    where it may be a parameter (``param`` None: always), so an in-place step leaves the kept values alone."""
+    if amp[1] and t.is_floating_point() and t.dtype != amp[2]:
+        return t.to(amp[2])
+    if param is None or t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        return t.clone()
+    return t
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def placement_of(param: torch.Tensor) -> Optional[Placement]:
@@ -201,12 +225,44 @@ class Embedding(ShardedModule):
             )
         return F.embedding(ids, self.weight)
 
-    # The tied LM head. Tensor modes override these three so that the loss is
-    # computed on each rank's vocab slice without gathering the logits.
+    # The tied LM head. Tensor modes override the hooks below (the head's operands, the group its softmax
+    # normaliser is reduced over, the mean over their batch layout, the gather of logits), so that the loss is
+    # computed on each rank's vocab slice without gathering the logits; ``lm_outputs`` is the same for all.
+
+    lm_chunk: Optional[int] = None  # rows per chunk of the fused head's loss (None: the kernel's default)
+
+    def lm_outputs(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                *, shift: bool = False, ignore_index: int = -100) -> tuple:
+        """The LM head ``h @ W.T (+ bias)`` on (.., dim) ``h``: ``(loss, logits)``.
+
+        With ``labels`` (laid out as ``h``'s rows; ``shift=True``: (B, T) labels, position t predicting label
+        t + 1, as a causal LM) the loss is the mean cross-entropy through the fused linear cross-entropy
+        (:func:`cuboid.kernels.linear_cross_entropy`): a chunk of rows at a time, vocab-parallel under the
+        tensor modes, never holding the whole logits; ``logits`` is then a :class:`Deferred` made when read,
+        from ``h`` and the head's weight as they were in this forward (a copy of the weight is kept where it
+        is the parameter itself, so an optimizer step in between changes nothing). Without labels the loss is
+        None and the (local) logits are made now, gathered when read. ``bias``: (vocab,) or this rank's
+        slice of it (a vocab-split tensor's output).
+        """
+        x, w = self._head_input(h), self._head_weight()
+        if labels is None:
+            return None, lazy(self.gather_logits, F.linear(x, w, bias))
+        xs, ys = (x[:, :-1], labels[:, 1:]) if shift else (x, labels)
+        start, vocab = self._vocab_slice()
+        group = self._head_group()
+        reduce = None if comm.group_size(group) <= 1 else (lambda t, op: comm.all_reduce_(t, group, op))
+        ys = ys.to(torch.long)
+        total = kernels.linear_cross_entropy(xs, w, ys, bias, ignore_index=ignore_index, reduction="sum",
+                                             chunk=self.lm_chunk, vocab_start=start, vocab_size=vocab, reduce=reduce)
+        loss = self._head_mean(total, (ys != ignore_index).sum())
+        amp = _autocast_state(h.device)
+        w, bias = _kept(w, self.weight, amp), (_kept(bias, None, amp) if bias is not None else None)
+        return loss, lazy(self._late_logits, h, w, bias, amp)
 
     def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
         """``h @ W.T (+ bias)``: (.., dim) -> (.., vocab). ``gather=False`` may return a local slice."""
-        return F.linear(h, self.weight, bias)
+        logits = F.linear(self._head_input(h), self._head_weight(), bias)
+        return self.gather_logits(logits) if gather else logits
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy of (possibly local, ``gather=False``) logits against full labels."""
@@ -215,6 +271,31 @@ class Embedding(ShardedModule):
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (.., vocab) logits from what ``lm_logits(gather=False)`` returned."""
         return logits
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's left operand made from ``h`` (a mode's copy or gather of it, in the compute dtype)."""
+        return h
+
+    def _head_weight(self) -> torch.Tensor:
+        """The head's (local vocab, dim) right operand (a mode's gathered table)."""
+        return self.weight
+
+    def _head_group(self):
+        """The group over which the vocab slices of the logits lie (None: whole here)."""
+        return None
+
+    def _vocab_slice(self) -> tuple:
+        """(global class of the local logits' first column, real vocabulary size)."""
+        return 0, self.num_embeddings
+
+    def _head_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The mean loss from this rank's (sum of row losses, counted rows)."""
+        return mean_of(total, count)
+
+    def _late_logits(self, h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], amp: tuple):
+        """Whole logits, made when read, from the forward's ``h`` and head operands, under its autocast."""
+        with torch.autocast(amp[0], dtype=amp[2], enabled=amp[1]) if amp[0] else _nothing():
+            return self.gather_logits(F.linear(self._head_input(h), w, bias))
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.dim}, role={self.role}"

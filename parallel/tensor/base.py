@@ -423,11 +423,25 @@ class VocabParallel:
     def _ce_sum(self, logits: torch.Tensor, labels: torch.Tensor, group, ignore_index: int):
         return vocab_parallel_ce_sum(logits, labels, group, self.local_start, self.num_embeddings, ignore_index)
 
+    # The head (``lm_outputs``, ``lm_logits``: :class:`cuboid.parallel.layers.Embedding`) over the mode's hooks:
+    # ``_head_input`` (h copied or gathered into the head's rows), ``_head_weight`` (the local vocab table),
+    # ``_head_group`` (the vocab slices' group), ``_head_mean`` (the mean over the mode's batch layout).
+
+    def _vocab_slice(self) -> tuple:
+        return self.local_start, self.num_embeddings
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of local logits (``lm_logits(gather=False)``) against labels laid out as their
+        rows; vocab-parallel, never gathering them. Every rank returns the same loss (NaN if every label of
+        the batch is ignored)."""
+        return self._head_mean(*self._ce_sum(logits, labels, self._head_group(), ignore_index))
+
     def lm_loss(self, h: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy of the tied head's logits for ``h`` against ``labels`` (laid out as ``h``'s
-        rows); computed vocab-parallel, never gathering the logits. Every rank returns the same loss."""
-        return self.loss_from_logits(self.lm_logits(h, bias, gather=False), labels, ignore_index)
+        rows) through the fused linear cross-entropy (``lm_outputs``): vocab-parallel, a chunk of rows at a
+        time, never holding the logits. Every rank returns the same loss."""
+        return self.lm_outputs(h, labels, bias, ignore_index=ignore_index)[0]
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (local {tuple(self.weight.shape)}, rows {self.vocab_start}:{self.vocab_end}),"

@@ -241,19 +241,14 @@ class VocabEmbedding(VocabParallel, _Tp, L.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return comm.reduce_from(self._lookup(ids, self.weight), self.group)  # (.., H)
 
-    def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
-        """Tied head ``h @ W.T (+ bias)``: full (.., V) logits (gathered, padding cut) or local (.., Vp/p).
+    # The tied head (``lm_outputs`` / ``lm_logits`` / ``lm_loss``): ``h @ W.T (+ bias)`` on the replicated h,
+    # local (.., Vp/p) logits (``bias`` local: a VocabTensor's output), the loss vocab-parallel over tp.
 
-        ``bias`` is local (a :class:`VocabTensor`'s output). Training should use
-        :meth:`lm_loss`, which never gathers.
-        """
-        logits = F.linear(comm.copy_to(to_compute(h), self.group), self.weight, bias)  # (.., Vp/p)
-        return self.gather_logits(logits) if gather else logits
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return comm.copy_to(to_compute(h), self.group)  # backward: the input's gradient all-reduced
 
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocab-parallel cross-entropy of local (.., Vp/p) logits; never gathers them."""
-        return vocab_parallel_cross_entropy(logits, labels, self.group, self.local_start, self.num_embeddings,
-                                            ignore_index)
+    def _head_group(self):
+        return self.group
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (.., V) logits from local ones, padding cut."""

@@ -204,29 +204,28 @@ class VocabEmbedding2D(VocabParallel, GridSharded, L.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return comm.reduce_scatter_to(self._lookup(ids, self._table()), self.grid.row, -1)  # (.., H/q)
 
-    def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
-        """Tied head of ``h`` (.., H/q): local (.., Vp/q) logits (vocab block j of the local rows) or,
-        with ``gather``, the full (B, .., V) logits of the whole batch on every rank.
+    # The tied head (``lm_outputs`` / ``lm_logits`` / ``lm_loss``) of ``h`` (.., H/q): local (.., Vp/q) logits,
+    # vocab block j of the local rows (``bias`` local: a VocabTensor2D's output), gathered to the full
+    # (B, .., V) logits of the whole batch only when read; the loss is vocab-parallel over the row and a
+    # mean over the whole batch. The fused loss takes the same operands, so it composes as the unfused one.
 
-        ``bias`` is local (a :class:`VocabTensor2D`'s output). Training should
-        use :meth:`lm_loss` / :meth:`loss_from_logits`, which never gather.
-        """
-        x = comm.all_gather_to(to_compute(h), self.grid.row, -1)  # (.., H)
-        logits = F.linear(x, self._table(matmul=True), bias)  # (.., Vp/q): vocab block j
-        return self.gather_logits(logits) if gather else logits
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather_to(to_compute(h), self.grid.row, -1)  # (.., H)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self._table(matmul=True)  # (Vp/q, H): vocab block j
+
+    def _head_group(self):
+        return self.grid.row
+
+    def _head_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        return batch_mean(total, count, self.grid)  # every batch block: NaN only if the whole batch has no label
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (B, .., V) logits from local ones: vocab blocks over ``tp_row`` (padding cut), then the batch."""
         full = comm.gather_from(logits, self.grid.row, -1)[..., :self.num_embeddings]
         return gather_output(full, self.grid, 0)
 
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over the whole batch of local (.., Vp/q) logits; ``labels`` batch-split alike.
-
-        Every rank returns the same loss (NaN if every label of the batch is
-        ignored); a batch block without labels is fine.
-        """
-        return batch_mean(*self._ce_sum(logits, labels, self.grid.row, ignore_index), self.grid)
 
 
 class Tensor2D(GridSharded, L.Tensor):

@@ -280,34 +280,31 @@ class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
         out = self._lookup(ids, self._table())               # (N/q^2, .., H) partial over vocab blocks i
         return comm.reduce_scatter_to(out, self._g("tp_col"), -1)  # (N/q^2, .., H/q): block layout
 
-    def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
-        """Tied head ``h @ W.T (+ bias)`` for ``h`` in the block layout.
+    # The tied head (``lm_outputs`` / ``lm_logits`` / ``lm_loss``) for ``h`` in the block layout: local
+    # (N/q^2, .., Vp/q) logits, batch chunk k q + j (the block layout's rows) and vocab block i (``bias``: a
+    # VocabTensor3D's output), gathered to the full (B, .., V) logits only when read. The loss's statistics
+    # go over ``tp_col``, then the (sum, count) over the batch chunks (``tp_row``, ``tp_dep``); the fused loss
+    # takes the same operands, so it composes as the unfused one.
 
-        ``gather=False``: local (N/q^2, .., Vp/q) logits, batch chunk k q + j
-        (the block layout's rows) and vocab block i (``bias`` is a
-        :class:`VocabTensor3D`'s output). ``gather=True``: the full (B, .., V)
-        logits on every rank, padding cut. Training should use :meth:`lm_loss`.
-        """
-        hg = comm.all_gather_to(to_compute(h), self._g("tp_col"), -1)  # (N/q^2, .., H)
-        logits = F.linear(hg, self._table(matmul=True), bias)         # (N/q^2, .., Vp/q)
-        return logits if not gather else self.gather_logits(logits)
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        return comm.all_gather_to(to_compute(h), self._g("tp_col"), -1)  # (N/q^2, .., H)
+
+    def _head_weight(self) -> torch.Tensor:
+        return self._table(matmul=True)  # (Vp/q, H): vocab block i, all features
+
+    def _head_group(self):
+        return self._g("tp_col")
+
+    def _head_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        stats = torch.stack([total, count.to(total.dtype)])
+        stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_row")), self._g("tp_dep"))
+        return L.mean_of(stats[0], stats[1])  # every rank the same loss (NaN if every label is ignored)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (B, .., V) logits on every rank from the local ones, padding cut."""
         full = comm.gather_from(logits, self._g("tp_col"), -1)[..., :self.num_embeddings]
         return gather_output(full, self.axes, 0)
 
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-        """Vocab-parallel cross-entropy of local logits against block-layout labels (the same rows); never gathers.
-
-        Statistics over ``tp_col``, then the (sum, count) over the batch
-        chunks (``tp_row``, ``tp_dep``): every rank returns the same loss (NaN
-        if every label is ignored).
-        """
-        total, count = self._ce_sum(logits, labels, self._g("tp_col"), ignore_index)
-        stats = torch.stack([total, count.to(total.dtype)])
-        stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_row")), self._g("tp_dep"))
-        return L.mean_of(stats[0], stats[1])
 
 
 class Tensor3D(Sharded3D, L.Tensor):

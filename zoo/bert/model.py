@@ -72,9 +72,9 @@ class Bert(nn.Module):
         pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (B, C)
         if c.head == "mlm":
             h = self.mlm_ln(L.gelu(self.mlm_dense(x)))
-            local = self.tok_emb.lm_logits(h, self.mlm_bias(), gather=False)  # (B, T, V); a vocab slice under tp
-            loss = self.tok_emb.loss_from_logits(local, labels) if labels is not None else None
-            logits = L.lazy(self.tok_emb.gather_logits, local)  # made when read
+            # the tied decoder with its bias: with labels the fused linear cross-entropy (vocab-parallel under tp)
+            # and the (B, T, V) logits made only when read
+            loss, logits = self.tok_emb.lm_outputs(h, labels, self.mlm_bias())
         elif c.head == "cls":
             local = self.classifier(self.drop(pooled))  # (B, num_labels); batch rows split under 2D/3D
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None

@@ -71,8 +71,7 @@ class GPT(Decoder):
         h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, T, C)
         if self.config.head == "none":
             return Output(logits=h, last_hidden_state=h)
-        local = self.tok_emb.lm_logits(h, gather=False)  # (B, T, V) tied head; a vocab slice under tp
-        loss = None
-        if labels is not None:  # token t predicts token t + 1
-            loss = self.tok_emb.loss_from_logits(local[:, :-1], labels[:, 1:])
-        return Output(logits=L.lazy(self.tok_emb.gather_logits, local), loss=loss, last_hidden_state=h)  # made when read
+        # the tied head; with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel
+        # under tp, and the (B, T, V) logits made only when read
+        loss, logits = self.tok_emb.lm_outputs(h, labels, shift=True)
+        return Output(logits=logits, loss=loss, last_hidden_state=h)

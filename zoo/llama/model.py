@@ -136,8 +136,7 @@ class Llama(Decoder):
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
             return Output(logits=L.lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h)
         table = self.tok_emb if c.tie_embeddings else self.lm_head
-        local = table.lm_logits(h, gather=False)  # (B, T, V); a vocab slice under tp
-        loss = None
-        if labels is not None:  # token t predicts token t + 1
-            loss = table.loss_from_logits(local[:, :-1], labels[:, 1:])
-        return Output(logits=L.lazy(table.gather_logits, local), loss=loss, last_hidden_state=h)
+        # with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel under tp, and
+        # the (B, T, V) logits made only when read
+        loss, logits = table.lm_outputs(h, labels, shift=True)
+        return Output(logits=logits, loss=loss, last_hidden_state=h)
