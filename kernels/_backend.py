@@ -28,6 +28,7 @@ BACKENDS = ("triton", "torch")
 INTERPRETER: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _override: Optional[str] = None
+_picks: dict = {}  # op -> index into the op's GPU autotune list (absent: 0, the launcher's own choice)
 
 
 def interpreter_active() -> bool:
@@ -51,6 +52,37 @@ def use_backend(backend: Optional[str]) -> Iterator[None]:
         yield
     finally:
         _override = previous
+
+
+@contextlib.contextmanager
+def autotune_pick(op: str, index: int) -> Iterator[None]:
+    """Launch ``op``'s kernels with entry ``index`` of their GPU autotune list inside the block.
+
+    Each kernel module names its tunable ops in ``AUTOTUNE`` (op -> number of
+    candidates); entry 0 is the launcher's fixed choice, and an index past a
+    table row's list falls back to it. ``bench/gpu.py`` times every entry on
+    a GPU; the compile gate (tests/kernels/compile_gate.py) compiles every
+    entry for sm_80 and sm_90. Nothing is tuned automatically: the
+    interpreter cannot run multi-config autotuning, and launches stay
+    deterministic.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"autotune_pick: index must be an int >= 0, got {index!r}")
+    previous = _picks.get(op)
+    _picks[op] = index
+    try:
+        yield
+    finally:
+        if previous is None:
+            _picks.pop(op, None)
+        else:
+            _picks[op] = previous
+
+
+def picked(op: str, candidates: Sequence):
+    """The entry of ``candidates`` that :func:`autotune_pick` chose for ``op`` (entry 0 by default)."""
+    index = _picks.get(op, 0)
+    return candidates[index] if index < len(candidates) else candidates[0]
 
 
 def _device_of(op: str, tensors: Sequence[torch.Tensor]) -> torch.device:

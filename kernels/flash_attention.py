@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import check_floating, check_same_dtype, interpreter_active, resolve_backend
+from ._backend import check_floating, check_same_dtype, interpreter_active, picked, resolve_backend
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 _LN2 = 0.6931471805599453  # ln(2)
@@ -46,6 +46,20 @@ _OP = "attention"
 # ----------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_ids(SEQ, BLOCK: tl.constexpr):
+    """(block index along the sequence, batch * head index as int64) of this program.
+
+    The grid is flat, (cdiv(SEQ, BLOCK) * B * heads,) on grid x (see :func:`_grid`):
+    CUDA allows 2^31 - 1 programs there but only 65535 on y, which B * H passes
+    (ViT inference at batch 4096 x 16 heads). Sequence blocks vary fastest, so
+    neighbouring programs share one head's K/V in L2, as with a 2-D grid.
+    """
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(SEQ, BLOCK)
+    return pid % n_blocks, (pid // n_blocks).to(tl.int64)
 
 
 @triton.jit
@@ -68,8 +82,7 @@ def _attn_fwd_kernel(
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     start_m = pid_m * BLOCK_M
@@ -140,8 +153,7 @@ def _attn_bwd_preprocess_kernel(
     H, SEQ_Q, HEAD_D,
     HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,8 +195,7 @@ def _attn_bwd_dkdv_kernel(
     # per-query-head temporaries (H/Hkv times dK/dV's size, as FlashAttention-2's
     # CUDA code allocates before summing), no atomics, still deterministic. The
     # price is Hkv (not H) programs per key block; long sequences keep the grid full.
-    pid_n = tl.program_id(0)
-    pid_bkv = tl.program_id(1).to(tl.int64)  # b * Hkv + hkv
+    pid_n, pid_bkv = _tile_ids(SEQ_K, BLOCK_N)  # pid_bkv = b * Hkv + hkv
     Hkv = H // GROUP
     off_b = pid_bkv // Hkv
     off_hkv = pid_bkv % Hkv
@@ -268,8 +279,7 @@ def _attn_bwd_dq_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # One program owns a block of queries and loops over the key blocks it sees.
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     start_m = pid_m * BLOCK_M
@@ -329,28 +339,65 @@ def _attn_bwd_dq_kernel(
 # ----------------------------------------------------------------------------
 
 
-# GPU tiles by bytes per tile row (BLOCK_D * element size): (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# Rows fit ~100 KB of shared memory (q tile + pipelined k/v tiles) even for fp32 at D = 256.
-_GPU_FWD = ((128, (128, 64, 4, 3)), (256, (64, 64, 4, 2)), (512, (64, 32, 8, 1)), (1024, (32, 32, 4, 1)))
-_GPU_BWD = ((128, (64, 64, 4, 2)), (256, (64, 64, 8, 1)), (512, (32, 32, 8, 1)), (1024, (32, 32, 4, 1)))
+# GPU tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by element size and padded head dim (BLOCK_D <= limit).
+# Entry 0 of each list is what the launcher uses; the others are the row's GPU autotune list (bench/gpu.py
+# times them all, see AUTOTUNE). Every entry compiles for sm_80 and sm_90 within shared memory, half precision
+# with tensor cores and without register spills, for the causal + mask + grouped-K/V kernels and the plain ones
+# alike (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, spills at most 80 bytes).
+# Chosen from compiles only, no GPU has timed them: tiles that reached 255 registers or spilled were dropped
+# (the bf16/fp16 forward at d64 was (128, 64, 4, 3) and the backward (64, 64, 4, 2): both spilled on sm_80;
+# the fp32 rows spilled 1-15 KB per thread). At d256 the backward has no wgmma on sm_90: a 64-row key tile
+# needs 2 x 64 x 256 fp32 accumulators and spills.
+_GPU_FWD = {
+    2: ((64, ((64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))),
+        (128, ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3))),
+        (256, ((64, 32, 8, 2), (64, 32, 8, 1), (32, 64, 4, 2)))),
+    4: ((32, ((64, 32, 8, 2),)), (64, ((64, 32, 8, 2),)), (128, ((32, 32, 8, 1),)), (256, ((32, 32, 8, 1),))),
+}
+_GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ owns BLOCK_M queries
+    2: ((64, ((32, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 3))),
+        (128, ((64, 64, 8, 1), (32, 32, 4, 2))),
+        (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
+    4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
+}
+# op -> number of autotune entries (cuboid.kernels._backend.autotune_pick("attention", i))
+AUTOTUNE = {"attention": max(len(c) for t in (_GPU_FWD, _GPU_BWD) for rows in t.values() for _, c in rows)}
 
 
 def _config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
-    """Fixed block sizes and launch options: a small heuristic, no autotuning.
+    """Fixed block sizes and launch options: a table, no autotuning.
 
     The interpreter runs programs one after another in numpy and pays per op,
     so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
-    causal loop bounds honest in the CPU tests). On GPU the tiles shrink as
-    the head dim and element size grow, to stay within shared memory and
-    registers. The GPU table is untuned.
+    causal loop bounds honest in the CPU tests). On GPU the tiles come from
+    ``_GPU_FWD`` / ``_GPU_BWD``: they shrink as the head dim and element size
+    grow, to stay within shared memory and registers.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if interpreter_active():
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
-    row_bytes = block_d * (4 if dtype == torch.float32 else 2)
-    table = _GPU_BWD if backward else _GPU_FWD
-    bm, bn, warps, stages = next(cfg for limit, cfg in table if row_bytes <= limit)
+    table = (_GPU_BWD if backward else _GPU_FWD)[4 if dtype == torch.float32 else 2]
+    candidates = next(c for limit, c in table if block_d <= limit)
+    bm, bn, warps, stages = picked(_OP, candidates)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+
+
+GRID_X_MAX = 2 ** 31 - 1  # CUDA's limit on grid x (y and z stop at 65535)
+
+
+def _grid(seq: int, block: int, heads: int) -> tuple:
+    """The flat grid of :func:`_tile_ids`: ``cdiv(seq, block) * heads`` programs on grid x.
+
+    ``heads`` is B * H (or B * Hkv). The count stays far below 2^31 for any
+    tensors that fit a GPU (a program covers at least 16 rows of 16 or more
+    elements: 141 GB of bf16 make 2.7e8 programs); a larger one is refused
+    here rather than failing to launch.
+    """
+    n = triton.cdiv(seq, block) * heads
+    if n > GRID_X_MAX:
+        raise ValueError(f"{_OP}: {n} programs (batch*heads={heads}, seq={seq}, block={block}) exceed CUDA's "
+                         f"grid limit {GRID_X_MAX}")
+    return (n,)
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -373,8 +420,7 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     cfg = _config(D, q.dtype, backward=False)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
-    grid = (triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)
-    _attn_fwd_kernel[grid](
+    _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, out, lse, m_ptr,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
         H, H // Hkv, Sq, Sk, D, scale * _LOG2E,
@@ -392,7 +438,7 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float)
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     dlse_arg = dlse.to(torch.float32).contiguous() if has_dlse else delta
-    _attn_bwd_preprocess_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+    _attn_bwd_preprocess_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         out, do, dlse_arg, delta, *out.stride(), *do.stride(), H, Sq, D,
         HAS_DLSE=has_dlse, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=4,
     )
@@ -403,9 +449,9 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg, **launch)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(Sk, cfg["BLOCK_N"]), B * Hkv)](
+    _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *common, **flags)
-    _attn_bwd_dq_kernel[(triton.cdiv(Sq, cfg["BLOCK_M"]), B * H)](
+    _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, do, lse, delta, dq, m_ptr, *common, **flags)
     return dq, dk, dv
 

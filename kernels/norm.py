@@ -32,6 +32,14 @@ writes ``dx`` per row, and reduces ``dweight`` / ``dbias`` without atomics: a
 fixed number of programs each own a contiguous group of rows, accumulate fp32
 column sums over it, and write one row of a ``(num_programs, N)`` fp32 buffer,
 which torch then sums. The result is deterministic run to run.
+
+Rows wider than ``MAX_ONE_PASS`` (8192) columns take a chunked path instead:
+held whole in registers, such a row spills on sm_80 / sm_90 (the compile gate,
+tests/kernels/compile_gate.py, measures it). There one program owns a row and
+loops over ``WIDE_BLOCK_N`` columns at a time, once per statistic (``h`` is
+recomputed from ``x`` and the residual in each pass), and a separate
+column-parallel kernel sums ``dweight`` / ``dbias`` over row groups into the
+same ``(groups, N)`` partial buffers.
 """
 from __future__ import annotations
 
@@ -44,10 +52,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import check_floating, resolve_backend
+from ._backend import check_floating, picked, resolve_backend
 
-MAX_BLOCK_N = 65536  # largest row the Triton path normalises in one block
+MAX_BLOCK_N = 65536  # widest row the Triton path normalises
+MAX_ONE_PASS = 8192  # widest row held in registers whole; wider rows loop over chunks (no spills)
 TILE_ELEMS = 4096  # target elements per program tile (rows packed when N is small)
+WIDE_BLOCK_N, WIDE_WARPS = 4096, 8  # chunk and warps of the wide-row kernels
+DWDB_BLOCK_M, DWDB_BLOCK_N, DWDB_WARPS = 8, 512, 8  # tile of the wide path's dweight / dbias kernel
+# op -> number of GPU autotune entries: entry 1 doubles the one-pass kernels' warps (see _block_sizes)
+AUTOTUNE = {"norm": 2}
 
 Tensor = torch.Tensor
 NormOut = Union[Tensor, Tuple[Tensor, Tensor]]
@@ -196,6 +209,148 @@ def _norm_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db_acc, mask=col_mask)
 
 
+@triton.jit
+def _load_h(X, R, H, row, cols, mask, stride_x, stride_r, HAS_RES: tl.constexpr):
+    """fp32 ``h`` for columns ``cols`` of ``row``: x, or x + residual rounded to h's dtype (what the caller gets)."""
+    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (h + r).to(H.dtype.element_ty).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _norm_fwd_wide_kernel(
+    X, R, W, B, Y, H, MEAN, RSTD,  # as in _norm_fwd_kernel
+    M, N, stride_x, stride_r, eps,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per chunk; a row is N > BLOCK_N columns
+):
+    # One program per row. Pass 1 writes h and sums h (RMS: h^2); layer norm sums squared deviations from the
+    # mean in pass 2 (two passes: no E[h^2] - E[h]^2 cancellation); the last pass normalises. fp32 throughout.
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for off in range(0, N, BLOCK_N):
+        cols = off + cols0
+        mask = cols < N
+        h = _load_h(X, R, H, row, cols, mask, stride_x, stride_r, HAS_RES)
+        if HAS_RES:
+            tl.store(H + row * N + cols, h.to(H.dtype.element_ty), mask=mask)
+        if IS_RMS:
+            acc += h * h
+        else:
+            acc += h
+    mean = 0.0
+    if IS_RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    else:
+        mean = tl.sum(acc, axis=0) / N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            cols = off + cols0
+            mask = cols < N
+            hc = tl.where(mask, _load_h(X, R, H, row, cols, mask, stride_x, stride_r, HAS_RES) - mean, 0.0)
+            acc += hc * hc
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+    for off in range(0, N, BLOCK_N):
+        cols = off + cols0
+        mask = cols < N
+        y = (_load_h(X, R, H, row, cols, mask, stride_x, stride_r, HAS_RES) - mean) * rstd
+        if HAS_W:
+            y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_wide_kernel(
+    DY, DH, X, W, MEAN, RSTD, DX,  # as in _norm_bwd_kernel
+    M, N, stride_dy, stride_dh,
+    IS_RMS: tl.constexpr, HAS_DH: tl.constexpr, HAS_W: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per chunk; a row is N > BLOCK_N columns
+):
+    # dx only (dweight / dbias: _norm_bwd_dwdb_kernel). One program per row: pass 1 sums the row's two
+    # reductions over chunks, pass 2 recomputes xhat and writes dx.
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_N)
+    rstd = tl.load(RSTD + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(MEAN + row)
+    acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)  # xhat * w * dy
+    acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)  # w * dy
+    for off in range(0, N, BLOCK_N):
+        cols = off + cols0
+        mask = cols < N
+        xhat = tl.where(mask, (tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+        wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            wdy = wdy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        acc1 += xhat * wdy
+        acc2 += wdy
+    c1 = tl.sum(acc1, axis=0) / N
+    c2 = tl.sum(acc2, axis=0) / N
+    for off in range(0, N, BLOCK_N):
+        cols = off + cols0
+        mask = cols < N
+        xhat = tl.where(mask, (tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+        wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            wdy = wdy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if IS_RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+        if HAS_DH:
+            dx += tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_dwdb_kernel(
+    DY,  # (M, N) grad of the normalised output, row stride stride_dy
+    X,  # (M, N) saved norm input, contiguous
+    MEAN, RSTD,  # (M,) fp32 statistics (MEAN unused for RMS)
+    DW_PART, DB_PART,  # (groups, N) fp32 partial column sums (when COMPUTE_DW / COMPUTE_DB)
+    M, N, rows_per_prog, stride_dy,
+    IS_RMS: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Column-parallel: program (column block, row group) sums dy * xhat and dy over the group's rows in fp32.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = group * rows_per_prog
+    row_end = tl.minimum(row_start + rows_per_prog, M)
+    for off in range(row_start, row_end, BLOCK_M):
+        rows = off + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if COMPUTE_DW:
+            x = tl.load(X + rows64[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            if IS_RMS:
+                xhat = x * rstd[:, None]
+            else:
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            dw += tl.sum(dy * xhat, axis=0)
+        if COMPUTE_DB:
+            db += tl.sum(dy, axis=0)
+    if COMPUTE_DW:
+        tl.store(DW_PART + group * N + cols, dw, mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PART + group * N + cols, db, mask=col_mask)
+
+
 # ----------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------
@@ -212,8 +367,8 @@ def _block_sizes(M: int, N: int) -> Tuple[int, int, int]:
     block_m = max(1, min(TILE_ELEMS // block_n, triton.next_power_of_2(max(M, 1))))
     tile = block_m * block_n
     # one heuristic, no autotune (the interpreter cannot run multi-config autotune)
-    num_warps = 32 if tile >= 32768 else 16 if tile >= 8192 else 8 if tile >= 2048 else 4
-    return block_m, block_n, num_warps
+    num_warps = 16 if tile >= 8192 else 8 if tile >= 2048 else 4
+    return block_m, block_n, picked("norm", (num_warps, 2 * num_warps))
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,7 +407,15 @@ def _norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], resid
     h = torch.empty_like(y) if residual is not None else None
     mean = None if is_rms else torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    if M > 0:
+    if M > 0 and block_n > MAX_ONE_PASS:
+        with _on_device(x):
+            _norm_fwd_wide_kernel[(M,)](
+                x2, r2, weight, bias, y, h, mean, rstd, M, N,
+                x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
+                IS_RMS=is_rms, HAS_RES=residual is not None, HAS_W=weight is not None,
+                HAS_B=bias is not None, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_WARPS,
+            )
+    elif M > 0:
         with _on_device(x):
             _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
                 x2, r2, weight, bias, y, h, mean, rstd, M, N,
@@ -276,6 +439,8 @@ def _norm_bwd(dy: Optional[Tensor], dh: Optional[Tensor], xin: Tensor, weight: O
     dy2 = _rows(dy, N)
     dh2 = _rows(dh, N) if dh is not None else None
     dx = torch.empty((M, N), dtype=xin.dtype, device=xin.device)
+    if block_n > MAX_ONE_PASS:
+        return _norm_bwd_wide(dy2, dh2, xin, weight, mean, rstd, dx, is_rms, compute_dw, compute_db)
     grid = _num_bwd_programs(xin.device, M, block_m)
     rows_per_prog = triton.cdiv(triton.cdiv(M, grid), block_m) * block_m
     grid = max(1, triton.cdiv(M, rows_per_prog))
@@ -292,6 +457,33 @@ def _norm_bwd(dy: Optional[Tensor], dh: Optional[Tensor], xin: Tensor, weight: O
     dw = dw_part.sum(0) if compute_dw else None  # deterministic reduction of the partials
     db = db_part.sum(0) if compute_db else None
     return dx, dw, db
+
+
+def _norm_bwd_wide(dy2, dh2, xin, weight, mean, rstd, dx, is_rms: bool, compute_dw: bool, compute_db: bool):
+    """The backward for rows wider than MAX_ONE_PASS: dx row by row, dweight / dbias column-parallel."""
+    M, N = xin.shape
+    with _on_device(xin):
+        _norm_bwd_wide_kernel[(M,)](
+            dy2, dh2, xin, weight, mean, rstd, dx, M, N,
+            dy2.stride(0), dh2.stride(0) if dh2 is not None else 0,
+            IS_RMS=is_rms, HAS_DH=dh2 is not None, HAS_W=weight is not None,
+            BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_WARPS,
+        )
+    if not (compute_dw or compute_db):
+        return dx, None, None
+    col_blocks = triton.cdiv(N, DWDB_BLOCK_N)
+    groups = max(1, triton.cdiv(_num_bwd_programs(xin.device, M, DWDB_BLOCK_M), col_blocks))
+    rows_per_prog = triton.cdiv(triton.cdiv(M, groups), DWDB_BLOCK_M) * DWDB_BLOCK_M
+    groups = max(1, triton.cdiv(M, rows_per_prog))
+    dw_part = torch.empty((groups, N), dtype=torch.float32, device=xin.device) if compute_dw else None
+    db_part = torch.empty((groups, N), dtype=torch.float32, device=xin.device) if compute_db else None
+    with _on_device(xin):
+        _norm_bwd_dwdb_kernel[(col_blocks, groups)](
+            dy2, xin, mean, rstd, dw_part, db_part, M, N, rows_per_prog, dy2.stride(0),
+            IS_RMS=is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+            BLOCK_M=DWDB_BLOCK_M, BLOCK_N=DWDB_BLOCK_N, num_warps=DWDB_WARPS,
+        )
+    return dx, (dw_part.sum(0) if compute_dw else None), (db_part.sum(0) if compute_db else None)
 
 
 # ----------------------------------------------------------------------------

@@ -39,9 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import check_floating, resolve_backend
+from ._backend import check_floating, picked, resolve_backend
 
 BLOCK = 1024  # elements per program (fixed: autotune does not run in the interpreter)
+# op -> number of GPU autotune entries, (BLOCK, num_warps); entry 0 is the launchers' choice (see _tile)
+AUTOTUNE = {"optim": 3}
 _SEGMENT_BLOCK = 256  # partial sums read per segment-sum iteration
 _PLAN_CACHE_SIZE = 16
 
@@ -245,6 +247,11 @@ def _launch(kernel, n_programs: int, *args, **meta) -> None:
 _PLANS: "OrderedDict[tuple, SimpleNamespace]" = OrderedDict()  # launch tables, LRU
 
 
+def _tile() -> tuple:
+    """(BLOCK, num_warps) of the elementwise kernels: 8 elements per thread; the others are autotune entries."""
+    return picked("optim", ((BLOCK, 4), (2048, 8), (4096, 16)))
+
+
 def _plan(lists, keys, tables: dict) -> SimpleNamespace:
     """Device-resident launch tables for ``lists`` (None entries allowed), grouped by ``keys``.
 
@@ -253,9 +260,10 @@ def _plan(lists, keys, tables: dict) -> SimpleNamespace:
     """
     ref = lists[0]
     device = ref[0].device
+    block, warps = _tile()
     numels = tuple(t.numel() for t in ref)
     addr = tuple(tuple(0 if t is None else t.data_ptr() for t in lst) for lst in lists)
-    cache_key = (str(device), BLOCK, numels, addr, tuple(keys),
+    cache_key = (str(device), block, warps, numels, addr, tuple(keys),
                  tuple(sorted((k, tuple(v)) for k, v in tables.items())))
     plan = _PLANS.get(cache_key)
     if plan is not None:
@@ -263,7 +271,7 @@ def _plan(lists, keys, tables: dict) -> SimpleNamespace:
         return plan
     n = len(ref)
     numel_t = torch.tensor(numels, dtype=torch.int64)
-    nblocks = (numel_t + BLOCK - 1) // BLOCK
+    nblocks = (numel_t + block - 1) // block
     slot_offsets = torch.zeros(n + 1, dtype=torch.int64)
     slot_offsets[1:] = torch.cumsum(nblocks, 0)
     members: dict = {}
@@ -280,10 +288,10 @@ def _plan(lists, keys, tables: dict) -> SimpleNamespace:
         bidx = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(first, cnt)
         prog_t = torch.repeat_interleave(idx_t, cnt).to(torch.int32)
         prog_slot = torch.repeat_interleave(slot_offsets[idx_t], cnt) + bidx
-        groups.append((k, total, prog_t.to(device), (bidx * BLOCK).to(device), prog_slot.to(device)))
+        groups.append((k, total, prog_t.to(device), (bidx * block).to(device), prog_slot.to(device)))
     plan = SimpleNamespace(
         ptrs=torch.tensor(addr, dtype=torch.int64).to(device), numels=numel_t.to(device), groups=groups,
-        slot_offsets=slot_offsets.to(device), n_slots=int(slot_offsets[-1]),
+        slot_offsets=slot_offsets.to(device), n_slots=int(slot_offsets[-1]), tile=dict(BLOCK=block, num_warps=warps),
         tables={k: torch.tensor(list(v), dtype=torch.float32).to(device) for k, v in tables.items()})
     _PLANS[cache_key] = plan
     if len(_PLANS) > _PLAN_CACHE_SIZE:
@@ -488,7 +496,7 @@ def _adamw_triton(c, params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps
     for key, n_prog, prog_t, prog_start, _ in plan.groups:
         _launch(_adamw_kernel, n_prog, P, G, M, V, W, plan.numels, prog_t, prog_start,
                 1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * weight_decay, lr / bc1, math.sqrt(bc2),
-                MAXIMIZE=bool(maximize), BLOCK=BLOCK, **_meta(key))
+                MAXIMIZE=bool(maximize), **plan.tile, **_meta(key))
 
 
 def _lamb_triton(c, params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, norm_reducer, maximize):
@@ -500,14 +508,14 @@ def _lamb_triton(c, params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps,
     for key, n_prog, prog_t, prog_start, prog_slot in plan.groups:
         _launch(_lamb_phase1_kernel, n_prog, P, G, M, V, W, plan.numels, wd_t, prog_t, prog_start, prog_slot,
                 partial, plan.n_slots, 1.0 - beta1, beta2, 1.0 - beta2, eps, bc1, bc2,
-                MAXIMIZE=bool(maximize), BLOCK=BLOCK, **_meta(key))
+                MAXIMIZE=bool(maximize), **plan.tile, **_meta(key))
     norms = _reduce(norm_reducer, _segment_sums(plan, partial)).sqrt()
     scale = _lamb_scale(norms, plan.tables["trust"] > 0, lr).contiguous()
     for key, n_prog, prog_t, prog_start, _ in plan.groups:
         meta = _meta(key)
         del meta["G_DTYPE"]
         _launch(_lamb_phase2_kernel, n_prog, P, M, V, W, plan.numels, wd_t, scale, prog_t, prog_start,
-                eps, bc1, bc2, BLOCK=BLOCK, **meta)
+                eps, bc1, bc2, **plan.tile, **meta)
     return norms
 
 
@@ -519,12 +527,12 @@ def _lars_triton(c, params, grads, bufs, lr, momentum, eta, norm_reducer, maximi
     for (p_dtype, g_dtype, has_master), n_prog, prog_t, prog_start, prog_slot in plan.groups:
         _launch(_sumsq_kernel, n_prog, W if has_master else P, G, plan.numels, prog_t, prog_start, prog_slot,
                 partial, plan.n_slots, A_DTYPE=tl.float32 if has_master else _TL[p_dtype],
-                B_DTYPE=_TL[g_dtype], HAS_B=True, BLOCK=BLOCK)
+                B_DTYPE=_TL[g_dtype], HAS_B=True, **plan.tile)
     norms = _reduce(norm_reducer, _segment_sums(plan, partial)).sqrt()
     scale = _lars_scale(norms, plan.tables["trust"] > 0, wd_t, eta, lr).contiguous()
     for key, n_prog, prog_t, prog_start, _ in plan.groups:
         _launch(_lars_phase2_kernel, n_prog, P, G, B, W, plan.numels, wd_t, scale, prog_t, prog_start,
-                momentum, MAXIMIZE=bool(maximize), BLOCK=BLOCK, **_meta(key))
+                momentum, MAXIMIZE=bool(maximize), **plan.tile, **_meta(key))
     return norms
 
 
@@ -629,6 +637,6 @@ def grad_norm_sq(tensors, *, per_tensor: bool = False, backend: Optional[str] = 
         (A,) = plan.ptrs.unbind(0)
         for dtype, n_prog, prog_t, prog_start, prog_slot in plan.groups:
             _launch(_sumsq_kernel, n_prog, A, A, plan.numels, prog_t, prog_start, prog_slot, partial,
-                    plan.n_slots, A_DTYPE=_TL[dtype], B_DTYPE=_TL[dtype], HAS_B=False, BLOCK=BLOCK)
+                    plan.n_slots, A_DTYPE=_TL[dtype], B_DTYPE=_TL[dtype], HAS_B=False, **plan.tile)
         out = _segment_sums(plan, partial)[0]
     return out if per_tensor else out.sum()

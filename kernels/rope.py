@@ -41,11 +41,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import check_floating, check_same_dtype, resolve_backend
+from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
 _OP = "rope"
 TILE_ELEMS = 4096  # target elements per half-tile (heads x D/2) of one program step
+# op -> number of GPU autotune entries: entry 1 doubles the warps (see _rope_launch)
+AUTOTUNE = {"rope": 2}
 
 
 # ----------------------------------------------------------------------------
@@ -149,7 +151,8 @@ def _rope_launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool)
     block_hq = min(triton.next_power_of_2(H), per_tile) if H else 1
     block_hkv = min(triton.next_power_of_2(Hkv), per_tile) if Hkv else 1
     tile = max(block_hq, block_hkv) * block_half
-    num_warps = 8 if tile >= 2048 else 4 if tile >= 256 else 2  # one heuristic, no autotune
+    num_warps = 8 if tile >= 2048 else 4 if tile >= 256 else 2  # one heuristic; entry 1 is for GPU autotuning
+    num_warps = picked(_OP, (num_warps, 2 * num_warps))
     cos, cs = _table3(cos, B)
     sin, ss = _table3(sin, B)
     with _on_device(q):

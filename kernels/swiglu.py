@@ -31,11 +31,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import check_floating, check_same_dtype, resolve_backend
+from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
 _OP = "swiglu"
 MAX_BLOCK_N = 4096  # columns per program; wider rows take several programs
+# op -> number of GPU autotune entries: entry 1 doubles the warps (see _launch_cfg)
+AUTOTUNE = {"swiglu": 2}
 
 
 # ----------------------------------------------------------------------------
@@ -102,10 +104,10 @@ def _rows(t: Tensor, N: int) -> Tensor:
 
 
 def _launch_cfg(N: int) -> Tuple[int, int, int]:
-    """(BLOCK_N, column programs, num_warps): one heuristic, no autotune."""
+    """(BLOCK_N, column programs, num_warps): one heuristic; entry 1 of the autotune list doubles the warps."""
     block_n = min(triton.next_power_of_2(N), MAX_BLOCK_N)
     num_warps = 8 if block_n >= 2048 else 4 if block_n >= 512 else 2
-    return block_n, triton.cdiv(N, block_n), num_warps
+    return block_n, triton.cdiv(N, block_n), picked(_OP, (num_warps, 2 * num_warps))
 
 
 def _swiglu_fwd(g2: Tensor, u2: Tensor) -> Tensor:
