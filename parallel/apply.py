@@ -243,11 +243,20 @@ class _KeepMode(TorchDispatchMode):
 
             if _saves(self.store.policy(SelectiveCheckpointContext(is_recompute=False, op_output=out),
                                         func, *args, **kwargs)):
-                kept = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, out)
+                kept = tree_map(_alias, out)
                 self.store.kept.setdefault(func, []).append((kept, [(t, t._version) for t in _tensors(kept)]))
             else:
                 self.store.kept.setdefault(func, []).append(None)
         return out
+
+
+def _alias(x):
+    """``x`` detached, sharing its version counter (as torch's selective checkpointing detaches: below autograd
+    a plain ``detach`` would start a counter of its own, and in-place changes would go unseen)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
 
 
 def _unchanged(func, versions) -> None:
@@ -278,7 +287,7 @@ class _ReplayMode(TorchDispatchMode):
             return func(*args, **kwargs)
         kept, versions = entries[index]
         _unchanged(func, versions)
-        return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept)  # a fresh alias each time
+        return tree_map(_alias, kept)  # a fresh alias each time (autograd gives each recompute its own history)
 
     def _collective(self, func, args):
         records = self.store.collectives
