@@ -304,7 +304,16 @@ def check(reports):
 # ------------------------------------------------------------------------- the generated test
 
 # ready plans the enumeration does not hold (a toggle on, another spelling) run beside it, with these
-EXTRA = {2: ["sp=2,activation_checkpoint=true"]}  # the ring recomputed in backward
+EXTRA = {2: ["sp=2,activation_checkpoint=true",  # the ring recomputed in backward
+            # selective recompute (checkpoint=selective): collectives replayed, not re-sent; ZBV recomputes twice
+            "sp=2,checkpoint=selective", "tp=2,checkpoint=selective", "tp=2,tp_sequence=true,checkpoint=selective",
+            "pp=2,microbatches=2,schedule=zbv,checkpoint=selective"],
+         4: ["dp=2,pp=2,microbatches=2,checkpoint=selective", "tp=4,tp_mode=2d,checkpoint=selective",
+             "dp=4,zero=3,checkpoint=selective", "pp=2,tp=2,microbatches=4,schedule=interleaved,checkpoint=selective",
+             "dp=2,sp=2,sp_mode=all_to_all,zero=2,checkpoint=selective"],
+         8: ["tp=8,tp_mode=3d,checkpoint=selective", "tp=8,tp_mode=2.5d,depth=2,checkpoint=selective",
+             "dp=2,pp=2,tp=2,microbatches=2,checkpoint=selective",
+             "pp=2,sp=2,tp=2,microbatches=2,schedule=gpipe,checkpoint=selective"]}
 
 
 def generated(world: int):
