@@ -1,21 +1,35 @@
-"""Check every cuboid kernel on CUDA against its torch reference, then time it against its peers.
+"""Check every cuboid kernel on CUDA against its torch reference, then time it against its anchors.
 
-    python bench/gpu.py [--out bench/gpu.json]     # one GPU, under ~4 minutes on an H200
-    python bench/gpu.py --dry-run                  # the same code paths on CPU at tiny sizes
+    python bench/gpu.py [--out bench/gpu.json]     # one GPU, under ~5 minutes on an H200
+    python bench/gpu.py --dry-run                  # CPU: the comparison plan, then the code paths at tiny sizes
+    python bench/gpu.py --part tune                # only the autotune sweep (every entry of every kernel's list)
 
 Part 1 (correctness) prints PASS/FAIL per check with the worst error as a
 fraction of the tolerance (``max |got - ref| / (atol + rtol |ref|)``, PASS
 when <= 1) and the absolute error; the script exits 1 if any check (or any
 timing) failed, after running the timing part and printing the summary.
 Part 2 (speed) times each kernel with ``triton.testing.do_bench`` (median of
-runs, warmup=25 ms, rep=100 ms) against its peer, and against ceilings measured
-in the same run (a ~1 GiB ``copy_`` and an 8192^3 bf16 matmul). Byte and FLOP
-counts are stated in NOTES below and printed under the table.
+runs, warmup=25 ms, rep=100 ms) side by side with its anchors on the same
+inputs: attention against torch SDPA (flash backend) and FlashAttention 2 (if
+``flash_attn`` imports); layer norm, RMS norm, RoPE and SwiGLU against
+Liger-Kernel (if ``liger_kernel`` imports: ``pip install liger-kernel``) and
+torch; AdamW against torch's fused AdamW. Each row gives TFLOP/s or GB/s, the
+fraction of a ceiling measured in the same run (a ~1 GiB ``copy_`` and an
+8192^3 bf16 matmul) and of the device's datasheet peak (PEAKS, by device
+name). An anchor that is missing is skipped with its reason, printed. Byte
+and FLOP counts are stated in NOTES below and printed under the table.
+Part 3 (tune) times every entry of every kernel's GPU autotune list (the
+``AUTOTUNE`` of each kernels module, picked with
+``cuboid.kernels._backend.autotune_pick``; the compile gate,
+tests/kernels/test_compile_gate.py, has compiled each for sm_80 and sm_90)
+and checks each entry's output against entry 0's.
 
-``--dry-run`` sets TRITON_INTERPRET=1 before cuboid.kernels is imported, uses
-CPU tensors, checks fp32/fp16 only (the interpreter's bf16 arithmetic is
-wrong), times with time.perf_counter and skips the sdpa flash-backend context:
-its timings are meaningless, it only proves every branch runs.
+``--dry-run`` first prints every comparison the GPU run would make (kernel,
+size, dtype, each anchor and whether it is available), then sets
+TRITON_INTERPRET=1 before cuboid.kernels is imported, uses CPU tensors, checks
+fp32/fp16 only (the interpreter's bf16 arithmetic is wrong), times with
+time.perf_counter and skips the anchors that need CUDA: its timings are
+meaningless, it only proves every branch runs.
 """
 from __future__ import annotations
 
@@ -32,6 +46,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -53,8 +68,14 @@ GPU = dict(
     opt_check=[(1,), (1000,), (4097,), (33, 65), (1024, 1024), (3, 5, 7)],
     attn_seqs=(1024, 4096, 16384), attn_tokens=16384, attn_dims=(64, 128), attn_width=2048,
     norm_shapes=((16384, 4096), (16384, 8192)),
+    rope_check=dict(b=2, s=333, h=8, hkv=2, dims=(64, 128)),
+    swiglu_check=dict(rows=512, widths=(1000, 11008)),
+    rope_shapes=((4, 4096, 32, 8, 128),),  # (b, s, h, hkv, d): Llama 3 8B
+    swiglu_shapes=((16384, 14336),),  # tokens x intermediate: Llama 3 8B
     opt_model=dict(d=2048, layers=20),  # 20 layers x 10 tensors = 200 tensors, 1.007B params
     copy_numel=1 << 28, mm=8192, goal_seq=4096,
+    tune=dict(attn=dict(b=4, h=16, s=4096, dims=(64, 128)), norm=(16384, 4096), rope=(4, 4096, 32, 8, 128),
+              swiglu=(16384, 14336), optim=dict(d=2048, layers=20)),
 )
 DRY_CFG = dict(
     attn_check=dict(b=2, h=2, s=67, dims=(64, 80, 128)),
@@ -62,14 +83,26 @@ DRY_CFG = dict(
     opt_check=[(1,), (1000,), (33, 65), (3, 5, 7)],
     attn_seqs=(32, 64), attn_tokens=128, attn_dims=(64, 128), attn_width=128,
     norm_shapes=((64, 256), (64, 512)),
+    rope_check=dict(b=2, s=33, h=4, hkv=2, dims=(64,)),
+    swiglu_check=dict(rows=16, widths=(100, 1000)),
+    rope_shapes=((1, 32, 4, 2, 64),),
+    swiglu_shapes=((64, 256),),
     opt_model=dict(d=64, layers=2),
     copy_numel=1 << 22, mm=256, goal_seq=64,
+    tune=dict(attn=dict(b=1, h=2, s=64, dims=(64,)), norm=(16, 256), rope=(1, 16, 4, 2, 64), swiglu=(16, 256),
+              optim=dict(d=32, layers=1)),
 )
 # (atol, rtol) per dtype; the references run on fp32 copies of the same inputs
 ATTN_OUT_TOL = {F32: (1e-4, 1e-4), F16: (3e-3, 3e-3), BF16: (3e-2, 2e-2)}
 ATTN_GRAD_TOL = {F32: (2e-4, 1e-4), F16: (1e-2, 5e-3), BF16: (8e-2, 5e-2)}
 ATTN_LSE_TOL = {F32: (1e-4, 1e-4), F16: (1e-3, 1e-3), BF16: (1e-3, 1e-3)}
 NORM_TOL = {F32: (1e-4, 1e-5), F16: (4e-3, 4e-3), BF16: (3e-2, 2e-2)}
+ELEM_TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (2e-2, 2e-2)}  # RoPE, SwiGLU: one rounding of the output
+TUNE_TOL = {F32: (1e-5, 1e-5), F16: (4e-3, 4e-3), BF16: (3e-2, 2e-2)}  # an autotune entry vs entry 0
+# Datasheet peaks (dense bf16 tensor TFLOP/s, HBM GB/s) by a substring of torch.cuda.get_device_name()
+PEAKS = (("GH200", 989.4, 4000.0), ("H200", 989.4, 4800.0), ("H100 PCIe", 756.0, 2000.0), ("H100", 989.4, 3350.0),
+         ("B200", 2250.0, 8000.0), ("A100-SXM4-80GB", 312.0, 2039.0), ("A100 80GB PCIe", 312.0, 1935.0),
+         ("A100", 312.0, 1555.0), ("L40S", 362.0, 864.0), ("L4", 121.0, 300.0))
 OPT_F32_TOL = (1e-5, 1e-5)  # fp32 params / masters / states vs the reference in fp32
 GOALS = [  # (name, row kernel, row match, threshold, threshold is a fraction of the copy ceiling)
     ("attention fwd >= 450 TFLOP/s (bf16, seq 4k, d128, non-causal)", "attention fwd", dict(d=128, causal=False), 450.0, False),
@@ -87,8 +120,13 @@ NOTES = [
     "optimizer bytes per fp32 param: AdamW and LAMB 28 (read p,g,m,v, write p,m,v), LARS 20 (read p,g,buf, "
     "write p,buf): the minimum a fused step moves (cuboid LAMB/LARS make two passes); peers: "
     "torch.optim.AdamW(fused=True), and cuboid's own torch._foreach reference (backend='torch') for LAMB/LARS",
-    "cuboid/peer: peer time / cuboid time (> 1: cuboid faster); fraction of ceiling: vs the copy_ GB/s "
-    "(read+write) or the bf16 matmul TFLOP/s measured in this run",
+    "rope bytes: read q, k and write them (cos/sin tables not counted), the same backward; peers: Liger's "
+    "LigerRopeFunction and the Hugging Face formula in torch (q * cos + rotate_half(q) * sin); inputs in "
+    "Hugging Face's layout (B, T, H, D) storage viewed as (B, H, T, D), which both kernels read in place",
+    "swiglu bytes: 3 x tensor bytes forward (read gate, up, write y), 5 x backward (read dy, gate, up, write two "
+    "grads); peers: Liger's LigerSiLUMulFunction and F.silu(gate) * up",
+    "cuboid/peer: peer time / cuboid time (> 1: cuboid faster); of ceiling: vs the copy_ GB/s (read+write) or "
+    "the bf16 matmul TFLOP/s measured in this run; of peak: vs the datasheet figure of the device (PEAKS)",
 ]
 
 
@@ -112,6 +150,11 @@ class Row:
     peer_name: str
     ceiling: Optional[float] = None  # in `unit`; None where no ceiling applies
     meta: dict = dataclasses.field(default_factory=dict)
+    peak: Optional[float] = None  # the device's datasheet peak in `unit`
+
+    @property
+    def of_peak(self) -> Optional[float]:
+        return None if self.peak is None or not self.cuboid else self.cuboid / self.peak
 
     @property
     def speedup(self) -> float:
@@ -185,6 +228,69 @@ def dname(dtype) -> str:
 
 def leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
     return t.detach().to(dtype or t.dtype, copy=True).requires_grad_()
+
+
+# ---------------------------------------------------------------------------- anchors (imported lazily)
+
+@dataclasses.dataclass
+class Anchor:
+    name: str
+    fn: Optional[Callable] = None  # None: skipped, for the reason in `why`
+    why: str = ""
+    version: str = ""
+
+
+LIGER = {  # anchor -> (module, autograd Function) of liger-kernel
+    "liger layer_norm": ("liger_kernel.ops.layer_norm", "LigerLayerNormFunction"),
+    "liger rms_norm": ("liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
+    "liger rope": ("liger_kernel.ops.rope", "LigerRopeFunction"),
+    "liger swiglu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+}
+
+
+def _version(dist: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def load_anchors(dry: bool) -> dict:
+    """name -> Anchor. Optional packages are imported here, not at module import; what is missing is skipped
+    with its reason. In a dry run the anchors that need CUDA are listed, not run."""
+    out = {"sdpa flash": Anchor("sdpa flash", F.scaled_dot_product_attention,
+                                "CPU: SDPA's default backend (no flash backend)" if dry else "", torch.__version__),
+           "torch fused AdamW": Anchor("torch fused AdamW", True, "", torch.__version__)}
+    try:
+        from flash_attn import flash_attn_func
+        out["flash-attn 2"] = Anchor("flash-attn 2", flash_attn_func, "", _version("flash-attn"))
+    except Exception as e:  # noqa: BLE001 - any import failure means: skip it
+        out["flash-attn 2"] = Anchor("flash-attn 2", None, f"not importable ({type(e).__name__}: {e}); "
+                                     "pip install flash-attn (builds against CUDA)")
+    for name, (module, cls) in LIGER.items():
+        try:
+            out[name] = Anchor(name, getattr(importlib.import_module(module), cls).apply, "", _version("liger-kernel"))
+        except Exception as e:  # noqa: BLE001
+            out[name] = Anchor(name, None, f"not importable ({type(e).__name__}: {e}); pip install liger-kernel")
+    if dry:
+        for name in ("flash-attn 2", *LIGER):
+            a = out[name]
+            if a.fn is not None:  # importable, but its kernels need CUDA (liger's do not run in Triton's interpreter)
+                out[name] = Anchor(name, None, "importable; its kernels need CUDA: listed only in a dry run",
+                                   a.version)
+    return out
+
+
+def device_peaks(dry: bool) -> tuple:
+    """(bf16 dense TFLOP/s, HBM GB/s) of this GPU from PEAKS, or (None, None)."""
+    if dry:
+        return None, None
+    name = torch.cuda.get_device_name()
+    for key, tflops, gbps in PEAKS:
+        if key in name:
+            return tflops, gbps
+    return None, None
 
 
 # ---------------------------------------------------------------------------- part 1: checks
@@ -278,6 +384,47 @@ def check_optim(results, cfg_shapes, dev, dtypes) -> None:
             run_check(results, f"{kind} step x{steps} {mode}", case)
 
 
+def check_rope(results, K, cfg, dev, dtypes) -> None:
+    b, s_, h, hkv = cfg["b"], cfg["s"], cfg["h"], cfg["hkv"]
+    for dtype in dtypes:
+        for d in cfg["dims"]:
+            def case(d=d, dtype=dtype):
+                g = torch.Generator(device=dev).manual_seed(d)
+                # Hugging Face's layout: (B, T, H, D) storage viewed as (B, H, T, D)
+                q = torch.randn(b, s_, h, d, generator=g, device=dev).to(dtype).transpose(1, 2)
+                k = torch.randn(b, s_, hkv, d, generator=g, device=dev).to(dtype).transpose(1, 2)
+                dq, dk = torch.randn(q.shape, generator=g, device=dev).to(dtype), \
+                    torch.randn(k.shape, generator=g, device=dev).to(dtype)
+                cos, sin = K.rope_tables(torch.arange(s_, device=dev), d, 500000.0)
+                outs = []
+                for fn, cast in ((K.rope, None), (K.rope_ref, F32)):
+                    qi, ki = leaf(q, cast), leaf(k, cast)
+                    qo, ko = fn(qi, ki, cos, sin)
+                    torch.autograd.backward([qo, ko], [dq.to(qo.dtype), dk.to(ko.dtype)])
+                    outs.append([qo, ko, qi.grad, ki.grad])
+                return [(n, a, e, *ELEM_TOL[dtype]) for n, a, e in zip(("q", "k", "dq", "dk"), *outs)]
+            run_check(results, f"rope {dname(dtype)} b{b} s{s_} h{h}/{hkv} d{d}", case)
+
+
+def check_swiglu(results, K, cfg, dev, dtypes) -> None:
+    M = cfg["rows"]
+    for dtype in dtypes:
+        for n in cfg["widths"]:
+            def case(n=n, dtype=dtype):
+                g = torch.Generator(device=dev).manual_seed(n)
+                both = torch.randn(M, 2 * n, generator=g, device=dev).to(dtype)  # a fused projection's output
+                dy = torch.randn(M, n, generator=g, device=dev).to(dtype)
+                outs = []
+                for fn, cast in ((K.swiglu, None), (K.swiglu_ref, F32)):
+                    x = leaf(both, cast)
+                    gate, up = x.chunk(2, dim=-1)  # strided halves, read in place
+                    y = fn(gate, up)
+                    y.backward(dy.to(y.dtype))
+                    outs.append([y, x.grad])
+                return [(nm, a, e, *ELEM_TOL[dtype]) for nm, a, e in zip(("y", "d[gate, up]"), *outs)]
+            run_check(results, f"swiglu {dname(dtype)} {M}x{n} chunked", case)
+
+
 # ---------------------------------------------------------------------------- part 2: timing
 
 def ceilings(bench, cfg, dev) -> dict:
@@ -294,60 +441,144 @@ def ceilings(bench, cfg, dev) -> dict:
     return {"copy_GBps": copy_gbs, "copy_bytes": 4 * cfg["copy_numel"], "matmul_bf16_TFLOPs": mm_tflops, "matmul_n": n}
 
 
-def fwd_bwd_ms(bench, fwd: Callable, inputs: list, dout: torch.Tensor, ctx) -> tuple:
-    """(forward ms, backward ms): forward under no_grad, backward alone on a retained graph."""
+def fwd_bwd_ms(bench, fwd: Callable, inputs: list, dout, ctx) -> tuple:
+    """(forward ms, backward ms): forward under no_grad, backward alone on a retained graph.
+
+    ``fwd`` may return a tuple, with ``dout`` a tuple of the same length. The inputs are copied first (Liger's
+    RoPE rotates its inputs in place), so every kernel of a comparison reads the same values.
+    """
+    inputs = [leaf(t) for t in inputs]
+    douts = tuple(t.clone() for t in dout) if isinstance(dout, tuple) else (dout.clone(),)
     with ctx(), torch.no_grad():
         plain = [t.detach() for t in inputs]
         f_ms = bench(lambda: fwd(*plain))
     with ctx():
         out = fwd(*inputs)
-        b_ms = bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=inputs)
-    del out
+        outs = out if isinstance(out, tuple) else (out,)
+        b_ms = bench(lambda: torch.autograd.backward(outs, douts, retain_graph=True), grad_to_none=inputs)
+    del out, outs
     return f_ms, b_ms
 
 
-def time_attention(rows, bench, K, cfg, dev, ceil, flash_ctx) -> None:
+def add_rows(rows, kernel: str, size: str, unit: str, amounts: tuple, ours: tuple, peer: str, peer_ms: tuple,
+             ceiling: Optional[float], peak: Optional[float], meta: dict, directions=("fwd", "bwd")) -> None:
+    """One row per direction: ``amounts`` (FLOPs or bytes per direction) over the measured ms."""
+    scale = 1e9 if unit == "TFLOP/s" else 1e6
+    for i, what in enumerate(directions):
+        rows.append(Row(f"{kernel} {what}", size, unit, amounts[i] / ours[i] / scale,
+                        amounts[i] / peer_ms[i] / scale if peer_ms is not None else math.nan, peer,
+                        ceiling, dict(meta), peak))
+
+
+def versus(rows, skipped: list, bench, kernel: str, size: str, unit: str, amounts: tuple, ours: tuple,
+           peers: list, ceiling, peak, meta: dict) -> None:
+    """Rows of ``ours`` (fwd ms, bwd ms) against each peer (name, Anchor, fwd callable, inputs, dout, ctx).
+
+    A missing anchor or one that fails is noted in ``skipped`` (with the reason), never a bench failure.
+    """
+    ran = False
+    for name, anchor, fwd, inputs, dout, ctx in peers:
+        if anchor is not None and anchor.fn is None:
+            skipped.append(f"{kernel} {size} vs {name}: {anchor.why}")
+            continue
+        try:
+            peer_ms = fwd_bwd_ms(bench, fwd, inputs, dout, ctx)
+        except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not ours
+            skipped.append(f"{kernel} {size} vs {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+            continue
+        add_rows(rows, kernel, size, unit, amounts, ours, name, peer_ms, ceiling, peak, meta)
+        ran = True
+    if not ran:  # cuboid's figures still belong in the table
+        add_rows(rows, kernel, size, unit, amounts, ours, "-", None, ceiling, peak, meta)
+
+
+def time_attention(rows, bench, K, cfg, dev, ceil, flash_ctx, anchors, skipped, peaks) -> None:
+    fa = anchors["flash-attn 2"]
     for s in cfg["attn_seqs"]:
         b = max(1, cfg["attn_tokens"] // s)
         for d in cfg["attn_dims"]:
             h = max(1, cfg["attn_width"] // d)
             q, k, v, do = (torch.randn(b, h, s, d, device=dev, dtype=BF16) for _ in range(4))
-            inputs = [leaf(t) for t in (q, k, v)]
+            # FlashAttention 2 takes (B, S, H, D): the same values, transposed once outside the timing
+            q2, k2, v2, do2 = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
             for causal in (False, True):
-                ours = fwd_bwd_ms(bench, lambda q, k, v: K.attention(q, k, v, causal=causal), inputs, do,
+                ours = fwd_bwd_ms(bench, lambda q, k, v: K.attention(q, k, v, causal=causal), [q, k, v], do,
                                   contextlib.nullcontext)
-                peer = fwd_bwd_ms(bench, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                                  inputs, do, flash_ctx)
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 size = f"b{b} h{h} s{s} d{d} {'causal' if causal else 'full'}"
-                for i, (what, mult) in enumerate((("fwd", 1.0), ("bwd", 2.5))):
-                    rows.append(Row(f"attention {what}", size, "TFLOP/s", flops * mult / ours[i] / 1e9,
-                                    flops * mult / peer[i] / 1e9, "sdpa flash", ceil["matmul_bf16_TFLOPs"],
-                                    dict(seq=s, d=d, causal=causal)))
+                peers = [("sdpa flash", anchors["sdpa flash"],
+                          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                          [q, k, v], do, flash_ctx),
+                         ("flash-attn 2", fa, lambda q, k, v: fa.fn(q, k, v, causal=causal), [q2, k2, v2], do2,
+                          contextlib.nullcontext)]
+                versus(rows, skipped, bench, "attention", size, "TFLOP/s", (flops, 2.5 * flops), ours, peers,
+                       ceil["matmul_bf16_TFLOPs"], peaks[0], dict(seq=s, d=d, causal=causal))
                 print(f"  timed attention {size}", flush=True)
-            del q, k, v, do, inputs
+            del q, k, v, do, q2, k2, v2, do2
             free()
 
 
-def time_norms(rows, bench, K, cfg, dev, ceil) -> None:
+def time_norms(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
+    ln, rms = anchors["liger layer_norm"], anchors["liger rms_norm"]
     for M, n in cfg["norm_shapes"]:
         x, dy = (torch.randn(M, n, device=dev, dtype=BF16) for _ in range(2))
         w, bias = torch.ones(n, device=dev, dtype=BF16), torch.zeros(n, device=dev, dtype=BF16)
         cases = {
-            "layer_norm": (lambda x, w, b: K.layer_norm(x, w, b), lambda x, w, b: F.layer_norm(x, (n,), w, b), [x, w, bias]),
-            "rms_norm": (lambda x, w: K.rms_norm(x, w), lambda x, w: F.rms_norm(x, (n,), w, eps=1e-6), [x, w]),
+            "layer_norm": (lambda x, w, b: K.layer_norm(x, w, b), [x, w, bias], [
+                ("F.layer_norm", None, lambda x, w, b: F.layer_norm(x, (n,), w, b)),
+                ("liger layer_norm", ln, lambda x, w, b: ln.fn(x, w, b, 1e-5))]),
+            "rms_norm": (lambda x, w: K.rms_norm(x, w), [x, w], [
+                ("F.rms_norm", None, lambda x, w: F.rms_norm(x, (n,), w, eps=1e-6)),
+                ("liger rms_norm", rms, lambda x, w: rms.fn(x, w, 1e-6, 0.0, "llama", False))]),
         }
-        for kind, (ours_fn, peer_fn, tensors) in cases.items():
-            inputs = [leaf(t) for t in tensors]
-            ours = fwd_bwd_ms(bench, ours_fn, inputs, dy, contextlib.nullcontext)
-            peer = fwd_bwd_ms(bench, peer_fn, inputs, dy, contextlib.nullcontext)
-            for i, (what, passes) in enumerate((("fwd", 2), ("bwd", 3))):
-                nbytes = passes * x.nbytes
-                rows.append(Row(f"{kind} {what}", f"{M}x{n} bf16", "GB/s", nbytes / ours[i] / 1e6,
-                                nbytes / peer[i] / 1e6, f"F.{kind}", ceil["copy_GBps"], dict(M=M, n=n)))
-            del inputs
+        for kind, (ours_fn, tensors, peer_fns) in cases.items():
+            ours = fwd_bwd_ms(bench, ours_fn, tensors, dy, contextlib.nullcontext)
+            peers = [(name, anchor, fn, tensors, dy, contextlib.nullcontext) for name, anchor, fn in peer_fns]
+            versus(rows, skipped, bench, kind, f"{M}x{n} bf16", "GB/s", (2 * x.nbytes, 3 * x.nbytes), ours, peers,
+                   ceil["copy_GBps"], peaks[1], dict(M=M, n=n))
         print(f"  timed norms {M}x{n}", flush=True)
         del x, dy, w, bias
+        free()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def time_rope(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
+    lr = anchors["liger rope"]
+    for b, s, h, hkv, d in cfg["rope_shapes"]:
+        # Hugging Face's layout: (B, T, H, D) storage viewed as (B, H, T, D), as Llama's attention makes it
+        q = torch.randn(b, s, h, d, device=dev, dtype=BF16).transpose(1, 2)
+        k = torch.randn(b, s, hkv, d, device=dev, dtype=BF16).transpose(1, 2)
+        dq, dk = torch.randn(q.shape, device=dev, dtype=BF16), torch.randn(k.shape, device=dev, dtype=BF16)
+        cos, sin = (t.to(BF16) for t in K.rope_tables(torch.arange(s, device=dev), d, 500000.0))
+        ours = fwd_bwd_ms(bench, lambda q, k: K.rope(q, k, cos, sin), [q, k], (dq, dk), contextlib.nullcontext)
+        peers = [("liger rope", lr, lambda q, k: lr.fn(q, k, cos, sin), [q, k], (dq, dk), contextlib.nullcontext),
+                 ("torch (HF formula)", None,
+                  lambda q, k: (q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin),
+                  [q, k], (dq, dk), contextlib.nullcontext)]
+        nbytes = 2 * (q.nbytes + k.nbytes)
+        size = f"b{b} s{s} h{h}/{hkv} d{d} bf16"
+        versus(rows, skipped, bench, "rope", size, "GB/s", (nbytes, nbytes), ours, peers, ceil["copy_GBps"],
+               peaks[1], dict(s=s, d=d))
+        print(f"  timed rope {size}", flush=True)
+        del q, k, dq, dk
+        free()
+
+
+def time_swiglu(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
+    ls = anchors["liger swiglu"]
+    for M, n in cfg["swiglu_shapes"]:
+        g, u, dy = (torch.randn(M, n, device=dev, dtype=BF16) for _ in range(3))
+        ours = fwd_bwd_ms(bench, K.swiglu, [g, u], dy, contextlib.nullcontext)
+        peers = [("liger swiglu", ls, lambda g, u: ls.fn(g, u), [g, u], dy, contextlib.nullcontext),
+                 ("F.silu(g) * u", None, lambda g, u: F.silu(g) * u, [g, u], dy, contextlib.nullcontext)]
+        versus(rows, skipped, bench, "swiglu", f"{M}x{n} bf16", "GB/s", (3 * g.nbytes, 5 * g.nbytes), ours, peers,
+               ceil["copy_GBps"], peaks[1], dict(M=M, n=n))
+        print(f"  timed swiglu {M}x{n}", flush=True)
+        del g, u, dy
         free()
 
 
@@ -364,7 +595,7 @@ def model_params(d: int, layers: int, dev) -> list:
     return ps
 
 
-def time_optim(rows, bench, cfg, dev, ceil) -> None:
+def time_optim(rows, bench, cfg, dev, ceil, peaks) -> None:
     from cuboid.parallel.optim import LAMB, LARS, AdamW
     ps = model_params(cfg["opt_model"]["d"], cfg["opt_model"]["layers"], dev)
     n = sum(p.numel() for p in ps)
@@ -385,7 +616,7 @@ def time_optim(rows, bench, cfg, dev, ceil) -> None:
             del opt
             free()
         rows.append(Row(name, size, "GB/s", bpp * n / ms[0] / 1e6, bpp * n / ms[1] / 1e6, peer_name,
-                        ceil["copy_GBps"], dict(params=n, bytes_per_param=bpp)))
+                        ceil["copy_GBps"], dict(params=n, bytes_per_param=bpp), peaks[1]))
         if name == "AdamW step":
             rows.append(Row(name, size, "ms", ms[0], ms[1], peer_name, None, dict(params=n)))
         print(f"  timed {name}", flush=True)
@@ -410,6 +641,175 @@ def evaluate_goals(rows: list, ceil: dict, goal_seq: int) -> list:
     return out
 
 
+# ---------------------------------------------------------------------------- part 3: the autotune lists
+
+@dataclasses.dataclass
+class TuneRow:
+    op: str
+    size: str
+    entry: int
+    config: str
+    fwd_ms: float
+    bwd_ms: float
+    ratio: float  # worst |out - out of entry 0| / tol over the outputs and gradients
+    best: bool = False
+
+
+def _kernel_module(name: str):
+    return importlib.import_module(f"cuboid.kernels.{name}")
+
+
+def tune_cases(K, cfg, dev) -> dict:
+    """op -> (module, [(size label, fn over inputs, inputs, dout, describe(entry) -> str)]): the shapes at which
+    bench times every entry of an op's autotune list (ops of kernels modules without a case here are listed as
+    untimed)."""
+    import cuboid.kernels._backend as B
+    fa, norm, optim, swiglu_m = (_kernel_module(n) for n in ("flash_attention", "norm", "optim", "swiglu"))
+
+    def under(op, i, f):
+        with B.autotune_pick(op, i):
+            return f()
+
+    out = {}
+    a = cfg["tune"]["attn"]
+    cases = []
+    for d in a["dims"]:
+        q, k, v, do = (torch.randn(a["b"], a["h"], a["s"], d, device=dev, dtype=BF16) for _ in range(4))
+
+        def describe(i, d=d):
+            f = under("attention", i, lambda: fa._config(d, BF16, False))
+            b = under("attention", i, lambda: fa._config(d, BF16, True))
+            return (f"fwd {f['BLOCK_M']}x{f['BLOCK_N']} w{f['num_warps']} s{f['num_stages']}, "
+                    f"bwd {b['BLOCK_M']}x{b['BLOCK_N']} w{b['num_warps']} s{b['num_stages']}")
+        cases.append((f"b{a['b']} h{a['h']} s{a['s']} d{d} causal bf16",
+                      lambda q, k, v: K.attention(q, k, v, causal=True), [q, k, v], do, describe))
+    out["attention"] = ("flash_attention", cases)
+    M, n = cfg["tune"]["norm"]
+    x, dy = (torch.randn(M, n, device=dev, dtype=BF16) for _ in range(2))
+    w = torch.ones(n, device=dev, dtype=BF16)
+    out["norm"] = ("norm", [(f"rms_norm {M}x{n} bf16", lambda x, w: K.rms_norm(x, w), [x, w], dy,
+                             lambda i: "BLOCK_M %d, BLOCK_N %d, %d warps" % under("norm", i,
+                                                                                 lambda: norm._block_sizes(M, n)))])
+    b, s_, h, hkv, d = cfg["tune"]["rope"]
+    q = torch.randn(b, s_, h, d, device=dev, dtype=BF16).transpose(1, 2)
+    kk = torch.randn(b, s_, hkv, d, device=dev, dtype=BF16).transpose(1, 2)
+    cos, sin = (t.to(BF16) for t in K.rope_tables(torch.arange(s_, device=dev), d, 500000.0))
+    dq, dk = torch.randn(q.shape, device=dev, dtype=BF16), torch.randn(kk.shape, device=dev, dtype=BF16)
+    out["rope"] = ("rope", [(f"b{b} s{s_} h{h}/{hkv} d{d} bf16", lambda q, k: K.rope(q, k, cos, sin), [q, kk],
+                             (dq, dk), lambda i: "the launcher's warps" if i == 0 else f"{2 ** i}x its warps")])
+    M, n = cfg["tune"]["swiglu"]
+    g, u, dy2 = (torch.randn(M, n, device=dev, dtype=BF16) for _ in range(3))
+    out["swiglu"] = ("swiglu", [(f"{M}x{n} bf16", K.swiglu, [g, u], dy2,
+                                 lambda i: "BLOCK_N %d, %d column programs, %d warps" % under(
+                                     "swiglu", i, lambda: swiglu_m._launch_cfg(n)))])
+    out["optim"] = ("optim", [("AdamW", None, None, None, lambda i: "BLOCK %d, %d warps" % under(
+        "optim", i, optim._tile))])
+    return out
+
+
+def tune_sweep(tune_rows: list, errors: list, bench, K, cfg, dev) -> None:
+    """Every entry of every op's autotune list, timed; each entry's outputs and gradients against entry 0's."""
+    import pkgutil
+
+    import cuboid.kernels as pkg
+    import cuboid.kernels._backend as B
+    listed = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        for op, n in getattr(_kernel_module(info.name), "AUTOTUNE", {}).items():
+            listed[op] = (info.name, n)
+    cases = tune_cases(K, cfg, dev)
+    for op, (module, n) in sorted(listed.items()):
+        if op not in cases:
+            errors.append(f"tune {op} (cuboid.kernels.{module}): {n} entries but no tune case in bench/gpu.py")
+            continue
+        for size, fn, inputs, dout, describe in cases[op][1]:
+            rows = []
+            ref = None
+            for i in range(n):
+                with B.autotune_pick(op, i):
+                    if fn is None:  # the optimizer: one fused step over a GPT-shaped parameter list
+                        f_ms, b_ms, outs = _tune_adamw(bench, cfg, dev), math.nan, []
+                    else:
+                        f_ms, b_ms = fwd_bwd_ms(bench, fn, inputs, dout, contextlib.nullcontext)
+                        outs = _outputs_and_grads(fn, inputs, dout)
+                if ref is None:
+                    ref = outs
+                pairs = [(f"out[{j}]", o, r, *TUNE_TOL[BF16]) for j, (o, r) in enumerate(zip(outs, ref))]
+                ratio = compare(pairs)[0] if pairs else 0.0
+                rows.append(TuneRow(op, size, i, describe(i), f_ms, b_ms, ratio))
+                if ratio > 1.0:
+                    errors.append(f"tune {op} {size} entry {i}: outputs differ from entry 0's (err/tol={ratio:.3g})")
+            total = [r.fwd_ms + (0.0 if math.isnan(r.bwd_ms) else r.bwd_ms) for r in rows]
+            rows[total.index(min(total))].best = True
+            tune_rows.extend(rows)
+            print(f"  tuned {op} {size}: " + ", ".join(f"#{r.entry} {r.fwd_ms:.3g}/{r.bwd_ms:.3g} ms" for r in rows),
+                  flush=True)
+            free()
+
+
+def _outputs_and_grads(fn, inputs, dout) -> list:
+    inputs = [leaf(t) for t in inputs]
+    out = fn(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    torch.autograd.backward(outs, list(dout) if isinstance(dout, tuple) else [dout])
+    return [o.detach() for o in outs] + [t.grad for t in inputs]
+
+
+def _tune_adamw(bench, cfg, dev) -> float:
+    from cuboid.parallel.optim import AdamW
+    ps = model_params(cfg["tune"]["optim"]["d"], cfg["tune"]["optim"]["layers"], dev)
+    opt = AdamW(ps, lr=1e-4)
+    opt.step()
+    ms = bench(opt.step)
+    del opt, ps
+    free()
+    return ms
+
+
+# ---------------------------------------------------------------------------- the plan (printed by --dry-run)
+
+def print_plan(anchors: dict, peaks: tuple) -> list:
+    """Every comparison a GPU run makes, at the GPU sizes, with each anchor's availability; returns the lines."""
+    def avail(name):
+        return f"{name} [{'runs' if anchors[name].fn is not None else 'skipped'}]"
+    g = GPU
+    lines = ["checks (bf16, fp16, fp32 vs the torch references): attention d" +
+             "/".join(map(str, g["attn_check"]["dims"])) + f" s{g['attn_check']['s']} causal x mask; layer_norm and "
+             f"rms_norm {g['norm_check']['rows']}x" + "/".join(map(str, g["norm_check"]["hidden"])) +
+             " +residual; rope d" + "/".join(map(str, g["rope_check"]["dims"])) + f" s{g['rope_check']['s']} "
+             f"h{g['rope_check']['h']}/{g['rope_check']['hkv']}; swiglu {g['swiglu_check']['rows']}x" +
+             "/".join(map(str, g["swiglu_check"]["widths"])) + " chunked; AdamW, LAMB, LARS x3 steps"]
+    for s in g["attn_seqs"]:
+        for d in g["attn_dims"]:
+            b, h = max(1, g["attn_tokens"] // s), max(1, g["attn_width"] // d)
+            for causal in (False, True):
+                lines.append(f"attention fwd+bwd b{b} h{h} s{s} d{d} {'causal' if causal else 'full'} bf16, TFLOP/s: "
+                             f"cuboid vs {avail('sdpa flash')}, {avail('flash-attn 2')}")
+    for M, n in g["norm_shapes"]:
+        lines.append(f"layer_norm fwd+bwd {M}x{n} bf16, GB/s: cuboid vs F.layer_norm, {avail('liger layer_norm')}")
+        lines.append(f"rms_norm fwd+bwd {M}x{n} bf16, GB/s: cuboid vs F.rms_norm, {avail('liger rms_norm')}")
+    for b, s, h, hkv, d in g["rope_shapes"]:
+        lines.append(f"rope fwd+bwd b{b} s{s} h{h}/{hkv} d{d} bf16, GB/s: cuboid vs {avail('liger rope')}, "
+                     "torch (HF formula)")
+    for M, n in g["swiglu_shapes"]:
+        lines.append(f"swiglu fwd+bwd {M}x{n} bf16, GB/s: cuboid vs {avail('liger swiglu')}, F.silu(g) * u")
+    lines.append(f"AdamW step 1.0B params fp32, GB/s and ms: cuboid vs {avail('torch fused AdamW')}; "
+                 "LAMB, LARS vs cuboid's torch._foreach reference")
+    t = g["tune"]
+    lines.append(f"tune: every autotune entry of attention (b{t['attn']['b']} h{t['attn']['h']} s{t['attn']['s']} d" +
+                 "/".join(map(str, t["attn"]["dims"])) + f" causal), norm (rms {t['norm'][0]}x{t['norm'][1]}), "
+                 f"rope, swiglu ({t['swiglu'][0]}x{t['swiglu'][1]}), optim (AdamW): ms, and outputs vs entry 0")
+    lines.append("ceilings: copy_ of 1 GiB (GB/s), bf16 matmul 8192^3 (TFLOP/s); datasheet peaks by device name: " +
+                 ", ".join(f"{k} {tf:g} TFLOP/s {gb:g} GB/s" for k, tf, gb in PEAKS))
+    lines += [f"{a.name}: {'available' if a.fn is not None else 'skipped'}"
+              f"{' (' + a.version + ')' if a.version else ''}{': ' + a.why if a.why else ''}"
+              for a in anchors.values()]
+    print("\n== plan: the comparisons a GPU run makes (GPU sizes), then the anchors")
+    for line in lines:
+        print(f"  - {line}")
+    return lines
+
+
 # ---------------------------------------------------------------------------- report
 
 def fmt(x: Optional[float], digits=1) -> str:
@@ -424,15 +824,39 @@ def print_table(header: str, rows: list, ceil: dict, dry: bool) -> None:
         print("**DRY RUN: CPU, Triton interpreter, perf_counter timer: every figure below is meaningless.**\n")
     print(f"Ceilings: copy_ {ceil['copy_GBps']:.0f} GB/s (read+write, {ceil['copy_bytes'] / 2**30:.3g} GiB); "
           f"bf16 matmul {ceil['matmul_n']}^3 {ceil['matmul_bf16_TFLOPs']:.1f} TFLOP/s\n")
-    print("| kernel | size | unit | cuboid | peer | peer name | cuboid/peer | fraction of ceiling |")
-    print("| --- | --- | --- | ---: | ---: | --- | ---: | ---: |")
+    print("| kernel | size | unit | cuboid | peer | peer name | cuboid/peer | of ceiling | of peak |")
+    print("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for r in rows:
         d = 2 if r.unit == "ms" else 1
         print(f"| {r.kernel} | {r.size} | {r.unit} | {fmt(r.cuboid, d)} | {fmt(r.peer, d)} | {r.peer_name} | "
-              f"{fmt(r.speedup, 2)} | {fmt(r.fraction, 2)} |")
+              f"{fmt(r.speedup, 2)} | {fmt(r.fraction, 2)} | {fmt(r.of_peak, 2)} |")
     print()
     for note in NOTES:
         print(f"- {note}")
+
+
+def print_skipped(skipped: list) -> None:
+    """One line per (anchor, reason), with the comparisons it missed counted."""
+    if not skipped:
+        return
+    counts: dict = {}
+    for line in skipped:
+        what, _, why = line.partition(" vs ")
+        counts.setdefault(why, []).append(what)
+    print("\nanchors skipped:")
+    for why, whats in counts.items():
+        print(f"  {why} ({len(whats)} comparison{'s' if len(whats) > 1 else ''}, e.g. {whats[0]})")
+
+
+def print_tune(tune_rows: list) -> None:
+    if not tune_rows:
+        return
+    print("\nautotune lists (entry 0 is the launcher's choice; * marks the fastest fwd + bwd):\n")
+    print("| op | size | entry | config | fwd ms | bwd ms | err/tol vs entry 0 |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
+    for r in tune_rows:
+        print(f"| {r.op} | {r.size} | {r.entry}{' *' if r.best else ''} | {r.config} | {fmt(r.fwd_ms, 3)} | "
+              f"{fmt(r.bwd_ms, 3)} | {fmt(r.ratio, 3)} |")
 
 
 def finite(x):
@@ -456,8 +880,8 @@ def header_line(dry: bool) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU through the Triton interpreter")
-    ap.add_argument("--part", choices=("all", "checks", "timing"), default="all",
-                    help="run only the checks or only the timing (for a quick rerun)")
+    ap.add_argument("--part", choices=("all", "checks", "timing", "tune"), default="all",
+                    help="run only the checks, the timing or the autotune sweep (for a quick rerun)")
     ap.add_argument("--out", default=None, help="JSON output (default bench/gpu.json; a temp file with --dry-run)")
     args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -476,6 +900,11 @@ def main(argv=None) -> int:
     print(header, flush=True)
     t_start = time.perf_counter()
     section_s = {}
+    anchors = load_anchors(dry)
+    peaks = device_peaks(dry)
+    plan = print_plan(anchors, peaks)
+    if dry:
+        print("\n(dry run: the same code paths follow on CPU at tiny sizes; anchors that need CUDA are skipped)")
 
     # part 1: correctness
     dtypes = (F16, F32) if dry else (BF16, F16, F32)
@@ -484,8 +913,10 @@ def main(argv=None) -> int:
     checks: list = []
     check_sections = (("attention", lambda: check_attention(checks, K, cfg["attn_check"], dev, dtypes)),
                       ("norms", lambda: check_norms(checks, K, cfg["norm_check"], dev, dtypes)),
+                      ("rope", lambda: check_rope(checks, K, cfg["rope_check"], dev, dtypes)),
+                      ("swiglu", lambda: check_swiglu(checks, K, cfg["swiglu_check"], dev, dtypes)),
                       ("optimizers", lambda: check_optim(checks, cfg["opt_check"], dev, dtypes)))
-    for name, fn in check_sections if args.part != "timing" else ():
+    for name, fn in check_sections if args.part in ("all", "checks") else ():
         t0 = time.perf_counter()
         print(f"\n== check {name}", flush=True)
         try:
@@ -504,13 +935,21 @@ def main(argv=None) -> int:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         flash_ctx = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)  # noqa: E731
     rows: list = []
+    skipped: list = []
+    tune_rows: list = []
     timing_errors = []
     ceil = dict(copy_GBps=math.nan, copy_bytes=4 * cfg["copy_numel"], matmul_bf16_TFLOPs=math.nan, matmul_n=cfg["mm"])
     time_sections = (("ceilings", lambda: ceil.update(ceilings(bench, cfg, dev))),
-                     ("attention", lambda: time_attention(rows, bench, K, cfg, dev, ceil, flash_ctx)),
-                     ("norms", lambda: time_norms(rows, bench, K, cfg, dev, ceil)),
-                     ("optimizers", lambda: time_optim(rows, bench, cfg, dev, ceil)))
-    for name, fn in time_sections if args.part != "checks" else ():
+                     ("attention", lambda: time_attention(rows, bench, K, cfg, dev, ceil, flash_ctx, anchors, skipped,
+                                                          peaks)),
+                     ("norms", lambda: time_norms(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
+                     ("rope", lambda: time_rope(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
+                     ("swiglu", lambda: time_swiglu(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
+                     ("optimizers", lambda: time_optim(rows, bench, cfg, dev, ceil, peaks)),
+                     ("tune", lambda: tune_sweep(tune_rows, timing_errors, bench, K, cfg, dev)))
+    wanted = {"all": set(dict(time_sections)), "checks": set(), "timing": set(dict(time_sections)) - {"tune"},
+              "tune": {"tune"}}[args.part]
+    for name, fn in ((n, f) for n, f in time_sections if n in wanted):
         t0 = time.perf_counter()
         print(f"\n== time {name}", flush=True)
         try:
@@ -524,8 +963,10 @@ def main(argv=None) -> int:
     total_s = time.perf_counter() - t_start
 
     # report
-    if rows or args.part != "checks":
+    if rows or args.part in ("all", "timing"):
         print_table(header, rows, ceil, dry)
+        print_skipped(skipped)
+    print_tune(tune_rows)
     failed = [c for c in checks if not c.passed]
     print(f"\n## Summary\n\nchecks: {len(checks) - len(failed)}/{len(checks)} PASS"
           + (f", {len(failed)} FAIL" if failed else ""))
@@ -542,7 +983,12 @@ def main(argv=None) -> int:
     result = dict(header=header, dry_run=dry, date=datetime.datetime.now().astimezone().isoformat(),
                   device=header.split(" | ")[2], torch=torch.__version__, triton=triton.__version__,
                   ceilings=ceil, checks=[dataclasses.asdict(c) for c in checks],
-                  rows=[dict(dataclasses.asdict(r), speedup=r.speedup, fraction_of_ceiling=r.fraction) for r in rows],
+                  rows=[dict(dataclasses.asdict(r), speedup=r.speedup, fraction_of_ceiling=r.fraction,
+                             fraction_of_peak=r.of_peak) for r in rows],
+                  peaks=dict(zip(("bf16_TFLOPs", "HBM_GBps"), peaks)), plan=plan, anchors_skipped=list(
+                      dict.fromkeys(skipped)), anchors={n: dict(available=a.fn is not None, why=a.why,
+                                                                version=a.version) for n, a in anchors.items()},
+                  tune=[dataclasses.asdict(r) for r in tune_rows],
                   goals=goals, timing_errors=timing_errors, notes=NOTES, seconds=dict(section_s, total=total_s))
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "w") as f:
