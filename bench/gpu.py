@@ -11,9 +11,10 @@ timing) failed, after running the timing part and printing the summary.
 Part 2 (speed) times each kernel with ``triton.testing.do_bench`` (median of
 runs, warmup=25 ms, rep=100 ms) side by side with its anchors on the same
 inputs: attention against torch SDPA (flash backend) and FlashAttention 2 (if
-``flash_attn`` imports); layer norm, RMS norm, RoPE and SwiGLU against
-Liger-Kernel (if ``liger_kernel`` imports: ``pip install liger-kernel``) and
-torch; AdamW against torch's fused AdamW. Each row gives TFLOP/s or GB/s, the
+``flash_attn`` imports); layer norm, RMS norm, RoPE, SwiGLU and the fused
+linear cross-entropy against Liger-Kernel (if ``liger_kernel`` imports:
+``pip install liger-kernel``) and torch (the cross-entropy's peak memory too);
+AdamW against torch's fused AdamW. Each row gives TFLOP/s or GB/s, the
 fraction of a ceiling measured in the same run (a ~1 GiB ``copy_`` and an
 8192^3 bf16 matmul) and of the device's datasheet peak (PEAKS, by device
 name). An anchor that is missing is skipped with its reason, printed. Byte
@@ -70,6 +71,8 @@ GPU = dict(
     norm_shapes=((16384, 4096), (16384, 8192)),
     rope_check=dict(b=2, s=333, h=8, hkv=2, dims=(64, 128)),
     swiglu_check=dict(rows=512, widths=(1000, 11008)),
+    lce_check=dict(rows=1000, hidden=256, vocabs=(50257, 1000), chunk=384),
+    lce_shapes=((16384, 4096, 128256),),  # tokens x hidden x vocab: Llama 3 8B's head (Liger's figure)
     rope_shapes=((4, 4096, 32, 8, 128),),  # (b, s, h, hkv, d): Llama 3 8B
     swiglu_shapes=((16384, 14336),),  # tokens x intermediate: Llama 3 8B
     opt_model=dict(d=2048, layers=20),  # 20 layers x 10 tensors = 200 tensors, 1.007B params
@@ -85,6 +88,8 @@ DRY_CFG = dict(
     norm_shapes=((64, 256), (64, 512)),
     rope_check=dict(b=2, s=33, h=4, hkv=2, dims=(64,)),
     swiglu_check=dict(rows=16, widths=(100, 1000)),
+    lce_check=dict(rows=20, hidden=32, vocabs=(300,), chunk=8),
+    lce_shapes=((64, 32, 500),),
     rope_shapes=((1, 32, 4, 2, 64),),
     swiglu_shapes=((64, 256),),
     opt_model=dict(d=64, layers=2),
@@ -97,6 +102,8 @@ ATTN_OUT_TOL = {F32: (1e-4, 1e-4), F16: (3e-3, 3e-3), BF16: (3e-2, 2e-2)}
 ATTN_GRAD_TOL = {F32: (2e-4, 1e-4), F16: (1e-2, 5e-3), BF16: (8e-2, 5e-2)}
 ATTN_LSE_TOL = {F32: (1e-4, 1e-4), F16: (1e-3, 1e-3), BF16: (1e-3, 1e-3)}
 NORM_TOL = {F32: (1e-4, 1e-5), F16: (4e-3, 4e-3), BF16: (3e-2, 2e-2)}
+LOWER_IS_BETTER = ("ms", "GiB peak")
+LCE_TOL = {F32: (1e-4, 1e-4), F16: (3e-3, 3e-3), BF16: (3e-2, 2e-2)}  # fused vs unfused on the same dtype inputs
 ELEM_TOL = {F32: (1e-5, 1e-5), F16: (2e-3, 2e-3), BF16: (2e-2, 2e-2)}  # RoPE, SwiGLU: one rounding of the output
 TUNE_TOL = {F32: (1e-5, 1e-5), F16: (4e-3, 4e-3), BF16: (3e-2, 2e-2)}  # an autotune entry vs entry 0
 # Datasheet peaks (dense bf16 tensor TFLOP/s, HBM GB/s) by a substring of torch.cuda.get_device_name()
@@ -125,6 +132,10 @@ NOTES = [
     "Hugging Face's layout (B, T, H, D) storage viewed as (B, H, T, D), which both kernels read in place",
     "swiglu bytes: 3 x tensor bytes forward (read gate, up, write y), 5 x backward (read dy, gate, up, write two "
     "grads); peers: Liger's LigerSiLUMulFunction and F.silu(gate) * up",
+    "linear_cross_entropy: forward + backward timed as one step (the fused op makes its gradients in forward), "
+    "FLOPs 6*N*H*V (logits, dx, dW); GiB peak: the step's peak allocation above its inputs; peers: Liger's "
+    "LigerFusedLinearCrossEntropyFunction and the unfused head (F.linear, logits upcast to fp32 as transformers "
+    "does, F.cross_entropy)",
     "cuboid/peer: peer time / cuboid time (> 1: cuboid faster); of ceiling: vs the copy_ GB/s (read+write) or "
     "the bf16 matmul TFLOP/s measured in this run; of peak: vs the datasheet figure of the device (PEAKS)",
 ]
@@ -158,7 +169,7 @@ class Row:
 
     @property
     def speedup(self) -> float:
-        return self.peer / self.cuboid if self.unit == "ms" else self.cuboid / self.peer
+        return self.peer / self.cuboid if self.unit in LOWER_IS_BETTER else self.cuboid / self.peer
 
     @property
     def fraction(self) -> Optional[float]:
@@ -245,6 +256,7 @@ LIGER = {  # anchor -> (module, autograd Function) of liger-kernel
     "liger rms_norm": ("liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
     "liger rope": ("liger_kernel.ops.rope", "LigerRopeFunction"),
     "liger swiglu": ("liger_kernel.ops.swiglu", "LigerSiLUMulFunction"),
+    "liger fused linear CE": ("liger_kernel.ops.fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyFunction"),
 }
 
 
@@ -425,6 +437,32 @@ def check_swiglu(results, K, cfg, dev, dtypes) -> None:
             run_check(results, f"swiglu {dname(dtype)} {M}x{n} chunked", case)
 
 
+def check_lce(results, K, cfg, dev, dtypes) -> None:
+    """Fused linear cross-entropy against the unfused head (F.linear + F.cross_entropy) on the same dtype inputs,
+    with a few ignored rows and a chunk that does not divide the rows."""
+    if "linear_cross_entropy" not in getattr(K, "_EXPORTS", {}):
+        print("  (no cuboid.kernels.linear_cross_entropy: skipped)")
+        return
+    N, H = cfg["rows"], cfg["hidden"]
+    for dtype in dtypes:
+        for V in cfg["vocabs"]:
+            def case(V=V, dtype=dtype):
+                g = torch.Generator(device=dev).manual_seed(V)
+                x = torch.randn(N, H, generator=g, device=dev).to(dtype)
+                w = (0.05 * torch.randn(V, H, generator=g, device=dev)).to(dtype)
+                b = (0.05 * torch.randn(V, generator=g, device=dev)).to(dtype)
+                labels = torch.randint(0, V, (N,), generator=g, device=dev)
+                labels[::7] = -100
+                outs = []
+                for fn, kw in ((K.linear_cross_entropy, dict(chunk=cfg["chunk"])), (K.linear_cross_entropy_ref, {})):
+                    xi, wi, bi = leaf(x), leaf(w), leaf(b)
+                    loss = fn(xi, wi, labels, bi, **kw)
+                    loss.backward()
+                    outs.append([loss, xi.grad, wi.grad, bi.grad])
+                return [(n, a, e, *LCE_TOL[dtype]) for n, a, e in zip(("loss", "dx", "dW", "db"), *outs)]
+            run_check(results, f"linear_cross_entropy {dname(dtype)} {N}x{H} vocab {V} +bias", case)
+
+
 # ---------------------------------------------------------------------------- part 2: timing
 
 def ceilings(bench, cfg, dev) -> dict:
@@ -579,6 +617,58 @@ def time_swiglu(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None
                ceil["copy_GBps"], peaks[1], dict(M=M, n=n))
         print(f"  timed swiglu {M}x{n}", flush=True)
         del g, u, dy
+        free()
+
+
+def time_lce(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
+    """Fused linear cross-entropy: forward + backward as one step (the fused op makes its gradients in forward),
+    TFLOP/s of the head's three matmuls, and the step's peak memory."""
+    if "linear_cross_entropy" not in getattr(K, "_EXPORTS", {}):
+        skipped.append("linear_cross_entropy vs -: no cuboid.kernels.linear_cross_entropy")
+        return
+    lce = anchors["liger fused linear CE"]
+    for N, H, V in cfg["lce_shapes"]:
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(N, H, generator=g, device=dev).to(BF16)
+        w = (0.02 * torch.randn(V, H, generator=g, device=dev)).to(BF16)
+        labels = torch.randint(0, V, (N,), generator=g, device=dev)
+        size = f"{N} tokens x {H} -> {V} bf16"
+        impls = [("cuboid", None, lambda x, w: K.linear_cross_entropy(x, w, labels)),
+                 ("liger fused linear CE", lce, lambda x, w: lce.fn(x, w, labels)[0]),
+                 ("unfused (F.linear + fp32 F.cross_entropy)", None,
+                  lambda x, w: F.cross_entropy(F.linear(x, w).float(), labels))]
+        measured = {}
+        for name, anchor, fn in impls:
+            if anchor is not None and anchor.fn is None:
+                skipped.append(f"linear_cross_entropy {size} vs {name}: {anchor.why}")
+                continue
+            try:
+                xi, wi = leaf(x), leaf(w)
+                step = lambda: fn(xi, wi).backward()  # noqa: E731
+                step()
+                free()
+                base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                step()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if dev.type == "cuda" else math.nan
+                measured[name] = (bench(step, grad_to_none=[xi, wi]), peak)
+                del xi, wi
+                free()
+            except Exception as e:  # noqa: BLE001
+                if name == "cuboid":
+                    raise
+                skipped.append(f"linear_cross_entropy {size} vs {name}: failed ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160]})")
+        ours_ms, ours_peak = measured.pop("cuboid")
+        flops = 6 * N * H * V
+        for name, (ms, peak) in measured.items() or {"-": (math.nan, math.nan)}.items():
+            rows.append(Row("linear_cross_entropy fwd+bwd", size, "TFLOP/s", flops / ours_ms / 1e9, flops / ms / 1e9,
+                            name, ceil["matmul_bf16_TFLOPs"], dict(N=N, H=H, V=V), peaks[0]))
+            rows.append(Row("linear_cross_entropy fwd+bwd", size, "GiB peak", ours_peak, peak, name, None,
+                            dict(N=N, H=H, V=V)))
+        print(f"  timed linear_cross_entropy {size}", flush=True)
+        del x, w, labels
         free()
 
 
@@ -778,7 +868,9 @@ def print_plan(anchors: dict, peaks: tuple) -> list:
              f"rms_norm {g['norm_check']['rows']}x" + "/".join(map(str, g["norm_check"]["hidden"])) +
              " +residual; rope d" + "/".join(map(str, g["rope_check"]["dims"])) + f" s{g['rope_check']['s']} "
              f"h{g['rope_check']['h']}/{g['rope_check']['hkv']}; swiglu {g['swiglu_check']['rows']}x" +
-             "/".join(map(str, g["swiglu_check"]["widths"])) + " chunked; AdamW, LAMB, LARS x3 steps"]
+             "/".join(map(str, g["swiglu_check"]["widths"])) + " chunked; linear_cross_entropy "
+             f"{g['lce_check']['rows']}x{g['lce_check']['hidden']} vocab " +
+             "/".join(map(str, g["lce_check"]["vocabs"])) + " vs the unfused head; AdamW, LAMB, LARS x3 steps"]
     for s in g["attn_seqs"]:
         for d in g["attn_dims"]:
             b, h = max(1, g["attn_tokens"] // s), max(1, g["attn_width"] // d)
@@ -793,6 +885,9 @@ def print_plan(anchors: dict, peaks: tuple) -> list:
                      "torch (HF formula)")
     for M, n in g["swiglu_shapes"]:
         lines.append(f"swiglu fwd+bwd {M}x{n} bf16, GB/s: cuboid vs {avail('liger swiglu')}, F.silu(g) * u")
+    for N, H, V in g["lce_shapes"]:
+        lines.append(f"linear_cross_entropy fwd+bwd {N} tokens x {H} -> {V} bf16, TFLOP/s and GiB peak: cuboid vs "
+                     f"{avail('liger fused linear CE')}, unfused (F.linear + fp32 F.cross_entropy)")
     lines.append(f"AdamW step 1.0B params fp32, GB/s and ms: cuboid vs {avail('torch fused AdamW')}; "
                  "LAMB, LARS vs cuboid's torch._foreach reference")
     t = g["tune"]
@@ -915,6 +1010,7 @@ def main(argv=None) -> int:
                       ("norms", lambda: check_norms(checks, K, cfg["norm_check"], dev, dtypes)),
                       ("rope", lambda: check_rope(checks, K, cfg["rope_check"], dev, dtypes)),
                       ("swiglu", lambda: check_swiglu(checks, K, cfg["swiglu_check"], dev, dtypes)),
+                      ("linear_cross_entropy", lambda: check_lce(checks, K, cfg["lce_check"], dev, dtypes)),
                       ("optimizers", lambda: check_optim(checks, cfg["opt_check"], dev, dtypes)))
     for name, fn in check_sections if args.part in ("all", "checks") else ():
         t0 = time.perf_counter()
@@ -945,6 +1041,8 @@ def main(argv=None) -> int:
                      ("norms", lambda: time_norms(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
                      ("rope", lambda: time_rope(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
                      ("swiglu", lambda: time_swiglu(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks)),
+                     ("linear_cross_entropy", lambda: time_lce(rows, bench, K, cfg, dev, ceil, anchors, skipped,
+                                                               peaks)),
                      ("optimizers", lambda: time_optim(rows, bench, cfg, dev, ceil, peaks)),
                      ("tune", lambda: tune_sweep(tune_rows, timing_errors, bench, K, cfg, dev)))
     wanted = {"all": set(dict(time_sections)), "checks": set(), "timing": set(dict(time_sections)) - {"tune"},
