@@ -80,16 +80,21 @@ class ShardingSpec:
 CHECKPOINT_MODES = ("full", "selective")
 
 
-def checkpoint_blocks(model: nn.Module, blocks: str = "blocks", mode: str = "full") -> int:
+def checkpoint_blocks(model: nn.Module, blocks: str = "blocks", mode: str = "full",
+                      keep_collectives: bool = False) -> int:
     """Recompute each block of ``model.<blocks>`` in backward instead of storing its activations.
 
     ``mode`` ``full`` keeps each block's inputs and recomputes the whole block;
-    ``selective`` keeps what is dear to make (the outputs of the matmuls, of
-    fused attention and of collectives: :func:`selective_policy`,
-    :class:`SelectiveContexts`) and recomputes the cheap ops between them
-    (norms, activations, dropout, adds). Both run through
-    ``torch.utils.checkpoint`` (non-reentrant), which saves and restores the
-    RNG state, so a recomputed dropout drops the same elements.
+    ``selective`` keeps what is dear to make (the outputs of the matmuls and of
+    fused attention: :func:`selective_policy`, :class:`SelectiveContexts`)
+    and recomputes the cheap ops between them (norms, activations, dropout,
+    adds). Both run through ``torch.utils.checkpoint`` (non-reentrant), which
+    saves and restores the RNG state, so a recomputed dropout drops the same
+    elements. A block's collectives run again in its recompute, on every rank
+    alike, as under ``full``; ``keep_collectives`` (selective only) keeps
+    their results instead and sends nothing again, at the price of holding
+    them (see :class:`SelectiveContexts` for when that costs more memory than
+    it saves).
 
     Each block's ``forward`` is replaced on the instance rather than wrapped
     in a new module, so module paths (and so checkpoints) do not change, and
@@ -102,11 +107,15 @@ def checkpoint_blocks(model: nn.Module, blocks: str = "blocks", mode: str = "ful
     seq = getattr(model, blocks, None)
     if not isinstance(seq, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no ModuleList {blocks!r} to checkpoint")
+    if keep_collectives and mode != "selective":
+        raise ValueError("keep_collectives applies to mode selective (full recompute keeps only block inputs)")
+    how = (mode, keep_collectives)
     for block in seq:
-        if getattr(block, "_cuboid_checkpointed", None) == mode:
+        if getattr(block, "_cuboid_checkpoint_how", None) == how:
             continue
         plain = getattr(block, "_cuboid_plain_forward", None) or block.forward
-        extra = {"context_fn": selective_contexts} if mode == "selective" else {}
+        extra = ({"context_fn": functools.partial(selective_contexts, keep_collectives=keep_collectives)}
+                 if mode == "selective" else {})
 
         def forward(*args, _plain=plain, _extra=extra, **kwargs):
             if not torch.is_grad_enabled():
@@ -115,7 +124,7 @@ def checkpoint_blocks(model: nn.Module, blocks: str = "blocks", mode: str = "ful
 
         block.forward = forward
         block._cuboid_plain_forward = plain
-        block._cuboid_checkpointed = mode
+        block._cuboid_checkpointed, block._cuboid_checkpoint_how = mode, how
     return len(seq)
 
 
@@ -150,7 +159,7 @@ _UNCOUNTED = _ops("detach.default") | frozenset([torch.ops.prim.device.default])
 def selective_policy(ctx, op, *args, **kwargs):
     """The per-op policy of ``checkpoint=selective``, in torch's selective-checkpoint protocol (torchtitan's
     ``op`` mode): :data:`SAVED_OPS` ``MUST_SAVE``, everything else ``PREFER_RECOMPUTE``. Collectives are
-    kept whatever it says (:class:`SelectiveContexts`)."""
+    not asked about (:class:`SelectiveContexts` re-runs them, or keeps them all)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -175,37 +184,45 @@ def _written(func, args) -> list:
 
 class SelectiveContexts:
     """The ``context_fn`` of one selectively checkpointed block call: a forward mode that keeps what the
-    policy saves and what collectives produced, and a recompute mode that hands those back.
+    policy saves, and a recompute mode that hands it back and runs everything else again.
 
     It follows torch's selective checkpointing (``create_selective_checkpoint_contexts``: a dispatch mode
     that caches the outputs of the ops the policy marks ``MUST_SAVE``/``PREFER_SAVE`` in forward and
-    returns them in recompute) with two differences this project needs:
+    returns them in recompute), with replays that do not consume the cache: torch's recompute mode marks
+    each entry used, so a second backward over the region raises, and torch's pipelining runs two (the ZBV
+    schedule's input pass and weight pass each unpack the block's saved tensors, and each recomputes it).
 
-    - **replays do not consume the cache.** torch's recompute mode marks each entry used, so a second
-      backward over the region raises; torch's pipelining runs two (the ZBV schedule's input pass and
-      weight pass each unpack the block's saved tensors, and each recomputes it).
-    - **collectives run once.** The dispatcher shows the ``c10d`` ops inside :mod:`.comm`'s autograd
-      Functions (not the Functions). They write their result into an argument (``allreduce_``,
-      ``_allgather_base_``, ``alltoall_base_``, ``recv_``, ...) and their schemas do not say so, so caching
-      their return value (torch's ``MUST_SAVE``) would skip the write on recompute and leave the buffer the
-      caller reads empty, and recomputing them sends the forward's traffic again. Here the forward keeps
-      what each one wrote (references: the buffers become activations of the block) and the recompute
-      writes those values into its own buffers and returns completed ``Work`` objects, sending nothing;
-      every rank recomputes the same blocks, so no peer waits for one that skipped. ``comm.count`` tallies
-      see nothing during a recompute, because nothing travels.
+    **Collectives.** The dispatcher shows the ``c10d`` ops inside :mod:`.comm`'s autograd Functions, not
+    the Functions. By default they run again in the recompute, as under full recompute: every rank
+    recomputes the same blocks in the same order, so they stay matched, and ``comm.count`` counts the
+    bytes sent again. They cannot simply be marked ``MUST_SAVE``: they write their result into an argument
+    (``allreduce_``, ``_allgather_base_``, ``alltoall_base_``, ``recv_``, ...) and their schemas do not say
+    so, so a cached return value would skip the write and leave the buffer the caller reads empty.
+    ``keep_collectives=True`` keeps what each one wrote instead (references: the buffers become
+    activations of the block), and the recompute writes those values into its own buffers and returns
+    completed ``Work`` objects, sending nothing (``comm.count`` sees nothing then). Measured on gpt2-shaped
+    blocks (``bench/checkpointing.py``'s counter, fp32 elements per token and hidden unit): that costs more
+    than it saves almost everywhere, since a row linear's partial sum is kept beside its all-reduced
+    result, ``tp_sequence`` keeps its all-gathered inputs, all-to-all its exchanged heads and the ring its
+    received K/V: 9.5 against 7.5 re-running them at tp=2, 10.8 (more than no checkpointing's 8.9) under
+    ``tp_sequence``, 13.8 (ring) and 18.8 (all-to-all, no checkpointing 16.8) at sp=2; so it is an option
+    for links slower than memory is short, not the plan's default.
 
     A cached tensor changed in place after the forward is an error at recompute (as in torch), never a
     silent wrong gradient. Random ops are recomputed from the RNG state torch's checkpoint restores, in
     the forward's order, so dropout masks replay exactly.
     """
 
-    def __init__(self, policy=None) -> None:
+    def __init__(self, policy=None, keep_collectives: bool = False) -> None:
         self.policy = policy or selective_policy
-        self.kept: dict = {}        # op -> [(outputs detached, [(tensor, version)])] in call order
+        self.keep_collectives = keep_collectives
+        self.kept: dict = {}        # op -> [(outputs detached, [(tensor, version)]) or None] in call order
         self.collectives: list = []  # (op, written tensors, outputs, [(tensor, version)]) in call order
 
     def __call__(self):
-        return _KeepMode(self), _Reusable(lambda: _stacked(_quiet_tallies(), _ReplayMode(self)))
+        if self.keep_collectives:
+            return _KeepMode(self), _Reusable(lambda: _stacked(_quiet_tallies(), _ReplayMode(self)))
+        return _KeepMode(self), _ReplayMode(self)
 
 
 def _saves(policy) -> bool:
@@ -234,6 +251,8 @@ class _KeepMode(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if _is_collective(func):
+            if not self.store.keep_collectives:
+                return out
             written = _written(func, args)
             record = (func, written, out, [(t, None) for t in written + _tensors(out)])
             self.store.collectives.append(record)
@@ -271,10 +290,14 @@ class _ReplayMode(TorchDispatchMode):
         super().__init__()
         self.store, self.calls, self.position = store, {}, 0
 
+    def __enter__(self):
+        self.calls, self.position = {}, 0  # each recompute (ZBV makes two) replays from the start
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _is_collective(func):
-            return self._collective(func, args)
+            return self._collective(func, args) if self.store.keep_collectives else func(*args, **kwargs)
         if func in _UNCOUNTED:
             return func(*args, **kwargs)
         index = self.calls.get(func, 0)
@@ -349,10 +372,10 @@ class _Reusable:
         return self.entered.pop().__exit__(*exc)
 
 
-def selective_contexts():
+def selective_contexts(keep_collectives: bool = False):
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: selective recompute with
     :func:`selective_policy` (see :class:`SelectiveContexts`)."""
-    return SelectiveContexts()()
+    return SelectiveContexts(keep_collectives=keep_collectives)()
 
 
 def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> nn.Module:

@@ -319,6 +319,27 @@ def _activation_split(plan: Plan) -> tuple:
     return (17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp), split_all
 
 
+# fp32 elements per token and hidden unit a block keeps under checkpoint=selective (its matmuls' outputs, the
+# fused attention's output, its input), measured, not derived: bench/checkpointing.py counts the bytes a forward
+# leaves alive inside the blocks (gpt2, 12 blocks, 2 x 512 tokens, 2026-12-04: none 17.9, the 17 above; full
+# 1.8; selective 11.8). On two and four gloo ranks (gpt2 shapes, 4 blocks) the same count splits it: 1D tensor
+# parallelism cuts the column linears' outputs and the attention (3 + 1 + 4 = 8) and leaves the row linears'
+# partial sums and the block input whole (tp=2: 7.5 measured, 7.8 here; tp=4: 5.5, 5.8); tp_sequence leaves only
+# the two partial sums whole (6.8, 6.9; 4.4, 4.5); the grid modes cut all of it (2d at tp=4: 2.9, 3.0).
+SELECTIVE_KEPT = 11.85
+SELECTIVE_SPLIT_1D = 8.0
+
+
+def _selective_elements(plan: Plan) -> float:
+    """Elements per token and hidden unit a rank keeps of a block under checkpoint=selective."""
+    if plan.tp == 1:
+        return SELECTIVE_KEPT
+    if plan.tp_mode != "1d":
+        return SELECTIVE_KEPT / plan.tp
+    whole = 2.0 if plan.tp_sequence else SELECTIVE_KEPT - SELECTIVE_SPLIT_1D
+    return whole + (SELECTIVE_KEPT - whole) / plan.tp
+
+
 def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq: int) -> float:
     """Activation elements a rank's blocks make in a step (split as :func:`activation_bytes` splits them;
     a third more when recomputing): what a CPU profile's ``elementwise_ns`` prices, the norms, softmax,
@@ -329,25 +350,35 @@ def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq
 
 
 def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
-                     checkpoint: Optional[bool] = None) -> float:
+                     checkpoint=None) -> float:
     """Estimated activations a rank holds at its peak (Korthikanti et al. with flash attention).
 
     Per block and token: 34 bytes per hidden unit in half precision (17
     elements); 1D tensor parallelism splits 12 of them over ``tp`` (with
     ``tp_sequence`` all 17), 2D/2.5D/3D and sequence parallelism split all of
     them. With checkpointing a block keeps its input (1 element) and one
-    block's activations are rebuilt at a time. The vocab-parallel loss keeps
-    fp32 logits for its rows. ``micro_rows``: sequences per micro-batch.
+    block's activations are rebuilt at a time; with selective checkpointing
+    it keeps :func:`_selective_elements` (measured) and one block's others
+    are rebuilt at a time. The vocab-parallel loss keeps fp32 logits for its
+    rows. ``micro_rows``: sequences per micro-batch. ``checkpoint``: the
+    plan's own (None), ``True``/``False`` (full or none), or a
+    ``Plan.checkpoint`` name.
     """
-    ckpt = plan.activation_checkpoint if checkpoint is None else checkpoint
+    mode = plan.checkpoint if checkpoint is None else (
+        checkpoint if isinstance(checkpoint, str) else "full" if checkpoint else "none")
+    ckpt = mode == "full"
     e = _dtype_bytes(plan.dtype)
     tokens = micro_rows * seq / plan.sp
     h = shape.dim
     per, split_all = _activation_split(plan)
     per_block = tokens * h * e * per
     held_block = tokens * h * e / split_all if ckpt else per_block
+    rebuilt = per_block if ckpt else 0.0  # one block's activations, made again in backward
+    if mode == "selective":
+        held_block = min(per_block, tokens * h * e * _selective_elements(plan))
+        rebuilt = per_block - held_block
     flight = in_flight(plan, stage)
-    out = flight * stage.blocks * held_block + (per_block if ckpt and stage.blocks else 0.0)
+    out = flight * stage.blocks * held_block + (rebuilt if stage.blocks else 0.0)
     if stage.last and shape.vocab_size:
         out += tokens * math.ceil(shape.vocab_size / plan.tp) * 4
     if stage.first:
@@ -598,7 +629,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         opt_bytes = sum(p.numel() for p in _trainable(params.values())) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
         optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
         step = compute_s + bubble_s + comm_s + optimizer_s
-        held = act_ck if plan.activation_checkpoint else act
+        held = activation_bytes(shape, plan, stage, micro, seq)  # as the plan checkpoints: none, full or selective
         if states["total"] + held > est.memory:
             est.memory, memory_parts = states["total"] + held, (states["total"], held)
         if step > worst:
