@@ -186,9 +186,8 @@ def _chunk_torch(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, 
     rows = torch.where(valid, stats[:, 0].log() - stats[:, 1], 0.0)
     if not grad:
         return rows, None
-    x.div_(stats[:, :1])  # softmax over the whole vocabulary, this slice's columns
-    x.scatter_add_(-1, idx, -here.to(acc).unsqueeze(-1))
-    x.mul_(valid.to(acc).unsqueeze(-1))
+    x.mul_(torch.where(valid, stats[:, 0].reciprocal(), 0.0).unsqueeze(-1))  # softmax (0 on ignored rows)
+    x.scatter_add_(-1, idx, -here.to(acc).unsqueeze(-1))  # minus the one-hot target (here implies valid)
     if x is not z:
         z.copy_(x)  # rounded to the logits' dtype, in their buffer
     return rows, z
