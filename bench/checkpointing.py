@@ -36,22 +36,14 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench/ is not a package: its helpers are imported as top-level modules
+from checkpoint import AnonPeak  # noqa: E402  (the RssAnon sampler)
 MB = 1 << 20
 MODES = ("none", "full", "selective")
-
-
-def status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``RssAnon``)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def trim() -> None:
@@ -63,25 +55,6 @@ def trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:  # not glibc
         pass
-
-
-class AnonPeak:
-    """The highest ``RssAnon`` seen by a sampling thread, in bytes."""
-
-    def __init__(self, period: float = 5e-4) -> None:
-        self.period, self.peak, self._stop = period, status("RssAnon"), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status("RssAnon"))
-            time.sleep(self.period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, status("RssAnon"))
 
 
 def made_tracker():
@@ -157,7 +130,7 @@ def child(mode: str, model: str, layers: int, batch: int, seq: int, steps: int, 
     for _ in range(steps):
         gc.collect()
         trim()
-        base = status("RssAnon")
+        base = AnonPeak.now()
         sampler = AnonPeak()
         start, start_cpu = time.perf_counter(), time.process_time()
         loss = net(input_ids=ids, labels=ids).loss

@@ -32,20 +32,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # bench/ is not a package: its helpers are imported as top-level modules
+from checkpoint import AnonPeak  # noqa: E402  (the RssAnon sampler)
 GB = 1 << 30
-
-
-def status(field: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``RssAnon``)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def mem_available() -> int:
@@ -54,25 +46,6 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-class AnonPeak:
-    """The highest ``RssAnon`` seen by a sampling thread, in bytes."""
-
-    def __init__(self, period: float = 5e-4) -> None:
-        self.period, self.peak, self._stop = period, status("RssAnon"), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status("RssAnon"))
-            time.sleep(self.period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, status("RssAnon"))
 
 
 # ---------------------------------------------------------------------- one run (a child process)
@@ -124,7 +97,7 @@ def child(variant: str, n: int, h: int, v: int, threads: int) -> dict:
     del x, w, y
     x, w, y = inputs(n, h, v)
     gc.collect()
-    base = status("RssAnon")
+    base = AnonPeak.now()
     sampler = AnonPeak()
     start = time.perf_counter()
     loss = fn(x, w, y)
