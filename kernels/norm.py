@@ -267,6 +267,16 @@ def _norm_fwd_wide_kernel(
 
 
 @triton.jit
+def _xhat_wdy(X, DY, W, row, cols, mask, N, stride_dy, mean, rstd, HAS_W: tl.constexpr):
+    """One chunk of a wide row: the normalised input and w * dy (dy alone without w), fp32, zero off the row."""
+    xhat = tl.where(mask, (tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
+    wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        wdy = wdy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    return xhat, wdy
+
+
+@triton.jit
 def _norm_bwd_wide_kernel(
     DY, DH, X, W, MEAN, RSTD, DX,  # as in _norm_bwd_kernel
     M, N, stride_dy, stride_dh,
@@ -286,10 +296,7 @@ def _norm_bwd_wide_kernel(
     for off in range(0, N, BLOCK_N):
         cols = off + cols0
         mask = cols < N
-        xhat = tl.where(mask, (tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-        wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            wdy = wdy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat, wdy = _xhat_wdy(X, DY, W, row, cols, mask, N, stride_dy, mean, rstd, HAS_W)
         acc1 += xhat * wdy
         acc2 += wdy
     c1 = tl.sum(acc1, axis=0) / N
@@ -297,10 +304,7 @@ def _norm_bwd_wide_kernel(
     for off in range(0, N, BLOCK_N):
         cols = off + cols0
         mask = cols < N
-        xhat = tl.where(mask, (tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-        wdy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            wdy = wdy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        xhat, wdy = _xhat_wdy(X, DY, W, row, cols, mask, N, stride_dy, mean, rstd, HAS_W)
         if IS_RMS:
             dx = (wdy - xhat * c1) * rstd
         else:
