@@ -81,19 +81,39 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": int(sums[1]), "windows": len(windows)}
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--tokenizer`` and ``--plan``, as the text commands (``eval``, ``generate``) take them."""
+    p.add_argument("--model", required=True, help="a local folder with its tokenizer, or a preset with --tokenizer")
+    p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
+    p.add_argument("--plan", help="a plan (under torchrun): ready name or spec such as dp=2 or tp=2")
+
+
+def load_model_and_tokenizer(args: argparse.Namespace):
+    """(model, tokenizer) of ``add_model_arguments``' flags: the process group first under torchrun with a
+    plan, then the tokenizer (a one-line error where there is none), then the model under the plan."""
+    import cuboid
+    from cuboid import data as D
+    from cuboid.parallel import init_distributed
+
+    if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        init_distributed()
+    tokenizer = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
+    return cuboid.load(args.model, args.plan), tokenizer
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on an ``add_subparsers()`` object; the handler is ``args.func``."""
     p = subparsers.add_parser("eval", help="loss and perplexity of a causal LM on a held-out text (sliding window)",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
-    p.add_argument("--model", required=True, help="a local folder (with its tokenizer) or a preset")
+    add_model_arguments(p)
     p.add_argument("--data", required=True, help="a text file, or a source with a text column")
     p.add_argument("--text-column", default="text", help="the text column of a table source (default text)")
-    p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--max-length", type=int, help="tokens per window (default: the model's positions)")
     p.add_argument("--stride", type=int, help="tokens between window starts (default: half of --max-length)")
-    p.add_argument("--plan", help="a plan (under torchrun): ready name or spec such as dp=2 or tp=2")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -112,16 +132,7 @@ def _text_of(source: str, column: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import cuboid
-    from cuboid import data as D
-    from cuboid.parallel import init_distributed
-
-    if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_distributed()
-    tokenizer = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
-    if tokenizer is None:
-        raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
-    model = cuboid.load(args.model, args.plan)
+    model, tokenizer = load_model_and_tokenizer(args)
     text = _text_of(args.data, args.text_column)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
     vocab = model.config.vocab_size

@@ -15,6 +15,8 @@ import argparse
 import os
 import sys
 
+from cuboid.eval_cmd import add_model_arguments, load_model_and_tokenizer
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``generate`` on an ``add_subparsers()`` object; the handler is ``args.func``."""
@@ -22,38 +24,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
-    p.add_argument("--model", required=True, help="a local folder with its tokenizer, or a preset with --tokenizer")
+    add_model_arguments(p)
     p.add_argument("--prompt", help="one prompt (streamed)")
     p.add_argument("--prompts", help="a text file of prompts, one per line (a batch)")
-    p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to add (default 64)")
     p.add_argument("--temperature", type=float, help="sample with this temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this probability")
     p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
-    p.add_argument("--plan", help="a plan (under torchrun): ready name or spec such as tp=2")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    import cuboid
-    from cuboid import data as D
-    from cuboid.parallel import init_distributed
-
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give one of --prompt TEXT or --prompts FILE")
     prompts = [args.prompt] if args.prompt is not None else [
         line.rstrip("\n") for line in open(args.prompts, encoding="utf-8") if line.strip()]
     if not prompts:
         raise ValueError(f"{args.prompts} holds no prompts")
-    if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        init_distributed()
-    tok = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
-    if tok is None:
-        raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
+    model, tok = load_model_and_tokenizer(args)
     tok.padding_side = "left"
-    model = cuboid.load(args.model, args.plan)
     enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     if enc["input_ids"].shape[1] == 0:
         raise ValueError("the prompt is empty after tokenisation")
