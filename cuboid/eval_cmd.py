@@ -57,7 +57,10 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
     windows = sliding_windows(ids.shape[1], max_length, stride)
     mesh = getattr(core, "mesh", None)
     dp, rank = (mesh.size("dp"), mesh.coords.get("dp", 0)) if mesh is not None else (1, 0)
+    # the same number of forwards on every dp rank (a ZeRO-3 forward gathers over dp): a rank short of windows
+    # scores its first one again with weight 0
     mine = windows[rank::dp]
+    mine = [(w, 1) for w in mine] + [(windows[rank % len(windows)], 0)] * (-(-len(windows) // dp) - len(mine))
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
@@ -66,13 +69,14 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
     core.eval()
     sums = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for begin, end, scored in mine:
+        for (begin, end, scored), weight in mine:
             window = ids[:, begin:end].to(next(core.parameters()).device)
             labels = window.clone()
             labels[:, :-scored] = -100
-            n = int((labels[:, 1:] != -100).sum())  # the shifted targets the loss averages over
+            loss = core(input_ids=window, labels=labels).loss  # every window runs: the calls match across ranks
+            n = int((labels[:, 1:] != -100).sum()) * weight  # the shifted targets the loss averages over
             if n:
-                sums += torch.tensor([float(core(input_ids=window, labels=labels).loss) * n, n], dtype=torch.float64)
+                sums += torch.tensor([float(loss) * n, n], dtype=torch.float64)
     if dp > 1:
         comm.all_reduce_(sums, mesh.group("dp"))
     if was_training:

@@ -82,6 +82,18 @@ def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _all_done(done: torch.Tensor, model: nn.Module) -> bool:
+    """Whether every row has ended, here and on every data-parallel rank (their prompts differ, and a ZeRO-3
+    forward gathers over dp: all stop at the same step, or none)."""
+    mesh = getattr(model, "mesh", None)
+    finished = torch.tensor([float(bool(done.all()))])
+    if mesh is not None and mesh.size("dp") > 1:
+        from cuboid.parallel import comm
+
+        comm.all_reduce_(finished, mesh.group("dp"), op="min")
+    return bool(finished.item())
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
@@ -131,7 +143,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
             new = token[:, None]
             if streamer is not None:
                 streamer(token)
-            if eos_token_id is not None and bool(done.all()):
+            if eos_token_id is not None and _all_done(done, model):
                 break
     finally:
         for mod, name, core in swapped:

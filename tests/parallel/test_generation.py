@@ -3,7 +3,8 @@
 One world of 4 ranks loads a GPT-2 and a Llama folder (2 key/value heads for 4 query heads) under tp=4 (1D:
 each rank a copy of one key/value head), tp=4 2D (batch rows and hidden split; the cache holds this rank's
 rows), dp2 x tp2 (each data-parallel rank generates for its own prompts) and dp2 x tp2 with ZeRO-3 (FSDP2
-gathers each block's parameters as in any forward); pipeline plans refuse in one sentence.
+gathers each block's parameters as in any forward: dp ranks whose rows end at different steps stop together,
+and perplexity runs as many windows on each); pipeline plans refuse in one sentence.
 """
 import torch
 
@@ -29,6 +30,24 @@ def generation_worker(folders: dict, expected: dict):
             greedy = model.generate(ids, mask, max_new_tokens=NEW)
             sampled = model.generate(ids, mask, max_new_tokens=NEW, do_sample=True, top_p=0.9, seed=11)
             out[f"{spec}/{name}"] = (torch.equal(greedy, expected[name][0]), torch.equal(sampled, expected[name][1]))
+    # ZeRO-3 gathers over dp in every forward: dp ranks with different prompts must stop at the same step (rank
+    # 0's one row ends early here), and perplexity must run as many windows on each (3 windows over 2 ranks)
+    from cuboid.eval_cmd import perplexity
+
+    plan = Plan.parse("dp=2,tp=2,zero=3")
+    mesh = Mesh.build(plan)
+    folder = folders["LlamaForCausalLM"]
+    model, one = cuboid.load(folder, plan, mesh=mesh), cuboid.load(folder)
+    eos = int(one.generate(ids[:1], mask[:1], max_new_tokens=3)[0, -1])  # rank 0's row ends at its third token
+    rows = slice(0, 1) if mesh.coords["dp"] == 0 else slice(1, 3)
+    want = one.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    got = model.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    out["eos under zero3"] = (torch.equal(got[:, :want.shape[1]], want) and bool((got[:, want.shape[1]:] == 0).all()),
+                              want.shape[1] < got.shape[1] if mesh.coords["dp"] == 0 else True)
+    text = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2))
+    ppl, ppl_one = perplexity(model, text, 32, 16), perplexity(one, text, 32, 16)
+    out["perplexity under zero3"] = (ppl["windows"] == 3, abs(ppl["perplexity"] - ppl_one["perplexity"])
+                                     <= 1e-5 * ppl_one["perplexity"])
     refused = ""
     try:
         pp = Plan(pp=2, dp=2, microbatches=2)
@@ -59,7 +78,7 @@ def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
         expected[name] = (greedy, sampled)
     results = run_world(generation_worker, 4, folders, expected, timeout=400)
     for rank, (out, refused) in enumerate(results):
-        assert len(out) == len(PLANS) * 2, rank
+        assert len(out) == len(PLANS) * 2 + 2, rank
         for key, (greedy_ok, sampled_ok) in out.items():
             assert greedy_ok and sampled_ok, (rank, key, greedy_ok, sampled_ok)
         assert "generation under pipeline parallelism is not built" in refused, (rank, refused)
