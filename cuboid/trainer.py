@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from cuboid import data as D
+from cuboid.schedule import LR_SCALINGS, SCHEDULES, lr_lambda, scaled_lr, warmup_steps
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.step import evaluate, train_step
 
@@ -50,7 +51,6 @@ TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls")
 TASK_ALIASES = {"clm": "causal"}  # the name transformers' run_clm.py gives causal language modelling
 HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
 OPTIMIZERS = ("adamw", "lamb", "lars")
-SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass
@@ -65,11 +65,14 @@ class FinetuneConfig:
     epochs: Optional[float] = None        # default 1 when steps is not given
     batch_size: int = 32                  # global batch (all dp ranks, all micro-batches)
     micro_batch_size: Optional[int] = None  # per rank; default batch_size / dp (no accumulation)
-    lr: float = 1e-3
-    optimizer: str = "adamw"
+    lr: float = 1e-3                      # peak lr at reference_batch (scaled to batch_size by lr_scaling)
+    optimizer: str = "adamw"              # adamw | lamb | lars (1-D params: no decay, no trust ratio)
     weight_decay: float = 0.01
     warmup: float = 0.1                   # fraction of steps (< 1) or a step count (>= 1)
-    schedule: str = "cosine"
+    schedule: str = "cosine"              # after warmup: cosine | linear | constant | poly (cuboid/schedule.py)
+    decay_power: float = 1.0              # poly: lr * (1 - progress) ** decay_power
+    lr_scaling: str = "none"              # none | linear | sqrt: lr * (batch_size / reference_batch) [** 0.5]
+    reference_batch: int = 256            # the global batch lr was tuned at
     max_grad_norm: Optional[float] = 1.0
     dtype: Optional[str] = None           # fp32 | bf16 | fp16 (autocast); default: the plan's
     eval_every: Optional[int] = None      # default: 4 evals per run
@@ -102,17 +105,6 @@ def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def lr_lambda(schedule: str, warmup_steps: int, total: int):
-    def f(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total - warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-    return f
-
-
 def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
     """AdamW / LAMB / LARS with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
 
@@ -125,9 +117,9 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
     if name == "adamw":
         return optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     if name == "lamb":
-        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay, )
+        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay)
     if name == "lars":
-        return optim.LARS(groups, lr=lr, weight_decay=weight_decay, )
+        return optim.LARS(groups, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 
@@ -336,6 +328,10 @@ def run(cfg: FinetuneConfig) -> dict:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {cfg.schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if cfg.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"unknown lr scaling {cfg.lr_scaling!r}; scalings: {', '.join(LR_SCALINGS)}")
+    peak_lr = scaled_lr(cfg.lr, cfg.batch_size, cfg.reference_batch, cfg.lr_scaling)
+    lr_lambda(cfg.schedule, 0, 1, cfg.decay_power)  # a bad --decay-power is an error before any work
     if cfg.task in TASK_ALIASES:
         cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
     if cfg.task is not None and cfg.task not in D.TASKS:
@@ -384,7 +380,7 @@ def run(cfg: FinetuneConfig) -> dict:
     accumulate = cfg.batch_size // (dp * micro)
     batches = D.GlobalBatches(train_t, cfg.batch_size, seed=cfg.seed)
     steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * batches.per_epoch))
-    warmup = int(cfg.warmup * steps) if cfg.warmup < 1 else int(cfg.warmup)
+    warmup = warmup_steps(cfg.warmup, steps)
     eval_every = cfg.eval_every or max(1, steps // 4)
 
     out = Path(cfg.output_dir)
@@ -393,8 +389,8 @@ def run(cfg: FinetuneConfig) -> dict:
     from cuboid import zoo
 
     model = prepare(model, plan, mesh, zoo.spec_of(model))  # a no-op for what cuboid.load returned
-    optimizer = make_optimizer(cfg.optimizer, model, cfg.lr, cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps))
+    optimizer = make_optimizer(cfg.optimizer, model, peak_lr, cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.schedule, warmup, steps, cfg.decay_power))
     scaler = torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
     start = 0
@@ -418,7 +414,10 @@ def run(cfg: FinetuneConfig) -> dict:
     timeout = f" (collective timeout {comm.timeout_s():g} s)" if mesh.world_size > 1 else ""
     log(f"cuboid finetune: {name} ({n_params:,} parameters), task {task}, plan {plan.describe()} "
         f"on {mesh.world_size} process(es){timeout}, {len(train_ds)} train / {len(eval_ds)} eval examples, "
-        f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank)")
+        f"{steps} steps of {cfg.batch_size} (micro-batch {micro} x {accumulate} per rank), {cfg.optimizer} at peak "
+        f"lr {peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
+                                if cfg.lr_scaling != "none" else "")
+        + f", {warmup} warmup steps, {cfg.schedule} decay")
     metrics_path = out / "metrics.jsonl"
     if mesh.is_main and metrics_path.exists():
         # a fresh run starts a fresh log; a resumed one keeps the rows up to where it resumes

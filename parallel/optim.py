@@ -21,11 +21,20 @@ half param's dtype) and copies it, so a loaded optimizer continues exactly as
 the saved one would have.
 
 Param-group keys: AdamW ``lr, betas, eps, weight_decay, maximize``; LAMB
-``lr, betas, eps, weight_decay, trust_ratio``; LARS ``lr, momentum, eta,
-weight_decay, trust_ratio``. ``trust_ratio=False`` makes the group's tensors
-skip the layer-wise ratio (r = 1); :func:`exclude_bias_and_norm` builds the
-usual two groups, with biases and norm weights (ndim <= 1) at
-``weight_decay=0, trust_ratio=False``.
+``lr, betas, eps, weight_decay, trust_ratio, exclude_1d``; LARS ``lr, momentum,
+eta, weight_decay, trust_ratio, exclude_1d``. ``trust_ratio=False`` makes the
+group's tensors skip the layer-wise ratio (r = 1).
+
+The large-batch recipe's exclusion (LAMB and LARS; ``exclude_1d=True``, the
+default): a parameter with ``ndim <= 1`` (biases, norm weights and biases)
+takes no weight decay and no trust ratio (r = 1), so ``LARS(model.parameters())``
+already does what the LAMB/LARS papers' recipes do (TF's
+``exclude_from_layer_adaptation``, SimCLR's LARS). The rule reads the shape of
+the parameter itself (a tensor-parallel shard has its full tensor's ndim; a
+ZeRO piece is judged by its parameter), so every rank of every plan decides
+alike and the sharded step stays the single-device one. ``exclude_1d=False``
+adapts and decays every tensor. :func:`exclude_bias_and_norm` builds the same
+split as two explicit groups (and for AdamW, whose plain path decays all).
 
 ``norm_reducer`` (LAMB, LARS, :func:`clip_grad_norm_`): a callable given the
 fp32 *squared* per-tensor norms (``(2, n)`` for LAMB/LARS, ``(1, n)`` for
@@ -187,19 +196,20 @@ class LAMB(_FusedOptimizer):
     _state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, *, trust_ratio: bool = True, master_weights: bool = True,
-                 norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
+                 weight_decay: float = 0.01, *, trust_ratio: bool = True, exclude_1d: bool = True,
+                 master_weights: bool = True, norm_reducer: Optional[Callable] = None,
+                 backend: Optional[str] = None):
         _check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      trust_ratio=trust_ratio),
+                                      trust_ratio=trust_ratio, exclude_1d=exclude_1d),
                          master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
 
     def _apply(self, group, step, b, reducer=None):
         beta1, beta2 = group["betas"]
+        wd, trust = _recipe_flags(group, b["owners"])
         return kernels.lamb_step(b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"],
                                  lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                                 weight_decay=group["weight_decay"], step=step,
-                                 trust_ratio=bool(group["trust_ratio"]), master_params=b["master"],
+                                 weight_decay=wd, step=step, trust_ratio=trust, master_params=b["master"],
                                  norm_reducer=reducer, backend=self.backend)
 
 
@@ -208,27 +218,45 @@ class LARS(_FusedOptimizer):
 
     ``r = eta * ||w|| / (||g|| + wd ||w||)``, ``buf = momentum * buf + lr * r *
     (g + wd w)``, ``w -= buf``; a group with ``trust_ratio=False`` and
-    ``weight_decay=0`` takes plain momentum-SGD steps.
+    ``weight_decay=0`` takes plain momentum-SGD steps, and so (``exclude_1d``,
+    the default) do biases and norm weights in any group.
     """
 
     _state_keys = ("momentum_buffer",)
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, eta: float = 1e-3,
-                 weight_decay: float = 0.0, *, trust_ratio: bool = True, master_weights: bool = True,
-                 norm_reducer: Optional[Callable] = None, backend: Optional[str] = None):
+                 weight_decay: float = 0.0, *, trust_ratio: bool = True, exclude_1d: bool = True,
+                 master_weights: bool = True, norm_reducer: Optional[Callable] = None,
+                 backend: Optional[str] = None):
         _check_hparams(lr=lr, weight_decay=weight_decay, eta=eta)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"LARS: momentum must be in [0, 1), got {momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, eta=eta, weight_decay=weight_decay,
-                                      trust_ratio=trust_ratio),
+                                      trust_ratio=trust_ratio, exclude_1d=exclude_1d),
                          master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
 
     def _apply(self, group, step, b, reducer=None):
+        wd, trust = _recipe_flags(group, b["owners"])
         return kernels.lars_step(b["params"], b["grads"], b["momentum_buffer"], lr=float(group["lr"]),
-                                 momentum=group["momentum"], eta=group["eta"],
-                                 weight_decay=group["weight_decay"], trust_ratio=bool(group["trust_ratio"]),
-                                 master_params=b["master"], norm_reducer=reducer,
+                                 momentum=group["momentum"], eta=group["eta"], weight_decay=wd,
+                                 trust_ratio=trust, master_params=b["master"], norm_reducer=reducer,
                                  backend=self.backend)
+
+
+def _recipe_flags(group, owners):
+    """The group's (weight_decay, trust_ratio), per tensor when ``exclude_1d`` opts 1-D ones out.
+
+    Decided from each parameter's own ndim (a shard's is its full tensor's; a
+    ZeRO piece is judged by its parameter), so all ranks decide alike. A group
+    saved before the key existed reads it as on.
+    """
+    wd, trust = float(group["weight_decay"]), bool(group["trust_ratio"])
+    if not group.get("exclude_1d", True):
+        return wd, trust
+    flat = [p.ndim <= 1 for p in owners]
+    if not any(flat):
+        return wd, trust
+    return [0.0 if f else wd for f in flat], [trust and not f for f in flat]
 
 
 def _check_hparams(*, betas=None, **values) -> None:

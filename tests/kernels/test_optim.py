@@ -100,8 +100,8 @@ def test_lamb_matches_float64_rule(backend):
     grads = _grads(GROUP0 + GROUP1, 5)
     n0 = len(GROUP0)
     opt = LAMB([{"params": ps[:n0]}, {"params": ps[n0:], "weight_decay": 0.0, "trust_ratio": False}],
-               lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, backend=backend)
-    _run(opt, ps, grads)
+               lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, exclude_1d=False, backend=backend)
+    _run(opt, ps, grads)  # group 0 adapts and decays its 1-D tensor too (exclude_1d=False): the rule as written
     wds, trusts = [0.1] * n0 + [0.0] * len(GROUP1), [True] * n0 + [False] * len(GROUP1)
     want = _lamb64(init, grads, 1e-2, 0.9, 0.99, 1e-6, wds, trusts)
     for p, w in zip(ps, want):
