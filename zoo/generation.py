@@ -15,8 +15,13 @@ and a row that produced ``eos_token_id`` keeps producing it. Under a plan the
 cores hold what the blocks give them (1D: this rank's heads; 2D/3D: this
 rank's rows), every rank of a tensor group samples with the same generator, so
 the tokens agree, and each data-parallel rank generates for its own prompts.
-Pipeline parallelism is refused in one sentence (its stages run whole
-micro-batches, not one cached token at a time).
+Under pipeline parallelism every step is one micro-batch through the stages
+(each stage's cores cache its own layers), and the last stage broadcasts the
+last position's logits, which every rank of the stage group samples alike.
+
+The head runs on the last position only (a step needs no more): the (B, V)
+logits, not (B, T, V), are made at prefill and sent between stages.
+Sequence parallelism is refused in one sentence.
 """
 from __future__ import annotations
 
@@ -82,6 +87,15 @@ def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _last_position(head):
+    """``head`` (the model's final norm and LM head) on each row's last position only: (B, 1, V) logits."""
+
+    def last(x, residual, *args, **kwargs):
+        return head(x[:, -1:], residual[:, -1:] if residual is not None else None, *args, **kwargs)
+
+    return last
+
+
 def _all_done(done: torch.Tensor, model: nn.Module) -> bool:
     """Whether every row has ended, here and on every data-parallel rank (their prompts differ, and a ZeRO-3
     forward gathers over dp: all stop at the same step, or none)."""
@@ -105,10 +119,6 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     config = model.config
     if getattr(config, "head", None) != "lm":
         raise ValueError(f"generation needs a causal LM head, got head {getattr(config, 'head', None)!r}")
-    plan = getattr(model, "plan", None)
-    if plan is not None and plan.pp > 1:
-        raise NotImplementedError("generation under pipeline parallelism is not built: its stages run whole "
-                                  "micro-batches, not one cached token at a time")
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, length >= 1), got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature <= 0 or not 0.0 < top_p <= 1.0 or top_k < 0:
@@ -123,6 +133,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     swapped = _swap_cores(model)
+    pipeline = getattr(model, "pipeline", None)
+    microbatches = pipeline.microbatches if pipeline is not None else None
+    if pipeline is not None:  # one micro-batch a step: a stage's caches hold every row, in one order
+        pipeline.microbatches = 1
+    if getattr(model, "sequence_split", None) is None:  # the blocks' outputs are whole sequences here
+        model.head = _last_position(model.head)
     learned_positions = "position_ids" in inspect.signature(type(model).forward).parameters  # GPT-2
     was_training = model.training
     model.eval()
@@ -148,5 +164,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     finally:
         for mod, name, core in swapped:
             setattr(mod, name, core)
+        if pipeline is not None:
+            pipeline.microbatches = microbatches
+        model.__dict__.pop("head", None)
         model.train(was_training)
     return ids
