@@ -43,7 +43,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
 
     def transform(model):  # runs on the meta model, before anything is allocated
         nonlocal mesh
-        mesh = mesh or Mesh.build(plan, model.config)
+        if mesh is None:
+            mesh = Mesh.build(plan, model.config)
+        else:  # a mesh built without the model: the plan must still fit its shapes (heads, key/value heads, dim)
+            plan.validate(model.config)
         model = shard(model, plan, mesh, zoo.spec_of(model))
         if plan.pp > 1:  # keep only this rank's stages: blocks balanced with the embedding and head costs
             from cuboid.parallel.pipeline import cut_model
