@@ -329,7 +329,27 @@ def generated(world: int):
     plans = per_family[0]
     ready = [name for name, p in zoo.READY_PLANS.items() if p.world_size == world and p not in plans]
     ready = [n for i, n in enumerate(ready) if zoo.READY_PLANS[n] not in [zoo.READY_PLANS[m] for m in ready[:i]]]
-    return plans, ready + EXTRA.get(world, [])
+    return with_fields(plans), with_fields(ready) + EXTRA.get(world, [])
+
+
+def with_fields(plans: list) -> list:
+    """``plans`` with the fields of ``CUBOID_PLAN_FIELDS`` (e.g. ``checkpoint=selective``) set on each, as Plans:
+    the whole generated test under one toggle, run by hand (CI runs it as is, with the toggles in EXTRA)."""
+    import dataclasses
+    import os
+
+    from cuboid.parallel import Plan
+    from cuboid.zoo import READY_PLANS
+
+    spec = os.environ.get("CUBOID_PLAN_FIELDS")
+    if not spec:
+        return plans
+    given = Plan.parse(spec)
+    fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)
+              if getattr(given, f.name) != getattr(Plan(), f.name)}
+    if "checkpoint" in fields:  # the one recompute field replaces the older switch
+        fields["activation_checkpoint"] = False
+    return [dataclasses.replace(Plan.parse(p, READY_PLANS), **fields) for p in plans]
 
 
 # runs (plan x family) a world may take on CI's 2 cores: above it, each enumerated plan runs on the Llama family
