@@ -451,7 +451,8 @@ class Rotary(nn.Module):
                 return Rotary._cached[1]
         cos, sin = kernels.rope_tables(positions, self.head_dim, self.theta, self.scaling)
         out = (cos.to(dtype), sin.to(dtype))
-        Rotary._cached = (key, out)
+        if key is not None:  # unnamed positions (a cache's step, a mask's) leave the shared entry as it was
+            Rotary._cached = (key, out)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, key: Optional[tuple] = None) -> tuple:

@@ -48,7 +48,7 @@ class CachedAttention(nn.Module):
         if rope is not None:  # the new tokens' positions: each row's kept tokens before them (its rows only)
             T, S = q.shape[2], q.shape[2] + (0 if self.k is None else self.k.shape[2])
             if key_padding_mask is None:
-                q, k = rope(q, k, torch.arange(S - T, S, device=q.device))
+                q, k = rope(q, k, torch.arange(S - T, S, device=q.device), ("span", S - T, S))  # shared by layers
             else:
                 q, k = rope(q, k, (key_padding_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:])
         self.k = k if self.k is None else torch.cat([self.k, k], 2)
