@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 import os as _os
 
 
-def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, **overrides):
+def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, lora=None, **overrides):
     """Load a zoo model, ready to train under ``plan``: a preset name builds a fresh one, a local HF
     or cuboid checkpoint folder loads its weights.
 
@@ -31,6 +31,12 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     memory, shapes only; materialise with ``cuboid.zoo.materialize`` and then
     ``cuboid.parallel.prepare``); ``seed`` drives a fresh model's
     initialisation; ``overrides`` change preset fields (``num_labels=10``).
+
+    ``lora``: train LoRA adapters instead of the weights: ``dict(r=16, alpha=32, dropout=0.05,
+    targets=("attn", "mlp"))``, a ``"r=16,alpha=32"`` string, or a peft adapter folder (its config and
+    weights). The adapters follow each adapted layer's layout under the plan, start as peft's (the same
+    under every plan for a seed), and are the only parameters that require gradients
+    (:mod:`cuboid.zoo.lora`; save them with ``cuboid.zoo.lora.save_adapters``).
     """
     from cuboid import zoo
     from cuboid.parallel import Mesh, Plan, prepare, shard
@@ -65,8 +71,16 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
         model = transform(zoo.build(name_or_path, **overrides))
         if str(device) == "meta":  # shapes only: count parameters, plan memory, materialise later
             model.plan, model.mesh = plan, mesh
+            if lora is not None:
+                from cuboid.zoo.lora import attach
+
+                attach(model, lora, seed=seed)
             return model if dtype is None else model.to(dtype)
         model = zoo.materialize(model, device, seed=seed, dtype=dtype)
+    if lora is not None:
+        from cuboid.zoo.lora import attach
+
+        attach(model, lora, seed=seed)
     if str(device) == "meta":
         model.plan, model.mesh = plan, mesh
         return model

@@ -4,6 +4,8 @@
     cuboid convert SRC DST --max-shard-size 2GB  HF-style shards + index
     cuboid convert SRC DST --dtype bf16          cast floating-point tensors
     cuboid convert --verify PATH                 check sizes and SHA-256s
+    cuboid convert ADAPTERS DST --merge-lora     a LoRA adapter folder folded into its base
+                                                 (--base FOLDER, else the adapter config's)
 
 Streams tensor by tensor (peak: one tensor and its cast copy), with a progress
 bar. Errors are one line on stderr and exit code 2.
@@ -28,6 +30,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", metavar="DTYPE", help="cast floating-point tensors: fp32, fp16, bf16")
     p.add_argument("--verify", metavar="PATH", help="verify PATH (sizes, SHA-256s, structure) and exit")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it is a checkpoint folder")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="SRC is a LoRA adapter folder (peft layout): write its base model with the adapters "
+                        "merged into the weights, as a Hugging Face folder")
+    p.add_argument("--base", metavar="FOLDER",
+                   help="with --merge-lora: the base model folder (default: the adapter config's "
+                        "base_model_name_or_path)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -52,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.src or not args.dst:
         return _fail("convert needs SRC and DST (or --verify PATH)")
+    if args.merge_lora:
+        return _merge(args)
+    if args.base:
+        return _fail("--base goes with --merge-lora")
     size = args.max_shard_size
     if size is not None and size.isdigit():
         size = int(size)
@@ -61,6 +73,35 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         return _fail(e)
     print(f"wrote {out}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``--merge-lora``: the base with the adapters folded in, then (for shards or a dtype) converted."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from cuboid.zoo import checkpoint
+    from cuboid.zoo.lora import merge_to_hf
+
+    dst = Path(args.dst)
+    if dst.exists() and any(dst.iterdir()) and not args.overwrite:
+        return _fail(f"{dst} exists and is not empty (--overwrite replaces it)")
+    try:
+        if args.max_shard_size is None and args.dtype is None:
+            out = merge_to_hf(args.src, dst, base=args.base)
+        else:
+            with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists()
+                                             else None) as tmp:
+                merge_to_hf(args.src, tmp, base=args.base)
+                size = args.max_shard_size
+                size = int(size) if size is not None and size.isdigit() else size
+                out = checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,
+                                         progress=not args.quiet, overwrite=args.overwrite)
+    except (ValueError, OSError, KeyError) as e:
+        return _fail(e)
+    print(f"wrote {os.fspath(out)}")
     return 0
 
 

@@ -409,6 +409,8 @@ class Pipeline:
         except Exception as e:
             raise self._failed(e, "") from e
         for p in self.tied:  # every rank of the embedding group calls, whatever its stage's head used
+            if not p.requires_grad:  # frozen (LoRA's base): the same on every rank, nothing to sum
+                continue
             if p.grad is None:  # this end did not use the tied module in this step: it contributes zeros
                 p.grad = torch.zeros_like(p)
             # (ZeRO-3: each end holds the same dp rows of the gradient; their sum is the rows' sum)

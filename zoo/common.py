@@ -159,9 +159,9 @@ def linears(x: torch.Tensor, layers: tuple) -> list:
     plain (unsharded) :class:`~cuboid.parallel.layers.Linear` with or without a bias alike: one larger matmul
     each way instead of several (measured on CPU: 16% less time for Llama's q/k/v and gate/up), for inputs
     of at least FUSE_ROWS rows: a decoding step's few rows would pay more for stacking the weights than the
-    matmuls cost. Sharded layers run their own forward (and collectives)."""
+    matmuls cost. Sharded layers, and layers with forward hooks (LoRA adapters), run their own forward."""
     rows = x.numel() // max(x.shape[-1], 1)
-    plain = all(type(m) is L.Linear for m in layers) and len({m.bias is None for m in layers}) == 1
+    plain = all(type(m) is L.Linear and not m._forward_hooks for m in layers) and len({m.bias is None for m in layers}) == 1
     if len(layers) > 1 and plain and rows >= FUSE_ROWS:
         weight = torch.cat([m.weight for m in layers])
         bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])

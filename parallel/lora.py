@@ -1,0 +1,266 @@
+"""LoRA adapters (Hu et al., arXiv 2106.09685) on the linears of a model, under every plan.
+
+An adapted linear computes ``y = base(x) + s B(A(dropout(x)))`` with A (r, in),
+B (out, r), ``s = alpha / r``; the base weights are frozen. The adapters are
+two layers hung on the base layer (``<path>.lora_A``, ``<path>.lora_B``, and
+``<path>.lora_dropout``) and their output is added by a forward hook of the
+base, so parameter names, checkpoints of the base and the model code do not
+change, and whoever calls the layer (the model, a sequence split, a pipeline
+stage, a recomputed block) gets the adapter.
+
+**Layouts.** A and B follow the base layer's layout, built from the same
+tensor mode as the base (:func:`add_adapters` picks them from the base's
+class), so their output lands where the base's does:
+
+======================  ===================================  ======================================
+base                    A (r, in)                            B (out, r)
+======================  ===================================  ======================================
+one device (Linear)     whole                                whole
+1D ColumnLinear         whole, replicated (its gradient is   ColumnLinear: rows cut like the base's
+                        whole on every rank: ``dz`` is all-  (packed segments alike); the input
+                        reduced by B's ``copy_to``)          ``z`` enters it as a replicated input
+1D RowLinear            RowLinear: columns cut like the      whole, replicated; ``z`` is the partial
+                        base's                               sum of A's pieces, all-reduced
+1D ReplicatedKVLinear   whole                                whole; rank r uses the rows of its
+                                                             head, the gradient summed over tp
+2D / 2.5D Linear2D      the grid's Linear (in -> r)          the grid's Linear (r -> out, packed
+                                                             like the base)
+======================  ===================================  ======================================
+
+Under Megatron sequence parallelism (``tp_sequence``: the base's ``seq_dim``)
+the replicated pieces see only their rank's tokens, so they enter through
+``copy_to`` and their gradient sums over ``tp``. Data, pipeline and sequence
+parallelism and ZeRO treat adapters as any trainable parameter; frozen base
+weights get no gradient, hence no optimizer state, no gradient all-reduce
+and no ZeRO bucket. 3D tensor parallelism has no layer that maps its column
+output layout to itself, so it is refused in one sentence.
+
+Initialisation is peft's: A uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (kaiming
+uniform with a = sqrt(5)), B zero, each full tensor drawn from a generator
+seeded by the model seed and the parameter's name, so every plan starts from
+the same adapters.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cuboid.parallel import comm
+from cuboid.parallel import layers as L
+
+__all__ = ["LoraConfig", "add_adapters", "init_adapters", "freeze_base", "adapted", "adapter_parameters",
+           "merged_weight", "merge_adapters", "ADAPTER_NAMES"]
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Rank ``r``, ``alpha`` (the update is scaled by alpha / r), ``dropout`` on the adapter's input, and
+    ``targets``: what to adapt, by role (the zoo resolves them: ``attn``, ``qkv``, ``q``, ``k``, ``v``,
+    ``o``, ``mlp``)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple = ("attn", "mlp")
+    extra: dict = field(default_factory=dict, compare=False)  # what a peft adapter_config.json held beside
+
+    def __post_init__(self) -> None:
+        if int(self.r) != self.r or self.r < 1:
+            raise ValueError(f"LoRA rank r must be a positive integer, got {self.r!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", tuple(t for t in self.targets.replace("+", ",").split(",") if t))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not self.targets:
+            raise ValueError("LoRA needs at least one target (attn, qkv, q, k, v, o, mlp)")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+    @classmethod
+    def parse(cls, value) -> "LoraConfig":
+        """A LoraConfig from itself, a dict (``r``, ``alpha``, ``dropout``, ``targets``) or a string
+        ``"r=16,alpha=32,dropout=0.05,targets=attn+mlp"``."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {"r", "alpha", "dropout", "targets"}
+            if unknown:
+                raise ValueError(f"unknown LoRA option(s) {', '.join(sorted(unknown))}: r, alpha, dropout, targets")
+            return cls(**value)
+        if isinstance(value, str):
+            out: dict = {}
+            for item in (s.strip() for s in value.split(",")):
+                if not item:
+                    continue
+                key, eq, val = item.partition("=")
+                if not eq:
+                    raise ValueError(f"LoRA option {item!r} is not key=value (r=16,alpha=32,dropout=0.05,targets=attn+mlp)")
+                key = key.strip()
+                if key == "r":
+                    out[key] = int(val)
+                elif key in ("alpha", "dropout"):
+                    out[key] = float(val)
+                elif key == "targets":
+                    out[key] = tuple(t for t in val.split("+") if t)
+                else:
+                    raise ValueError(f"unknown LoRA option {key!r}: r, alpha, dropout, targets")
+            return cls(**out)
+        raise TypeError(f"lora must be a dict, a 'r=16,alpha=32' string or a LoraConfig, got {type(value).__name__}")
+
+
+def _kind(base: nn.Module) -> str:
+    """Which adapter layout a base layer takes (see the module docstring)."""
+    from cuboid.parallel.tensor import d1, d3
+    from cuboid.parallel.tensor.d2 import Linear2D
+
+    if isinstance(base, d1.ReplicatedKVLinear):
+        return "kv"
+    if isinstance(base, d1.ColumnLinear):
+        return "column"
+    if isinstance(base, d1.RowLinear):
+        return "row"
+    if isinstance(base, Linear2D):
+        return "grid"
+    if isinstance(base, d3.Linear3D):
+        raise NotImplementedError("LoRA under 3D tensor parallelism is not built (its column output layout has no "
+                                  "layer mapping it to itself); use tp1d, 2D or 2.5D")
+    if type(base) is L.Linear:
+        return "plain"
+    raise TypeError(f"LoRA adapts cuboid linears, not {type(base).__name__}")
+
+
+def _layers(base: nn.Module, kind: str, r: int) -> tuple:
+    """(A, B) for ``base`` on the meta device (no random draw), in the base's layout."""
+    from cuboid.parallel.tensor import d1
+
+    dt = base.weight.dtype
+    i, o = base.in_features, base.out_features
+    meta = dict(device="meta", dtype=dt)
+    if kind in ("plain", "kv"):
+        return L.Linear(i, r, False, **meta), L.Linear(r, o, False, **meta)
+    if kind == "column":
+        return (L.Linear(i, r, False, **meta),
+                d1.ColumnLinear(r, o, False, group=base.axes, packed=base.packed, gather_output=base.gather_output,
+                                **meta))
+    if kind == "row":
+        return (d1.RowLinear(i, r, False, group=base.axes, input_is_parallel=base.input_is_parallel, **meta),
+                L.Linear(r, o, False, **meta))
+    cls, q = type(base), base.axes.q  # the grid's linear: A's rows and B's columns are cut over q
+    if r % q:
+        raise ValueError(f"LoRA rank r={r} must be a multiple of the grid side q={q} under {base.axes}")
+    return (cls(i, r, False, grid=base.axes, input_is_parallel=base.input_is_parallel, **meta),
+            cls(r, o, False, grid=base.axes, packed=base.packed, **meta))
+
+
+def _delta(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``B(A(dropout(x)))`` in the layout of ``base``'s output."""
+    A, B, kind = base.lora_A, base.lora_B, base.lora_kind
+    x = base.lora_dropout(x)
+    if kind in ("plain", "grid"):
+        return B(A(x))
+    seq = getattr(base, "seq_dim", None)
+    g = base.axes.group("tp")
+    if kind == "column":
+        B.seq_dim = seq  # B gathers z's tokens as the base gathers x's
+        return B(A(x) if seq is None else F.linear(x, comm.copy_to(A.weight, g)))
+    if kind == "row":
+        A.seq_dim = seq
+        z = A(x)  # (.., r): the partial sums of A's pieces, all-reduced (or reduce-scattered on tokens)
+        return B(z) if seq is None else F.linear(z, comm.copy_to(B.weight, g))
+    # kv: rank r computes the rows of its head; dz and dB are partial sums over the ranks' query heads
+    z = comm.copy_to(A(x), g) if seq is None else comm.all_gather_to(F.linear(x, comm.copy_to(A.weight, g)), g, seq)
+    return F.linear(z, comm.copy_to(B.weight, g)[base.rows])
+
+
+def _hook(base: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out + _delta(base, args[0]) * base.lora_scaling
+
+
+def adapted(model: nn.Module) -> list:
+    """[(path, base layer)] of every layer of ``model`` carrying adapters, in module order."""
+    return [(p, m) for p, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), nn.Module)]
+
+
+def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> list:
+    """Hang adapters of ``config`` on the linears at ``paths`` (sharded or not, on meta or materialised;
+    placeholders of other pipeline stages' layers are skipped). Allocated adapters are left uninitialised:
+    call :func:`init_adapters`. Returns the adapted paths."""
+    wanted = set(paths)
+    done = []
+    for path, base in list(model.named_modules()):
+        if path not in wanted or getattr(base, "placeholder", False):
+            continue
+        if hasattr(base, "lora_A"):
+            raise ValueError(f"{path} already carries LoRA adapters")
+        kind = _kind(base)
+        A, B = _layers(base, kind, config.r)
+        device = base.weight.device
+        if device.type != "meta":
+            A, B = A.to_empty(device=device), B.to_empty(device=device)
+        base.lora_A, base.lora_B = A, B
+        base.lora_dropout = L.Dropout(config.dropout)
+        base.lora_kind, base.lora_scaling, base.lora_r, base.lora_alpha = kind, config.scaling, config.r, config.alpha
+        base.lora_handle = base.register_forward_hook(_hook)
+        done.append(path)
+    return done
+
+
+def _seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"lora:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_adapters(model: nn.Module, seed: int = 0) -> None:
+    """peft's initialisation: A uniform in [-1/sqrt(in), 1/sqrt(in)] from a generator per (seed, name), B zero;
+    each rank keeps its slice of the full tensors (the same adapters under every plan)."""
+    for path, base in adapted(model):
+        full = torch.empty(base.lora_A.full_shape("weight"))
+        bound = 1.0 / math.sqrt(full.shape[1])
+        full.uniform_(-bound, bound, generator=torch.Generator().manual_seed(_seed(seed, f"{path}.lora_A.weight")))
+        base.lora_A.load_full("weight", full)
+        base.lora_B.load_full("weight", torch.zeros(base.lora_B.full_shape("weight")))
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only the adapters train: every other parameter stops requiring gradients (before ``prepare``, so data
+    parallelism and ZeRO see only the adapters)."""
+    keep = {id(p) for p in adapter_parameters(model)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in keep)
+
+
+def adapter_parameters(model: nn.Module) -> list:
+    """The adapters' parameters (A and B of every adapted layer), in module order."""
+    return [m.weight for _, base in adapted(model) for m in (base.lora_A, base.lora_B)]
+
+
+def merged_weight(base: nn.Module) -> torch.Tensor:
+    """The full merged weight ``W + s B A`` of an adapted layer (collectives over its shard group, as
+    ``full_tensor``)."""
+    w = base.full_tensor("weight")
+    a, b = base.lora_A.full_tensor("weight"), base.lora_B.full_tensor("weight")
+    return (w.float() + base.lora_scaling * (b.float() @ a.float())).to(w.dtype)
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (``W + s B A``) and remove it; in place, returns ``model``.
+    A collective under tensor parallelism (each merged weight is gathered whole, then each rank keeps its
+    slice); every rank calls it."""
+    for _, base in adapted(model):
+        base.load_full("weight", merged_weight(base))
+        base.lora_handle.remove()
+        for name in ("lora_A", "lora_B", "lora_dropout", "lora_handle", "lora_kind", "lora_scaling", "lora_r",
+                     "lora_alpha"):
+            delattr(base, name)
+    return model

@@ -1,0 +1,242 @@
+"""LoRA on zoo models: targets by role, and adapters saved and loaded in ``peft``'s layout.
+
+- :func:`target_paths`: the linears a LoRA config's ``targets`` name in a
+  model (``attn``: the attention's input projections and output; ``qkv``,
+  ``q``, ``k``, ``v``, ``o``: parts of it; ``mlp``: every MLP linear), read
+  off the family's sharding spec, so every family (GPT, BERT, ViT, Llama)
+  gets them;
+- :func:`attach`: adapters on those linears (:mod:`cuboid.parallel.lora`),
+  initialised as peft does, the base frozen (``cuboid.load(..., lora=...)``);
+- :func:`save_adapters` / :func:`load_adapters`: ``adapter_config.json`` +
+  ``adapter_model.safetensors`` under peft's names for the model's Hugging
+  Face architecture (``base_model.model.<HF module>.lora_A.weight``), so
+  ``peft.PeftModel.from_pretrained(base, folder)`` loads them; loads under
+  any plan (each rank keeps its slices). A fused qkv (BERT, ViT, whose HF
+  layers are separate query/key/value) is saved as three peft adapters
+  sharing A, B cut in three, which is the same update; GPT-2's Conv1D
+  layers are saved with ``fan_in_fan_out`` as peft expects;
+- :func:`merge_to_hf`: an adapter folder folded into its base model, written
+  as a Hugging Face folder (``cuboid convert --merge-lora``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from cuboid.parallel import lora as plora
+from cuboid.parallel.lora import LoraConfig
+
+from .families import family_of
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+_ATTN = ("attn.qkv", "attn.q", "attn.k", "attn.v")
+SUFFIXES = {"qkv": _ATTN, "q": ("attn.q",), "k": ("attn.k",), "v": ("attn.v",), "o": ("attn.proj",),
+            "attn": _ATTN + ("attn.proj",), "mlp": ("mlp.fc", "mlp.gate", "mlp.up", "mlp.proj")}
+
+
+def _spec(model: nn.Module):
+    from .plans import SPECS
+
+    return SPECS[family_of(model).name]
+
+
+def target_paths(model: nn.Module, targets) -> list:
+    """Module paths of the linears ``targets`` names (every block, whatever this rank holds)."""
+    spec = _spec(model)
+    head = f"{spec.blocks}.*."
+    have = {k[len(head):] for k in spec.roles if k.startswith(head) and spec.roles[k] in
+            ("column", "column_qkv", "column_kv", "row")}
+    chosen = set()
+    for t in targets:
+        if t not in SUFFIXES:
+            raise ValueError(f"unknown LoRA target {t!r}: one of {', '.join(SUFFIXES)}")
+        found = [s for s in SUFFIXES[t] if s in have]
+        if not found:
+            raise ValueError(f"LoRA target {t!r} names no layer of a {family_of(model).name} block "
+                             f"(its linears: {', '.join(sorted(have))})")
+        chosen.update(found)
+    order = [s for s in sorted(have) if s in chosen]
+    return [f"{spec.blocks}.{i}.{s}" for i in range(model.config.n_layers) for s in order]
+
+
+def _rows(model: nn.Module) -> dict:
+    """zoo weight name -> (HF module names, in the row's order) for the model's architecture."""
+    from .checkpoint.planner import hf_prefix
+
+    family = family_of(model)
+    prefix = hf_prefix(model, family)
+    out = {}
+    for row in family.tensor_maps(model.config):
+        out[row.zoo] = [(h if row.top else prefix + h)[:-len(".weight")] for h in row.hf]
+    return out
+
+
+def _is_folder(value) -> bool:
+    return isinstance(value, (str, os.PathLike)) and Path(value).is_dir()
+
+
+def read_config(folder) -> tuple:
+    """(LoraConfig, target HF modules, the whole JSON) of a peft adapter folder."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a LoRA adapter folder: no {ADAPTER_CONFIG}")
+    cfg = json.loads(path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    for key in ("use_dora", "use_rslora"):
+        if cfg.get(key):
+            raise ValueError(f"{path}: {key} is not supported")
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+        raise ValueError(f"{path}: per-layer rank_pattern / alpha_pattern are not supported")
+    modules = cfg.get("target_modules")
+    if not isinstance(modules, list):
+        raise ValueError(f"{path}: target_modules must be a list of module names (as cuboid writes them)")
+    conf = LoraConfig(r=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])),
+                      dropout=float(cfg.get("lora_dropout", 0.0)), targets=("from-folder",))
+    return conf, modules, cfg
+
+
+def attach(model: nn.Module, lora, *, seed: int = 0) -> nn.Module:
+    """Hang LoRA adapters on ``model`` (before ``prepare``; sharded, pipeline-cut, meta or materialised) and
+    freeze the rest. ``lora``: a :class:`~cuboid.parallel.lora.LoraConfig`, a dict, a ``"r=16,alpha=32"``
+    string, or a peft adapter folder (its config and weights). Returns ``model``."""
+    if _is_folder(lora):
+        conf, modules, _ = read_config(lora)
+        wanted = set(modules)
+        paths = [z[:-len(".weight")] for z, hf in _rows(model).items() if hf and set(hf) <= wanted
+                 and z.endswith(".weight") and z.startswith(_spec(model).blocks + ".")]
+        covered = {m for z in paths for m in _rows(model)[z + ".weight"]}
+        if covered != wanted:
+            raise ValueError(f"{lora}: target modules {', '.join(sorted(wanted - covered))} are not "
+                             f"linears cuboid adapts (or only a part of a fused projection)")
+    else:
+        conf = LoraConfig.parse(lora)
+        paths = target_paths(model, conf.targets)
+    plora.add_adapters(model, paths, conf)
+    model.lora = conf
+    if not any(p.is_meta for p in model.parameters()):
+        plora.init_adapters(model, seed)
+        if _is_folder(lora):
+            load_adapters(model, lora)
+    plora.freeze_base(model)
+    return model
+
+
+# ---------------------------------------------------------------- peft's files
+
+
+def adapter_state(model: nn.Module) -> dict:
+    """peft name -> full adapter tensor (CPU) of every adapter this rank holds. A collective over each
+    adapter's shard group (and ZeRO-3's dp group): every rank of the model calls it."""
+    from cuboid.parallel import zero
+
+    zero.reshard(model)
+    rows, out = _rows(model), {}
+    for path, base in plora.adapted(model):
+        mods = rows[f"{path}.weight"]
+        a = base.lora_A.full_tensor("weight").detach().cpu()
+        b = base.lora_B.full_tensor("weight").detach().cpu()
+        for m, bm in zip(mods, b.chunk(len(mods), 0)):
+            out[f"{PEFT_PREFIX}{m}.lora_A.weight"] = a.contiguous().clone()
+            out[f"{PEFT_PREFIX}{m}.lora_B.weight"] = bm.contiguous().clone()
+    return out
+
+
+def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dict:
+    conf = model.lora
+    family = family_of(model)
+    head = getattr(model.config, "head", None)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
+            "lora_alpha": conf.alpha, "lora_dropout": conf.dropout, "target_modules": sorted(modules),
+            "fan_in_fan_out": family.name == "gpt", "bias": "none", "base_model_name_or_path": base,
+            "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
+            "use_dora": False, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+            "alpha_pattern": {}, "revision": None}
+
+
+def save_adapters(model: nn.Module, path, *, base: Optional[str] = None) -> Path:
+    """Write ``model``'s adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Call it on every rank: each gathers the adapters it holds (over tensor and ZeRO-3 shards), pipeline
+    stages send theirs to rank 0, which writes (each file through a temporary name, the config last)."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    state = adapter_state(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, state)
+        state = {k: v for part in parts for k, v in part.items()}
+        rank = dist.get_rank()
+    else:
+        rank = 0
+    path = Path(path)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        modules = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
+        tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
+        save_file(dict(sorted(state.items())), str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / ADAPTER_WEIGHTS)
+        tmp = path / f".{ADAPTER_CONFIG}.tmp"
+        tmp.write_text(json.dumps(adapter_config(model, modules, base), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path / ADAPTER_CONFIG)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return path
+
+
+def load_adapters(model: nn.Module, path) -> None:
+    """Read a peft adapter folder into ``model``'s adapters (any plan: each rank keeps its slices)."""
+    from safetensors import safe_open
+
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no {ADAPTER_WEIGHTS}")
+    conf, _, _ = read_config(path)
+    rows = _rows(model)
+    with safe_open(str(file), "pt") as f:
+        keys = set(f.keys())
+
+        def get(name: str) -> torch.Tensor:
+            if name not in keys:
+                raise KeyError(f"{file}: no tensor {name!r}")
+            return f.get_tensor(name)
+
+        for zpath, base in plora.adapted(model):
+            if conf.r != base.lora_r or conf.scaling != base.lora_scaling:
+                raise ValueError(f"{path}: r={conf.r}, alpha={conf.alpha} do not match the model's adapters "
+                                 f"(r={base.lora_r}, alpha={base.lora_alpha})")
+            mods = rows[f"{zpath}.weight"]
+            a = [get(f"{PEFT_PREFIX}{m}.lora_A.weight") for m in mods]
+            if any(not torch.equal(a[0], t) for t in a[1:]):
+                raise ValueError(f"{file}: {', '.join(mods)} have different lora_A; cuboid's fused {zpath} "
+                                 "shares one A")
+            b = torch.cat([get(f"{PEFT_PREFIX}{m}.lora_B.weight") for m in mods], 0)
+            base.lora_A.load_full("weight", a[0])
+            base.lora_B.load_full("weight", b)
+
+
+def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:
+    """The base model with ``adapters`` (a peft folder cuboid wrote) folded in, written to ``out`` as a Hugging
+    Face folder (``config.json`` + ``model.safetensors``). ``base``: the base model folder (default: the
+    adapter config's ``base_model_name_or_path``). One process, the whole model in memory."""
+    from . import from_hf, to_hf
+
+    _, _, cfg = read_config(adapters)
+    base = base or cfg.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(f"{adapters}: base model folder {base!r} not found (pass --base)")
+    model = from_hf(base, dtype=dtype)
+    attach(model, adapters)
+    plora.merge_adapters(model)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return to_hf(model, out)
