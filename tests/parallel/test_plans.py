@@ -319,6 +319,8 @@ EXTRA = {2: ["sp=2,activation_checkpoint=true",  # the ring recomputed in backwa
 def generated(world: int):
     """The plans one world runs: every enumerated plan (each family's enumeration is the same set of plans
     for the debug configs: asserted), then the ready plans of this world size it does not hold, then EXTRA."""
+    import os
+
     from cuboid import zoo
     from cuboid.parallel.plan_space import enumerate_plans
 
@@ -329,7 +331,10 @@ def generated(world: int):
     plans = per_family[0]
     ready = [name for name, p in zoo.READY_PLANS.items() if p.world_size == world and p not in plans]
     ready = [n for i, n in enumerate(ready) if zoo.READY_PLANS[n] not in [zoo.READY_PLANS[m] for m in ready[:i]]]
-    return with_fields(plans), with_fields(ready) + EXTRA.get(world, [])
+    if not os.environ.get("CUBOID_PLAN_FIELDS"):
+        return plans, ready + EXTRA.get(world, [])
+    plans = list(dict.fromkeys(with_fields(plans)))  # a toggle can make two plans one (checkpoint over the old switch)
+    return plans, [p for p in dict.fromkeys(with_fields(ready + EXTRA.get(world, []))) if p not in plans]
 
 
 def with_fields(plans: list) -> list:
@@ -341,10 +346,7 @@ def with_fields(plans: list) -> list:
     from cuboid.parallel import Plan
     from cuboid.zoo import READY_PLANS
 
-    spec = os.environ.get("CUBOID_PLAN_FIELDS")
-    if not spec:
-        return plans
-    given = Plan.parse(spec)
+    given = Plan.parse(os.environ["CUBOID_PLAN_FIELDS"])
     fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)
               if getattr(given, f.name) != getattr(Plan(), f.name)}
     if "checkpoint" in fields:  # the one recompute field replaces the older switch
