@@ -5,7 +5,8 @@
 sequence parallelism swaps them) for a :class:`CachedAttention` holding that
 layer's keys and values, runs the prompt once (prefill), then one token per
 step against the cache, and puts the cores back. The model code is unchanged:
-a core appends the new keys and values (after RoPE, at each token's position)
+a core writes the new keys and values (after RoPE, at each token's position)
+into buffers allocated once at prefill for the prompt and every new token,
 and attends over everything cached; the end-aligned causal mask of the kernel
 lets a step's queries see every earlier token.
 
@@ -35,28 +36,40 @@ from cuboid.parallel import layers as L
 
 
 class CachedAttention(nn.Module):
-    """An attention core with this layer's key/value cache: (B, Hkv, S, D) keys and values so far."""
+    """An attention core with this layer's key/value cache: (B, Hkv, capacity, D) buffers, the first
+    ``length`` positions filled. ``capacity`` (the prompt and every new token but the last) is allocated once,
+    at prefill: a step writes its keys and values in place instead of copying the whole cache."""
 
     role = "attention"
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         super().__init__()
+        self.capacity, self.length = capacity, 0
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
     def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None, rope=None):
+        T = q.shape[2]
+        S = self.length + T  # tokens cached after this call
         if rope is not None:  # the new tokens' positions: each row's kept tokens before them (its rows only)
-            T, S = q.shape[2], q.shape[2] + (0 if self.k is None else self.k.shape[2])
             if key_padding_mask is None:
                 q, k = rope(q, k, torch.arange(S - T, S, device=q.device), ("span", S - T, S))  # shared by layers
             else:
                 q, k = rope(q, k, (key_padding_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:])
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
-        return L.attention(q, self.k, self.v, causal=causal, key_padding_mask=key_padding_mask)
+        if self.k is None or S > self.k.shape[2]:  # prefill (or a call past the capacity: grow)
+            size = max(S, self.capacity)
+            grown = [t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v)]
+            if self.k is not None:
+                for new, old in zip(grown, (self.k, self.v)):
+                    new[:, :, :self.length] = old[:, :, :self.length]
+            self.k, self.v = grown
+        self.k[:, :, self.length:S] = k
+        self.v[:, :, self.length:S] = v
+        self.length = S
+        return L.attention(q, self.k[:, :, :S], self.v[:, :, :S], causal=causal, key_padding_mask=key_padding_mask)
 
 
-def _swap_cores(model: nn.Module) -> list:
+def _swap_cores(model: nn.Module, capacity: int) -> list:
     swapped = []
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
@@ -64,7 +77,7 @@ def _swap_cores(model: nn.Module) -> list:
                 if type(child) is not L.Attention:
                     raise NotImplementedError(f"generation under sequence parallelism is not built "
                                               f"({type(child).__name__} cores)")
-                setattr(mod, name, CachedAttention())
+                setattr(mod, name, CachedAttention(capacity))
                 swapped.append((mod, name, child))
     return swapped
 
@@ -132,7 +145,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
                          f"{config.n_positions} positions")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
-    swapped = _swap_cores(model)
+    swapped = _swap_cores(model, ids.shape[1] + max_new_tokens - 1)  # the last new token is never fed back
     pipeline = getattr(model, "pipeline", None)
     microbatches = pipeline.microbatches if pipeline is not None else None
     if pipeline is not None:  # one micro-batch a step: a stage's caches hold every row, in one order
