@@ -23,10 +23,13 @@ LAMB paper's polynomial decay (power 1), learning rates from
   weights take plain momentum-SGD steps at the global lr (the recipe's
   exclusion), so they, not the trust-ratio layers, bound LARS's usable lr.
 
-Each (optimizer, batch) cell sweeps ``--lr-grid`` base rates (the rate at the
-reference batch 64); the table reports the best test accuracy per cell and
-the JSON keeps every run of the sweep (a run whose loss turned non-finite
-counts as chance accuracy and is marked diverged).
+Each (optimizer, batch) cell sweeps three base rates, 3x apart (the rate at
+the reference batch 64, scaled by the optimizer's rule); while the best of
+them is at an edge of what was swept, the sweep goes one more 3x step past
+that edge, at most ``--extend`` (2) times. The table reports the best test
+accuracy per cell, marked where the best needed an extension or still sits
+at an edge, and the JSON keeps every run of the sweep (a run whose loss
+turned non-finite counts as chance accuracy and is marked diverged).
 
     python bench/large_batch.py [--examples 524288] [--out bench/large_batch.json] [--png bench/large_batch.png]
 
@@ -151,6 +154,32 @@ def train_once(name: str, batch: int, base_lr: float, data, test, args) -> dict:
 # ---------------------------------------------------------------- table and plot
 
 
+def sweep_cell(name: str, batch: int, data, test, args) -> list[dict]:
+    """The grid's runs for one cell, then 3x steps past an edge while the edge wins (``args.extend`` at most)."""
+    runs = []
+
+    def one(lr: float, extended: bool) -> None:
+        r = train_once(name, batch, lr, data, test, args)
+        r["extended"] = extended
+        runs.append(r)
+        print(f"  B={batch:>5} {name:<13} base lr {lr:<7.3g} peak {r['peak_lr']:<8.3g} {r['steps']:>5} steps: "
+              f"acc {100 * r['accuracy']:.1f}%{' DIVERGED' if r['diverged'] else ''}"
+              f"{' (extension)' if extended else ''} ({r['seconds']:.1f} s)", flush=True)
+
+    for lr in OPTIMIZERS[name][2]:
+        one(lr, False)
+    for _ in range(args.extend):
+        lrs = sorted(r["base_lr"] for r in runs)
+        best = max(runs, key=lambda r: (r["accuracy"], -r["base_lr"]))
+        if best["base_lr"] == lrs[0]:
+            one(float(f"{lrs[0] / 3:.4g}"), True)
+        elif best["base_lr"] == lrs[-1]:
+            one(float(f"{lrs[-1] * 3:.4g}"), True)
+        else:
+            break
+    return runs
+
+
 def best_cells(runs: list[dict]) -> dict:
     best: dict = {}
     for r in runs:
@@ -170,13 +199,16 @@ def table(runs: list[dict], batches) -> str:
         cells = []
         for b in batches:
             r = best.get((n, b))
-            cells.append("" if r is None else f"{100 * r['accuracy']:.1f}% @ {r['base_lr']:g}"
+            lrs = sorted(x["base_lr"] for x in runs if (x["optimizer"], x["batch"]) == (n, b))
+            edge = r is not None and r["base_lr"] in (lrs[0], lrs[-1])
+            cells.append("" if r is None else f"{100 * r['accuracy']:.1f}% @ {r['base_lr']:.3g}"
+                         + ("†" if r.get("extended") else "") + ("*" if edge else "")
                          + (" (all diverged)" if r["diverged"] else ""))
         lines.append(f"| {n} ({OPTIMIZERS[n][1]}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], batches, png: Path, title: str) -> str | None:
+def plot(runs: list[dict], batches, png: Path, title: str, majority: float | None = None) -> str | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -190,6 +222,8 @@ def plot(runs: list[dict], batches, png: Path, title: str) -> str | None:
         pts = [(b, 100 * best[(n, b)]["accuracy"]) for b in batches if (n, b) in best]
         if pts:
             ax.plot(*zip(*pts), "o-", label=f"{n} ({OPTIMIZERS[n][1]} lr scaling)")
+    if majority is not None:
+        ax.axhline(100 * majority, color="grey", ls=":", lw=1, label="majority class")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(batches), [str(b) for b in batches])
     ax.set_xlabel("global batch (same number of training examples: fewer steps at larger batch)")
@@ -216,11 +250,17 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the steps")
     ap.add_argument("--micro-batch", type=int, default=4096, help="larger batches accumulate gradients")
+    ap.add_argument("--extend", type=int, default=2, help="3x steps past a winning edge of the lr grid, at most")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/large_batch.json")
     ap.add_argument("--png", default="bench/large_batch.png")
+    ap.add_argument("--from-json", action="store_true", help="only print the table and draw the plot of --out")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.out).read_text())
+        report(saved["runs"], saved["meta"], saved["seconds"], args)
+        return
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     names = args.optimizers.split(",")
@@ -242,21 +282,23 @@ def main() -> None:
                 schedule="linear warmup then poly decay, power 1 (cuboid.schedule.lr_lambda('poly'))")
     for b in batches:
         for n in names:
-            for lr in OPTIMIZERS[n][2]:
-                r = train_once(n, b, lr, data, test, args)
-                runs.append(r)
-                print(f"  B={b:>5} {n:<13} base lr {lr:<6g} peak {r['peak_lr']:<8.3g} {r['steps']:>5} steps: "
-                      f"acc {100 * r['accuracy']:.1f}%{' DIVERGED' if r['diverged'] else ''} ({r['seconds']:.1f} s)",
-                      flush=True)
-                Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs,
-                                                      "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
-    total = time.perf_counter() - t0
-    print(f"\nbest test accuracy per cell (base lr at batch {REFERENCE_BATCH} after the @; "
-          f"{args.examples} examples in every run; total {total / 60:.1f} min)\n")
+            runs += sweep_cell(n, b, data, test, args)
+            Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs,
+                                                  "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
+    total = round(time.perf_counter() - t0, 1)
+    Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs, "seconds": total}, indent=1))
+    report(runs, meta, total, args)
+
+
+def report(runs: list[dict], meta: dict, seconds: float, args) -> None:
+    batches = sorted({r["batch"] for r in runs})
+    print(f"\nbest test accuracy per cell (base lr at batch {REFERENCE_BATCH} after the @; † an extension past the "
+          f"3-value grid, * still at an edge of the sweep; {meta['examples']} examples in every run; "
+          f"{len(runs)} runs, total {seconds / 60:.1f} min)\n")
     print(table(runs, batches))
-    Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs, "seconds": round(total, 1)}, indent=1))
-    png = plot(runs, batches, Path(args.png), f"{args.examples} examples of a random-teacher task; best of "
-                                              f"{len(next(iter(OPTIMIZERS.values()))[2])} lrs per point")
+    png = plot(runs, batches, Path(args.png),
+               f"{meta['examples']} examples of a random-teacher task, every batch; best of a 3-lr sweep per point "
+               f"(extended past a winning edge)", meta.get("largest_class_share"))
     print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
 
 
