@@ -389,3 +389,22 @@ def test_torch_path_fast_sdpa_matches_reference(sq, sk, causal, pad):
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(ga, gb):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_decode_step_against_a_preallocated_cache(backend):
+    """Generation's step: one query per row against the filled part of a (B, Hkv, capacity, D) cache (a slice
+    along the sequence), grouped K/V heads, left padding, causal aligned to the end (the query sees every key)."""
+    B, H, Hkv, filled, capacity, D = 3, 4, 2, 300, 333, 64
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k_cache, v_cache = (torch.randn(B, Hkv, capacity, D, generator=g) for _ in range(2))
+    k, v = k_cache[:, :, :filled], v_cache[:, :, :filled]
+    assert not k.is_contiguous()
+    m = torch.ones(B, filled, dtype=torch.bool)
+    m[1, :40], m[2, :7] = False, False  # left padding
+    out = attention(q, k, v, causal=True, key_padding_mask=m, backend=backend)
+    ref, _ = naive64(*(t.double() for t in (q, k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1))),
+                     causal=True, mask=m)
+    assert out.shape == (B, H, 1, D)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
