@@ -129,8 +129,9 @@ def finetune(model="vit-debug", data="digits", **options) -> dict:
 
     The Python face of ``cuboid finetune``; options are the fields of
     :class:`cuboid.trainer.FinetuneConfig` (``plan``, ``steps``, ``batch_size``,
-    ``lr``, ``output_dir``, ...). Run it under ``torchrun`` for multi-process
-    plans.
+    ``lr``, ``output_dir``, ...; the large-batch recipe: ``optimizer="lamb"``,
+    ``lr_scaling="sqrt"``, ``reference_batch``, ``warmup``, ``schedule="poly"``,
+    ``decay_power``). Run it under ``torchrun`` for multi-process plans.
     """
     from cuboid.trainer import finetune as _finetune
 
