@@ -1,0 +1,152 @@
+"""LoRA under every kind of plan, through the public path: ``cuboid.load(name, plan, lora=...)``, an optimizer
+built the plain way over ``model.parameters()``, the natural loop and ``cuboid.train_step``.
+
+One 4-rank world runs tp1d (dp2 x tp2, and tp4 whose Llama key/value heads are replicated), 2D, pp2 x dp2,
+sp2 x dp2 and ZeRO-3 (dp2 x tp2) in turn on GPT and Llama, each against one device's LoRA run computed once
+in the parent: three steps (the natural loop, ``train_step``, the natural loop; a pipeline ``train_step``
+only), losses within 1e-5, adapters within 1e-6 (test_plans' norm without the largest 0.1% of element
+differences), base weights bit-unchanged, and optimizer state on adapters only.
+"""
+import pytest
+import torch
+
+from .launch import run_world
+from .test_data_parallel import global_batch
+from .test_plans import even_batch, gathered, rel_norm
+
+STEPS = 3
+LORA = dict(r=4, alpha=8, targets=("attn", "mlp"))
+FAMILIES = {"gpt-debug": {"vocab_size": 510}, "llama-debug": {"vocab_size": 510, "n_kv_heads": 2}}
+PLANS = ["dp=2,tp=2", "tp=4", "tp=4,tp_mode=2d", "dp=2,pp=2,microbatches=2", "dp=2,sp=2", "dp=2,tp=2,zero=3"]
+
+
+def _opt(params):
+    from cuboid.parallel.optim import AdamW
+
+    return AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def _adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def _steps(model, name, opt, pipelined, dp_group=None, dp=1):
+    """The three steps (natural loop / train_step alternating; train_step only under pp); the losses."""
+    import cuboid
+    from cuboid.parallel import comm
+    from cuboid.parallel.optim import clip_grad_norm_
+
+    losses = []
+    for step in range(STEPS):
+        if not pipelined and step % 2 == 0:
+            out = model(**cuboid.rank_share(model, even_batch(name, model)))
+            out.loss.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            loss = out.loss.detach().clone().reshape(1)
+            if dp > 1:
+                comm.all_reduce_(loss, dp_group)
+            losses.append(loss.item() / dp)
+        else:
+            losses.append(cuboid.train_step(model, opt, global_batch(name, model), max_grad_norm=1.0).loss)
+    return losses
+
+
+def one_device():
+    """name -> {pipelined: (initial params, params after, losses)} of one device's LoRA runs."""
+    import cuboid
+
+    out = {}
+    for name, extra in FAMILIES.items():
+        for pipelined in (False, True):
+            model = cuboid.load(name, seed=0, lora=LORA, **extra).train()
+            init = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt = _opt(model.parameters())
+            losses = _steps(model, name, opt, pipelined)
+            out[(name, pipelined)] = (init, {n: p.detach().clone() for n, p in model.named_parameters()}, losses)
+    return out
+
+
+def lora_worker(refs):
+    import torch.distributed as dist
+
+    import cuboid
+    from cuboid.parallel import Mesh, Plan
+
+    report = {}
+    for spec in PLANS:
+        plan = Plan.parse(spec)
+        mesh = Mesh.build(plan)
+        for name, extra in FAMILIES.items():
+            init, want, want_losses = refs[(name, plan.pp > 1)]
+            model = cuboid.load(name, plan, seed=0, mesh=mesh, lora=LORA, **extra).train()
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+            assert trainable and all(_adapter(n) for n in trainable), (spec, sorted(trainable)[:4])
+            opt = _opt(model.parameters())
+            losses = _steps(model, name, opt, plan.pp > 1, mesh.group("dp"), mesh.size("dp"))
+            held = {id(p) for p in opt.state}
+            names = {id(p): n for n, p in model.named_parameters()}
+            assert held and all(_adapter(names[i]) for i in held), (spec, name, "optimizer state off adapters")
+            pairs = gathered(model)
+            base = [(n, t) for n, t in pairs if not _adapter(n)]
+            changed = [n for n, t in base if not torch.equal(t, init[n])]
+            adapters = [(n, t) for n, t in pairs if _adapter(n)]
+            got = torch.cat([t.flatten() for _, t in adapters])
+            ref = torch.cat([want[n].flatten() for n, _ in adapters])
+            moved = torch.cat([(want[n] - init[n]).flatten() for n, _ in adapters])
+            report[f"{spec}/{name}"] = {
+                "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
+                "adapters": rel_norm(got, ref), "moved": float(moved.abs().max()),
+                "base_changed": changed, "adapters_seen": len(adapters),
+            }
+            dist.barrier()
+    return report
+
+
+def test_lora_parity_4_ranks():
+    refs = one_device()
+    reports = run_world(lora_worker, 4, refs, timeout=600)
+    for rank, report in enumerate(reports):
+        assert len(report) == len(PLANS) * len(FAMILIES)
+        for key, errs in report.items():
+            assert errs["base_changed"] == [], (rank, key, errs["base_changed"][:3])
+            assert errs["moved"] > 1e-3, (rank, key, "the adapters did not train")
+            assert errs["adapters_seen"] > 0, (rank, key)
+            assert errs["loss"] < 1e-5, (rank, key, errs)
+            assert errs["adapters"] < 1e-6, (rank, key, errs)
+
+
+def test_lora_one_device_every_family():
+    """Every family gets adapters by role; only they train (plain torch AdamW holds state for them alone), the
+    base stays bit-equal, and the model's loss moves."""
+    import cuboid
+    from cuboid.parallel.lora import adapted
+
+    for name, want in (("gpt-debug", {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}),
+                       ("bert-debug", {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}),
+                       ("vit-debug", {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"}),
+                       ("llama-debug", {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.gate", "mlp.up", "mlp.proj"})):
+        model = cuboid.load(name, lora=dict(r=2, alpha=4, dropout=0.1)).train()
+        paths = [p for p, _ in adapted(model)]
+        assert {p.split(".", 2)[2] for p in paths} == want, name
+        assert len(paths) == len(want) * model.config.n_layers
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = [cuboid.train_step(model, opt, global_batch(name, model)).loss for _ in range(3)]
+        assert losses[-1] != losses[0], name
+        assert {id(p) for p in opt.state} == {id(p) for p in model.parameters() if p.requires_grad}
+        for n, p in model.named_parameters():
+            if _adapter(n):
+                assert p.requires_grad
+            else:
+                assert not p.requires_grad and p.grad is None and torch.equal(p, before[n]), n
+
+
+def test_lora_under_3d_is_refused():
+    import cuboid
+    from cuboid.parallel import Mesh, Plan
+
+    plan = Plan(tp=8, tp_mode="3d")
+    with pytest.raises(NotImplementedError, match="3D"):
+        cuboid.load("gpt-debug", plan, device="meta", mesh=Mesh.layout(plan), lora=LORA)
