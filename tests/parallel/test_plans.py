@@ -60,19 +60,24 @@ KV_HEADS = (1, 2, 4)  # llama-debug's 4 query heads over 1 (multi-query), 2 (gro
 def family_options(name, plan, index):
     """The config overrides family ``name`` runs ``plan`` with: a vocabulary of 510 (it does not divide tp=4:
     padding) and, for the Llama family, the key/value heads turned by the plan's index over KV_HEADS, the
-    first the plan takes (2D/3D and all-to-all need them to divide their head split)."""
+    first the plan takes (2D/3D and all-to-all need them to divide their head split), and on some plans the
+    sequence-classification head (refused under pp and sp, whose forwards do not pass input_ids to it)."""
     from cuboid import zoo
 
     if name == "vit-debug":
         return {}
     if not name.startswith("llama"):
         return {"vocab_size": 510}
+    # every other run of three and every 2D/3D grid (rows cut over ranks), a plan whose forward passes input_ids
+    # to the head takes the classification head
+    cls = {"head": "cls", "num_labels": 3} if ((index // 3) % 2 or plan.tp_mode in ("2d", "3d")) \
+        and plan.pp == 1 and plan.sp == 1 and not plan.tp_sequence else {}
     for kv in KV_HEADS[index % 3:] + KV_HEADS[:index % 3]:
         try:
             plan.validate(zoo.config_of(name, n_kv_heads=kv))
         except ValueError:
             continue
-        return {"vocab_size": 510, "n_kv_heads": kv}
+        return {"vocab_size": 510, "n_kv_heads": kv, **cls}
     raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
 
 
