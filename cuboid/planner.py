@@ -1,20 +1,34 @@
-"""Which plan for this model on this cluster: ``cuboid plans --model M --gpus N``.
+"""Which plan for this model on this cluster: ``cuboid plans --model M --gpus N`` and ``plan="auto"``.
 
 :func:`candidate_plans` lists every plan this build runs on ``N`` ranks (the one
 enumeration, :func:`cuboid.parallel.plan_space.enumerate_plans`, with the batch's filters);
-:func:`rank_plans` builds each one's shards on the meta device for the few
-ranks whose shapes differ (first, last and fullest pipeline stage; first and
-last tensor rank), so the bytes held are those of the real layers, and asks
+:func:`search_space` adds what a plan leaves open: micro-batch counts (``pp``,
+``2 pp``, ``4 pp``, ... up to one sequence per micro-batch) and checkpointing
+(none, selective, full). :func:`rank_plans` builds each structure's shards on
+the meta device for the few ranks whose shapes differ (first, last and fullest
+pipeline stage; first and last tensor rank), in the layout the run trains in,
+so the bytes held are those of the real layers, and asks
 :func:`cuboid.parallel.cost.predict` for the rest. Plans that do not fit the
-device memory (even with activation checkpointing) say why.
+device memory (less the headroom) say why.
+
+:func:`auto_plan` resolves ``"auto"`` (``"auto,tp=2"``: fields that constrain
+the search; ``batch=``, ``seq=``, ``hardware=``, ``memory=``, ``headroom=`` set
+what it plans for): the fastest plan that fits the world size, the detected
+hardware and free memory, with a one-line account (:func:`choice_line`).
 """
 from __future__ import annotations
 
+import os
+import re
+import sys
 from typing import Iterable, Optional
 
-from cuboid.parallel.cost import Estimate, Hardware, predict
+from cuboid.parallel.cost import DEFAULT_HEADROOM, Estimate, Hardware, predict
 from cuboid.parallel.plan import Plan
-from cuboid.parallel.plan_space import enumerate_plans
+from cuboid.parallel.plan_space import enumerate_plans, refusal
+
+CHECKPOINTS = ("none", "selective", "full")
+AUTO_KEYS = ("batch", "seq", "hardware", "memory", "headroom", "layout")  # what "auto,..." sets beside plan fields
 
 
 def candidate_plans(config, world: int, batch: int, *, dtype: str = "fp32") -> list[Plan]:
@@ -24,12 +38,42 @@ def candidate_plans(config, world: int, batch: int, *, dtype: str = "fp32") -> l
     return enumerate_plans(config, world, batch=batch, per_stage=(4, 2, 1), dtype=dtype)
 
 
-class _Shards:
-    """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO and
-    the dtype do not change what a rank holds of the tensor and pipeline split)."""
+def microbatch_counts(plan: Plan, batch: int, most: int = 6) -> list[int]:
+    """Micro-batch counts to try for ``plan`` (1 without a pipeline): ``pp * 2^i`` and one sequence per
+    micro-batch, those that cut each dp share into whole tensor-grid blocks, at most ``most`` of them."""
+    if plan.pp == 1:
+        return [1]
+    rows = batch // plan.dp
+    counts, m = [], plan.pp
+    while m <= rows:
+        counts.append(m)
+        m *= 2
+    counts.append(rows // plan.batch_parts)
+    ok = sorted({m for m in counts if m >= 1 and rows % (m * plan.batch_parts) == 0
+                 and (m >= plan.pp or plan.schedule == "gpipe")})
+    if len(ok) > most:  # keep the ends and the middle
+        ok = sorted({ok[0], ok[-1], *ok[1:-1][:: max(1, (len(ok) - 2) // (most - 2))]})
+    return ok
 
-    def __init__(self, model) -> None:
-        self.model = model
+
+def search_space(config, plans: Iterable[Plan], batch: int, world: int) -> list[Plan]:
+    """Each plan with every micro-batch count and checkpointing the search tries (those that validate)."""
+    out = []
+    for plan in plans:
+        for m in microbatch_counts(plan, batch):
+            for ck in CHECKPOINTS:
+                p = plan.replace(microbatches=m, checkpoint=ck)
+                if m == plan.microbatches or refusal(p.to_dict(), config, world) is None:
+                    out.append(p)
+    return out
+
+
+class _Shards:
+    """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO,
+    checkpointing and micro-batches do not change what a rank holds of the tensor and pipeline split)."""
+
+    def __init__(self, model, dtype=None) -> None:
+        self.model, self.dtype = model, dtype
         self.cache: dict = {}
 
     def of(self, plan: Plan, rank: int):
@@ -37,13 +81,15 @@ class _Shards:
         from cuboid.parallel import Mesh
 
         coords = Mesh.layout(plan, rank).coords
-        split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth, microbatches=plan.microbatches,
+        split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth,
+                     microbatches=max(plan.pp, 1) if plan.schedule != "gpipe" else 1,
                      schedule=plan.schedule, stage_blocks=plan.stage_blocks)
         same = coords.get("pp", 0) * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
         if (split, same) not in self.cache:
             import cuboid
 
-            self.cache[split, same] = cuboid.load(self.model, plan=split, device="meta", mesh=Mesh.layout(split, same))
+            self.cache[split, same] = cuboid.load(self.model, plan=split, device="meta", mesh=Mesh.layout(split, same),
+                                                  dtype=self.dtype)
         return self.cache[split, same]
 
 
@@ -64,35 +110,40 @@ def _ranks_to_look_at(plan: Plan, block_cuts) -> list[int]:
 
 
 def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: Optional[_Shards] = None,
-             name: str = "") -> Estimate:
+             name: str = "", headroom: float = DEFAULT_HEADROOM) -> Estimate:
     """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a preset name or folder)."""
     from cuboid import zoo
 
     shards = shards or _Shards(model)
     first = shards.of(plan, 0)
     cuts = getattr(first, "pipeline_blocks", ())
-    rank_params = {}
-    for r in _ranks_to_look_at(plan, cuts):
-        m = shards.of(plan, r)
-        rank_params[r] = dict(m.named_parameters())
+    rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in _ranks_to_look_at(plan, cuts)}
     return predict(first.config, plan, rank_params, hw, batch, seq, spec=zoo.spec_of(first), block_cuts=cuts,
-                   name=name)
+                   name=name, headroom=headroom)
 
 
 def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
-               plans: Optional[Iterable[Plan]] = None, progress: bool = False) -> list[Estimate]:
-    """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last. A plan
-    that does not fit as it is is listed with activation checkpointing on (its misfit reason then says
-    that even checkpointed activations leave too little room)."""
+               plans: Optional[Iterable[Plan]] = None, progress: bool = False, layout: str = "autocast",
+               headroom: float = DEFAULT_HEADROOM, search: bool = True) -> list[Estimate]:
+    """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last, fullest
+    last. ``search``: each plan with every micro-batch count and checkpointing (:func:`search_space`);
+    without it, a plan that does not fit is tried once more fully checkpointed. ``layout``: ``autocast``
+    (fp32 weights) or ``half`` (weights in ``dtype`` with fp32 masters; fp32 training has one layout)."""
+    import torch
+
     config = config_of(model)
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
-    shards = _Shards(model)
+    if search:
+        todo = search_space(config, todo, batch, world)
+    half = layout == "half" and dtype != "fp32"
+    shards = _Shards(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if half else None)
     out = []
     bar = _bar(len(todo), progress)
     for plan in todo:
-        est = estimate(model, plan, hw, batch, seq, shards=shards)
-        if not est.fits and not plan.activation_checkpoint:  # checkpointed: fits, or at least says so
-            est = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards)
+        est = estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom)
+        if not search and not est.fits and not plan.activation_checkpoint:
+            est = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards,
+                           headroom=headroom)
         out.append(est)
         bar.update(1)
     bar.close()
@@ -111,3 +162,173 @@ def _bar(total: int, on: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="plans", unit="plan", disable=not on, leave=False)
+
+
+# ----------------------------------------------------------------------------- plan="auto"
+
+
+def is_auto(spec) -> bool:
+    """Whether a plan spec asks for the search: ``"auto"`` or ``"auto,field=value,..."``."""
+    return isinstance(spec, str) and re.fullmatch(r"\s*auto\s*(,.*)?", spec) is not None
+
+
+def parse_auto(spec: str) -> tuple[dict, dict]:
+    """(plan fields that constrain the search, planning options: ``batch``, ``seq``, ``hardware``, ``memory``,
+    ``headroom``, ``layout``) of ``"auto,tp=2,batch=16"``."""
+    fields, options = {}, {}
+    for part in [p.strip() for p in spec.split(",")[1:] if p.strip()]:
+        if "=" not in part:
+            raise ValueError(f"plan part {part!r} of {spec!r} is not of the form field=value")
+        key, raw = (s.strip() for s in part.split("=", 1))
+        if key in AUTO_KEYS:
+            options[key] = raw
+        else:
+            fields[key] = Plan.parse(f"{key}={raw}").to_dict()[key] if key in Plan().to_dict() else None
+            if fields[key] is None:
+                raise ValueError(f"{key!r} in {spec!r} is neither a plan field ({', '.join(Plan().to_dict())}) nor "
+                                 f"a planning option ({', '.join(AUTO_KEYS)})")
+    return fields, options
+
+
+def _matches(plan: Plan, fields: dict) -> bool:
+    d = plan.to_dict()
+    return all(d.get(k) == v for k, v in fields.items())
+
+
+def auto_plan(model, spec: str = "auto", *, world: int, batch: int, seq: int, dtype: Optional[str] = None,
+              hw: Optional[Hardware] = None, memory: Optional[float] = None, ranks_here: Optional[int] = None,
+              progress: bool = False) -> tuple[Plan, list[Estimate]]:
+    """The fastest plan of ``world`` ranks that fits, for ``model`` on a ``batch`` x ``seq`` global batch, and
+    the ranking it came from. ``hw``: the profile (default: detected, :func:`cuboid.parallel.cost.detect_hardware`);
+    ``memory``: bytes a rank may use (default: detected free memory, shared by ``ranks_here`` ranks on CPU).
+    ``spec``'s fields constrain the search and its options override these."""
+    from dataclasses import replace
+
+    from cuboid.parallel import cost
+
+    fields, options = parse_auto(spec)
+    batch = int(options.get("batch", batch))
+    seq = int(options.get("seq", seq))
+    if "hardware" in options:
+        hw = cost.load_hardware(options["hardware"])
+    hw = hw or cost.detect_hardware()
+    if "memory" in options:
+        memory = parse_size(options["memory"])
+    if memory is None:
+        memory = cost.free_memory_bytes(ranks_here or min(world, hw.gpus_per_node))
+    hw = replace(hw, memory_bytes=float(memory))
+    headroom = float(options.get("headroom", DEFAULT_HEADROOM))
+    dtype = fields.get("dtype") or dtype or "fp32"
+    config = config_of(model)
+    check_batch(config, batch, seq)
+    plans = [p for p in candidate_plans(config, world, batch, dtype=dtype) if _matches(p.replace(**{
+        k: v for k, v in fields.items() if k in ("microbatches", "checkpoint", "activation_checkpoint")}), fields)]
+    if not plans:
+        raise ValueError(f"no plan of {world} ranks runs {model} with {spec!r} for a batch of {batch}: "
+                         f"see `cuboid plans --model {model} --gpus {world} --batch {batch}`")
+    ests = [e for e in rank_plans(model, world, hw, batch, seq, dtype=dtype, plans=plans, progress=progress,
+                                  layout=options.get("layout", "autocast"), headroom=headroom)
+            if _matches(e.plan, fields)]
+    fits = [e for e in ests if e.fits]
+    if not fits:
+        e = ests[0] if ests else None
+        raise ValueError(f"no plan of {world} ranks fits {model} for a batch of {batch} x {seq}"
+                         + (f": the smallest, {e.plan.describe()}, {e.why}" if e else ""))
+    return fits[0].plan, ests
+
+
+def runner_up(ests: list[Estimate]) -> Optional[Estimate]:
+    """The best fitting plan of another shape than the first (sizes, modes, ZeRO; not checkpointing or
+    micro-batches), else the second."""
+    fits = [e for e in ests if e.fits]
+    if len(fits) < 2:
+        return None
+    key = lambda p: p.replace(microbatches=1 if p.pp == 1 else p.pp, checkpoint="none").describe()  # noqa: E731
+    first = key(fits[0].plan)
+    return next((e for e in fits[1:] if key(e.plan) != first), fits[1])
+
+
+def choice_line(ests: list[Estimate], world: int, hw: Hardware, batch: int, seq: int) -> str:
+    """``plan auto: dp=4 (0.31 s/step, peak 2.1 GB) over tp=2,dp=2 (...)``, one line."""
+    best, second = ests[0], runner_up(ests)
+
+    def one(e):
+        return f"{e.plan.describe()} ({e.step_s:.3g} s/step, peak {e.memory / 1e9:.2f} GB)"
+
+    other = f", runner-up {one(second)}" if second else ", the only plan that fits"
+    return (f"plan auto: {one(best)}{other}; predicted for {world} x {hw.name} with {hw.memory_bytes / 1e9:.1f} GB "
+            f"each, batch {batch} x {seq}, {best.layout} layout")
+
+
+def resolve(spec, model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype: Optional[str] = None,
+            world: Optional[int] = None, say=None) -> Plan:
+    """``spec`` as a :class:`Plan`: an ``auto`` spec searched (:func:`auto_plan`) for ``world`` ranks (default:
+    ``WORLD_SIZE``), decided on rank 0 and sent to the others when a process group runs, its choice said in
+    one line (``say``, default stderr on rank 0); any other spec as :meth:`Plan.parse` reads it."""
+    from cuboid.zoo import READY_PLANS
+
+    if not is_auto(spec):
+        return Plan.parse(spec, READY_PLANS)
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    config = config_of(model)
+    batch = batch or max(8, 4 * world)
+    seq = seq or default_seq(config)
+    rank = 0
+    if world > 1 and "WORLD_SIZE" in os.environ:
+        from cuboid.parallel.mesh import init_distributed
+
+        rank, _ = init_distributed()
+    chosen = [None]
+    if rank == 0:
+        from cuboid.parallel import cost
+
+        hw = cost.detect_hardware()
+        _, options = parse_auto(spec)
+        if "hardware" in options:
+            hw = cost.load_hardware(options["hardware"])
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", min(world, hw.gpus_per_node)))
+        memory = parse_size(options["memory"]) if "memory" in options else cost.free_memory_bytes(ranks_here)
+        plan, ests = auto_plan(model, spec, world=world, batch=batch, seq=seq, dtype=dtype, hw=hw, memory=memory)
+        from dataclasses import replace
+
+        line = choice_line(ests, world, replace(hw, memory_bytes=memory), int(options.get("batch", batch)),
+                           int(options.get("seq", seq)))
+        (say or (lambda m: print(m, file=sys.stderr, flush=True)))(line)
+        chosen[0] = plan.to_dict()
+    if world > 1 and "WORLD_SIZE" in os.environ:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(chosen, src=0)
+    return Plan.from_dict(chosen[0])
+
+
+def default_seq(config) -> int:
+    """The sequence length planned for when none is given: the model's positions (ViT: its patches + 1),
+    at most 2048."""
+    if hasattr(config, "patch_size"):
+        return config.n_patches + 1
+    return min(getattr(config, "n_positions", 0) or 2048, 2048)
+
+
+def check_batch(config, batch: int, seq: int) -> None:
+    """A one-sentence ValueError for a batch or sequence length the model cannot train on."""
+    if batch < 1:
+        raise ValueError(f"--batch {batch}: give a global batch of at least 1 sequence")
+    positions = getattr(config, "n_positions", None)
+    if hasattr(config, "patch_size"):
+        if seq != config.n_patches + 1:
+            raise ValueError(f"--seq {seq}: a ViT of {config.n_patches} patches sees {config.n_patches + 1} tokens")
+    elif seq < 1 or (positions and seq > positions):
+        raise ValueError(f"--seq {seq}: this model takes 1 to {positions} positions")
+
+
+def parse_size(text) -> float:
+    """Bytes of ``80GB``, ``80G``, ``80 GiB``, ``512MB``, ``1.5T`` or a plain number of GB."""
+    if isinstance(text, (int, float)):
+        return float(text) * 1e9
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GB|GiB|G|TB|TiB|T|MB|MiB|M)?\s*", str(text), re.I)
+    if not m:
+        raise ValueError(f"memory takes a size like 80GB, 80G or 512MiB, got {text!r}")
+    unit = (m.group(2) or "GB").lower()
+    return float(m.group(1)) * {"gb": 1e9, "g": 1e9, "gib": 2 ** 30, "tb": 1e12, "t": 1e12, "tib": 2 ** 40,
+                                "mb": 1e6, "m": 1e6, "mib": 2 ** 20}[unit]

@@ -1,0 +1,253 @@
+"""Bytes a rank holds under a plan: model states (exact) and activations, copies and temporaries (estimated).
+
+- **Model states** (:func:`model_states`, exact: the tests hold them equal to
+  what :func:`.zero.model_state_bytes` measures): parameters, gradients, AdamW
+  moments and fp32 masters of the rank's own pieces, in the layout its
+  parameters have. Two layouts are costed (:func:`layout_of`): fp32 weights
+  under autocast (``autocast``: 4 + 4 + 8/N bytes per parameter, gradients
+  reduced in fp32) and half-precision weights with fp32 masters (``half``:
+  2 + 2 + 12/N, the ZeRO paper's layout, ``cuboid.load(dtype=torch.bfloat16)``);
+  ``fp32`` is fp32 training.
+- **Activations** (:func:`activation_bytes`: Korthikanti et al., arXiv
+  2205.05198, with flash attention; :func:`held_activations`: the bytes the
+  code keeps, measured per layout: the residual stream stays fp32 under
+  autocast, a checkpointed block keeps its input and the residual).
+- **Peak** (:func:`peak_bytes`): the states, the activations of the micro-batches
+  in flight, autocast's half-precision weight copies saved for backward (every
+  block's linears; whole copies under ZeRO-3, whose gathered units FSDP2 keeps
+  too), and the fused loss head's saved gradients, kept weight copy and
+  logits chunk.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .cost_shape import Shape, Stage, _dtype_bytes, in_flight
+from .plan import Plan
+
+ADAMW_STATE_BYTES = 8          # two fp32 moments per element (plus a 4-byte master of half-precision params)
+ADAMW_TOUCHED_BYTES = 28       # an fp32 AdamW step reads p, g, m, v and writes p, m, v
+LAYOUTS = ("fp32", "autocast", "half")
+
+
+def _buckets(ps) -> list:
+    """(elements, element bytes) of each ZeRO-1/2 flat bucket of trainable ``ps`` (:func:`.zero.plan_buckets`)."""
+    from .zero import plan_buckets
+
+    return [(sum(p.numel() for p in b), b[0].element_size()) for b in plan_buckets(ps)]
+
+
+def _fsdp_rows(p: torch.Tensor, n: int) -> tuple:
+    """(rows, rows per rank, elements per row) of FSDP2's dim-0 cut of ``p`` over ``n`` ranks."""
+    rows = p.shape[0] if p.dim() else 1
+    return rows, math.ceil(rows / n), p.numel() // max(rows, 1)
+
+
+def _trainable(params) -> list:
+    seen, out = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -> dict:
+    """Bytes of parameters, gradients and AdamW state this rank holds, from its parameters ``params``
+    (meta tensors do: the shapes of its shards and stages) under ``plan``'s ZeRO stage over ``dp`` (under
+    sp over dp x sp: :func:`.zero.group_of`).
+
+    What :func:`.zero.model_state_bytes` measures after a backward with the optimizer's state made:
+    ``params`` (ZeRO-3: this rank's rows), ``grads`` (ZeRO-2: its bucket shards), ``optimizer``
+    (moments of its pieces) and ``masters`` (fp32 copies of half-precision pieces). ``dp_rank``: which
+    rank of the ZeRO group (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
+    """
+    ps = _trainable(params)
+    n = plan.dp * plan.sp
+    pbytes = sum(p.numel() * p.element_size() for p in ps)
+    frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)
+    if plan.zero == 0 or n == 1:
+        pieces = [(p.numel(), p.element_size()) for p in ps]
+        out = {"params": pbytes + frozen, "grads": pbytes}
+    elif plan.zero in (1, 2):
+        pieces, grads = [], 0
+        for numel, size in _buckets(ps):
+            pieces.append((math.ceil(numel / n), size))
+            grads += (math.ceil(numel / n) if plan.zero == 2 else numel) * size
+        out = {"params": pbytes + frozen, "grads": grads}
+    else:  # FSDP2 keeps rows [r ceil(R / n), (r + 1) ceil(R / n)) of every parameter on rank r
+        pieces = []
+        for p in ps:
+            rows, chunk, per_row = _fsdp_rows(p, n)
+            mine = min(chunk, max(0, rows - dp_rank * chunk))
+            pieces.append((mine * per_row, p.element_size()))
+        held = sum(k * s for k, s in pieces)
+        out = {"params": held + frozen, "grads": held}
+    out["optimizer"] = sum(k * ADAMW_STATE_BYTES for k, _ in pieces)
+    out["masters"] = sum(k * 4 for k, s in pieces if s < 4)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _activation_split(plan: Plan) -> tuple:
+    """(elements per token and hidden unit a rank holds of a block's 17 (Korthikanti et al.), the split of
+    a block's input): 1D tensor parallelism splits 12 of them over ``tp`` (``tp_sequence`` all 17), the
+    grid modes all 17."""
+    split_all = plan.tp if (plan.tp_mode != "1d" or plan.tp_sequence) else 1
+    return (17 / plan.tp if split_all > 1 else 5 + 12 / plan.tp), split_all
+
+
+# fp32 elements per token and hidden unit a block keeps under checkpoint=selective (its matmuls' outputs, the
+# fused attention's output, its input), measured, not derived: bench/checkpointing.py counts the bytes a forward
+# leaves alive inside the blocks (gpt2, 12 blocks, 2 x 512 tokens, 2026-12-04: none 17.9, the 17 above; full
+# 1.8; selective 11.8). On two and four gloo ranks (gpt2 shapes, 4 blocks) the same count splits it: 1D tensor
+# parallelism cuts the column linears' outputs and the attention (3 + 1 + 4 = 8) and leaves the row linears'
+# partial sums and the block input whole (tp=2: 7.5 measured, 7.8 here; tp=4: 5.5, 5.8); tp_sequence leaves only
+# the two partial sums whole (6.8, 6.9; 4.4, 4.5); the grid modes cut all of it (2d at tp=4: 2.9, 3.0).
+SELECTIVE_KEPT = 11.85
+SELECTIVE_SPLIT_1D = 8.0
+
+
+def _selective_elements(plan: Plan) -> float:
+    """Elements per token and hidden unit a rank keeps of a block under checkpoint=selective."""
+    if plan.tp == 1:
+        return SELECTIVE_KEPT
+    if plan.tp_mode != "1d":
+        return SELECTIVE_KEPT / plan.tp
+    whole = 2.0 if plan.tp_sequence else SELECTIVE_KEPT - SELECTIVE_SPLIT_1D
+    return whole + (SELECTIVE_KEPT - whole) / plan.tp
+
+
+def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq: int) -> float:
+    """Activation elements a rank's blocks make in a step (split as :func:`activation_bytes` splits them;
+    a third more when recomputing): what a CPU profile's ``elementwise_ns`` prices, the norms, softmax,
+    adds and activations that are not matmuls."""
+    tokens = batch / plan.dp * seq / plan.sp
+    per, _ = _activation_split(plan)
+    return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.activation_checkpoint else 1.0)
+
+
+def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
+                     checkpoint=None) -> float:
+    """Estimated activations a rank holds at its peak (Korthikanti et al. with flash attention).
+
+    Per block and token: 34 bytes per hidden unit in half precision (17
+    elements); 1D tensor parallelism splits 12 of them over ``tp`` (with
+    ``tp_sequence`` all 17), 2D/2.5D/3D and sequence parallelism split all of
+    them. With checkpointing a block keeps its input (1 element) and one
+    block's activations are rebuilt at a time; with selective checkpointing
+    it keeps :func:`_selective_elements` (measured) and one block's others
+    are rebuilt at a time. The vocab-parallel loss keeps fp32 logits for its
+    rows. ``micro_rows``: sequences per micro-batch. ``checkpoint``: the
+    plan's own (None), ``True``/``False`` (full or none), or a
+    ``Plan.checkpoint`` name.
+    """
+    mode = plan.checkpoint if checkpoint is None else (
+        checkpoint if isinstance(checkpoint, str) else "full" if checkpoint else "none")
+    ckpt = mode == "full"
+    e = _dtype_bytes(plan.dtype)
+    tokens = micro_rows * seq / plan.sp
+    h = shape.dim
+    per, split_all = _activation_split(plan)
+    per_block = tokens * h * e * per
+    held_block = tokens * h * e / split_all if ckpt else per_block
+    rebuilt = per_block if ckpt else 0.0  # one block's activations, made again in backward
+    if mode == "selective":
+        held_block = min(per_block, tokens * h * e * _selective_elements(plan))
+        rebuilt = per_block - held_block
+    flight = in_flight(plan, stage)
+    out = flight * stage.blocks * held_block + (rebuilt if stage.blocks else 0.0)
+    if stage.last and shape.vocab_size:
+        out += tokens * math.ceil(shape.vocab_size / plan.tp) * 4
+    if stage.first:
+        out += flight * tokens * h * e / split_all
+    return out
+
+
+# ----------------------------------------------------------------------------- what the code keeps (peak)
+
+# bytes per token and hidden unit one block keeps for backward at tp = 1, per layout, measured on CPU with
+# RssAnon and the held-bytes count (bench/checkpointing.py, bench/memory_model.py; gpt2 shapes, no dropout):
+# without checkpointing fp32 keeps 17.94 elements; under bf16 autocast with fp32 weights 36.2 bytes (Korthikanti's
+# 34 without dropout masks, plus the residual stream that stays fp32); with half weights the stream is half too.
+# A fully checkpointed block keeps its input and the residual: 2 fp32 elements, a bf16 input plus the fp32
+# residual under autocast (6 bytes), two half tensors with half weights.
+BLOCK_BYTES = {"none": {"fp32": 71.8, "autocast": 36.2, "half": 34.2},
+               "full": {"fp32": 8.0, "autocast": 6.0, "half": 4.0}}
+LOSS_CHUNK_ELEMS = 1 << 24     # logits per chunk of the fused linear cross-entropy (kernels.linear_cross_entropy)
+
+
+def layout_of(plan: Plan, param_dtype=None) -> str:
+    """``fp32`` (fp32 training), ``autocast`` (fp32 weights, half autocast) or ``half`` (half weights, fp32
+    masters) for a plan whose parameters are ``param_dtype`` (default fp32)."""
+    if param_dtype is not None and param_dtype in (torch.bfloat16, torch.float16):
+        return "half"
+    return "fp32" if plan.dtype == "fp32" else "autocast"
+
+
+def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int, layout: str) -> float:
+    """Bytes the blocks of ``stage`` keep for backward at the peak (the end of a forward, every micro-batch in
+    flight), as the code keeps them in ``layout`` (:data:`BLOCK_BYTES`), split over the tensor and sequence
+    ranks as :func:`activation_bytes` splits them; one block's activations rebuilt under recompute."""
+    tokens, h = micro_rows * seq / plan.sp, shape.dim
+    per, split_all = _activation_split(plan)
+    none = tokens * h * BLOCK_BYTES["none"][layout] * per / 17
+    full = tokens * h * BLOCK_BYTES["full"][layout] / split_all
+    mode = plan.checkpoint
+    held, rebuilt = none, 0.0
+    if mode == "full":
+        held, rebuilt = full, none
+    elif mode == "selective":
+        ratio = BLOCK_BYTES["none"][layout] / BLOCK_BYTES["none"]["fp32"]
+        held = min(none, tokens * h * _selective_elements(plan) * 4 * ratio)
+        rebuilt = none - held
+    return in_flight(plan, stage) * stage.blocks * held + (rebuilt if stage.blocks else 0.0)
+
+
+def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
+    """(elements of the block linears' weights, of one block's, of every other parameter) among ``params``."""
+    mats = [p for n, p in params.items() if n.startswith(blocks) and p.dim() >= 2]
+    per_block: dict = {}
+    for n, p in params.items():
+        if n.startswith(blocks):
+            key = n[len(blocks):].split(".", 1)[0]
+            per_block[key] = per_block.get(key, 0) + p.numel()
+    rest = sum(p.numel() for n, p in params.items() if not n.startswith(blocks))
+    return sum(p.numel() for p in mats), max(per_block.values(), default=0), rest
+
+
+def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str) -> float:
+    """The fused loss head's bytes at the peak (last stage): the gradients it makes in forward and saves
+    (input rows x dim, weight vocab x dim), the weight copy kept for late logits, one chunk of logits and
+    its gradient."""
+    if not shape.vocab_size:
+        return 0.0
+    tokens = micro_rows * seq / plan.sp / (plan.tp if plan.tp_mode != "1d" else 1)
+    vocab = math.ceil(shape.vocab_size / plan.tp)
+    wide = 2 if layout == "half" else 4
+    kept = 4 if layout == "fp32" else 2
+    chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // vocab)) * vocab * 4 * 2
+    return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept) + chunk
+
+
+def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
+               states: dict, blocks: str = "blocks.") -> dict:
+    """A rank's peak bytes, by part: ``states`` (:func:`model_states`, gradients counted against the
+    activations they replace in backward), ``activations`` (:func:`held_activations`), ``copies``
+    (autocast's half copies of the block linears saved for backward, and FSDP2's gathered units under
+    ZeRO-3), ``head`` (:func:`head_bytes`); ``total``."""
+    act = held_activations(shape, plan, stage, micro_rows, seq, layout)
+    mats, one_block, rest = _block_matrices(params, blocks)
+    pbytes = next((p.element_size() for p in params.values()), 4)
+    copies = 0.0
+    if layout == "autocast":
+        copies = 2 * (mats if plan.checkpoint != "full" else mats / max(stage.blocks, 1))
+    if plan.zero == 3 and plan.dp * plan.sp > 1:  # the root unit stays gathered, two block units at a time
+        copies += (rest + 2 * one_block) * pbytes
+    head = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else 0.0
+    fixed = states["params"] + states["optimizer"] + states["masters"]
+    total = fixed + max(act + copies + head, states["grads"])
+    return {"states": states["total"], "activations": act, "copies": copies, "head": head, "total": total}
