@@ -109,16 +109,15 @@ def _last_position(head):
     return last
 
 
-def _all_done(done: torch.Tensor, model: nn.Module) -> bool:
-    """Whether every row has ended, here and on every data-parallel rank (their prompts differ, and a ZeRO-3
-    forward gathers over dp: all stop at the same step, or none)."""
+def _over_dp(value: float, model: nn.Module, op: str) -> float:
+    """``value`` reduced (``op``: min or max) over the data-parallel ranks, which hold different prompts: what
+    decides a collective step (stop, refuse) must be the same on each, or a ZeRO-3 forward's gather waits."""
     mesh = getattr(model, "mesh", None)
-    finished = torch.tensor([float(bool(done.all()))])
-    if mesh is not None and mesh.size("dp") > 1:
-        from cuboid.parallel import comm
+    if mesh is None or mesh.size("dp") == 1:
+        return value
+    from cuboid.parallel import comm
 
-        comm.all_reduce_(finished, mesh.group("dp"), op="min")
-    return bool(finished.item())
+    return comm.all_reduce_(torch.tensor([float(value)], dtype=torch.float64), mesh.group("dp"), op=op).item()
 
 
 @torch.no_grad()
@@ -140,8 +139,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(device=device, dtype=ids.dtype)
-    if ids.shape[1] + max_new_tokens > config.n_positions:
-        raise ValueError(f"{ids.shape[1]} prompt tokens + {max_new_tokens} new exceed the model's "
+    longest = int(_over_dp(ids.shape[1], model, "max"))  # every dp rank refuses, or none
+    if longest + max_new_tokens > config.n_positions:
+        where = "" if longest == ids.shape[1] else " (the longest prompt of the data-parallel ranks)"
+        raise ValueError(f"{longest} prompt tokens{where} + {max_new_tokens} new exceed the model's "
                          f"{config.n_positions} positions")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
@@ -172,7 +173,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
             new = token[:, None]
             if streamer is not None:
                 streamer(token)
-            if eos_token_id is not None and _all_done(done, model):
+            if eos_token_id is not None and _over_dp(bool(done.all()), model, "min"):  # all dp ranks stop together
                 break
     finally:
         for mod, name, core in swapped:

@@ -52,6 +52,11 @@ def generation_worker(folders: dict, expected: dict):
     got = model.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     out["eos under zero3"] = (torch.equal(got[:, :want.shape[1]], want) and bool((got[:, want.shape[1]:] == 0).all()),
                               want.shape[1] < got.shape[1] if mesh.coords["dp"] == 0 else True)
+    try:  # a prompt too long on rank 0 only: every dp rank refuses, none waits in a forward
+        model.generate(torch.ones(2, 20 if mesh.coords["dp"] == 0 else 3, dtype=torch.long), max_new_tokens=NEW)
+        out["too long under zero3"] = (False, False)
+    except ValueError as e:
+        out["too long under zero3"] = ("20 prompt tokens" in str(e), "exceed the model's 80 positions" in str(e))
     text = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2))
     ppl, ppl_one = perplexity(model, text, 32, 16), perplexity(one, text, 32, 16)
     out["perplexity under zero3"] = (ppl["windows"] == 3, abs(ppl["perplexity"] - ppl_one["perplexity"])
@@ -86,7 +91,7 @@ def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
         expected[name] = (greedy, sampled)
     results = run_world(generation_worker, 4, folders, expected, timeout=400)
     for rank, (out, refused) in enumerate(results):
-        assert len(out) == len(PLANS) * len(folders) + 2, rank
+        assert len(out) == len(PLANS) * len(folders) + 3, rank
         for key, (greedy_ok, sampled_ok) in out.items():
             assert greedy_ok and sampled_ok, (rank, key, greedy_ok, sampled_ok)
         assert "generation under sequence parallelism is not built" in refused, (rank, refused)
