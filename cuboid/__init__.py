@@ -14,7 +14,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
 
     ``plan``: how to spread the model (a :class:`cuboid.parallel.Plan`, a ready
     plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
-    ``None`` for one device). The model is built on the meta device, sharded
+    ``None`` for one device; ``"auto"``: the fastest plan the cost model finds
+    for the world size, the detected hardware and free memory, constrained by
+    any fields given, ``"auto,tp=2,batch=16,seq=512"``: :func:`cuboid.planner.resolve`).
+    The model is built on the meta device, sharded
     for the plan's tensor mode, and only then allocated, so each rank holds and
     initialises (or reads from the folder) just its own slices, with the same
     values as the single-device model of the same seed. Multi-process plans run
@@ -42,6 +45,11 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     from cuboid.parallel import Mesh, Plan, prepare, shard
 
     device = device or "cpu"
+    if isinstance(plan, str) and plan.strip().startswith("auto"):  # "auto[,tp=2,batch=16,seq=512]": searched
+        from cuboid.planner import resolve
+
+        plan = resolve(plan, name_or_path, dtype={None: None, "bfloat16": "bf16", "float16": "fp16"}.get(
+            str(dtype).replace("torch.", "") if dtype is not None else None))
     plan = Plan() if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
     single = plan.world_size == 1
     if mesh is None and single:

@@ -181,6 +181,7 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    from cuboid.planner import config_of, default_seq, is_auto, resolve as resolve_plan
     from cuboid.trainer import run
     from cuboid.parallel import Plan
     from cuboid.zoo import READY_PLANS
@@ -190,8 +191,15 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     restarts = values.pop("max_restarts", None)
     if restarts is not None and restarts < 0:
         raise ValueError(f"--max-restarts {restarts}: give 0 or more restarts")
-    plan = Plan.parse(values.get("plan"), READY_PLANS)
     under_launcher = "WORLD_SIZE" in os.environ
+    auto = is_auto(values.get("plan"))
+    if auto and not under_launcher:  # decided once, here, for the processes about to start
+        seq = values.get("seq_len") or default_seq(config_of(values.get("model") or "vit-debug"))
+        plan = resolve_plan(values["plan"], values.get("model"), batch=values.get("batch_size"), seq=seq,
+                            dtype=values.get("dtype"), world=nproc or 1)
+        values["plan"] = plan.describe()
+        sys.argv = [*_strip_option(sys.argv, "--plan"), "--plan", values["plan"]]
+    plan = Plan() if auto and under_launcher else Plan.parse(values.get("plan"), READY_PLANS)
     if not under_launcher:
         if nproc is not None and nproc != plan.world_size:
             raise ValueError(f"--nproc-per-node {nproc} does not fit plan {plan.describe()}, "
@@ -205,6 +213,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     cfg = FinetuneConfig(**values)
     run(cfg)
     return 0
+
+
+def _strip_option(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag VALUE`` and ``flag=VALUE``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:

@@ -253,11 +253,16 @@ def choice_line(ests: list[Estimate], world: int, hw: Hardware, batch: int, seq:
     best, second = ests[0], runner_up(ests)
 
     def one(e):
-        return f"{e.plan.describe()} ({e.step_s:.3g} s/step, peak {e.memory / 1e9:.2f} GB)"
+        return f"{e.plan.describe()} ({e.step_s:.3g} s/step, peak {human_bytes(e.memory)})"
 
     other = f", runner-up {one(second)}" if second else ", the only plan that fits"
-    return (f"plan auto: {one(best)}{other}; predicted for {world} x {hw.name} with {hw.memory_bytes / 1e9:.1f} GB "
+    return (f"plan auto: {one(best)}{other}; predicted for {world} x {hw.name} with {human_bytes(hw.memory_bytes)} "
             f"each, batch {batch} x {seq}, {best.layout} layout")
+
+
+def human_bytes(n: float) -> str:
+    """``1.23 GB`` or ``45.6 MB``."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def resolve(spec, model, *, batch: Optional[int] = None, seq: Optional[int] = None, dtype: Optional[str] = None,

@@ -322,6 +322,7 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 
 
 def run(cfg: FinetuneConfig) -> dict:
+    from cuboid.planner import is_auto, resolve as resolve_plan
     from cuboid.zoo import READY_PLANS, checkpoint as ckpt
 
     if cfg.optimizer not in OPTIMIZERS:
@@ -336,6 +337,11 @@ def run(cfg: FinetuneConfig) -> dict:
         cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
     if cfg.task is not None and cfg.task not in D.TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(D.TASKS)} (clm: causal)")
+    if is_auto(cfg.plan):  # searched for this world, decided on rank 0 (after the timeout's process group)
+        if cfg.timeout_s is not None and cfg.timeout_s > 0:
+            init_distributed(timeout_s=cfg.timeout_s)
+        cfg = dataclasses.replace(cfg, plan=resolve_plan(cfg.plan, cfg.model, batch=cfg.batch_size, seq=cfg.seq_len,
+                                                         dtype=cfg.dtype))
     plan = Plan.parse(cfg.plan, READY_PLANS)
     if cfg.dtype is not None:
         plan = plan.replace(dtype=cfg.dtype)
