@@ -56,6 +56,8 @@ FLAGS = [
     ("--resume", str, "continue from a checkpoint (its checksums verified first): bare --resume or 'latest' takes "
                       "the newest complete one in --output-dir"),
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
+    ("--lora", str, "train LoRA adapters only: r=16,alpha=32[,dropout=0.05][,targets=attn+mlp] (targets: attn, "
+                    "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
     ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's)"),

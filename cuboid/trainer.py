@@ -80,6 +80,7 @@ class FinetuneConfig:
     keep: int = 2                         # checkpoints kept
     output_dir: str = "runs/finetune"
     resume: Optional[str] = None          # "latest", a checkpoint folder, or None
+    lora: Any = None                      # LoRA adapters only: "r=16,alpha=32[,dropout=0.05][,targets=attn+mlp]"
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
     seq_len: Optional[int] = None
@@ -132,7 +133,10 @@ def _complete(path: Path) -> bool:
     """A training checkpoint with its commit file (the model index, or the single model file)."""
     from cuboid.zoo.checkpoint.format import INDEX, TRAINER_STATE
 
-    return (path / TRAINER_STATE).is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file())
+    from cuboid.zoo import lora
+
+    return (path / TRAINER_STATE).is_file() and ((path / INDEX).is_file() or (path / "model.safetensors").is_file()
+                                                 or lora.is_checkpoint(path))
 
 
 def _resolve_resume(resume: Optional[str], out: Path) -> Optional[Path]:
@@ -281,9 +285,13 @@ def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[i
 
     if isinstance(cfg.model, nn.Module):
         model = shard(cfg.model, plan, mesh, zoo.spec_of(cfg.model))
+        if cfg.lora is not None:
+            from cuboid.zoo.lora import attach
+
+            attach(model, cfg.lora, seed=cfg.seed)
         tokenizer = D.load_tokenizer(cfg.tokenizer)
     elif os.path.isdir(str(cfg.model)):
-        model = cuboid.load(cfg.model, plan, device=device, mesh=mesh)
+        model = cuboid.load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora)
         tokenizer = D.load_tokenizer(cfg.tokenizer or cfg.model)
     else:
         if cfg.model not in zoo.PRESETS:
@@ -295,7 +303,7 @@ def _load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[i
             overrides["head"] = HEAD_OF_TASK[task]
         if num_labels is not None and hasattr(base, "num_labels"):
             overrides["num_labels"] = num_labels
-        model = cuboid.load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, **overrides)
+        model = cuboid.load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, **overrides)
         tokenizer = D.load_tokenizer(cfg.tokenizer)
     family = zoo.family_of(model).name
     inferred = TASK_OF_HEAD.get((family, model.config.head))
@@ -402,10 +410,15 @@ def run(cfg: FinetuneConfig) -> dict:
     start = 0
     resume_from = _agreed_resume(cfg.resume, out, mesh) if restart == 0 else \
         _agreed_resume("latest", out, mesh) or _agreed_resume(cfg.resume, out, mesh)  # a restart resumes by itself
-    if resume_from is not None:
+    if resume_from is not None and cfg.lora is not None:  # the adapters, their optimizer state, the RNG
+        from cuboid.zoo.lora import load_checkpoint
+
+        saved = load_checkpoint(model, resume_from, optimizer=optimizer, scheduler=scheduler)
+    if resume_from is not None and cfg.lora is None:
         _verify_once(ckpt, resume_from, mesh)  # every file against its SHA-256 before any value is used
         ckpt.load(model, resume_from)
         saved = ckpt.load_training_state(resume_from, model, optimizer=optimizer, scheduler=scheduler)["state"]
+    if resume_from is not None:
         start = int(saved["step"])
         batches.position = int(saved["data"]["position"])
         log(f"resumed from {resume_from} at step {start}" + (f" (restart {restart})" if restart else ""))
@@ -484,7 +497,13 @@ def run(cfg: FinetuneConfig) -> dict:
     final_ckpt = out / f"checkpoint-{steps}"
     _save(ckpt, model, optimizer, scheduler, final_ckpt, steps, batches, plan, cfg, mesh, fault)
     final = out / "final"
-    ckpt.save(model, final)  # every rank takes part (gathers); one writes; replaced atomically
+    if cfg.lora is not None:  # the adapters in peft's layout (peft.PeftModel.from_pretrained(base, final))
+        from cuboid.zoo.lora import save_adapters
+
+        save_adapters(model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
+                      and os.path.isdir(cfg.model) else None)
+    else:
+        ckpt.save(model, final)  # every rank takes part (gathers); one writes; replaced atomically
     if mesh.is_main and tokenizer is not None:
         tokenizer.save_pretrained(str(final))
     mesh.barrier()
@@ -514,7 +533,12 @@ def _save(ckpt, model, optimizer, scheduler, path: Path, step: int, batches, pla
                 Fault.kill()
         folder.hook = die_on_second_file
     try:
-        ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+        if cfg.lora is not None:  # adapters only, in peft's layout, with their optimizer state
+            from cuboid.zoo.lora import save_checkpoint
+
+            save_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+        else:
+            ckpt.save(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
     finally:
         folder.hook = restore
     if mesh.is_main:

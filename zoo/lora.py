@@ -240,3 +240,85 @@ def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:
     for p in model.parameters():
         p.requires_grad_(True)
     return to_hf(model, out)
+
+
+# ---------------------------------------------------------------- training checkpoints
+
+
+RANK_STATE = "lora-rank{:05d}.pt"
+
+
+def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+    """A LoRA run's training checkpoint: the adapters only, in peft's layout (peft loads the folder), the
+    model's ``config.json``, ``trainer_state.json`` (``state``) and each rank's optimizer, scheduler and RNG
+    state (``lora-rank<r>.pt``: the adapters' optimizer state is small; resume takes the same plan).
+
+    Every rank calls it; the folder is written under a temporary name and renamed into place when complete
+    (:mod:`cuboid.zoo.checkpoint.folder`), so an interrupted save never looks like a checkpoint."""
+    import torch.distributed as dist
+
+    from .checkpoint import folder as folder_mod
+    from .checkpoint.format import TRAINER_STATE
+    from .checkpoint.state import rng_state
+    from .checkpoint.writer import hf_config
+
+    path = Path(path).absolute()
+    dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if dist_on else 0
+    box = [None, None]
+    if rank == 0:
+        try:
+            box = [str(folder_mod.begin(path)), None]
+        except Exception as e:  # noqa: BLE001 - told to every rank
+            box = [None, f"{type(e).__name__}: {e}"]
+    if dist_on:
+        dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise ValueError(f"cannot save {path}: {box[1]}")
+    tmp = Path(box[0])
+    save_adapters(model, tmp)
+    mine = {"optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state(),
+            "world": dist.get_world_size() if dist_on else 1}
+    torch.save(mine, tmp / RANK_STATE.format(rank))
+    if dist_on:
+        dist.barrier()
+    if rank == 0:
+        (tmp / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+        (tmp / TRAINER_STATE).write_text(json.dumps({"state": state or {}, "lora": True}, indent=2) + "\n")
+        folder_mod.commit(tmp, path)
+    if dist_on:
+        dist.barrier()
+    return path
+
+
+def is_checkpoint(path) -> bool:
+    """A complete LoRA training checkpoint (what :func:`save_checkpoint` commits)."""
+    from .checkpoint.format import TRAINER_STATE
+
+    path = Path(path)
+    return all((path / f).is_file() for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, RANK_STATE.format(0)))
+
+
+def load_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None) -> dict:
+    """Restore the adapters, this rank's optimizer, scheduler and RNG state from :func:`save_checkpoint`'s
+    folder; returns the saved ``state``. The plan's world size must be the one that saved it."""
+    import torch.distributed as dist
+
+    from .checkpoint.format import TRAINER_STATE
+    from .checkpoint.state import set_rng_state
+
+    path = Path(path)
+    load_adapters(model, path)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    mine = torch.load(path / RANK_STATE.format(rank), weights_only=False)
+    if mine["world"] != world:
+        raise ValueError(f"{path} was saved by {mine['world']} processes; a LoRA run resumes under the same plan "
+                         f"(this one has {world})")
+    if optimizer is not None and mine["optimizer"] is not None:
+        optimizer.load_state_dict(mine["optimizer"])
+    if scheduler is not None and mine["scheduler"] is not None:
+        scheduler.load_state_dict(mine["scheduler"])
+    set_rng_state(mine["rng"])
+    return json.loads((path / TRAINER_STATE).read_text())["state"]
