@@ -101,3 +101,41 @@ def test_bad_targets_say_so(tmp_path):
         cuboid.load("gpt-debug", lora=dict(r=2, targets=("nope",)))
     with pytest.raises(ValueError, match="key=value"):
         cuboid.load("gpt-debug", lora="r16")
+
+
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+def test_one_device_lora_steps_equal_peft(tmp_path, name):
+    """The one-device LoRA step every plan is held to is peft's: from the same adapters (cuboid's init, saved),
+    three AdamW steps on both sides give the same adapters and losses."""
+    folder = _hf_folder(tmp_path, name)
+    model = cuboid.load(folder, lora=dict(r=4, alpha=8)).train()
+    zlora.save_adapters(model, tmp_path / "init")
+    base = CASES[name][0].from_pretrained(folder)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "init", is_trainable=True).train()
+    # eps 1e-3 (as test_plans): with Adam's 1e-8 an element whose exact gradient is ~0 moves by rounding noise
+    ours_opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    theirs_opt = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    assert len(ours_opt.param_groups[0]["params"]) == len(theirs_opt.param_groups[0]["params"])
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+        a = model(input_ids=ids, labels=ids).loss
+        b = theirs(input_ids=ids, labels=ids).loss
+        assert abs(a.item() - b.item()) < TOL * abs(b.item())
+        for loss, opt in ((a, ours_opt), (b, theirs_opt)):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    zlora.save_adapters(model, tmp_path / "ours")
+    theirs.save_pretrained(tmp_path / "theirs")
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(tmp_path / "ours" / "adapter_model.safetensors")), \
+        load_file(str(tmp_path / "theirs" / "adapter_model.safetensors"))
+    assert x.keys() == y.keys()
+    moved = max(float(t.abs().max()) for k, t in x.items() if ".lora_B." in k)
+    assert moved > 1e-3
+    from tests.parallel.test_plans import rel_norm
+
+    keys = sorted(x)
+    assert rel_norm(torch.cat([x[k].flatten() for k in keys]), torch.cat([y[k].flatten() for k in keys])) < 1e-6
