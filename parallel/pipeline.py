@@ -450,10 +450,11 @@ class Pipeline:
         return pad_batch(batch, self.microbatches * self.parts)
 
     @torch.no_grad()
-    def forward_only(self, batch: dict) -> PipelineOutput:
+    def forward_only(self, batch: dict, last=None) -> PipelineOutput:
         """The model's forward of ``batch`` without gradients, under every schedule: every rank gets the
         last stage's outputs (logits, hidden states, pooled output; with labels, the mean loss over the
-        label positions), the same everywhere.
+        label positions), the same everywhere. ``last(logits)``, when given, runs on the last stage and
+        only its result is sent, as ``logits`` (generation: the stage samples, the ranks get the tokens).
 
         Not torch's schedule: micro-batches go through the stages in order,
         each stage receiving its stream from the rank of the stage before (a
@@ -481,7 +482,8 @@ class Pipeline:
                         module.unshard()
                     result = module.forward_only(mb if s == 0 else stream)
                     if s == total - 1:
-                        outs.append(self._resolved(result, mb))
+                        outs.append(self._resolved(result, mb) if last is None else
+                                    dict(dict.fromkeys(FIELDS), logits=last(result.logits), loss_sum=0.0, targets=0))
                     elif owner[s + 1] != self.rank:
                         comm.send_described(list(result), group, owner[s + 1])
                     else:

@@ -17,11 +17,11 @@ cores hold what the blocks give them (1D: this rank's heads; 2D/3D: this
 rank's rows), every rank of a tensor group samples with the same generator, so
 the tokens agree, and each data-parallel rank generates for its own prompts.
 Under pipeline parallelism every step is one micro-batch through the stages
-(each stage's cores cache its own layers), and the last stage broadcasts the
-last position's logits, which every rank of the stage group samples alike.
+(each stage's cores cache its own layers); the last stage samples and the
+pipeline broadcasts the (B,) tokens.
 
-The head runs on the last position only (a step needs no more): the (B, V)
-logits, not (B, T, V), are made at prefill and sent between stages.
+The head runs on the last position only (a step needs no more): (B, V)
+logits, not (B, T, V), are made at prefill.
 Sequence parallelism is refused in one sentence.
 """
 from __future__ import annotations
@@ -163,8 +163,13 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
             inputs = {"input_ids": new, "attention_mask": mask}
             if learned_positions:  # (B, T_new): each row's kept tokens before each new one
                 inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -new.shape[1]:]
-            logits = model(**inputs).logits[:, -1].float()  # (B, V); a collective under tp: every rank reads it
-            token = _sample(logits, do_sample, temperature, top_k, top_p, generator).to(ids.dtype)
+            def sample(logits):  # (B, 1, V) -> (B,): every rank of a tensor group draws alike
+                return _sample(logits[:, -1].float(), do_sample, temperature, top_k, top_p, generator)
+
+            if pipeline is not None:  # the last stage samples; the pipeline sends the tokens, not the logits
+                token = pipeline.forward_only(inputs, last=sample).logits.to(ids.dtype)
+            else:  # reading the logits is a collective under tp: every rank reads them
+                token = sample(model(**inputs).logits).to(ids.dtype)
             if eos_token_id is not None:
                 token = torch.where(done, torch.full_like(token, pad), token)
                 done |= token == eos_token_id
