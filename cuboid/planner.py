@@ -28,6 +28,7 @@ from cuboid.parallel.plan import Plan
 from cuboid.parallel.plan_space import enumerate_plans, refusal
 
 CHECKPOINTS = ("none", "selective", "full")
+SEARCH_TOP = 24  # structures whose micro-batch counts and checkpointing the search tries
 AUTO_KEYS = ("batch", "seq", "hardware", "memory", "headroom", "layout")  # what "auto,..." sets beside plan fields
 
 
@@ -126,29 +127,38 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
                plans: Optional[Iterable[Plan]] = None, progress: bool = False, layout: str = "autocast",
                headroom: float = DEFAULT_HEADROOM, search: bool = True) -> list[Estimate]:
     """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last, fullest
-    last. ``search``: each plan with every micro-batch count and checkpointing (:func:`search_space`);
-    without it, a plan that does not fit is tried once more fully checkpointed. ``layout``: ``autocast``
+    last. A plan that does not fit is tried once more fully checkpointed; ``search``: then the
+    :data:`SEARCH_TOP` best with every micro-batch count and checkpointing (:func:`search_space`). ``layout``: ``autocast``
     (fp32 weights) or ``half`` (weights in ``dtype`` with fp32 masters; fp32 training has one layout)."""
     import torch
 
     config = config_of(model)
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
-    if search:
-        todo = search_space(config, todo, batch, world)
     half = layout == "half" and dtype != "fp32"
     shards = _Shards(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if half else None)
-    out = []
+    out, seen = [], set()
     bar = _bar(len(todo), progress)
-    for plan in todo:
+    for plan in todo:  # each plan as given; one that does not fit, checkpointed
         est = estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom)
-        if not search and not est.fits and not plan.activation_checkpoint:
-            est = estimate(model, plan.replace(activation_checkpoint=True), hw, batch, seq, shards=shards,
-                           headroom=headroom)
+        if not est.fits and plan.checkpoint != "full":
+            est = estimate(model, plan.replace(checkpoint="full"), hw, batch, seq, shards=shards, headroom=headroom)
         out.append(est)
+        seen.add(est.plan)
         bar.update(1)
     bar.close()
-    out.sort(key=lambda e: (not e.fits, e.step_s if e.fits else e.memory))
+    if search:  # the best structures again with every micro-batch count and checkpointing
+        out.sort(key=_rank_key)
+        best = [e.plan for e in out[:SEARCH_TOP]]
+        for plan in search_space(config, best, batch, world):
+            if plan not in seen:
+                seen.add(plan)
+                out.append(estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom))
+    out.sort(key=_rank_key)
     return out
+
+
+def _rank_key(e: Estimate) -> tuple:
+    return (not e.fits, e.step_s if e.fits else e.memory)
 
 
 def config_of(model):

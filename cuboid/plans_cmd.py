@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
-FIELDS = ("plan", "fits", "why", "step_s", "compute_s", "comm_s", "optimizer_s", "bubble_s", "bubble", "params",
-          "grads", "optimizer", "masters", "activations", "activations_checkpointed", "memory", "sent", "sent_total",
-          "flops")
+FIELDS = ("plan", "fits", "why", "layout", "step_s", "compute_s", "comm_s", "comm_total_s", "optimizer_s", "bubble_s",
+          "bubble", "params", "grads", "optimizer", "masters", "activations", "activations_checkpointed", "memory",
+          "peak_parts", "peak_rank", "sent", "sent_total", "flops")
 
 _HELP_JSON = ("print a JSON list, one object per plan, fastest first, with the fields: " + ", ".join(FIELDS)
-              + " (bytes per rank of the busiest rank; sent: bytes per group per step; times in seconds; "
+              + " (times: the slowest rank's, comm_s exposed and comm_total_s all of it; bytes: the fullest rank's, "
+                "memory its estimated peak, params/grads/optimizer/masters/sent exact; sent: bytes per group per step; "
                 "bubble: idle over busy time of a pipeline)")
 
 
@@ -24,7 +24,14 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", type=int, default=None, help="world size to plan for")
     p.add_argument("--hardware", default="h100", help="hardware profile: a name (see --list-hardware) or a "
                                                        ".toml file (default h100)")
-    p.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB (default: the profile's)")
+    p.add_argument("--gpu-memory", default=None, help="device memory, e.g. 80GB, 80G or 75GiB (default: the profile's)")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="share of device memory a plan must leave free to fit (default 0.10)")
+    p.add_argument("--layout", default="autocast", choices=("autocast", "half"),
+                   help="autocast: fp32 weights under bf16/fp16 autocast (cuboid.load's default); half: weights in "
+                        "the training dtype with fp32 masters (cuboid.load(dtype=torch.bfloat16)); default autocast")
+    p.add_argument("--no-search", action="store_true",
+                   help="price the plans as enumerated, without trying micro-batch counts and checkpointing")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 4 per GPU, >= 8)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's, at most 2048)")
     p.add_argument("--dtype", default="bf16", choices=("fp32", "bf16", "fp16"), help="training dtype (default bf16)")
@@ -35,14 +42,6 @@ def add_parser(sub) -> None:
                         "and save it as the 'local' profile")
     p.add_argument("--list-hardware", action="store_true", help="the hardware profiles and exit")
     p.set_defaults(func=cmd_plans)
-
-
-def _size(text: str) -> float:
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(GB|GiB|TB|MB)?\s*", text, re.I)
-    if not m:
-        raise ValueError(f"--gpu-memory takes a size like 80GB, got {text!r}")
-    unit = (m.group(2) or "GB").lower()
-    return float(m.group(1)) * {"gb": 1e9, "gib": 2 ** 30, "tb": 1e12, "mb": 1e6}[unit]
 
 
 _UNIT = [1e9, "GB"]  # set per table: MB when every figure is under a GB
@@ -78,17 +77,22 @@ def cmd_plans(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     from dataclasses import replace
 
-    from cuboid.planner import config_of, rank_plans
+    from cuboid.planner import check_batch, config_of, default_seq, parse_size, rank_plans
 
     hw = cost.load_hardware(args.hardware)
     if args.gpu_memory:
-        hw = replace(hw, memory_bytes=_size(args.gpu_memory))
+        try:
+            hw = replace(hw, memory_bytes=parse_size(args.gpu_memory))
+        except ValueError:
+            raise ValueError(f"--gpu-memory takes a size like 80GB, 80G or 75GiB, got {args.gpu_memory!r}") from None
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom {args.headroom}: give a share of memory in [0, 1)")
     config = config_of(args.model)
-    batch = args.batch or max(8, 4 * args.gpus)
-    seq = args.seq or min(getattr(config, "n_positions", 0) or 2048, 2048)
-    if hasattr(config, "patch_size"):
-        seq = config.n_patches + 1
-    ests = rank_plans(args.model, args.gpus, hw, batch, seq, dtype=args.dtype, progress=not args.json)
+    batch = max(8, 4 * args.gpus) if args.batch is None else args.batch
+    seq = default_seq(config) if args.seq is None else args.seq
+    check_batch(config, batch, seq)
+    ests = rank_plans(args.model, args.gpus, hw, batch, seq, dtype=args.dtype, progress=not args.json,
+                      layout=args.layout, headroom=args.headroom, search=not args.no_search)
     if not ests:
         raise ValueError(f"no plan of {args.gpus} ranks fits {args.model}: its {config.n_heads} heads, "
                          f"{config.n_layers} layers and the batch of {batch} leave no split")
@@ -97,20 +101,33 @@ def cmd_plans(args: argparse.Namespace) -> int:
         return 0
     biggest = max(max(e.memory, e.sent_total) for e in ests)
     _UNIT[:] = [1e9, "GB"] if biggest >= 1e9 else [1e6, "MB"]
-    print(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each), batch {batch} x "
-          f"{seq} tokens, {args.dtype}, AdamW; {_UNIT[1]} per rank, time per step\n")
+    layout = cost.LAYOUT_NAMES[ests[0].layout]
+    print(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each, {args.headroom:.0%} kept free), "
+          f"batch {batch} x {seq} tokens, {args.dtype}, {layout}, AdamW; {_UNIT[1]} per rank, time per step")
+    print("= exact (what a run holds and sends): params, grads, optim, sent; ~ estimated: peak (the fullest rank, "
+          "rank in brackets), step and its parts (the slowest rank; comm exposed / all)\n")
     rows = []
     for i, e in enumerate([e for e in ests if e.fits][:args.top], 1):
-        ck = " (ckpt)" if e.plan.activation_checkpoint else ""
-        rows.append((str(i), e.plan.describe() + ck, _gb(e.params), _gb(e.grads), _gb(e.optimizer + e.masters),
-                     f"{_gb(e.activations)}/{_gb(e.activations_checkpointed)}", _gb(e.sent_total),
-                     f"{e.bubble:.2f}", f"{e.step_s * 1e3:.3g} ms",
-                     f"{e.compute_s * 1e3:.3g}+{e.comm_s * 1e3:.3g}+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
-    print(table(rows, ("#", "plan", "params", "grads", "optim", "act/ckpt", "sent", "bubble", "step",
-                        "compute+comm+other ms")))
+        rows.append((str(i), e.plan.describe(), _gb(e.params), _gb(e.grads), _gb(e.optimizer + e.masters),
+                     f"{_gb(e.memory)} [{e.peak_rank}]", _gb(e.sent_total), f"{e.bubble:.2f}", f"{e.step_s * 1e3:.3g} ms",
+                     f"{e.compute_s * 1e3:.3g}+{e.comm_s * 1e3:.3g}/{e.comm_total_s * 1e3:.3g}"
+                     f"+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
+    print(table(rows, ("#", "plan", "=params", "=grads", "=optim", "~peak", "=sent", "bubble", "~step",
+                        "~compute+comm+other ms")))
+    why_no_tp = _no_tensor_split(config, args.gpus)
+    if why_no_tp:
+        print(f"\nno tensor-parallel plan: {why_no_tp}")
     misfits = [e for e in ests if not e.fits]
     if misfits:
         print(f"\n{len(misfits)} plan(s) do not fit:")
         for e in misfits[:args.top]:
             print(f"  {e.plan.describe()}: {e.why}")
     return 0
+
+
+def _no_tensor_split(config, world: int) -> str:
+    """Why no tensor split of ``world`` ranks runs ``config`` (the refusal at the smallest tp), or ''."""
+    from cuboid.parallel.plan_space import divisors, refusal
+
+    reasons = [refusal({"tp": t, "dp": world // t}, config, world) for t in divisors(world) if t > 1]
+    return reasons[0] if reasons and all(reasons) else ""

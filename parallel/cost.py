@@ -222,8 +222,9 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         p = est.peak_parts
         est.fits = False
         est.why = (f"needs {est.memory / 1e9:.1f} GB on its fullest rank ({p['states'] / 1e9:.1f} GB model states, "
-                   f"{p['activations'] / 1e9:.1f} GB activations ({plan.checkpoint} checkpointing), "
-                   f"{(p['copies'] + p['head']) / 1e9:.1f} GB copies and loss temporaries), more than the "
+                   f"{(p['activations'] + p['rebuilt']) / 1e9:.1f} GB activations ({plan.checkpoint} checkpointing), "
+                   f"{(p['copies'] + p['head'] + p['temporaries']) / 1e9:.1f} GB weight copies and loss head), more "
+                   f"than the "
                    f"{room / 1e9:.1f} GB usable of a {hw.memory_bytes / 1e9:.0f} GB {hw.name} device "
                    f"({headroom:.0%} headroom)")
     return est

@@ -172,11 +172,11 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
 # bytes per token and hidden unit one block keeps for backward at tp = 1, per layout, measured on CPU with
 # RssAnon and the held-bytes count (bench/checkpointing.py, bench/memory_model.py; gpt2 shapes, no dropout):
 # without checkpointing fp32 keeps 17.94 elements; under bf16 autocast with fp32 weights 36.2 bytes (Korthikanti's
-# 34 without dropout masks, plus the residual stream that stays fp32); with half weights the stream is half too.
+# 34 without dropout masks, plus the residual stream that stays fp32).
 # A fully checkpointed block keeps its input and the residual: 2 fp32 elements, a bf16 input plus the fp32
 # residual under autocast (6 bytes), two half tensors with half weights.
-BLOCK_BYTES = {"none": {"fp32": 71.8, "autocast": 36.2, "half": 34.2},
-               "full": {"fp32": 8.0, "autocast": 6.0, "half": 4.0}}
+BLOCK_BYTES = {"none": {"fp32": 71.8, "autocast": 36.2, "half": 36.2},
+               "full": {"fp32": 8.0, "autocast": 6.0, "half": 6.0}}
 LOSS_CHUNK_ELEMS = 1 << 24     # logits per chunk of the fused linear cross-entropy (kernels.linear_cross_entropy)
 
 
@@ -188,10 +188,12 @@ def layout_of(plan: Plan, param_dtype=None) -> str:
     return "fp32" if plan.dtype == "fp32" else "autocast"
 
 
-def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int, layout: str) -> float:
+def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int, layout: str,
+                     parts: bool = False):
     """Bytes the blocks of ``stage`` keep for backward at the peak (the end of a forward, every micro-batch in
     flight), as the code keeps them in ``layout`` (:data:`BLOCK_BYTES`), split over the tensor and sequence
-    ranks as :func:`activation_bytes` splits them; one block's activations rebuilt under recompute."""
+    ranks as :func:`activation_bytes` splits them, plus one block's activations rebuilt under recompute.
+    ``parts``: (kept after the forward, rebuilt in backward) apart."""
     tokens, h = micro_rows * seq / plan.sp, shape.dim
     per, split_all = _activation_split(plan)
     none = tokens * h * BLOCK_BYTES["none"][layout] * per / 17
@@ -204,7 +206,8 @@ def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
         ratio = BLOCK_BYTES["none"][layout] / BLOCK_BYTES["none"]["fp32"]
         held = min(none, tokens * h * _selective_elements(plan) * 4 * ratio)
         rebuilt = none - held
-    return in_flight(plan, stage) * stage.blocks * held + (rebuilt if stage.blocks else 0.0)
+    kept, again = in_flight(plan, stage) * stage.blocks * held, (rebuilt if stage.blocks else 0.0)
+    return (kept, again) if parts else kept + again
 
 
 def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
@@ -219,35 +222,39 @@ def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
     return sum(p.numel() for p in mats), max(per_block.values(), default=0), rest
 
 
-def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str) -> float:
-    """The fused loss head's bytes at the peak (last stage): the gradients it makes in forward and saves
-    (input rows x dim, weight vocab x dim), the weight copy kept for late logits, one chunk of logits and
-    its gradient."""
+def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str) -> tuple:
+    """The fused loss head's bytes on the last stage: (kept from forward to backward: the gradients it makes in
+    forward and saves, input rows x dim and weight vocab x dim, and the weight copy kept for late logits;
+    transient in forward: one chunk of logits and its gradient)."""
     if not shape.vocab_size:
-        return 0.0
+        return 0.0, 0.0
     tokens = micro_rows * seq / plan.sp / (plan.tp if plan.tp_mode != "1d" else 1)
     vocab = math.ceil(shape.vocab_size / plan.tp)
     wide = 2 if layout == "half" else 4
     kept = 4 if layout == "fp32" else 2
     chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // vocab)) * vocab * 4 * 2
-    return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept) + chunk
+    return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept), chunk
 
 
 def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
                states: dict, blocks: str = "blocks.") -> dict:
-    """A rank's peak bytes, by part: ``states`` (:func:`model_states`, gradients counted against the
-    activations they replace in backward), ``activations`` (:func:`held_activations`), ``copies``
-    (autocast's half copies of the block linears saved for backward, and FSDP2's gathered units under
-    ZeRO-3), ``head`` (:func:`head_bytes`); ``total``."""
-    act = held_activations(shape, plan, stage, micro_rows, seq, layout)
+    """A rank's peak bytes, by part: ``states`` (:func:`model_states`), ``activations`` (kept by the blocks
+    after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
+    ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
+    checkpointed block casts them again in its recompute; FSDP2's gathered units under ZeRO-3), ``head``
+    (the loss head's saved gradients and kept weight, :func:`head_bytes`), ``temporaries`` (its logits
+    chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
+    the gradients (made in backward as the activations go)."""
+    act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks)
     pbytes = next((p.element_size() for p in params.values()), 4)
     copies = 0.0
     if layout == "autocast":
-        copies = 2 * (mats if plan.checkpoint != "full" else mats / max(stage.blocks, 1))
+        copies = 2 * (mats if plan.checkpoint == "none" else mats / max(stage.blocks, 1))
     if plan.zero == 3 and plan.dp * plan.sp > 1:  # the root unit stays gathered, two block units at a time
         copies += (rest + 2 * one_block) * pbytes
-    head = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else 0.0
+    head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else (0.0, 0.0)
     fixed = states["params"] + states["optimizer"] + states["masters"]
-    total = fixed + max(act + copies + head, states["grads"])
-    return {"states": states["total"], "activations": act, "copies": copies, "head": head, "total": total}
+    total = fixed + max(act + copies + head + max(rebuilt, temporaries), states["grads"])
+    return {"states": states["total"], "activations": act, "rebuilt": rebuilt, "copies": copies, "head": head,
+            "temporaries": temporaries, "total": total}
