@@ -26,10 +26,15 @@ LAMB paper's polynomial decay (power 1), learning rates from
 Each (optimizer, batch) cell sweeps three base rates, 3x apart (the rate at
 the reference batch 64, scaled by the optimizer's rule); while the best of
 them is at an edge of what was swept, the sweep goes one more 3x step past
-that edge, at most ``--extend`` (2) times. The table reports the best test
-accuracy per cell, marked where the best needed an extension or still sits
-at an edge, and the JSON keeps every run of the sweep (a run whose loss
-turned non-finite counts as chance accuracy and is marked diverged).
+that edge, at most ``--extend`` (2) times. A cell where no rate learned
+(best accuracy under twice the largest class's share: every run blew up
+early) steps *down* instead, at most ``--extend-collapsed`` (4) times, since
+the edge that "wins" among collapsed runs is noise. The table reports the
+best test accuracy per cell, marked where the best needed an extension or
+still sits at an edge, and the JSON keeps every run of the sweep (a run
+whose loss turned non-finite counts as chance accuracy and is marked
+diverged). ``--reuse`` takes runs of the same settings from an earlier JSON
+instead of training them again (one thread on CPU: the same numbers).
 
     python bench/large_batch.py [--examples 524288] [--out bench/large_batch.json] [--png bench/large_batch.png]
 
@@ -154,12 +159,13 @@ def train_once(name: str, batch: int, base_lr: float, data, test, args) -> dict:
 # ---------------------------------------------------------------- table and plot
 
 
-def sweep_cell(name: str, batch: int, data, test, args) -> list[dict]:
-    """The grid's runs for one cell, then 3x steps past an edge while the edge wins (``args.extend`` at most)."""
+def sweep_cell(name: str, batch: int, data, test, args, collapsed_below: float, cache: dict) -> list[dict]:
+    """The grid's runs for one cell, then 3x steps past an edge while the edge wins (``args.extend`` at most),
+    or down while no run learned (``args.extend_collapsed`` at most)."""
     runs = []
 
     def one(lr: float, extended: bool) -> None:
-        r = train_once(name, batch, lr, data, test, args)
+        r = cache.get((name, batch, lr)) or train_once(name, batch, lr, data, test, args)
         r["extended"] = extended
         runs.append(r)
         print(f"  B={batch:>5} {name:<13} base lr {lr:<7.3g} peak {r['peak_lr']:<8.3g} {r['steps']:>5} steps: "
@@ -168,9 +174,19 @@ def sweep_cell(name: str, batch: int, data, test, args) -> list[dict]:
 
     for lr in OPTIMIZERS[name][2]:
         one(lr, False)
-    for _ in range(args.extend):
+    edges = down = 0
+    while True:
         lrs = sorted(r["base_lr"] for r in runs)
         best = max(runs, key=lambda r: (r["accuracy"], -r["base_lr"]))
+        if best["accuracy"] < collapsed_below:
+            if down == args.extend_collapsed:
+                break
+            down += 1
+            one(float(f"{lrs[0] / 3:.4g}"), True)
+            continue
+        if edges == args.extend:
+            break
+        edges += 1
         if best["base_lr"] == lrs[0]:
             one(float(f"{lrs[0] / 3:.4g}"), True)
         elif best["base_lr"] == lrs[-1]:
@@ -209,6 +225,7 @@ def table(runs: list[dict], batches) -> str:
 
 
 def plot(runs: list[dict], batches, png: Path, title: str, majority: float | None = None) -> str | None:
+    """Accuracy vs batch, one line per optimizer: left the rule's 3-value grid only, right the extended sweep."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -216,21 +233,25 @@ def plot(runs: list[dict], batches, png: Path, title: str, majority: float | Non
     except ImportError:
         print("note: matplotlib is not installed, so no plot (pip install matplotlib)")
         return None
-    best = best_cells(runs)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n in OPTIMIZERS:
-        pts = [(b, 100 * best[(n, b)]["accuracy"]) for b in batches if (n, b) in best]
-        if pts:
-            ax.plot(*zip(*pts), "o-", label=f"{n} ({OPTIMIZERS[n][1]} lr scaling)")
-    if majority is not None:
-        ax.axhline(100 * majority, color="grey", ls=":", lw=1, label="majority class")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(batches), [str(b) for b in batches])
-    ax.set_xlabel("global batch (same number of training examples: fewer steps at larger batch)")
-    ax.set_ylabel("test accuracy, best of the lr sweep (%)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    panels = (("the scaling rule's 3-value lr grid", [r for r in runs if not r.get("extended")]),
+              ("the sweep extended past winning edges / down from collapse", runs))
+    for ax, (label, chosen) in zip(axes, panels):
+        best = best_cells(chosen)
+        for i, n in enumerate(OPTIMIZERS):
+            pts = [(b, 100 * best[(n, b)]["accuracy"]) for b in batches if (n, b) in best]
+            if pts:
+                ax.plot(*zip(*pts), "o-" if i % 2 == 0 else "s--", label=f"{n} ({OPTIMIZERS[n][1]} lr scaling)")
+        if majority is not None:
+            ax.axhline(100 * majority, color="grey", ls=":", lw=1, label="majority class")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(batches), [str(b) for b in batches])
+        ax.set_xlabel("global batch (same examples: fewer steps at larger batch)")
+        ax.set_title(f"best of {label}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -251,6 +272,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of the steps")
     ap.add_argument("--micro-batch", type=int, default=4096, help="larger batches accumulate gradients")
     ap.add_argument("--extend", type=int, default=2, help="3x steps past a winning edge of the lr grid, at most")
+    ap.add_argument("--extend-collapsed", type=int, default=4,
+                    help="3x steps down from the grid where no rate learned, at most")
+    ap.add_argument("--reuse", default=None, help="an earlier JSON of the same settings: its runs are not repeated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="bench/large_batch.json")
@@ -276,13 +300,22 @@ def main() -> None:
     runs: list[dict] = []
     t0 = time.perf_counter()
     meta = {k: v for k, v in vars(args).items()}
+    cache: dict = {}
+    if args.reuse:
+        old = json.loads(Path(args.reuse).read_text())
+        keys = ("examples", "test", "d_in", "teacher_hidden", "classes", "width", "depth", "warmup", "micro_batch",
+                "seed")
+        if any(old["meta"].get(k) != meta[k] for k in keys):
+            raise SystemExit(f"--reuse {args.reuse}: its settings differ ({', '.join(keys)})")
+        cache = {(r["optimizer"], r["batch"], r["base_lr"]): r for r in old["runs"]}
+        meta["reused_seconds"] = old["seconds"]
     meta.update(reference_batch=REFERENCE_BATCH, largest_class_share=float(shares.max()),
                 optimizers={n: dict(zip(("cuboid_optimizer", "lr_scaling", "base_lr_grid", "weight_decay"), v))
                             for n, v in OPTIMIZERS.items() if n in names},
                 schedule="linear warmup then poly decay, power 1 (cuboid.schedule.lr_lambda('poly'))")
     for b in batches:
         for n in names:
-            runs += sweep_cell(n, b, data, test, args)
+            runs += sweep_cell(n, b, data, test, args, 2 * float(shares.max()), cache)
             Path(args.out).write_text(json.dumps({"meta": meta, "runs": runs,
                                                   "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
     total = round(time.perf_counter() - t0, 1)
@@ -292,13 +325,18 @@ def main() -> None:
 
 def report(runs: list[dict], meta: dict, seconds: float, args) -> None:
     batches = sorted({r["batch"] for r in runs})
+    reused = f", {meta['reused_seconds'] / 60:.1f} min in the run --reuse took the rest from" \
+        if meta.get("reused_seconds") else ""
     print(f"\nbest test accuracy per cell (base lr at batch {REFERENCE_BATCH} after the @; † an extension past the "
           f"3-value grid, * still at an edge of the sweep; {meta['examples']} examples in every run; "
-          f"{len(runs)} runs, total {seconds / 60:.1f} min)\n")
+          f"{len(runs)} runs, {seconds / 60:.1f} min{reused})\n")
+    print("the scaling rule's 3-value grid only:\n")
+    print(table([r for r in runs if not r.get("extended")], batches))
+    print("\nthe whole sweep (extensions included):\n")
     print(table(runs, batches))
     png = plot(runs, batches, Path(args.png),
-               f"{meta['examples']} examples of a random-teacher task, every batch; best of a 3-lr sweep per point "
-               f"(extended past a winning edge)", meta.get("largest_class_share"))
+               f"large-batch training in miniature: {meta['examples']} examples of a random-teacher task at every "
+               f"batch (bench/large_batch.py)", meta.get("largest_class_share"))
     print(f"\nwrote {args.out}" + (f" and {png}" if png else ""))
 
 
