@@ -207,7 +207,7 @@ def calibrate(progress: bool = True, save: bool = True, path: Optional[Path] = N
         ram = 16e9
     hw = Hardware(name="local", gpus_per_node=1 << 20, memory_bytes=float(ram), flops={"fp32": fp32, "bf16": bf16,
                   "fp16": bf16}, memory_bytes_per_s=mem, intra=link, inter=link, cores=cores,
-                  elementwise_ns=elementwise_ns, busy=busy, oversubscribed=oversubscribed,
+                  elementwise_ns=elementwise_ns, busy=busy, oversubscribed=oversubscribed, overlap=0.0,
                   description=f"this machine: {cores} CPU cores, gloo on 127.0.0.1 (measured {time.strftime('%Y-%m-%d')})",
                   source="cuboid plans --calibrate")
     if not save:

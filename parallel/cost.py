@@ -52,6 +52,8 @@ from .plan import Plan
 
 DEFAULT_HEADROOM = 0.10        # of device memory left free: allocator fragmentation, NCCL buffers, the CUDA context
 DDP_BUCKET_BYTES = 25 * 2 ** 20
+ELEMENTWISE_TOUCHES = 4        # an activation element is written in forward, read in backward, its gradient
+                               # written and read (fused kernels touch it about this often)
 LAYOUT_NAMES = {"fp32": "fp32 weights and training", "autocast": "fp32 weights under autocast",
                 "half": "half weights + fp32 masters"}
 
@@ -107,7 +109,7 @@ def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch:
     h, f, q, kv = shape.dim, shape.hidden, shape.q_dim, shape.kv_dim
     linear = (2 * q + 2 * kv) * h + shape.mlp_matrices * h * f
     attention = 2 * seq * q
-    m = plan.microbatches if plan.pp > 1 else 1
+    m = plan.microbatches
     tokens = batch / plan.dp / m * seq / plan.sp / (plan.batch_parts or 1)
     width = plan.tp if plan.tp_mode == "1d" else plan.tp ** 0.5
     eff_linear = hw.efficiency(min(tokens, h / (1 if plan.tp_mode == "1d" else width), min(q, f) / width))
@@ -119,9 +121,19 @@ def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch:
     return (block_s + head_s) / hw.rate(plan.dtype)
 
 
+def elementwise_seconds(hw: Hardware, plan: Plan, elements: float) -> float:
+    """Seconds of the work that is not matmul (norms, softmax, activations, adds) over ``elements`` activation
+    elements: a CPU profile's measured ``elementwise_ns`` each; on accelerators memory-bound, each element
+    touched :data:`ELEMENTWISE_TOUCHES` times at the profile's memory bandwidth. Its share of a step falls as
+    the hidden size grows (matmul work grows with its square)."""
+    if hw.cores:
+        return elements * hw.elementwise_ns * 1e-9
+    return elements * ELEMENTWISE_TOUCHES * _dtype_bytes(plan.dtype) / hw.memory_bytes_per_s
+
+
 def _exposed(plan: Plan, hw: Hardware, timed: dict, compute_s: float, grad_bytes: float) -> float:
     """Seconds of communication not hidden behind compute (the module docstring says what overlaps)."""
-    m = plan.microbatches if plan.pp > 1 else 1
+    m = plan.microbatches
     backward = compute_s * 2 / 3 / m       # the window of the gradient traffic: the last micro-batch's backward
     exposed, pool, last = 0.0, 0.0, 0.0
     for (op, group), t in timed.items():
@@ -154,7 +166,9 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
     ``layers_only``: the blocks without embeddings and head (what the tensor-parallel papers time);
     ``layout``: ``fp32`` / ``autocast`` / ``half`` (default: from the parameters' dtype and the plan's);
     ``headroom``: the share of device memory a plan must leave free to fit. A grid mode's traffic is split
-    evenly over its axes, each priced on the links its group spans.
+    evenly over its axes, each priced on the links its group spans. Without a pipeline, ``microbatches`` > 1
+    is priced as gradient accumulation (Megatron's micro-batches; cuboid's trainer accumulates by its
+    ``micro_batch_size``, the enumeration leaves it at 1).
     """
     shape = Shape.of(config)
     if layers_only:
@@ -174,7 +188,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         ps = _trainable(params.values())
         lay = layout or layout_of(plan, ps[0].dtype if ps else None)
         states = model_states(list(params.values()), plan)
-        micro = batch // plan.dp // (plan.microbatches if plan.pp > 1 else 1)
+        micro = batch // plan.dp // (plan.microbatches)
         sent = traffic(config, plan, params, stage, batch, seq, spec=spec, masked=masked)
         timed, by_group = {}, {}
         for (op, group), (nbytes, calls) in sent.items():
@@ -185,12 +199,9 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
                 timed[op, group] = timed.get((op, group), 0.0) + t * crowd
             by_group[group] = by_group.get(group, 0.0) + nbytes
         elements = elementwise_elements(shape, plan, stage, batch, seq)
-        if plan.checkpoint == "selective":  # rebuilds a block's non-matmul activations: memory-bound work
+        if plan.checkpoint == "selective":  # rebuilds a block's non-matmul activations
             elements *= 1 + (17 - SELECTIVE_KEPT) / 17
-            if not hw.cores:
-                elements_s = elements * (17 - SELECTIVE_KEPT) / 17 * 3 * _dtype_bytes(plan.dtype) / hw.memory_bytes_per_s
-        compute_s = (compute_seconds(shape, plan, stage, hw, batch, seq) + elements * hw.elementwise_ns * 1e-9
-                     + (elements_s if plan.checkpoint == "selective" and not hw.cores else 0.0)) * crowd
+        compute_s = (compute_seconds(shape, plan, stage, hw, batch, seq) + elementwise_seconds(hw, plan, elements)) * crowd
         grad_bytes = sum(p.numel() for p in ps) * (2 if lay == "half" else 4)
         comm_s = _exposed(plan, hw, timed, compute_s, grad_bytes)
         # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
