@@ -16,6 +16,7 @@ import cuboid
 from cuboid.cli import main
 from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
 
+from . import fixtures as F
 from .test_finetune import cli, metrics
 
 
@@ -59,10 +60,10 @@ def test_warmup_and_poly_decay_are_the_formula():
 def test_python_finetune_lars_with_linear_scaling(tmp_path, capsys):
     from cuboid.kernels import use_backend
 
-    out = tmp_path / "lars"
+    out, images = tmp_path / "lars", F.image_folder(tmp_path / "img")  # 24 images: quick to prepare
     with use_backend("torch"):  # not the Triton interpreter this test process switches on (tests/conftest.py)
-        cuboid.finetune("vit-debug", "digits", optimizer="lars", lr=0.5, lr_scaling="linear", reference_batch=8,
-                        batch_size=16, steps=4, warmup=0.5, schedule="poly", decay_power=2.0, log_every=1,
+        cuboid.finetune("vit-debug", str(images), optimizer="lars", lr=0.5, lr_scaling="linear", reference_batch=8,
+                        batch_size=16, eval_fraction=0.25, steps=4, warmup=0.5, schedule="poly", decay_power=2.0, log_every=1,
                         eval_every=4, output_dir=str(out), progress=False, plot=False)
     assert "lars at peak lr 1 (linear scaling of 0.5 at batch 8), 2 warmup steps, poly decay" \
         in capsys.readouterr().err
