@@ -177,6 +177,10 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
 # residual under autocast (6 bytes), two half tensors with half weights.
 BLOCK_BYTES = {"none": {"fp32": 71.8, "autocast": 36.2, "half": 36.2},
                "full": {"fp32": 8.0, "autocast": 6.0, "half": 6.0}}
+# fp32 temporaries of the optimizer step per element of the rank's pieces: the foreach AdamW's two (the square
+# root of v and the update), a third with half weights (the gradient in fp32); measured with RssAnon on CPU
+# (bench/memory_model.py: the bf16 rows, whose activations are small, peak in the step)
+OPTIMIZER_TEMPORARIES = {"fp32": 2.0, "autocast": 2.0, "half": 3.0}
 LOSS_CHUNK_ELEMS = 1 << 24     # logits per chunk of the fused linear cross-entropy (kernels.linear_cross_entropy)
 
 
@@ -244,7 +248,8 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     checkpointed block casts them again in its recompute; FSDP2's gathered units under ZeRO-3), ``head``
     (the loss head's saved gradients and kept weight, :func:`head_bytes`), ``temporaries`` (its logits
     chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
-    the gradients (made in backward as the activations go)."""
+    the optimizer step's (the gradients and its temporaries, ``step``); DDP's gradient buckets
+    (``buckets``) are held throughout."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks)
     pbytes = next((p.element_size() for p in params.values()), 4)
@@ -254,7 +259,11 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     if plan.zero == 3 and plan.dp * plan.sp > 1:  # the root unit stays gathered, two block units at a time
         copies += (rest + 2 * one_block) * pbytes
     head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else (0.0, 0.0)
-    fixed = states["params"] + states["optimizer"] + states["masters"]
-    total = fixed + max(act + copies + head + max(rebuilt, temporaries), states["grads"])
+    buckets = states["grads"] if plan.zero == 0 and plan.dp * plan.sp > 1 else 0.0  # DDP's flat gradient buckets
+    fixed = states["params"] + states["optimizer"] + states["masters"] + buckets
+    # the optimizer step: the foreach AdamW's fp32 temporaries over the rank's pieces (and the fp32 copy of a half
+    # gradient), beside the gradients
+    step = states["grads"] + states["optimizer"] / ADAMW_STATE_BYTES * 4 * OPTIMIZER_TEMPORARIES[layout]
+    total = fixed + max(act + copies + head + max(rebuilt, temporaries), step)
     return {"states": states["total"], "activations": act, "rebuilt": rebuilt, "copies": copies, "head": head,
-            "temporaries": temporaries, "total": total}
+            "temporaries": temporaries, "buckets": buckets, "step": step, "total": total}
