@@ -35,6 +35,13 @@ weights get no gradient, hence no optimizer state, no gradient all-reduce
 and no ZeRO bucket. 3D tensor parallelism has no layer that maps its column
 output layout to itself, so it is refused in one sentence.
 
+Dropout acts on the adapter's input only (as peft's). Under 1D without
+sequence splitting every rank drops what one device drops: replicated
+inputs draw from the default generator, equal over tp, and a row layer's
+input slice takes its slice of the mask one device draws for the whole
+input. Under the grids each rank's block draws its own mask (as the model's
+dropouts do there).
+
 Initialisation is peft's: A uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (kaiming
 uniform with a = sqrt(5)), B zero, each full tensor drawn from a generator
 seeded by the model seed and the parameter's name, so every plan starts from
@@ -166,7 +173,7 @@ def _layers(base: nn.Module, kind: str, r: int) -> tuple:
 def _delta(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``B(A(dropout(x)))`` in the layout of ``base``'s output."""
     A, B, kind = base.lora_A, base.lora_B, base.lora_kind
-    x = base.lora_dropout(x)
+    x = _row_dropout(base, x) if kind == "row" else base.lora_dropout(x)
     if kind in ("plain", "grid"):
         return B(A(x))
     seq = getattr(base, "seq_dim", None)
@@ -181,6 +188,22 @@ def _delta(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # kv: rank r computes the rows of its head; dz and dB are partial sums over the ranks' query heads
     z = comm.copy_to(A(x), g) if seq is None else comm.all_gather_to(F.linear(x, comm.copy_to(A.weight, g)), g, seq)
     return F.linear(z, comm.copy_to(B.weight, g)[base.rows])
+
+
+def _row_dropout(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 1D row layer's input is this rank's slice of the features: its dropout mask is the slice of the mask
+    one device draws for the whole (.., in) input (the same draws from the default generator, which is equal
+    over tp), so a 1D run drops what one device drops. Under ``tp_sequence`` (tokens split too) the mask is
+    drawn for the local tensor."""
+    drop = base.lora_dropout
+    p = drop.p
+    if not drop.training or p == 0.0 or not base.input_is_parallel or getattr(base, "seq_dim", None) is not None \
+            or base.axes.size("tp") == 1:
+        return drop(x)
+    tp, r = base.axes.size("tp"), base.axes.index("tp")
+    n = x.shape[-1]
+    keep = torch.empty(*x.shape[:-1], n * tp, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    return x * keep[..., r * n:(r + 1) * n]
 
 
 def _hook(base: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
