@@ -44,6 +44,8 @@ def _trained(folder, lora, steps=2):
     ("GPT2LMHeadModel", dict(r=4, alpha=8, targets=("attn", "mlp"))),
     ("LlamaForCausalLM", dict(r=4, alpha=16, targets=("qkv", "o", "mlp"))),
     ("Qwen2ForCausalLM", dict(r=2, alpha=4, targets=("q", "v"))),
+    # a fused qkv against HF's separate query/key/value: three peft adapters sharing A
+    ("BertForMaskedLM", dict(r=4, alpha=8, targets=("attn", "mlp"))),
 ])
 def test_peft_loads_cuboid_adapters(tmp_path, name, lora):
     folder = _hf_folder(tmp_path, name)
