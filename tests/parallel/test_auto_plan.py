@@ -18,16 +18,10 @@
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from .launch import run_world
-
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _h100():
     from cuboid.parallel import cost
@@ -100,8 +94,7 @@ SMALL = dict(vocab_size=1024, n_positions=128, dim=256, n_layers=4, n_heads=4, m
 @pytest.mark.parametrize("checkpoint", ["none", "full", "selective"])
 @pytest.mark.parametrize("layout", ["fp32", "autocast", "half"])
 def test_memory_model_against_what_a_forward_keeps(layout, checkpoint):
-    sys.path.insert(0, str(ROOT))
-    from bench.checkpointing import made_tracker
+    from bench.checkpointing import made_tracker  # the repository root is on sys.path (last), as for tests.*
 
     import cuboid
     from cuboid import kernels, zoo
