@@ -15,8 +15,9 @@
 - **Peak** (:func:`peak_bytes`): the states, the activations of the micro-batches
   in flight, autocast's half-precision weight copies saved for backward (every
   block's linears; whole copies under ZeRO-3, whose gathered units FSDP2 keeps
-  too), and the fused loss head's saved gradients, kept weight copy and
-  logits chunk.
+  too), the fused loss head's saved gradients, kept weight copy and
+  logits chunk, and what stays between steps: DDP's gradient buckets and
+  the pipeline's receive buffers (:func:`pipeline_buffers`).
 """
 from __future__ import annotations
 
@@ -240,6 +241,25 @@ def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str)
     return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept), chunk
 
 
+def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: int) -> float:
+    """Receive buffers ``torch.distributed.pipelining`` keeps on a rank from its first step on: one per
+    micro-batch for each input of a stage that receives activations (x and the residual, fp32, with the
+    int64 mask (B, 1) and labels) and for each output gradient of a stage that receives them (x and the
+    residual): per virtual stage (two under interleaved and ZBV) not first, resp. not last. Measured on 2
+    gloo ranks (gpt-debug, dim 64, 8 x 16 tokens, test_auto_plan): equal to this under gpipe, 1F1B (2 and 4
+    micro-batches) and interleaved in fp32; under bf16 autocast the x gradient arrives in bf16 (25% fewer
+    bytes on the first stage); under ZBV the rank holding both ends keeps two more x-sized buffers (not
+    counted here)."""
+    if plan.pp == 1:
+        return 0.0
+    per_rank = 2 if plan.schedule in ("interleaved", "zbv") else 1
+    act = micro_rows * seq * dim * 4 / (plan.tp if plan.tp_mode != "1d" else 1)  # 2D/3D: this rank's block
+    block_rows = micro_rows // plan.batch_parts
+    extra = block_rows * 8 + block_rows * seq * 8  # mask (int64 ones (B, 1); BERT's (B, s) not counted), labels
+    receives = (per_rank - int(stage.first)) * (2 * act + extra) + (per_rank - int(stage.last)) * 2 * act
+    return plan.microbatches * receives
+
+
 def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
                states: dict, blocks: str = "blocks.") -> dict:
     """A rank's peak bytes, by part: ``states`` (:func:`model_states`), ``activations`` (kept by the blocks
@@ -249,7 +269,8 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     (the loss head's saved gradients and kept weight, :func:`head_bytes`), ``temporaries`` (its logits
     chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
     the optimizer step's (the gradients and its temporaries, ``step``); DDP's gradient buckets
-    (``buckets``) are held throughout."""
+    (``buckets``) and the pipeline's receive buffers (``pipeline``, :func:`pipeline_buffers`) are held
+    throughout."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks)
     pbytes = next((p.element_size() for p in params.values()), 4)
@@ -260,10 +281,11 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
         copies += (rest + 2 * one_block) * pbytes
     head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else (0.0, 0.0)
     buckets = states["grads"] if plan.zero == 0 and plan.dp * plan.sp > 1 else 0.0  # DDP's flat gradient buckets
-    fixed = states["params"] + states["optimizer"] + states["masters"] + buckets
+    pipeline = pipeline_buffers(plan, stage, shape.dim, micro_rows, seq)
+    fixed = states["params"] + states["optimizer"] + states["masters"] + buckets + pipeline
     # the optimizer step: the foreach AdamW's fp32 temporaries over the rank's pieces (and the fp32 copy of a half
     # gradient), beside the gradients
     step = states["grads"] + states["optimizer"] / ADAMW_STATE_BYTES * 4 * OPTIMIZER_TEMPORARIES[layout]
     total = fixed + max(act + copies + head + max(rebuilt, temporaries), step)
     return {"states": states["total"], "activations": act, "rebuilt": rebuilt, "copies": copies, "head": head,
-            "temporaries": temporaries, "buckets": buckets, "step": step, "total": total}
+            "temporaries": temporaries, "buckets": buckets, "pipeline": pipeline, "step": step, "total": total}

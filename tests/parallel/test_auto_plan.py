@@ -14,7 +14,15 @@
   tracker) for each layout and checkpointing, and the model states after a
   step in the half-weights layout exactly.
 - ``auto`` specs, sizes like ``80G``, bad ``--seq`` / ``--batch`` refused in one line.
-- ``cuboid.load("gpt2", plan="auto")`` on 2 gloo ranks: every rank gets the same plan.
+- One 2-rank gloo world (a module fixture) for both multi-rank checks:
+  ``cuboid.load("gpt2", plan="auto")`` gives every rank the same plan; and for
+  DDP, ZeRO-1/2/3 (half weights), tp=2 (autocast) and a 1F1B pp=2, on every
+  rank through ``cuboid.load`` / ``AdamW(model.parameters())`` /
+  ``cuboid.train_step``: parameter, optimizer-state and master bytes after the
+  steps and gradient bytes at the step equal ``cost.model_states`` exactly, no
+  gradient outlives the step, and the live tensor bytes the run added equal
+  the peak's fixed part (DDP's buckets and the pipeline's receive buffers
+  included) plus ZeRO's padding, within TORCH_SCALARS bytes.
 """
 from __future__ import annotations
 
@@ -162,13 +170,139 @@ def test_auto_specs_sizes_and_refusals():
         check_batch(config, 0, 128)
 
 
-def _load_auto():
+# ------------------------------------------------------------------------------------------- 2 gloo ranks
+# One world hosts both checks below (a module fixture): plan="auto", then the bytes held after a step.
+
+# a vocabulary that pads under vocab-parallel heads and cuts unevenly under FSDP2's rows, 3 blocks (an uneven
+# pipeline cut), MLP 3x: small, so six plans take a few seconds
+HELD = dict(vocab_size=251, n_positions=64, dim=64, n_layers=3, n_heads=4, mlp_hidden=192)
+HELD_BATCH, HELD_SEQ = 8, 16
+# (plan, half-precision weights): the three ZeRO stages in the half layout (masters), DDP, 1D tensor
+# parallelism under autocast (fp32 weights), a 1F1B pipeline in fp32
+HELD_PLANS = [("dp=2", False), ("dp=2,zero=1,dtype=bf16", True), ("dp=2,zero=2,dtype=bf16", True),
+              ("dp=2,zero=3,dtype=bf16", True), ("tp=2,dtype=bf16", False), ("pp=2,microbatches=2", False)]
+# torch's own small tensors a run leaves alive besides the model and optimizer (DeviceMesh's rank table, 8 bytes
+# under ZeRO-3; the pipeline loss reducer's scalar, 4 bytes): not model memory, the only slack in the count
+TORCH_SCALARS = 64
+
+
+def _live_bytes() -> int:
+    """Bytes of every live CPU storage a Python tensor refers to (each storage once)."""
+    import gc
+
+    gc.collect()
+    seen: dict = {}
+    for o in gc.get_objects():
+        if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu":  # DTensors: their locals
+            s = o.untyped_storage()
+            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+    return sum(seen.values())
+
+
+def _padding(params, plan, dp_rank) -> int:
+    """Bytes the ZeRO layouts allocate beyond the rank's pieces: stages 1/2 pad each flat bucket to n equal
+    shards; FSDP2 pads a rank's rows of a parameter to ceil(rows / n) (its storage; the local tensor is a view)."""
+    import math
+
+    from cuboid.parallel.zero import plan_buckets
+
+    n = plan.dp * plan.sp
+    ps = [p for p in dict.fromkeys(params) if p.requires_grad]
+    if n == 1 or plan.zero == 0:
+        return 0
+    if plan.zero in (1, 2):
+        return sum((math.ceil(k / n) * n - k) * b[0].element_size()
+                   for b in plan_buckets(ps) for k in [sum(p.numel() for p in b)])
+    out = 0
+    for p in ps:
+        rows = p.shape[0] if p.dim() else 1
+        chunk = math.ceil(rows / n)
+        mine = min(chunk, max(0, rows - dp_rank * chunk))
+        out += (chunk - mine) * (p.numel() // max(rows, 1)) * p.element_size()
+    return out
+
+
+def _states_worker(plans) -> dict:
+    """For each plan: this rank's bytes, measured after and during a ``train_step``, beside the cost model's."""
+    import cuboid
+    from cuboid import zoo
+    from cuboid.parallel import cost, zero
+    from cuboid.parallel.optim import AdamW
+    from cuboid.planner import _Shards
+
+    config = zoo.config_of("gpt-debug", **HELD)
+    ids = torch.randint(0, config.vocab_size, (HELD_BATCH, HELD_SEQ), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    report = {}
+    for spec, half in plans:
+        dtype = torch.bfloat16 if half else None
+        before = _live_bytes()
+        model = cuboid.load(config, plan=spec, dtype=dtype)
+        opt = AdamW(model.parameters(), lr=1e-3)
+        at_step: list = []  # gradients as the step finds them (ZeRO-1: whole, before its reduce-scatter)
+        opt.register_step_pre_hook(lambda o, args, kwargs: at_step.append(zero.model_state_bytes(model, o)["grads"]))
+        cuboid.train_step(model, opt, batch)
+        cuboid.train_step(model, opt, batch)
+        held = zero.model_state_bytes(model, opt)
+        live = _live_bytes() - before
+        plan, mesh = model.plan, model.mesh
+        meta = _Shards(config, dtype=dtype).of(plan, mesh.rank)  # the planner's meta shards of this rank
+        named = dict(meta.named_parameters())
+        dp_rank = mesh.coords.get("dpsp", mesh.coords.get("dp", 0))
+        want = cost.model_states(list(named.values()), plan, dp_rank=dp_rank)
+        stage = cost.stages_of(plan, getattr(meta, "pipeline_blocks", ()), config.n_layers)[mesh.coords.get("pp", 0)]
+        micro = HELD_BATCH // plan.dp // plan.microbatches
+        layout = cost.layout_of(plan, next(iter(named.values())).dtype)
+        parts = cost.peak_bytes(cost.Shape.of(config), plan, stage, named, micro, HELD_SEQ, layout, want)
+        # what the model says a rank holds between steps: its pieces, their moments and masters, DDP's gradient
+        # buckets and the pipeline's receive buffers (the peak's fixed part)
+        kept = want["params"] + want["optimizer"] + want["masters"] + parts["buckets"] + parts["pipeline"]
+        report[spec] = {"held": held, "want": want, "grads_at_step": at_step, "live": live, "kept": kept,
+                        "padding": _padding(list(named.values()), plan, dp_rank), "layout": layout}
+        del model, opt, at_step
+    return report
+
+
+def _two_rank_worker():
     import cuboid
 
     model = cuboid.load("gpt2", plan="auto,batch=4,seq=64")
-    return model.plan.describe(), model.plan.world_size
+    auto = model.plan.describe(), model.plan.world_size
+    del model
+    return auto, _states_worker(HELD_PLANS)
 
 
-def test_load_gpt2_with_plan_auto_on_two_ranks():
-    got = run_world(_load_auto, 2, timeout=300)
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_world(_two_rank_worker, 2, timeout=420)
+
+
+def test_load_gpt2_with_plan_auto_on_two_ranks(two_ranks):
+    got = [auto for auto, _ in two_ranks]
     assert got[0] == got[1] and got[0][1] == 2, got
+
+
+def test_bytes_held_after_a_step_equal_the_cost_model_on_two_ranks(two_ranks):
+    """On every rank, through ``cuboid.load`` / ``AdamW(model.parameters())`` / ``cuboid.train_step``: parameter,
+    optimizer-state and master bytes after two steps and gradient bytes at the step equal
+    :func:`cost.model_states` exactly (sums of integers); no gradient outlives the step; and every live tensor
+    byte the run added equals the model's fixed part (those states, DDP's buckets, the pipeline's receive
+    buffers) plus the ZeRO layouts' padding, within TORCH_SCALARS bytes of torch's own bookkeeping."""
+    for rank, (_, report) in enumerate(two_ranks):
+        assert [spec for spec, _ in HELD_PLANS] == list(report), (rank, list(report))
+        for spec, r in report.items():
+            held, want = r["held"], r["want"]
+            for what in ("params", "optimizer", "masters"):
+                assert held[what] == want[what], (rank, spec, what, held[what], want[what])
+            assert r["grads_at_step"] == [want["grads"]] * 2, (rank, spec, r["grads_at_step"], want["grads"])
+            assert held["grads"] == 0, (rank, spec, held["grads"])
+            expected = r["kept"] + r["padding"]
+            assert expected <= r["live"] <= expected + TORCH_SCALARS, (rank, spec, r["live"], expected, r)
+    print("\nbytes held after a step on 2 ranks: plan, rank: held / predicted (params, optimizer, masters; grads "
+          "at the step) and live / kept + padding")
+    for rank, (_, report) in enumerate(two_ranks):
+        for spec, r in report.items():
+            h, w = r["held"], r["want"]
+            print(f"  {spec:24s} {rank}: {h['params']}/{w['params']} {h['optimizer']}/{w['optimizer']} "
+                  f"{h['masters']}/{w['masters']}; {r['grads_at_step'][-1]}/{w['grads']}; live {r['live']} / "
+                  f"{r['kept']} + {r['padding']}")
