@@ -344,10 +344,17 @@ def _attn_bwd_dq_kernel(
 # times them all, see AUTOTUNE). Every entry compiles for sm_80 and sm_90 within shared memory, half precision
 # with tensor cores and without register spills, for the causal + mask + grouped-K/V kernels and the plain ones
 # alike (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, spills at most 80 bytes).
-# Chosen from compiles only, no GPU has timed them: tiles that reached 255 registers or spilled were dropped
-# (the bf16/fp16 forward at d64 was (128, 64, 4, 3) and the backward (64, 64, 4, 2): both spilled on sm_80;
-# the fp32 rows spilled 1-15 KB per thread). At d256 the backward has no wgmma on sm_90: a 64-row key tile
-# needs 2 x 64 x 256 fp32 accumulators and spills.
+# The lists were chosen from compiles only: tiles that reached 255 registers or spilled were dropped (the
+# bf16/fp16 forward at d64 was (128, 64, 4, 3) and the backward (64, 64, 4, 2): both spilled on sm_80; the
+# fp32 rows spilled 1-15 KB per thread). At d256 the backward has no wgmma on sm_90: a 64-row key tile needs
+# 2 x 64 x 256 fp32 accumulators and spills.
+# Timed on one GPU only, an H200 (sm_90, torch 2.11, triton 3.6; `bench/gpu.py --part tune`, bench/RESULTS.md
+# "GPU kernels", 2026-12-04), and only the 2-byte rows d <= 64 and d <= 128, at b4 h16 s4096 causal bf16:
+# - backward d <= 64: (32, 64, 4, 2) took 1.80 ms against (32, 64, 8, 2)'s 3.03 ms and (64, 32, 8, 2)'s
+#   3.10 ms, so it is entry 0 now (it was entry 2; the others stay in the list for the sweep);
+# - backward d <= 128 and both forward rows: entry 0 was already the fastest (forward d64 entry 2, 0.471 ms,
+#   ties entry 0's 0.468).
+# The d256 rows and every fp32 row are still compile-only choices, as is every tile on sm_80.
 _GPU_FWD = {
     2: ((64, ((64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))),
         (128, ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3))),
@@ -355,7 +362,7 @@ _GPU_FWD = {
     4: ((32, ((64, 32, 8, 2),)), (64, ((64, 32, 8, 2),)), (128, ((32, 32, 8, 1),)), (256, ((32, 32, 8, 1),))),
 }
 _GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ owns BLOCK_M queries
-    2: ((64, ((32, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2))),
+    2: ((64, ((32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2))),  # entry 0 timed fastest on an H200 (above)
         (128, ((64, 64, 8, 1), (32, 32, 4, 2))),
         (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
