@@ -19,6 +19,12 @@ TOL = {F32: dict(atol=1e-5, rtol=1e-5), F16: dict(atol=2e-3, rtol=2e-3), BF16: d
 # gradients of half inputs go through half-precision P and dS tiles (as in FlashAttention-2)
 # (measured on CPU: fp16 grads within 2e-3 abs; the bf16 bound is a GPU estimate)
 GRAD_TOL = {F32: dict(atol=2e-5, rtol=1e-5), F16: dict(atol=4e-3, rtol=4e-3), BF16: dict(atol=8e-2, rtol=5e-2)}
+# compiled on CUDA (the gpu test): bench/gpu.py's tolerances (ATTN_OUT_TOL, ATTN_GRAD_TOL; every dtype met them
+# on an H200, 2026-12-04, worst 0.13 of them) where they are looser than the interpreter's above: other tiles and
+# summation orders, fp32 exp2 and dots on the GPU's units
+GPU_TOL = {F32: dict(atol=1e-4, rtol=1e-4), F16: dict(atol=3e-3, rtol=3e-3), BF16: dict(atol=3e-2, rtol=2e-2)}
+GPU_LSE_TOL = {F32: dict(atol=1e-4, rtol=1e-4), F16: TOL[F16], BF16: TOL[F16]}
+GPU_GRAD_TOL = {F32: dict(atol=2e-4, rtol=1e-4), F16: dict(atol=1e-2, rtol=5e-3), BF16: dict(atol=8e-2, rtol=5e-2)}
 
 
 def make_inputs(B, H, Sq, Sk, D, dtype=F32, mask=None, seed=0, device="cpu", Hkv=None):
@@ -124,11 +130,13 @@ def check_triton_vs_ref(case, device="cpu", Hkv=None):
     # the reference on fp32 copies of the same values: the tolerance is the kernel's own error
     r = [leaf_copy(t, F32) for t in (q, k, v)]
     rout, rlse, rgrads = fwd_bwd(attention_ref, *r, causal=causal, key_padding_mask=m)
-    torch.testing.assert_close(out.float(), rout, **TOL[dtype])
-    assert_lse_close(lse, rlse, **TOL[F32 if dtype == F32 else F16])
+    gpu = q.is_cuda
+    torch.testing.assert_close(out.float(), rout, **(GPU_TOL if gpu else TOL)[dtype])
+    assert_lse_close(lse, rlse, **(GPU_LSE_TOL[dtype] if gpu else TOL[F32 if dtype == F32 else F16]))
     for name, a, b in zip("qkv", grads, rgrads):
         assert torch.isfinite(a).all(), f"d{name} has non-finite values"
-        torch.testing.assert_close(a.float(), b, **GRAD_TOL[dtype], msg=lambda s: f"d{name}: {s}")
+        torch.testing.assert_close(a.float(), b, **(GPU_GRAD_TOL if gpu else GRAD_TOL)[dtype],
+                                   msg=lambda s: f"d{name}: {s}")
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
