@@ -620,6 +620,19 @@ def time_swiglu(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None
         free()
 
 
+def lce_route(x, w) -> str:
+    """How cuboid's fused linear cross-entropy ran on (x, w): its default chunk and how it summed dW (a
+    cuboid without these helpers: "-")."""
+    mod = _kernel_module("linear_cross_entropy")  # (the package attribute is the function)
+    try:
+        chunk = mod.default_chunk(x.shape[0], w.shape[0], x.device.type, x.dtype)
+        fp32 = mod._fp32_addmm(w)
+    except (AttributeError, TypeError):
+        return "-"
+    how = "fp32 addmm (out_dtype)" if fp32 else "a half product per chunk added in fp32"
+    return f"default chunk {chunk} rows, dW summed by {how}"
+
+
 def time_lce(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
     """Fused linear cross-entropy: forward + backward as one step (the fused op makes its gradients in forward),
     TFLOP/s of the head's three matmuls, and the step's peak memory."""
@@ -667,7 +680,7 @@ def time_lce(rows, bench, K, cfg, dev, ceil, anchors, skipped, peaks) -> None:
                             name, ceil["matmul_bf16_TFLOPs"], dict(N=N, H=H, V=V), peaks[0]))
             rows.append(Row("linear_cross_entropy fwd+bwd", size, "GiB peak", ours_peak, peak, name, None,
                             dict(N=N, H=H, V=V)))
-        print(f"  timed linear_cross_entropy {size}", flush=True)
+        print(f"  timed linear_cross_entropy {size} ({lce_route(x, w)})", flush=True)
         del x, w, labels
         free()
 

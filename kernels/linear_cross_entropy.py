@@ -6,12 +6,14 @@ at a time; for each chunk the logits (chunk, V) are made, the loss terms and
 at once the gradient of the chunk's logits (``softmax - onehot``, written over
 the logits), and from it the chunk's rows of ``dx`` and its share of ``dW``
 (and ``db``), accumulated. Backward only scales the saved gradients by the
-incoming gradient. So the largest temporary is one chunk's logits, and a
-training step makes the same three matmuls as the unfused head (forward,
-``dx``, ``dW``). This is Liger-Kernel's design (``fused_linear_cross_entropy``),
-re-derived here; it differs in that backward scales out of place (so a second
-backward through a retained graph, as torch's zero-bubble pipeline schedule
-makes, gets the same gradients) and in its vocab-parallel form.
+incoming gradient. So the largest temporary is one chunk's logits (and,
+for half-precision weights where torch has no fp32-output ``addmm``, one
+half (V, H) product: see Dtypes), and a training step makes the same three
+matmuls as the unfused head (forward, ``dx``, ``dW``). This is
+Liger-Kernel's design (``fused_linear_cross_entropy``), re-derived here; it
+differs in that backward scales out of place (so a second backward through a
+retained graph, as torch's zero-bubble pipeline schedule makes, gets the same
+gradients), in accumulating ``dW`` in fp32 and in its vocab-parallel form.
 
 **Vocab-parallel.** W may be one slice of a vocabulary split over ranks: local
 column ``c`` is global class ``vocab_start + c``; global classes at or past
@@ -39,6 +41,12 @@ dtype (under autocast they are cast to the autocast dtype first, as
 makes them; every softmax statistic, the loss and the accumulation of ``dW``
 and ``db`` are fp32 (float64 for float64 inputs); the logits' gradient is
 rounded to the input dtype before its matmuls, as the unfused backward does.
+For half-precision weights on CUDA each chunk's ``dW`` product is made and
+added to the fp32 sum by one cuBLAS call (``torch.addmm(..., out_dtype=
+torch.float32)``, where the installed torch has it); elsewhere the chunk's
+product is rounded to the half dtype (a (V, H) temporary) and then added in
+fp32. Chunks (:func:`default_chunk`) are about 64 MiB of fp32 logits on CPU
+and 512 MiB of logits on CUDA, where the matmuls need a wide chunk.
 ``ignore_index`` rows count for nothing (zero gradient). No label smoothing:
 the loss it replaces has none.
 """
@@ -57,7 +65,9 @@ from ._backend import check_floating, check_same_dtype, resolve_backend
 Tensor = torch.Tensor
 Reduce = Callable[[Tensor, str], Tensor]
 _OP = "linear_cross_entropy"
-CHUNK_ELEMS = 1 << 24  # logits per chunk by default (64 MiB in fp32): rows = CHUNK_ELEMS // local vocab
+CHUNK_ELEMS = 1 << 24  # CPU: logits per chunk by default (64 MiB in fp32): rows = CHUNK_ELEMS // local vocab
+CUDA_CHUNK_BYTES = 1 << 29  # CUDA: bytes of logits (in their dtype) per chunk by default (default_chunk)
+CHUNK_ROW_MULTIPLE = 128  # CUDA: default chunks are a multiple of this many rows (whole matmul tiles)
 MAX_BLOCK_V = 4096  # vocab columns per step of a row program
 
 
@@ -213,6 +223,34 @@ def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int,
     return rows, z
 
 
+_FP32_ADDMM: dict = {}  # (device, dtype) -> whether torch.addmm(..., out_dtype=float32) accumulates into fp32
+
+
+def _fp32_addmm(g: Tensor) -> bool:
+    """Whether ``torch.addmm(dw, g.t(), xc, out_dtype=torch.float32, out=dw)`` works here: half-precision
+    CUDA inputs, an fp32 ``dw`` added to in place, the product made and summed in fp32 by cuBLAS without a
+    half-precision (V, H) temporary. ``out_dtype`` for mm/addmm is CUDA-only and recent (the
+    ``aten::addmm.dtype_out`` overload came with pytorch PR 150812, spring 2025: not in torch 2.4-2.7, where
+    the keyword is a TypeError; its first form also asked ``self`` to be in the input dtype, later ones allow
+    it in ``out_dtype``; 2.13 has the later form), so rather than a version test it is tried once per device
+    and dtype on 1x1 tensors and the answer kept (the refusals are host-side checks, before any GPU work);
+    where it fails the caller adds a half product per chunk, as before."""
+    if g.device.type != "cuda" or g.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    key = (g.device, g.dtype)
+    if key not in _FP32_ADDMM:
+        try:
+            a = torch.ones((1, 1), dtype=g.dtype, device=g.device)
+            acc = torch.full((1, 1), 0.5, dtype=torch.float32, device=g.device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _FP32_ADDMM[key] = float(acc[0, 0]) == 1.5
+        except (TypeError, RuntimeError, NotImplementedError) as e:  # no out_dtype keyword / no kernel / refused
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            _FP32_ADDMM[key] = False
+    return _FP32_ADDMM[key]
+
+
 def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int, vocab_start: int,
            vocab_size: int, reduce: Optional[Reduce], chunk: int, backend: str, need: tuple):
     """(sum of the rows' losses, dx, dW, db) of (N, H) ``x``; the gradients those ``need`` asks for (else None)."""
@@ -244,8 +282,10 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
         if need_w:
             if dw.dtype == g.dtype:
                 dw.addmm_(g.t(), xc)
+            elif _fp32_addmm(g):
+                torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum
             else:
-                dw += g.t() @ xc
+                dw += g.t() @ xc  # the chunk's product rounded to the half dtype, then added in fp32
         if need_b:
             db += g.sum(0, dtype=acc)
         del z, g
@@ -270,9 +310,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         tx, tw, tb = ctx.dtypes
         # out of place: a retained graph (torch's ZBV schedule runs this node once for inputs and once for
         # weights) must find the saved gradients as they were
-        dx = (dx * grad.to(dx.dtype)).to(tx) if dx is not None else None
-        dw = (dw * grad.to(dw.dtype)).to(tw) if dw is not None else None
-        db = (db * grad.to(db.dtype)).to(tb) if db is not None else None
+        # and one pass each: scaled in the accumulation dtype and written straight in the parameter's dtype (no
+        # fp32 temporary of dW's size beside the saved one)
+        dx, dw, db = (None if t is None else torch.mul(t, grad.to(t.dtype), out=torch.empty_like(t, dtype=dtype))
+                      for t, dtype in ((dx, tx), (dw, tw), (db, tb)))
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
@@ -338,11 +379,24 @@ def linear_cross_entropy_ref(x: Tensor, weight: Tensor, labels: Tensor, bias: Op
     return F.cross_entropy(logits.to(acc), labels.reshape(-1).long(), ignore_index=ignore_index, reduction=reduction)
 
 
-def default_chunk(n_rows: int, n_local: int) -> int:
-    """Rows per chunk: about CHUNK_ELEMS logits (64 MiB in fp32), at least 1, at most ``n_rows``. It depends on
-    the shapes alone, so every rank of a vocab-parallel group (same rows, same slice width) makes the same
-    number of reduces."""
-    return max(1, min(max(n_rows, 1), CHUNK_ELEMS // max(n_local, 1)))
+def default_chunk(n_rows: int, n_local: int, device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk, at least 1, at most ``n_rows``.
+
+    CPU (and the interpreter on CPU): about CHUNK_ELEMS logits (64 MiB in fp32). CUDA: about CUDA_CHUNK_BYTES
+    of logits in their dtype (512 MiB: 2048 rows of a 128256-column bf16 slice), rounded down to a multiple of
+    CHUNK_ROW_MULTIPLE rows when there are that many, so that the three matmuls of a chunk are wide (the dW
+    product's inner dimension is the chunk's rows; with the CPU rule's 130-row chunks at vocabulary 128256
+    the bf16 step ran 3.7x slower than the unfused head on an H200). It depends on the shapes, the device
+    type and the dtype alone (never on free memory or the GPU model), so every rank of a vocab-parallel group
+    (same rows, same slice width, same device type and dtype) makes the same number of reduces."""
+    if device_type == "cuda":
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows = CUDA_CHUNK_BYTES // max(n_local * itemsize, 1)
+        if rows >= CHUNK_ROW_MULTIPLE:
+            rows -= rows % CHUNK_ROW_MULTIPLE
+    else:
+        rows = CHUNK_ELEMS // max(n_local, 1)
+    return max(1, min(max(n_rows, 1), rows))
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
@@ -356,7 +410,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Option
             ``ignore_index`` rows counting for nothing.
         reduction: "mean" over the counted rows (NaN with zero gradients when there are none, as
             ``F.cross_entropy``) or "sum".
-        chunk: rows per chunk (default :func:`default_chunk`: about 64 MiB of fp32 logits).
+        chunk: rows per chunk (default :func:`default_chunk`: about 64 MiB of fp32 logits on CPU, 512 MiB of
+            logits in their dtype on CUDA).
         vocab_start, vocab_size, reduce: the vocab-parallel form (module docstring): weight holds global
             classes [vocab_start, vocab_start + Vl), those at or past ``vocab_size`` (default: vocab_start + Vl)
             padding; ``reduce(t, op)`` all-reduces ``t`` in place over the ranks holding the other slices
@@ -381,7 +436,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Option
     x2 = x.reshape(-1, x.shape[-1])
     y = labels.reshape(-1).long()
     _check_labels(y, vocab_size, ignore_index)
-    chunk = chunk or default_chunk(x2.shape[0], n_local)
+    chunk = chunk or default_chunk(x2.shape[0], n_local, x2.device.type, x2.dtype)
     grad = torch.is_grad_enabled()
     need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
     with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else contextlib.nullcontext():
