@@ -595,6 +595,8 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
     mask = None
     if key_padding_mask is not None:
         mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    if causal and Sq == 1:  # one query, end-aligned: it sees every key (a decoding step), no mask to build
+        causal = False
     if causal and (Sq != Sk or mask is not None):
         i = torch.arange(Sq, device=q.device)[:, None]
         j = torch.arange(Sk, device=q.device)[None, :]
