@@ -210,7 +210,8 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         opt_bytes = sum(p.numel() for p in ps) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
         optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
         step = compute_s + bubble_s + comm_s + optimizer_s
-        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix)
+        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix,
+                          "cpu" if hw.cores else "cuda")  # CPU profiles have cores
         if peak["total"] > fullest:
             fullest = peak["total"]
             est.memory, est.peak_parts, est.peak_rank, est.layout = peak["total"], peak, rank, lay

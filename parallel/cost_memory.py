@@ -182,7 +182,6 @@ BLOCK_BYTES = {"none": {"fp32": 71.8, "autocast": 36.2, "half": 36.2},
 # root of v and the update), a third with half weights (the gradient in fp32); measured with RssAnon on CPU
 # (bench/memory_model.py: the bf16 rows, whose activations are small, peak in the step)
 OPTIMIZER_TEMPORARIES = {"fp32": 2.0, "autocast": 2.0, "half": 3.0}
-LOSS_CHUNK_ELEMS = 1 << 24     # logits per chunk of the fused linear cross-entropy (kernels.linear_cross_entropy)
 
 
 def layout_of(plan: Plan, param_dtype=None) -> str:
@@ -227,17 +226,24 @@ def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
     return sum(p.numel() for p in mats), max(per_block.values(), default=0), rest
 
 
-def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str) -> tuple:
+def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str, device_type: str = "cpu") -> tuple:
     """The fused loss head's bytes on the last stage: (kept from forward to backward: the gradients it makes in
     forward and saves, input rows x dim and weight vocab x dim, and the weight copy kept for late logits;
-    transient in forward: one chunk of logits and its gradient)."""
+    transient in forward: one chunk of logits and its gradient). The chunk is the kernel's own
+    (``kernels.linear_cross_entropy.default_chunk``): on CPU about 2^24 logits, worked on in fp32 beside the
+    input-dtype logits; on CUDA about 512 MiB of logits in their dtype, overwritten by their gradient."""
     if not shape.vocab_size:
         return 0.0, 0.0
+    from cuboid.kernels.linear_cross_entropy import default_chunk  # on use: the kernel module loads Triton
+
     tokens = micro_rows * seq / plan.sp / (plan.tp if plan.tp_mode != "1d" else 1)
     vocab = math.ceil(shape.vocab_size / plan.tp)
     wide = 2 if layout == "half" else 4
     kept = 4 if layout == "fp32" else 2
-    chunk = min(tokens, max(1, LOSS_CHUNK_ELEMS // vocab)) * vocab * 4 * 2
+    logits = torch.float32 if layout == "fp32" else torch.bfloat16
+    rows = default_chunk(max(1, int(tokens)), vocab, device_type, logits)
+    per_logit = 4 * 2 if device_type == "cpu" else torch.empty((), dtype=logits).element_size()
+    chunk = min(tokens, rows) * vocab * per_logit
     return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept), chunk
 
 
@@ -261,7 +267,7 @@ def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: i
 
 
 def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
-               states: dict, blocks: str = "blocks.") -> dict:
+               states: dict, blocks: str = "blocks.", device_type: str = "cpu") -> dict:
     """A rank's peak bytes, by part: ``states`` (:func:`model_states`), ``activations`` (kept by the blocks
     after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
     ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
@@ -270,7 +276,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
     the optimizer step's (the gradients and its temporaries, ``step``); DDP's gradient buckets
     (``buckets``) and the pipeline's receive buffers (``pipeline``, :func:`pipeline_buffers`) are held
-    throughout."""
+    throughout. ``device_type`` ("cpu" or "cuda") picks the loss head's chunk rule (:func:`head_bytes`)."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks)
     pbytes = next((p.element_size() for p in params.values()), 4)
@@ -279,7 +285,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
         copies = 2 * (mats if plan.checkpoint == "none" else mats / max(stage.blocks, 1))
     if plan.zero == 3 and plan.dp * plan.sp > 1:  # the root unit stays gathered, two block units at a time
         copies += (rest + 2 * one_block) * pbytes
-    head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout) if stage.last else (0.0, 0.0)
+    head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout, device_type) if stage.last else (0.0, 0.0)
     buckets = states["grads"] if plan.zero == 0 and plan.dp * plan.sp > 1 else 0.0  # DDP's flat gradient buckets
     pipeline = pipeline_buffers(plan, stage, shape.dim, micro_rows, seq)
     fixed = states["params"] + states["optimizer"] + states["masters"] + buckets + pipeline

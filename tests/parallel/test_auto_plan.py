@@ -126,6 +126,26 @@ def test_memory_model_against_what_a_forward_keeps(layout, checkpoint):
     del out
 
 
+def test_loss_chunk_follows_the_kernel_on_each_device():
+    """The head's transient bytes are the fused loss's own chunk: 2^24 fp32 logits (and the input-dtype ones) on
+    CPU; on CUDA 512 MiB of logits in their dtype, overwritten by their gradient (Llama 3's vocabulary: 2048
+    rows in bf16), so a GPU plan's peak is not priced with the CPU's chunk."""
+    from cuboid import zoo
+    from cuboid.parallel import Plan, cost
+    from cuboid.parallel.cost_memory import head_bytes
+
+    shape = cost.Shape.of(zoo.config_of("llama3.1-8b"))
+    vocab = shape.vocab_size
+    _, cpu = head_bytes(shape, Plan(), 8, 2048, "autocast", "cpu")
+    _, gpu = head_bytes(shape, Plan(), 8, 2048, "autocast", "cuda")
+    _, gpu_fp32 = head_bytes(shape, Plan(), 8, 2048, "fp32", "cuda")
+    assert cpu == (2 ** 24 // vocab) * vocab * 4 * 2
+    assert gpu == 2048 * vocab * 2
+    assert gpu_fp32 == 1024 * vocab * 4
+    _, tp8 = head_bytes(shape, Plan(tp=8), 8, 2048, "autocast", "cuda")  # a tp=8 slice: the whole batch is one chunk
+    assert tp8 == 8 * 2048 * (vocab // 8) * 2
+
+
 def test_half_weights_layout_states_after_a_step_are_exact():
     import cuboid
     from cuboid import kernels, zoo
