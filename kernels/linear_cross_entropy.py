@@ -244,9 +244,9 @@ def _fp32_addmm(g: Tensor) -> bool:
             acc = torch.full((1, 1), 0.5, dtype=torch.float32, device=g.device)
             torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
             _FP32_ADDMM[key] = float(acc[0, 0]) == 1.5
-        except (TypeError, RuntimeError, NotImplementedError) as e:  # no out_dtype keyword / no kernel / refused
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                raise
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype keyword / no kernel / refused
             _FP32_ADDMM[key] = False
     return _FP32_ADDMM[key]
 
@@ -390,8 +390,7 @@ def default_chunk(n_rows: int, n_local: int, device_type: str = "cpu", dtype: to
     type and the dtype alone (never on free memory or the GPU model), so every rank of a vocab-parallel group
     (same rows, same slice width, same device type and dtype) makes the same number of reduces."""
     if device_type == "cuda":
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        rows = CUDA_CHUNK_BYTES // max(n_local * itemsize, 1)
+        rows = CUDA_CHUNK_BYTES // max(n_local * dtype.itemsize, 1)
         if rows >= CHUNK_ROW_MULTIPLE:
             rows -= rows % CHUNK_ROW_MULTIPLE
     else:

@@ -242,7 +242,7 @@ def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str,
     kept = 4 if layout == "fp32" else 2
     logits = torch.float32 if layout == "fp32" else torch.bfloat16
     rows = default_chunk(max(1, int(tokens)), vocab, device_type, logits)
-    per_logit = 4 * 2 if device_type == "cpu" else torch.empty((), dtype=logits).element_size()
+    per_logit = 4 * 2 if device_type == "cpu" else logits.itemsize
     chunk = min(tokens, rows) * vocab * per_logit
     return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept), chunk
 
