@@ -358,13 +358,15 @@ def test_bad_input(backend, name, over, exc, match):
 
 
 def test_head_dim_limits_are_triton_only():
-    q = torch.randn(1, 1, 4, 8)
+    q = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"head_dim 16\.\.256, got 8"):
         attention(q, q, q, backend="triton")
     big = torch.randn(1, 1, 2, 257)
     with pytest.raises(ValueError, match=r"head_dim 16\.\.256, got 257"):
         attention(big, big, big, backend="triton")
-    torch.testing.assert_close(attention(q, q, q, backend="torch").double(), naive64(q, q, q)[0])
+    # an fp32 computation against float64: fp32's tolerance (compared as float64, the default bound is float64's
+    # 1e-7, which fp32 rounding (2.8e-7 seen) crossed in about one run of four with unseeded inputs)
+    torch.testing.assert_close(attention(q, q, q, backend="torch").double(), naive64(q, q, q)[0], **TOL[F32])
     with pytest.raises(TypeError, match=r"dtype float64"):
         attention(_x.double(), _x.double(), _x.double(), backend="triton")
 
