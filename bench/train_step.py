@@ -4,7 +4,7 @@ Same config, same weights, same batch, same threads, same process; the two
 models are timed alternately so machine noise hits both. Prints HF/cuboid per
 model (> 1 means cuboid is faster) and writes JSON.
 
-    python bench/train_step.py [--sizes small medium] [--steps 10] [--out bench/train_step.json]
+    python bench/train_step.py [--sizes small medium] [--models gpt llama] [--steps 10] [--out bench/train_step.json]
 """
 from __future__ import annotations
 
@@ -68,11 +68,14 @@ def make_step(model, opt, data):
     return step
 
 
-def run(sizes, steps: int, warmup: int = 2) -> list[dict]:
+FAMILIES = ("gpt", "bert", "vit", "llama")
+
+
+def run(sizes, steps: int, families=FAMILIES, warmup: int = 2) -> list[dict]:
     rows = []
     for size in sizes:
         s = SIZES[size]
-        for family in ("gpt", "bert", "vit", "llama"):
+        for family in families:
             torch.manual_seed(0)
             hf = hf_model(family, s).train()
             with tempfile.TemporaryDirectory() as d:
@@ -100,10 +103,11 @@ def run(sizes, steps: int, warmup: int = 2) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--models", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="bench/train_step.json")
     args = ap.parse_args()
-    rows = run(args.sizes, args.steps)
+    rows = run(args.sizes, args.steps, args.models)
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.steps} steps\n")
     print("| model | size | params | HF ms | cuboid ms | HF/cuboid |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

@@ -181,13 +181,14 @@ def _chunk_torch(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, 
     x = z if z.dtype == acc else z.to(acc)  # fp32 / fp64 logits are worked on in place
     if n_valid < x.shape[1]:
         x[:, n_valid:] = float("-inf")  # padding never wins
-    m = x.max(-1).values
-    if reduce is not None:
-        reduce(m, "max")
-    x.sub_(m.unsqueeze(-1))
     local = y - start
     here = valid & (local >= 0) & (local < n_valid)
     idx = torch.where(here, local, 0).unsqueeze(-1)
+    if reduce is None:
+        return _whole_rows_torch(x, z, idx, valid, here, grad)
+    m = x.max(-1).values
+    reduce(m, "max")
+    x.sub_(m.unsqueeze(-1))
     target = torch.where(here, x.gather(-1, idx).squeeze(-1), 0.0)
     x.exp_()
     stats = torch.stack([x.sum(-1), target], -1)  # (C, 2)
@@ -198,6 +199,25 @@ def _chunk_torch(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, 
         return rows, None
     x.mul_(torch.where(valid, stats[:, 0].reciprocal(), 0.0).unsqueeze(-1))  # softmax (0 on ignored rows)
     x.scatter_add_(-1, idx, -here.to(acc).unsqueeze(-1))  # minus the one-hot target (here implies valid)
+    if x is not z:
+        z.copy_(x)  # rounded to the logits' dtype, in their buffer
+    return rows, z
+
+
+def _whole_rows_torch(x: Tensor, z: Tensor, idx: Tensor, valid: Tensor, here: Tensor, grad: bool):
+    """:func:`_chunk_torch` where every row's whole vocabulary is here (no reduce): torch's row softmax written
+    over the logits, each row read from memory once after the max, where the general path makes four passes
+    more (subtract, exp, sum, scale). The log normaliser is ``max - log p[argmax]`` (``p[argmax] = 1 / sum``,
+    never underflows)."""
+    m, at = x.max(-1)
+    target = torch.where(here, x.gather(-1, idx).squeeze(-1), 0.0)
+    if not grad:
+        return torch.where(valid, torch.logsumexp(x, -1) - target, 0.0), None
+    torch.ops.aten._softmax.out(x, -1, False, out=x)
+    rows = torch.where(valid, m - x.gather(-1, at.unsqueeze(-1)).squeeze(-1).log() - target, 0.0)
+    if valid.is_meta or not bool(valid.all()):
+        x.masked_fill_(~valid.unsqueeze(-1), 0.0)  # no gradient from ignored rows
+    x.scatter_add_(-1, idx, -here.to(x.dtype).unsqueeze(-1))  # minus the one-hot target (here implies valid)
     if x is not z:
         z.copy_(x)  # rounded to the logits' dtype, in their buffer
     return rows, z
@@ -262,8 +282,10 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
     grad = any(need)
     dx = torch.empty_like(x) if need_x else None
     dw = None
-    if need_w:  # accumulated in fp32 for half-precision weights
-        dw = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, acc), device=weight.device)
+    if need_w:  # accumulated in fp32 for half-precision weights; else written by the first chunk's product
+        dtype = torch.promote_types(weight.dtype, acc)
+        new = torch.empty if dtype == weight.dtype and N else torch.zeros
+        dw = new(weight.shape, dtype=dtype, device=weight.device)
     db = torch.zeros(n_local, dtype=acc, device=x.device) if need_b else None
     total = torch.zeros((), dtype=acc, device=x.device)
     for s in range(0, N, chunk):
@@ -280,7 +302,9 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
         if need_x:
             torch.mm(g, weight, out=dx[s:s + chunk])
         if need_w:
-            if dw.dtype == g.dtype:
+            if dw.dtype == g.dtype and s == 0:
+                torch.mm(g.t(), xc, out=dw)
+            elif dw.dtype == g.dtype:
                 dw.addmm_(g.t(), xc)
             elif _fp32_addmm(g):
                 torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum

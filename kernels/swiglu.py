@@ -167,6 +167,25 @@ def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------
 
 
+class _SwiGLUTorchFunction(torch.autograd.Function):
+    """The torch path in fp32 / fp64 when a gradient is wanted: autograd's ops for ``silu(gate) * up``, so the
+    same values bit for bit, written in place into fresh tensors: one of the output's size in forward and two
+    in backward, where autograd's graph makes five and saves ``silu(gate)`` beside the inputs."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dg = torch.mul(dy, up)
+        torch.ops.aten.silu_backward.grad_input(dg, gate, grad_input=dg)  # dy * up * s * (1 + a * (1 - s))
+        return dg, F.silu(gate).mul_(dy)  # dy * a * s
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     """Triton forward and backward; saves the inputs and recomputes the gate in backward."""
 
@@ -209,5 +228,8 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: Optional[str] = None) -> Tensor
     chosen = resolve_backend(_OP, [gate, up], backend)
     _check(gate, up, triton_path=chosen == "triton")
     if chosen == "torch":
+        if gate.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() and (
+                gate.requires_grad or up.requires_grad):
+            return _SwiGLUTorchFunction.apply(gate, up)
         return _swiglu_torch(gate, up)
     return _SwiGLUFunction.apply(gate, up)

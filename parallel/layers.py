@@ -24,6 +24,7 @@ the same under every plan.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -89,14 +90,64 @@ def _autocast_state(device: torch.device) -> tuple:
     return device.type, on, torch.get_autocast_dtype(device.type)
 
 
-def _kept(t: torch.Tensor, param: Optional[torch.Tensor], amp: tuple) -> torch.Tensor:
-    """``t`` as the lazy logits keep it: in the autocast dtype (a new tensor) when autocast is on, else a copy
-    where it may be a parameter (``param`` None: always), so an in-place step leaves the kept values alone."""
-    if amp[1] and t.is_floating_point() and t.dtype != amp[2]:
-        return t.to(amp[2])
-    if param is None or t.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
-        return t.clone()
-    return t
+class _Kept:
+    """A parameter (or a view of one) the lazy logits read, held without a copy.
+
+    The copy is made only if an optimizer is about to step while the logits are still unread (a global
+    optimizer step pre-hook copies every live one): a training loop that reads ``.loss`` alone never copies
+    the head's table (before, every forward with labels cloned it: 1 GiB a step for Llama 3's bf16 table).
+    A value changed in place by anything else before it is read is refused at the read, by its version
+    counter, rather than read changed.
+    """
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+        _UNCOPIED.add(self)
+        if not _STEP_HOOK:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _STEP_HOOK.append(register_optimizer_step_pre_hook(_copy_kept_before_step))
+
+    def copy(self) -> None:
+        if self.tensor._version == self.version:
+            self.tensor = self.tensor.clone()
+            self.version = self.tensor._version
+
+    def value(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError("the logits of this output are made when read, from the head's weight as it was in "
+                               "the forward, and that weight has since been changed in place outside an optimizer "
+                               "step: read .logits before changing the weights")
+        return self.tensor
+
+
+_UNCOPIED: "weakref.WeakSet[_Kept]" = weakref.WeakSet()  # _Kept values of unread logits not copied yet
+_STEP_HOOK: list = []
+
+
+def _copy_kept_before_step(optimizer, args, kwargs) -> None:
+    for kept in list(_UNCOPIED):
+        kept.copy()
+        _UNCOPIED.discard(kept)
+
+
+def _kept(t: torch.Tensor, param: Optional[torch.Tensor], amp: tuple, copy_now: bool):
+    """``t`` as the lazy logits keep it. A temporary (a mode's gathered table: ``param`` given, another storage)
+    is kept as is, cast to the autocast dtype when autocast is on; ``t`` that may be a parameter (``param``
+    None, or its storage) is kept as a :class:`_Kept`, or, with ``copy_now`` (its storage is released after
+    use: ZeRO-3), copied (cast under autocast) now. :func:`_kept_value` reads either."""
+    temporary = param is not None and t.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+    if temporary or copy_now:
+        if amp[1] and t.is_floating_point() and t.dtype != amp[2]:
+            return t.to(amp[2])
+        return t if temporary else t.clone()
+    return _Kept(t)
+
+
+def _kept_value(t):
+    return t.value() if isinstance(t, _Kept) else t
 
 
 @contextlib.contextmanager
@@ -230,6 +281,8 @@ class Embedding(ShardedModule):
     # computed on each rank's vocab slice without gathering the logits; ``lm_outputs`` is the same for all.
 
     lm_chunk: Optional[int] = None  # rows per chunk of the fused head's loss (None: the kernel's default)
+    # set by ZeRO-3 (FSDP2 frees the gathered table after backward): the lazy logits then copy it in forward
+    weights_released_after_use: bool = False
 
     def lm_outputs(self, h: torch.Tensor, labels: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
                 *, shift: bool = False, ignore_index: int = -100) -> tuple:
@@ -239,8 +292,8 @@ class Embedding(ShardedModule):
         t + 1, as a causal LM) the loss is the mean cross-entropy through the fused linear cross-entropy
         (:func:`cuboid.kernels.linear_cross_entropy`): a chunk of rows at a time, vocab-parallel under the
         tensor modes, never holding the whole logits; ``logits`` is then a :class:`Deferred` made when read,
-        from ``h`` and the head's weight as they were in this forward (a copy of the weight is kept where it
-        is the parameter itself, so an optimizer step in between changes nothing). Without labels the loss is
+        from ``h`` and the head's weight as they were in this forward (an optimizer step in between copies the
+        weight first: :class:`_Kept`; under ZeRO-3 it is copied in forward). Without labels the loss is
         None and the (local) logits are made now, gathered when read. ``bias``: (vocab,) or this rank's
         slice of it (a vocab-split tensor's output).
         """
@@ -256,7 +309,8 @@ class Embedding(ShardedModule):
                                              chunk=self.lm_chunk, vocab_start=start, vocab_size=vocab, reduce=reduce)
         loss = self._head_mean(total, (ys != ignore_index).sum())
         amp = _autocast_state(h.device)
-        w, bias = _kept(w, self.weight, amp), (_kept(bias, None, amp) if bias is not None else None)
+        w = _kept(w, self.weight, amp, self.weights_released_after_use)
+        bias = _kept(bias, None, amp, self.weights_released_after_use) if bias is not None else None
         return loss, lazy(self._late_logits, h, w, bias, amp)
 
     def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
@@ -294,6 +348,7 @@ class Embedding(ShardedModule):
 
     def _late_logits(self, h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], amp: tuple):
         """Whole logits, made when read, from the forward's ``h`` and head operands, under its autocast."""
+        w, bias = _kept_value(w), _kept_value(bias)
         with torch.autocast(amp[0], dtype=amp[2], enabled=amp[1]) if amp[0] else _nothing():
             return self.gather_logits(F.linear(self._head_input(h), w, bias))
 

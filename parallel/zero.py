@@ -427,6 +427,9 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
         for p in model.parameters():
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
                 p.data = p.data.contiguous()
+    for m in model.modules():
+        if hasattr(m, "weights_released_after_use"):  # an LM head's lazy logits copy the gathered table in forward
+            m.weights_released_after_use = True
     for block in getattr(model, blocks, ()):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

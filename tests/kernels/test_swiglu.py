@@ -74,6 +74,29 @@ def test_automatic_backend_and_forced_torch():
         assert torch.equal(swiglu(gate, up), swiglu_ref(gate, up))
 
 
+@pytest.mark.parametrize("dtype", [F32, F64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("fused", [False, True], ids=["sep", "fused"])
+def test_torch_path_equals_autograd_bit_for_bit(fused, dtype):
+    # the CPU training path: its own Function (fewer temporaries), autograd's values exactly, vs float64 too
+    x, gate, up = make((3, 5, 300), dtype, fused)
+    leaves = (x,) if fused else (gate, up)
+    with use_backend("torch"):
+        got = swiglu(gate, up)
+    assert "SwiGLUTorch" in type(got.grad_fn).__name__ and got.is_contiguous()
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(got, want)
+    dy = upstream(got)
+    grads = torch.autograd.grad(got, leaves, dy)
+    for a, b in zip(grads, torch.autograd.grad(want, leaves, dy)):
+        assert torch.equal(a, b)
+    if not fused:
+        tol = TOL.get(dtype, dict(atol=1e-12, rtol=1e-12))
+        y64, back = swiglu64(gate, up)
+        torch.testing.assert_close(got.double(), y64, **tol)
+        for a, b in zip(grads, back(dy.double())):
+            torch.testing.assert_close(a.double(), b, **tol)
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=["fp32", "fp16", "bf16"])
 def test_reference_matches_float64(dtype):
     _, gate, up = make((6, 257), dtype)

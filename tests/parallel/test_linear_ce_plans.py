@@ -96,6 +96,48 @@ def test_logits_are_made_when_read_with_the_forward_weights(name):
         torch.testing.assert_close(out.logits, want, atol=0, rtol=0)  # the forward's logits nonetheless
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_step_that_does_not_read_logits_copies_no_table(name):
+    # the natural loop drops the output before the step: nothing of the head's table size is copied (the lazy
+    # logits used to clone it every forward); an output kept across the step still reads the forward's logits
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        tables = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                Copies.tables += any(isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[0] == EXTRA["vocab_size"]
+                                     for a in args)
+            return func(*args, **(kwargs or {}))
+
+    model = _model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    batch = _batch(model)
+    with Copies():
+        for _ in range(2):
+            model(**batch).loss.backward()
+            opt.step()
+    assert Copies.tables == 0
+    out = model(**batch)
+    out.loss.backward()
+    want = out.logits.detach().clone()
+    out = model(**batch)
+    with Copies():
+        opt.step()
+    assert Copies.tables == 1  # the one live output's table, copied before the step changed it
+    torch.testing.assert_close(out.logits, want, atol=0, rtol=0)
+
+
+def test_logits_read_after_an_in_place_change_are_refused():
+    model = _model()
+    out = model(**_batch(model))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2) if hasattr(model, "lm_head") else model.tok_emb.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="changed in place outside an optimizer step: read .logits before"):
+        out.logits
+
+
 def test_lazy_logits_keep_the_autocast_dtype():
     from cuboid.kernels import use_backend
 
