@@ -15,8 +15,8 @@
 - **Peak** (:func:`peak_bytes`): the states, the activations of the micro-batches
   in flight, autocast's half-precision weight copies saved for backward (every
   block's linears; whole copies under ZeRO-3, whose gathered units FSDP2 keeps
-  too), the fused loss head's saved gradients, kept weight copy and
-  logits chunk, and what stays between steps: DDP's gradient buckets and
+  too), the fused loss head's saved gradients, the table its late logits
+  keep where that is not the parameter (ZeRO-3, 2D/3D) and its logits chunk, and what stays between steps: DDP's gradient buckets and
   the pipeline's receive buffers (:func:`pipeline_buffers`).
 """
 from __future__ import annotations
@@ -228,7 +228,8 @@ def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
 
 def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str, device_type: str = "cpu") -> tuple:
     """The fused loss head's bytes on the last stage: (kept from forward to backward: the gradients it makes in
-    forward and saves, input rows x dim and weight vocab x dim, and the weight copy kept for late logits;
+    forward and saves, input rows x dim and weight vocab x dim, and the table the late logits keep where it
+    is not the parameter itself: ZeRO-3's copy, the 2D/3D modes' gathered table, cast under autocast;
     transient in forward: one chunk of logits and its gradient). The chunk is the kernel's own
     (``kernels.linear_cross_entropy.default_chunk``): on CPU about 2^24 logits, worked on in fp32 beside the
     input-dtype logits; on CUDA about 512 MiB of logits in their dtype, overwritten by their gradient."""
@@ -239,7 +240,8 @@ def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str,
     tokens = micro_rows * seq / plan.sp / (plan.tp if plan.tp_mode != "1d" else 1)
     vocab = math.ceil(shape.vocab_size / plan.tp)
     wide = 2 if layout == "half" else 4
-    kept = 4 if layout == "fp32" else 2
+    own_table = plan.zero == 3 or (plan.tp > 1 and plan.tp_mode != "1d")  # else the output holds the parameter
+    kept = (4 if layout == "fp32" else 2) if own_table else 0
     logits = torch.float32 if layout == "fp32" else torch.bfloat16
     rows = default_chunk(max(1, int(tokens)), vocab, device_type, logits)
     per_logit = 4 * 2 if device_type == "cpu" else logits.itemsize

@@ -121,7 +121,9 @@ def test_memory_model_against_what_a_forward_keeps(layout, checkpoint):
     assert cost.layout_of(plan, next(iter(params.values())).dtype) == layout
     parts = cost.peak_bytes(cost.Shape.of(config), plan, cost.Stage(4), params, 4, 128, layout,
                             cost.model_states(list(params.values()), plan))
-    predicted = parts["activations"] + parts["copies"] + parts["head"]
+    # a checkpointed block's autocast copies are made again in its recompute: the peak's, not the forward's
+    copies = parts["copies"] if checkpoint == "none" else 0.0
+    predicted = parts["activations"] + copies + parts["head"]
     assert predicted == pytest.approx(held, rel=0.2), (layout, checkpoint, held, parts)
     del out
 
