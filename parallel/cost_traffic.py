@@ -49,7 +49,7 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
     params = list(named.values())
     ps = _trainable(params)
     pdtype = ps[0].dtype if ps else torch.float32
-    ckpt = plan.activation_checkpoint
+    ckpt = plan.checkpoint != "none"  # full and selective alike re-run a block's collectives in its recompute
 
     # tensor parallelism: the stage's parts, once per micro-batch (forward again when recomputing); under
     # sp the embeddings see the whole (padded) sequence and the rest this rank's T / sp tokens, every one

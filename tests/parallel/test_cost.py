@@ -1,8 +1,9 @@
 """The cost model (``cuboid.parallel.cost``) and ``cuboid plans``.
 
 - On 4 gloo ranks, for each plan below (every ZeRO stage, 1D and 2D with and
-  without recomputation, pipeline schedules with dp, tp and ZeRO, ring and
-  all-to-all sequence parallelism), the bytes each rank sends in a
+  without recomputation, 1D and ring sp under selective recomputation,
+  pipeline schedules with dp, tp and ZeRO, ring and all-to-all sequence
+  parallelism), the bytes each rank sends in a
   ``train_step`` (``comm.count``) equal the model's, group by group, and the
   parameter, gradient and optimizer bytes it holds equal the model's
   (:mod:`.cost_checks`; 2.5D and 3D run in test_plans' 8-rank world).
@@ -27,7 +28,8 @@ from .launch import run_world
 
 FOUR_RANK_PLANS = ["dp4", "zero1", "zero2", "zero3", "tp1d-4", "tp=4,tp_mode=2d,activation_checkpoint=true",
                    "dp=2,tp=2,activation_checkpoint=true", "dp2-pp2", "pp=2,tp=2,microbatches=4,schedule=gpipe",
-                   "dp2-pp2-zero1", "sp4", "dp=2,sp=2,sp_mode=all_to_all,activation_checkpoint=true"]
+                   "dp2-pp2-zero1", "sp4", "dp=2,sp=2,sp_mode=all_to_all,activation_checkpoint=true",
+                   "dp=2,tp=2,checkpoint=selective", "sp=4,checkpoint=selective"]
 
 
 def test_bytes_sent_and_held_equal_the_cost_model_on_4_ranks():
