@@ -274,7 +274,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
     ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
     checkpointed block casts them again in its recompute; FSDP2's gathered units under ZeRO-3), ``head``
-    (the loss head's saved gradients and kept weight, :func:`head_bytes`), ``temporaries`` (its logits
+    (the loss head's saved gradients and, where its late logits keep their own, the table: :func:`head_bytes`), ``temporaries`` (its logits
     chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
     the optimizer step's (the gradients and its temporaries, ``step``); DDP's gradient buckets
     (``buckets``) and the pipeline's receive buffers (``pipeline``, :func:`pipeline_buffers`) are held
