@@ -249,22 +249,23 @@ def head_bytes(shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str,
     return tokens * shape.dim * wide + vocab * shape.dim * (wide + kept), chunk
 
 
-def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: int) -> float:
+def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: int, layout: str = "fp32") -> float:
     """Receive buffers ``torch.distributed.pipelining`` keeps on a rank from its first step on: one per
     micro-batch for each input of a stage that receives activations (x and the residual, fp32, with the
     int64 mask (B, 1) and labels) and for each output gradient of a stage that receives them (x and the
     residual): per virtual stage (two under interleaved and ZBV) not first, resp. not last. Measured on 2
     gloo ranks (gpt-debug, dim 64, 8 x 16 tokens, test_auto_plan): equal to this under gpipe, 1F1B (2 and 4
-    micro-batches) and interleaved in fp32; under bf16 autocast the x gradient arrives in bf16 (25% fewer
-    bytes on the first stage); under ZBV the rank holding both ends keeps two more x-sized buffers (not
-    counted here)."""
+    micro-batches) and interleaved in fp32, and under bf16 autocast (``layout``: x and its gradient arrive
+    in bf16, the residual and its gradient in fp32; 1F1B); under ZBV the rank holding both ends keeps two
+    more x-sized buffers (not counted here)."""
     if plan.pp == 1:
         return 0.0
     per_rank = 2 if plan.schedule in ("interleaved", "zbv") else 1
     act = micro_rows * seq * dim * 4 / (plan.tp if plan.tp_mode != "1d" else 1)  # 2D/3D: this rank's block
     block_rows = micro_rows // plan.batch_parts
     extra = block_rows * 8 + block_rows * seq * 8  # mask (int64 ones (B, 1); BERT's (B, s) not counted), labels
-    receives = (per_rank - int(stage.first)) * (2 * act + extra) + (per_rank - int(stage.last)) * 2 * act
+    x = act / 2 if layout == "autocast" else act  # a block's x output is autocast's bf16, and its gradient
+    receives = (per_rank - int(stage.first)) * (x + act + extra) + (per_rank - int(stage.last)) * (x + act)
     return plan.microbatches * receives
 
 
@@ -289,7 +290,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
         copies += (rest + 2 * one_block) * pbytes
     head, temporaries = head_bytes(shape, plan, micro_rows, seq, layout, device_type) if stage.last else (0.0, 0.0)
     buckets = states["grads"] if plan.zero == 0 and plan.dp * plan.sp > 1 else 0.0  # DDP's flat gradient buckets
-    pipeline = pipeline_buffers(plan, stage, shape.dim, micro_rows, seq)
+    pipeline = pipeline_buffers(plan, stage, shape.dim, micro_rows, seq, layout)
     fixed = states["params"] + states["optimizer"] + states["masters"] + buckets + pipeline
     # the optimizer step: the foreach AdamW's fp32 temporaries over the rank's pieces (and the fp32 copy of a half
     # gradient), beside the gradients

@@ -16,7 +16,7 @@
 - ``auto`` specs, sizes like ``80G``, bad ``--seq`` / ``--batch`` refused in one line.
 - One 2-rank gloo world (a module fixture) for both multi-rank checks:
   ``cuboid.load("gpt2", plan="auto")`` gives every rank the same plan; and for
-  DDP, ZeRO-1/2/3 (half weights), tp=2 (autocast) and a 1F1B pp=2, on every
+  DDP, ZeRO-1/2/3 (half weights), tp=2 (autocast) and a 1F1B pp=2 (fp32 and autocast), on every
   rank through ``cuboid.load`` / ``AdamW(model.parameters())`` /
   ``cuboid.train_step``: parameter, optimizer-state and master bytes after the
   steps and gradient bytes at the step equal ``cost.model_states`` exactly, no
@@ -200,9 +200,10 @@ def test_auto_specs_sizes_and_refusals():
 HELD = dict(vocab_size=251, n_positions=64, dim=64, n_layers=3, n_heads=4, mlp_hidden=192)
 HELD_BATCH, HELD_SEQ = 8, 16
 # (plan, half-precision weights): the three ZeRO stages in the half layout (masters), DDP, 1D tensor
-# parallelism under autocast (fp32 weights), a 1F1B pipeline in fp32
+# parallelism under autocast (fp32 weights), a 1F1B pipeline in fp32 and under autocast
 HELD_PLANS = [("dp=2", False), ("dp=2,zero=1,dtype=bf16", True), ("dp=2,zero=2,dtype=bf16", True),
-              ("dp=2,zero=3,dtype=bf16", True), ("tp=2,dtype=bf16", False), ("pp=2,microbatches=2", False)]
+              ("dp=2,zero=3,dtype=bf16", True), ("tp=2,dtype=bf16", False), ("pp=2,microbatches=2", False),
+              ("pp=2,microbatches=2,dtype=bf16", False)]
 # torch's own small tensors a run leaves alive besides the model and optimizer (DeviceMesh's rank table, 8 bytes
 # under ZeRO-3; the pipeline loss reducer's scalar, 4 bytes): not model memory, the only slack in the count
 TORCH_SCALARS = 64
