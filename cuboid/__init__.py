@@ -53,8 +53,8 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     plan = Plan() if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
     if lora is not None and plan.pp > 1 and plan.schedule == "zbv":
         raise NotImplementedError("LoRA under the zero-bubble V schedule is not built (with the base weights "
-                                  "frozen, its split weight pass gives the adapters no gradient: they never "
-                                  "train); use 1f1b, gpipe or interleaved")
+                                  "frozen, its split weight pass gives some stages' adapters no gradient); use "
+                                  "1f1b, gpipe or interleaved")
     single = plan.world_size == 1
     if mesh is None and single:
         mesh = Mesh.layout(plan)  # no process group, even under torchrun

@@ -209,10 +209,10 @@ def _whole_rows_torch(x: Tensor, z: Tensor, idx: Tensor, valid: Tensor, here: Te
     over the logits, each row read from memory once after the max, where the general path makes four passes
     more (subtract, exp, sum, scale). The log normaliser is ``max - log p[argmax]`` (``p[argmax] = 1 / sum``,
     never underflows)."""
-    m, at = x.max(-1)
     target = torch.where(here, x.gather(-1, idx).squeeze(-1), 0.0)
     if not grad:
         return torch.where(valid, torch.logsumexp(x, -1) - target, 0.0), None
+    m, at = x.max(-1)
     torch.ops.aten._softmax.out(x, -1, False, out=x)
     rows = torch.where(valid, m - x.gather(-1, at.unsqueeze(-1)).squeeze(-1).log() - target, 0.0)
     if valid.is_meta or not bool(valid.all()):
@@ -282,10 +282,10 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
     grad = any(need)
     dx = torch.empty_like(x) if need_x else None
     dw = None
-    if need_w:  # accumulated in fp32 for half-precision weights; else written by the first chunk's product
-        dtype = torch.promote_types(weight.dtype, acc)
-        new = torch.empty if dtype == weight.dtype and N else torch.zeros
-        dw = new(weight.shape, dtype=dtype, device=weight.device)
+    dw_dtype = torch.promote_types(weight.dtype, acc)  # fp32 for half-precision weights, accumulated into
+    same = dw_dtype == weight.dtype  # dW in the logits' dtype (x and W share one): the first chunk's product writes it
+    if need_w:
+        dw = (torch.empty if same and N else torch.zeros)(weight.shape, dtype=dw_dtype, device=weight.device)
     db = torch.zeros(n_local, dtype=acc, device=x.device) if need_b else None
     total = torch.zeros((), dtype=acc, device=x.device)
     for s in range(0, N, chunk):
@@ -302,9 +302,9 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
         if need_x:
             torch.mm(g, weight, out=dx[s:s + chunk])
         if need_w:
-            if dw.dtype == g.dtype and s == 0:
+            if same and s == 0:
                 torch.mm(g.t(), xc, out=dw)
-            elif dw.dtype == g.dtype:
+            elif same:
                 dw.addmm_(g.t(), xc)
             elif _fp32_addmm(g):
                 torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum

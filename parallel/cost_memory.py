@@ -16,8 +16,9 @@
   in flight, autocast's half-precision weight copies saved for backward (every
   block's linears; whole copies under ZeRO-3, whose gathered units FSDP2 keeps
   too), the fused loss head's saved gradients, the table its late logits
-  keep where that is not the parameter (ZeRO-3, 2D/3D) and its logits chunk, and what stays between steps: DDP's gradient buckets and
-  the pipeline's receive buffers (:func:`pipeline_buffers`).
+  keep where that is not the parameter (ZeRO-3, 2D/3D) and its logits
+  chunk, and what stays between steps: DDP's gradient buckets and the
+  pipeline's receive buffers (:func:`pipeline_buffers`).
 """
 from __future__ import annotations
 
@@ -275,11 +276,12 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
     ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
     checkpointed block casts them again in its recompute; FSDP2's gathered units under ZeRO-3), ``head``
-    (the loss head's saved gradients and, where its late logits keep their own, the table: :func:`head_bytes`), ``temporaries`` (its logits
-    chunk); ``total``: parameters, optimizer state and masters plus the larger of the forward's peak and
-    the optimizer step's (the gradients and its temporaries, ``step``); DDP's gradient buckets
-    (``buckets``) and the pipeline's receive buffers (``pipeline``, :func:`pipeline_buffers`) are held
-    throughout. ``device_type`` ("cpu" or "cuda") picks the loss head's chunk rule (:func:`head_bytes`)."""
+    (the loss head's saved gradients and, where its late logits keep their own, the table:
+    :func:`head_bytes`), ``temporaries`` (its logits chunk); ``total``: parameters, optimizer state and
+    masters plus the larger of the forward's peak and the optimizer step's (the gradients and its
+    temporaries, ``step``); DDP's gradient buckets (``buckets``) and the pipeline's receive buffers
+    (``pipeline``, :func:`pipeline_buffers`) are held throughout. ``device_type`` ("cpu" or "cuda") picks
+    the loss head's chunk rule (:func:`head_bytes`)."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks)
     pbytes = next((p.element_size() for p in params.values()), 4)

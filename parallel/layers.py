@@ -130,7 +130,7 @@ _STEP_HOOK: list = []
 def _copy_kept_before_step(optimizer, args, kwargs) -> None:
     for kept in list(_UNCOPIED):
         kept.copy()
-        _UNCOPIED.discard(kept)
+    _UNCOPIED.clear()
 
 
 def _kept(t: torch.Tensor, param: Optional[torch.Tensor], amp: tuple, copy_now: bool):
