@@ -79,13 +79,14 @@ import torch.distributed as dist
 
 from .groups import group_name, name_group
 from .timeouts import (CollectiveError, CollectiveTimeout, as_collective_error, forget_groups, guard_fsdp, guarded,
-                       new_group, set_timeout, timeout_s, wait_p2p)
+                       new_group, release_groups_at_exit, set_timeout, timeout_s, wait_p2p)
 
 __all__ = ["copy_to", "reduce_from", "scatter_to", "gather_from", "reduce_scatter_to", "all_gather_to",
            "all_to_all", "all_reduce_", "broadcast_", "all_gather_list", "ring_shift", "count", "Tally",
            "name_group", "group_name", "group_size", "group_rank", "reduce_scatter_", "all_gather_",
            "CollectiveError", "CollectiveTimeout", "timeout_s", "set_timeout", "new_group", "guarded",
-           "as_collective_error", "forget_groups", "send_", "recv_", "guard_fsdp", "ddp_comm_hook", "wait_p2p"]
+           "as_collective_error", "forget_groups", "release_groups_at_exit", "send_", "recv_", "guard_fsdp",
+           "ddp_comm_hook", "wait_p2p"]
 
 
 # ----------------------------------------------------------------- group names

@@ -26,16 +26,14 @@ gloo on CPU and NCCL on CUDA. Every group, the world's and the mesh's, is made
 with one timeout (``timeout_s`` or ``CUBOID_TIMEOUT_S``, default 300 s): a
 collective or p2p whose peer stalls that long fails with
 :class:`cuboid.parallel.comm.CollectiveTimeout` instead of waiting for ever.
-What it starts it also ends: an exit handler destroys the process groups while
-the interpreter is still whole. Without it a gloo process that simply returns
-was killed by SIGABRT ("terminate called without an active exception") in 18
-of 30 two-rank runs here: gloo's worker threads outlive the interpreter.
+What it starts it also ends: an exit handler
+(:func:`cuboid.parallel.comm.release_groups_at_exit`) destroys the process
+groups while the interpreter is still whole; without it a gloo process that
+simply returns can die of SIGABRT at exit.
 """
 from __future__ import annotations
 
-import atexit
 import datetime
-import gc
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -73,21 +71,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
     # every collective and p2p of every group (the mesh's are made with the same) fails after this, never hangs
     comm.set_timeout(timeout_s if timeout_s is not None else comm.timeout_s())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=comm.timeout_s()))
-    atexit.register(_end_distributed)
+    comm.release_groups_at_exit()
     return dist.get_rank(), dist.get_world_size()
-
-
-def _end_distributed() -> None:
-    """At exit: destroy what :func:`init_distributed` started, unless the program already did.
-
-    The groups :func:`comm.new_group` keeps for reuse are let go too: a group
-    still referenced from a module's globals is destructed during the
-    interpreter's teardown, which is what aborts.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    comm.forget_groups()
-    gc.collect()
 
 
 @dataclass
