@@ -51,10 +51,6 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
         plan = resolve(plan, name_or_path, dtype={None: None, "bfloat16": "bf16", "float16": "fp16"}.get(
             str(dtype).replace("torch.", "") if dtype is not None else None))
     plan = Plan() if plan is None else Plan.parse(plan, zoo.READY_PLANS).require_implemented()
-    if lora is not None and plan.pp > 1 and plan.schedule == "zbv":
-        raise NotImplementedError("LoRA under the zero-bubble V schedule is not built (with the base weights "
-                                  "frozen, its split weight pass gives some stages' adapters no gradient); use "
-                                  "1f1b, gpipe or interleaved")
     single = plan.world_size == 1
     if mesh is None and single:
         mesh = Mesh.layout(plan)  # no process group, even under torchrun

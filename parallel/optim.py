@@ -376,7 +376,14 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, *,
             with_grad.append(p)
             grads.append(g)
     if not grads:
-        return torch.zeros(())
+        if sum_group is None:
+            return torch.zeros(())
+        # the sum over the stages is decided by the plan, not by what this rank holds: a stage with nothing
+        # trainable (LoRA's frozen embedding and head, ZBV's rank 0 of a 2-block model) still joins with 0
+        device = parameters[0].device if parameters else torch.device("cpu")
+        total_sq = torch.zeros(1, dtype=torch.float32, device=device)
+        comm.all_reduce_(total_sq, sum_group)
+        return total_sq.sqrt().reshape(())
     sq = _grad_norm_sq(grads, per_tensor=True, backend=backend).reshape(1, -1)
     norm_reducer = _reducer_for(norm_reducer, with_grad)
     if norm_reducer is not None:

@@ -218,7 +218,16 @@ class StageModule(nn.Module):
             # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
             # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
-            return tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
+            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
+            if torch.is_grad_enabled():
+                # the stream always asks for a gradient: torch sizes the next stage's receive buffers, their
+                # requires_grad included, from these outputs, and a frozen first stage (LoRA's embedding)
+                # would leave the next one's inputs without it; ZBV's split backward then finds no path from
+                # that stage's inputs to its adapters and gives them no gradient
+                for t in out[:2]:
+                    if not t.requires_grad:
+                        t.requires_grad_(True)
+            return out
         return self.head(x, residual, mask, labels).loss
 
     def forward_only(self, stream):

@@ -2,7 +2,7 @@
 built the plain way over ``model.parameters()``, the natural loop and ``cuboid.train_step``.
 
 One 4-rank world runs tp1d (dp2 x tp2, and tp4 whose Llama key/value heads are replicated), 2D, pp2 x dp2,
-sp2 x dp2 and ZeRO-3 (dp2 x tp2) in turn on GPT and Llama, each against one device's LoRA run computed once
+sp2 x dp2, ZeRO-3 (dp2 x tp2) and pp2 x dp2 under ZBV (and more, listed in PLANS) in turn on GPT and Llama, each against one device's LoRA run computed once
 in the parent: three steps (the natural loop, ``train_step``, the natural loop; a pipeline ``train_step``
 only), losses within 1e-5, adapters within 1e-6 (test_plans' norm without the largest 0.1% of element
 differences), base weights bit-unchanged, and optimizer state on adapters only. Each plan then saves its
@@ -23,7 +23,9 @@ FAMILIES = {"gpt-debug": {"vocab_size": 510}, "llama-debug": {"vocab_size": 510,
 PLANS = ["dp=2,tp=2", "tp=4", "tp=4,tp_mode=2d", "dp=2,pp=2,microbatches=2", "dp=2,sp=2", "dp=2,tp=2,zero=3",
          # beside the issue's list: Megatron sequence parallelism, ZeRO 1 and 2
          "dp=2,tp=2,tp_sequence=true", "dp=4,zero=1", "dp=2,sp=2,sp_mode=all_to_all,zero=2",
-         "dp=2,pp=2,microbatches=2,zero=3", "pp=2,tp=2,microbatches=2,schedule=interleaved"]
+         "dp=2,pp=2,microbatches=2,zero=3", "pp=2,tp=2,microbatches=2,schedule=interleaved",
+         # ZBV: a frozen embedding stage must still hand the next stage a stream that asks for a gradient
+         "dp=2,pp=2,microbatches=2,schedule=zbv"]
 
 
 def _opt(params):
@@ -104,15 +106,17 @@ def lora_worker(refs, root):
             base = [(n, t) for n, t in pairs if not _adapter(n)]
             changed = [n for n, t in base if not torch.equal(t, init[n])]
             adapters = [(n, t) for n, t in pairs if _adapter(n)]
-            got = torch.cat([t.flatten() for _, t in adapters])
-            ref = torch.cat([want[n].flatten() for n, _ in adapters])
-            moved = torch.cat([(want[n] - init[n]).flatten() for n, _ in adapters])
             key = f"{spec}/{name}" + ("/dropout" if dropout else "")
-            report[key] = {
+            report[key] = {"adapters": 0.0, "moved": None}  # a pipeline rank may hold none (ZBV's ends)
+            if adapters:
+                got = torch.cat([t.flatten() for _, t in adapters])
+                ref = torch.cat([want[n].flatten() for n, _ in adapters])
+                moved = torch.cat([(want[n] - init[n]).flatten() for n, _ in adapters])
+                report[key] = {"adapters": rel_norm(got, ref), "moved": float(moved.abs().max())}
+            report[key].update({
                 "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
-                "adapters": rel_norm(got, ref), "moved": float(moved.abs().max()),
                 "base_changed": changed, "adapters_seen": len(adapters),
-            }
+            })
             # saved in peft's layout from this plan (tp pieces gathered, pp stages sent to rank 0, ZeRO-3 rows
             # gathered), then loaded back under the same plan into a fresh model: the same adapters
             folder = f"{root}/{spec}-{name}" + ("-dropout" if dropout else "")
@@ -136,7 +140,7 @@ def test_lora_parity_4_ranks(tmp_path):
         assert len(report) == (len(PLANS) + len(DROPOUT_PLANS)) * len(FAMILIES)
         for key, errs in report.items():
             assert errs["base_changed"] == [], (rank, key, errs["base_changed"][:3])
-            assert errs["moved"] > 1e-3, (rank, key, "the adapters did not train")
+            assert errs["adapters_seen"] == 0 or errs["moved"] > 1e-3, (rank, key, "the adapters did not train")
             assert errs["adapters_seen"] > 0 or "pp=" in key, (rank, key)
             assert errs["loss"] < 1e-5, (rank, key, errs)
             assert errs["adapters"] < 1e-6, (rank, key, errs)
@@ -189,13 +193,10 @@ def _every_family(cuboid, adapted):
                 assert not p.requires_grad and p.grad is None and torch.equal(p, before[n]), n
 
 
-def test_lora_under_3d_and_zbv_is_refused():
+def test_lora_under_3d_is_refused():
     import cuboid
     from cuboid.parallel import Mesh, Plan
 
     plan = Plan(tp=8, tp_mode="3d")
     with pytest.raises(NotImplementedError, match="3D"):
-        cuboid.load("gpt-debug", plan, device="meta", mesh=Mesh.layout(plan), lora=LORA)
-    plan = Plan(pp=2, microbatches=2, schedule="zbv")
-    with pytest.raises(NotImplementedError, match="zero-bubble"):
         cuboid.load("gpt-debug", plan, device="meta", mesh=Mesh.layout(plan), lora=LORA)
