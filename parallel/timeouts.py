@@ -88,7 +88,7 @@ def release_groups_at_exit() -> None:
 def _release_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _MADE.clear()
+    forget_groups()
     gc.collect()
 
 
