@@ -1,0 +1,66 @@
+"""What a plan made of a model: one typed object, ``model.parallel``.
+
+:func:`~cuboid.parallel.prepare` (and ``cuboid.load`` for a meta model that
+only carries its plan) sets it in one place, :func:`attach`; every reader
+goes through :func:`state_of`, which also answers for a model cuboid never
+prepared (a plain ``zoo.build`` model, a user's own module): one device.
+
+Fields hold only what the plan built: ``pipeline`` under pp, ``zero`` for the
+flat ZeRO-1/2 buckets, ``sequence_split`` under sp or ``tp_sequence``,
+``batch_split`` under the tensor modes that cut the batch (2D, 2.5D, 3D).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from .mesh import Mesh
+from .plan import Plan
+
+ATTRIBUTE = "parallel"  # the one attribute a prepared model carries
+
+
+@dataclass
+class ParallelState:
+    """A model's plan, mesh and the parallel parts its plan built (None where the plan has none)."""
+
+    plan: Plan
+    mesh: Mesh
+    spec: Any = None            # the model's ShardingSpec (None for models without one)
+    prepared: bool = False      # prepare ran: the model trains under the plan (False: shapes only, meta)
+    pipeline: Any = None        # parallel.pipeline.Pipeline under pp
+    zero: Any = None            # parallel.zero.FlatShards under ZeRO-1/2
+    sequence_split: Any = None  # parallel.sequence_split.SequenceSplit / TensorSequenceSplit
+    batch_split: Any = None     # parallel.prepare's BatchSplit under 2D / 2.5D / 3D
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        """One device: the default plan and a mesh without process groups."""
+        plan = Plan()
+        return cls(plan=plan, mesh=Mesh.layout(plan))
+
+
+def attach(model: nn.Module, state: ParallelState) -> ParallelState:
+    """Give ``model`` its state (replacing any earlier one); returns it."""
+    if not isinstance(state, ParallelState):
+        raise TypeError(f"a model's parallel state is a ParallelState, got {type(state).__name__}")
+    object.__setattr__(model, ATTRIBUTE, state)  # a plain attribute: never a submodule or a parameter
+    return state
+
+
+def state_of(model: nn.Module) -> ParallelState:
+    """``model``'s parallel state; a model cuboid never planned is on one device."""
+    state = model.__dict__.get(ATTRIBUTE)
+    if state is None:
+        return ParallelState.single()
+    if not isinstance(state, ParallelState):
+        raise TypeError(f"{type(model).__name__}.{ATTRIBUTE} is a {type(state).__name__}, not a ParallelState")
+    return state
+
+
+def planned(model: nn.Module) -> Optional[ParallelState]:
+    """``model``'s state if a plan was given to it (load / prepare), else None."""
+    state = model.__dict__.get(ATTRIBUTE)
+    return state if isinstance(state, ParallelState) else None
