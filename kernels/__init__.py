@@ -4,6 +4,14 @@ One file per op (docs/architecture.md). The public functions choose their backen
 explicitly (see :mod:`cuboid.kernels._backend`). Submodules are imported on
 first use, so ``import cuboid.kernels`` does no work: no Triton import, no
 device probing, no autotuning.
+
+Imported under the bare name ``kernels`` (a script or ``python -c`` in the
+repository root, where this folder comes first on ``sys.path``), the folder
+is not this package: Hugging Face's ``kernels`` distribution, which
+``transformers`` imports, is meant. The module then hands over to that
+distribution, found on ``sys.path`` without the repository root, and puts it
+in ``sys.modules["kernels"]``, so the import gives what it gives anywhere else;
+nothing of this package is defined under that name.
 """
 from __future__ import annotations
 
@@ -11,7 +19,32 @@ import importlib
 import sys
 import types
 
-from ._backend import BACKENDS, auto_backend, interpreter_active, resolve_backend, use_backend
+
+def _hand_over() -> None:
+    """Load the installed ``kernels`` distribution in this folder's place (the module docstring says why)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named 'kernels' is installed: {root}/kernels is cuboid.kernels, not "
+                                  "Hugging Face's kernels distribution, which `import kernels` means", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns what sys.modules holds once this file ends
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over()
+else:
+    from ._backend import BACKENDS, auto_backend, interpreter_active, resolve_backend, use_backend
 
 # public name -> submodule that defines it
 _EXPORTS = {
@@ -66,4 +99,5 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+if __name__ != "kernels":  # handed over: sys.modules["kernels"] is the distribution
+    sys.modules[__name__].__class__ = _Package

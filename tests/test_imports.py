@@ -160,3 +160,68 @@ def test_the_repository_root_shadows_no_installed_package():
         child = pool.apply(where, ("kernels",))
         assert pool.apply(where, ("tests.parallel.launch",)) is not None
     assert child == where("kernels")
+
+
+# ----------------------------------------------------------------- a user's script in the repository root
+
+# What `python -c` or `python - < script` (sys.path[0] == '') in the repository root sees, compared with the same
+# code run elsewhere: transformers' availability check for Hugging Face's kernels, and where `kernels` comes from.
+ROOT_SCRIPT = """
+import importlib.util, sys
+import transformers
+from transformers.utils import is_kernels_available
+print(transformers.LlamaForCausalLM.__name__, is_kernels_available())
+import kernels
+print(kernels.__spec__.origin, importlib.util.find_spec("kernels").origin)
+import cuboid
+from cuboid import kernels as ck
+print(ck.rms_norm.__module__, type(sys.modules["cuboid.kernels"]).__name__)
+import cuboid.zoo
+print(type(cuboid.zoo.build("gpt2-debug")).__name__)
+"""
+
+
+def _python(args, cwd, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          **kw)
+
+
+def test_transformers_one_liner_runs_in_the_repository_root():
+    """kernels/__init__.py, imported as ``kernels`` (the root first on sys.path), hands over to the installed one."""
+    pytest.importorskip("transformers")
+    out = _python(["-c", "import transformers; transformers.LlamaForCausalLM"], ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_script_in_the_root_imports_transformers_and_cuboid_as_anywhere_else(tmp_path):
+    pytest.importorskip("transformers")
+    if "kernels" not in {d.metadata["Name"].lower() for d in importlib.metadata.distributions()}:
+        pytest.skip("Hugging Face's kernels is not installed (transformers < 5 does not import it)")
+    here = _python(["-"], ROOT, input=ROOT_SCRIPT)
+    assert here.returncode == 0, here.stderr
+    elsewhere = _python(["-"], tmp_path, input=ROOT_SCRIPT)
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert here.stdout == elsewhere.stdout
+    lines = here.stdout.splitlines()
+    assert lines[0] == "LlamaForCausalLM True", here.stdout
+    assert not _from_root("kernels", lines[1].split()[0]), here.stdout
+    assert lines[2] == "cuboid.kernels.norm _Package", here.stdout
+
+
+def test_bare_kernels_without_the_distribution_says_so_in_one_sentence():
+    """``python -S``: no site-packages, so no Hugging Face kernels to hand over to."""
+    out = _python(["-S", "-c", "import kernels"], ROOT)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: No module named 'kernels' is installed:"), out.stderr
+    assert "is cuboid.kernels, not Hugging Face's kernels distribution" in last, out.stderr
+
+
+def test_only_kernels_has_an_installed_namesake():
+    """parallel/ and zoo/ need no hand-over while no installed distribution provides a top-level module of their
+    name (none does, and transformers imports neither); one that appears needs what kernels/__init__.py does."""
+    owners = importlib.metadata.packages_distributions()
+    for name in ("parallel", "zoo"):
+        assert name not in owners, f"{owners[name]} installs a top-level {name!r}: the folder {name}/ shadows it " \
+                                   "in the repository root; hand over as kernels/__init__.py does"
