@@ -69,7 +69,7 @@ def target_paths(model: nn.Module, targets) -> list:
 
 def _rows(model: nn.Module) -> dict:
     """zoo weight name -> (HF module names, in the row's order) for the model's architecture."""
-    from .checkpoint.planner import hf_prefix
+    from .checkpoint.shards import hf_prefix
 
     family = family_of(model)
     prefix = hf_prefix(model, family)

@@ -23,7 +23,7 @@ On disk (``transformers.AutoModel*.from_pretrained(path)`` loads the model part)
       trainer_state.json                   step, scheduler, RNG of every rank, caller's
                                            state (data position), plan, config, world size
 
-Modules: :mod:`.planner` (which tensor in which file, from shapes only, on
+Modules: :mod:`.shards` (which tensor in which file, from shapes only, on
 ``huggingface_hub``'s splitter), :mod:`.format` (streaming safetensors writer,
 byte checks), :mod:`.writer` (the save loop: rank 0 writes everything, every
 rank gathers every tensor in the same order; ``zoo.to_hf`` writes through it
@@ -36,7 +36,7 @@ only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
 (optimizer, RNG, training state as a save records them), :mod:`.resume`
 (reading them back), :mod:`.convert`. The reader and the writer never import
 each other: what both need (file names, records, errors) is in :mod:`.format`,
-the shard plan in :mod:`.planner`, the stage rule in :mod:`.stages`.
+the shard plan in :mod:`.shards`, the stage rule in :mod:`.stages`.
 
 Checkpoint code reaches parameters only through the layers' full-tensor
 interface (``full_shape``, ``shard_slices``, ``full_tensor``, ``load_full``;

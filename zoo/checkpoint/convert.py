@@ -24,7 +24,7 @@ import torch
 
 from . import folder as folder_mod
 from .format import CheckpointError, FileRecord, fsync_file, sha256_file, write_bytes
-from .planner import Size, Source, meta, plan_shards
+from .shards import Size, Source, meta, plan_shards
 from .reader import TensorFolder
 from .writer import Job, finish, write_model_files
 

@@ -47,7 +47,7 @@ from .. import hf_io
 from ..families import family_of
 from .folder import resolve
 from .format import COMMIT_KEY, CheckpointError, DTYPE_OF_NAME, data_end, masked_header, read_header, sha256_file
-from .planner import hf_prefix, meta
+from .shards import hf_prefix, meta
 from .stages import elsewhere
 
 

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .format import CheckpointError
-from .planner import ShardPlan, Size, Source, meta, plan_shards
+from .shards import ShardPlan, Size, Source, meta, plan_shards
 
 
 def elsewhere(model: torch.nn.Module, name: str) -> bool:

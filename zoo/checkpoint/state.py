@@ -44,7 +44,7 @@ from cuboid.parallel import zero
 
 from ..common import sharded_parameters
 from .format import CheckpointError
-from .planner import Source, meta
+from .shards import Source, meta
 
 FORMAT = "cuboid-training-state"  # trainer_state.json's "format"
 

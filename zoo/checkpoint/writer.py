@@ -1,7 +1,7 @@
 """Writing model folders: :func:`save`, :func:`export` (``zoo.to_hf``), and the shard writer the converter shares.
 
 :func:`save` and :func:`export` share everything but the folder protocol: the
-sources (:func:`~.planner.model_sources`: HF names, tied weights once), the
+sources (:func:`~.shards.model_sources`: HF names, tied weights once), the
 config and dtype rule (:func:`hf_config`) and the file writer below.
 
 Every rank runs the same loop over the same plan: for each file, for each
@@ -34,7 +34,7 @@ from ..families import family_of
 from . import folder as folder_mod
 from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
                      CheckpointError, FileRecord, StreamWriter, layout, write_json)
-from .planner import ShardPlan, Size, Source, model_sources, plan_shards
+from .shards import ShardPlan, Size, Source, model_sources, plan_shards
 from .stages import StageLayout, describe, merge_optimizer_info, plan_stages, stage_layout, stage_part
 from .state import dist_info, optimizer_sources, training_record
 
