@@ -61,17 +61,18 @@ PROBE_BATCH, PROBE_SEQ = 8, 64
 
 def _probe_step():
     """The reference model's forward + backward on one thread, and the FLOPs it counts as."""
-    import cuboid
-    from cuboid import kernels, zoo
+    from cuboid.kernels import use_backend
+    from cuboid.loading import load
+    from cuboid.zoo import config_of
     from cuboid.parallel.cost import Shape, step_flops
 
     torch.set_num_threads(1)
-    config = zoo.config_of("gpt-debug", **PROBE)
-    model = cuboid.load(config)
+    config = config_of("gpt-debug", **PROBE)
+    model = load(config)
     ids = torch.randint(0, config.vocab_size, (PROBE_BATCH, PROBE_SEQ), generator=torch.Generator().manual_seed(0))
 
     def step():  # the CPU path the ranks of a local run take (never the Triton interpreter)
-        with kernels.use_backend("torch"):
+        with use_backend("torch"):
             model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -125,7 +126,7 @@ def crowded_seconds(procs: int, reps: int = 3, timeout: float = 180.0) -> float:
 
 def adamw_bytes_per_s(numel: int = 1 << 21, reps: int = 5) -> float:
     """Bytes per second of an AdamW step, counting 28 bytes per fp32 element (read p, g, m, v; write p, m, v)."""
-    from cuboid import kernels
+    from cuboid.kernels import use_backend
     from cuboid.parallel.cost import ADAMW_TOUCHED_BYTES
     from cuboid.parallel.optim import AdamW
 
@@ -135,7 +136,7 @@ def adamw_bytes_per_s(numel: int = 1 << 21, reps: int = 5) -> float:
         p = torch.nn.Parameter(torch.randn(numel))
         p.grad = torch.randn(numel)
         opt = AdamW([p], lr=1e-3)
-        with kernels.use_backend("torch"):
+        with use_backend("torch"):
             t = _best(opt.step, reps)
     finally:
         torch.set_num_threads(threads)

@@ -27,9 +27,9 @@ def _versions() -> list[tuple[str, str]]:
         rows.append(("triton", triton.__version__))
     except ImportError:  # pragma: no cover - triton is a dependency
         rows.append(("triton", "not installed"))
-    from cuboid import __version__
+    from importlib.metadata import version
 
-    rows.append(("cuboid", __version__))
+    rows.append(("cuboid", version("cuboid")))
     return rows
 
 
@@ -50,21 +50,21 @@ def backend_table() -> list[tuple[str, str, str, str]]:
     """(op, device, backend, why) for every kernel op on every device type here."""
     import torch
 
-    from cuboid import kernels
+    from cuboid.kernels import OPS, auto_backend
 
     devices = [torch.device("cpu")]
     if torch.cuda.is_available():
         devices.append(torch.device("cuda"))
     rows = []
-    for op in kernels.OPS:
+    for op in OPS:
         for dev in devices:
-            backend, why = kernels.auto_backend(dev)
+            backend, why = auto_backend(dev)
             rows.append((op, dev.type, backend, why))
     return rows
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from cuboid import kernels
+    from cuboid.kernels import interpreter_active
     from cuboid.tables import table
 
     print("cuboid environment\n")
@@ -72,7 +72,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print()
     print(table(_devices(), ("device", "details")))
     print()
-    print(f"Triton interpreter: {'on' if kernels.interpreter_active() else 'off'} (TRITON_INTERPRET at import)")
+    print(f"Triton interpreter: {'on' if interpreter_active() else 'off'} (TRITON_INTERPRET at import)")
     print()
     print(table(backend_table(), ("op", "device", "backend", "why")))
     return 0
@@ -105,9 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), module: str = "cuboid") -> int:
+    """Run the ``cuboid`` command ``argv`` (default: ``sys.argv[1:]``); its exit code.
+
+    A program that wraps the command (``python -m mywrapper finetune ...``) passes its fine-tune
+    ``callbacks`` (:mod:`cuboid.callbacks`) and its own ``module`` name, so that the processes a
+    multi-process ``finetune`` launches run the wrapper too and install the same callbacks.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.callbacks, args.module = tuple(callbacks), module
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cuboid.trainer import FinetuneConfig
+from cuboid.finetune_config import PYTHON_ONLY, FinetuneConfig
 
 # the embedded default job (no --model, no --data)
 DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "plan": "dp=2", "steps": 400, "batch_size": 64,
@@ -86,7 +86,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "checkpoint (default 0; set --save-every)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="no curves.png")
-    p.set_defaults(func=cmd_finetune)
+    p.set_defaults(func=cmd_finetune, callbacks=(), module="cuboid")  # main() sets these for a wrapper
     return p
 
 
@@ -115,7 +115,7 @@ def read_config_file(path: str) -> dict:
     data = {k.replace("-", "_"): v for k, v in data.get("finetune", data).items()}
     if isinstance(data.get("plan"), dict):
         data["plan"] = dict(data["plan"])
-    known = set(FinetuneConfig.__dataclass_fields__) | set(LAUNCHER_KEYS)
+    known = set(FinetuneConfig.__dataclass_fields__) - set(PYTHON_ONLY) | set(LAUNCHER_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
@@ -142,8 +142,9 @@ def resolve(args: argparse.Namespace) -> dict:
     return values
 
 
-def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Run ``cuboid <argv>`` in ``nproc`` local processes through torch's elastic launcher.
+def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "cuboid") -> int:
+    """Run ``python -m <module> <argv>`` (``cuboid``, or a wrapper that calls :func:`cuboid.cli.main` with
+    its callbacks) in ``nproc`` local processes through torch's elastic launcher.
 
     With ``max_restarts`` the agent restarts every worker when one fails, up to
     that many times; the workers see ``TORCHELASTIC_RESTART_COUNT`` and resume.
@@ -161,7 +162,7 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
-         f"--max-restarts={max_restarts}", "--module", "cuboid", *argv])
+         f"--max-restarts={max_restarts}", "--module", module, *argv])
     try:
         run(launch)
     except Exception as e:  # ChildFailedError: the failing rank already printed its error
@@ -183,10 +184,11 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from cuboid.planner import config_of, default_seq, is_auto, resolve as resolve_plan
+    """The plan is read here, once (an ``auto`` one searched for the processes about to start), and passed
+    on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
+    from cuboid.loading import plan_of
+    from cuboid.planner import is_auto
     from cuboid.trainer import run
-    from cuboid.parallel import Plan
-    from cuboid.zoo import READY_PLANS
 
     values = resolve(args)
     nproc = values.pop("nproc_per_node", None)
@@ -194,27 +196,36 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if restarts is not None and restarts < 0:
         raise ValueError(f"--max-restarts {restarts}: give 0 or more restarts")
     under_launcher = "WORLD_SIZE" in os.environ
-    auto = is_auto(values.get("plan"))
-    if auto and not under_launcher:  # decided once, here, for the processes about to start
-        seq = values.get("seq_len") or default_seq(config_of(values.get("model") or "vit-debug"))
-        plan = resolve_plan(values["plan"], values.get("model"), batch=values.get("batch_size"), seq=seq,
-                            dtype=values.get("dtype"), world=nproc or 1)
-        values["plan"] = plan.describe()
-        sys.argv = [*_strip_option(sys.argv, "--plan"), "--plan", values["plan"]]
-    plan = Plan() if auto and under_launcher else Plan.parse(values.get("plan"), READY_PLANS)
+    if not (is_auto(values.get("plan")) and under_launcher):  # under a launcher rank 0 searches, for every rank
+        values["plan"] = plan = _door_plan(values, nproc)
     if not under_launcher:
         if nproc is not None and nproc != plan.world_size:
             raise ValueError(f"--nproc-per-node {nproc} does not fit plan {plan.describe()}, "
                              f"which needs {plan.world_size} processes")
-        plan.validate().require_implemented()  # what needs no model is said before any process starts
         if plan.world_size > 1 or restarts:
+            plan.validate()  # what needs no model is said before any process starts
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
-            return _launch(plan.world_size, _strip_nproc(argv), restarts or 0)
-    cfg = FinetuneConfig(**values)
-    run(cfg)
+            return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+    run(FinetuneConfig(**values, callbacks=args.callbacks))
     return 0
+
+
+def _door_plan(values: dict, nproc):
+    """The run's plan: ``auto`` searched for ``nproc`` processes (the command line the workers get names
+    the chosen plan), anything else parsed."""
+    from cuboid.builder import ModelBuilder
+    from cuboid.loading import plan_of
+    from cuboid.planner import default_seq, is_auto
+
+    if not is_auto(values.get("plan")):
+        return plan_of(values.get("plan"))
+    model = ModelBuilder(values.get("model") or "vit-debug")
+    plan = plan_of(values["plan"], model, batch=values.get("batch_size"),
+                   seq=values.get("seq_len") or default_seq(model.config), dtype=values.get("dtype"), world=nproc or 1)
+    sys.argv = [*_strip_option(sys.argv, "--plan"), "--plan", plan.describe()]
+    return plan
 
 
 def _strip_option(argv: list[str], flag: str) -> list[str]:

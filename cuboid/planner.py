@@ -15,17 +15,22 @@ device memory (less the headroom) say why.
 the search; ``batch=``, ``seq=``, ``hardware=``, ``memory=``, ``headroom=`` set
 what it plans for): the fastest plan that fits the world size, the detected
 hardware and free memory, with a one-line account (:func:`choice_line`).
+
+What it plans for, ``model`` below, is a model builder: a callable ``build(plan, mesh)`` that returns
+the meta model ``mesh.rank`` holds under ``plan`` and has the model's ``config`` and ``name``
+(:class:`cuboid.builder.ModelBuilder`); a preset name, a model folder or a zoo config is wrapped
+into one (:func:`builder_of`). The planner builds meta models only through it.
 """
 from __future__ import annotations
 
 import os
 import re
 import sys
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from cuboid.parallel.cost import DEFAULT_HEADROOM, Estimate, Hardware, predict
 from cuboid.parallel.plan import Plan
-from cuboid.parallel.plan_space import enumerate_plans, refusal
+from cuboid.parallel.cost.space import enumerate_plans, refusal
 
 CHECKPOINTS = ("none", "selective", "full")
 SEARCH_TOP = 24  # structures whose micro-batch counts and checkpointing the search tries
@@ -69,12 +74,30 @@ def search_space(config, plans: Iterable[Plan], batch: int, world: int) -> list[
     return out
 
 
+def builder_of(model: Any, dtype=None):
+    """``model`` as a model builder: a :class:`~cuboid.builder.ModelBuilder` (in ``dtype`` when one is
+    given), any other callable with ``config`` and ``name`` as it is, a preset name, a model folder or a zoo
+    config wrapped into a builder of parameters in ``dtype``."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    from cuboid.builder import ModelBuilder
+
+    if isinstance(model, ModelBuilder):
+        return model if dtype is None else replace(model, dtype=dtype)
+    if callable(model) and hasattr(model, "config") and not isinstance(model, nn.Module):
+        return model
+    return ModelBuilder(model, dtype=dtype)
+
+
 class _Shards:
     """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO,
-    checkpointing and micro-batches do not change what a rank holds of the tensor and pipeline split)."""
+    checkpointing and micro-batches do not change what a rank holds of the tensor and pipeline split).
+    ``model``: a model builder, or what :func:`builder_of` turns into one (then built in ``dtype``)."""
 
     def __init__(self, model, dtype=None) -> None:
-        self.model, self.dtype = model, dtype
+        self.build = builder_of(model, dtype)
         self.cache: dict = {}
 
     def of(self, plan: Plan, rank: int):
@@ -87,10 +110,7 @@ class _Shards:
                      schedule=plan.schedule, stage_blocks=plan.stage_blocks)
         same = coords.get("pp", 0) * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
         if (split, same) not in self.cache:
-            import cuboid
-
-            self.cache[split, same] = cuboid.load(self.model, plan=split, device="meta", mesh=Mesh.layout(split, same),
-                                                  dtype=self.dtype)
+            self.cache[split, same] = self.build(split, Mesh.layout(split, same))
         return self.cache[split, same]
 
 
@@ -112,14 +132,15 @@ def _ranks_to_look_at(plan: Plan, block_cuts) -> list[int]:
 
 def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: Optional[_Shards] = None,
              name: str = "", headroom: float = DEFAULT_HEADROOM) -> Estimate:
-    """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a preset name or folder)."""
-    from cuboid import zoo
+    """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a model builder, preset name,
+    folder or config)."""
+    from cuboid.zoo import spec_of
 
     shards = shards or _Shards(model)
     first = shards.of(plan, 0)
     cuts = getattr(first, "pipeline_blocks", ())
     rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in _ranks_to_look_at(plan, cuts)}
-    return predict(first.config, plan, rank_params, hw, batch, seq, spec=zoo.spec_of(first), block_cuts=cuts,
+    return predict(first.config, plan, rank_params, hw, batch, seq, spec=spec_of(first), block_cuts=cuts,
                    name=name, headroom=headroom)
 
 
@@ -132,10 +153,11 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
     (fp32 weights) or ``half`` (weights in ``dtype`` with fp32 masters; fp32 training has one layout)."""
     import torch
 
-    config = config_of(model)
-    todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
     half = layout == "half" and dtype != "fp32"
     shards = _Shards(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if half else None)
+    model = shards.build
+    config = model.config
+    todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
     out, seen = [], set()
     bar = _bar(len(todo), progress)
     for plan in todo:  # each plan as given; one that does not fit, checkpointed
@@ -162,10 +184,8 @@ def _rank_key(e: Estimate) -> tuple:
 
 
 def config_of(model):
-    """The config of a preset name, a model folder or a config (read on the meta device: no weights)."""
-    import cuboid
-
-    return cuboid.load(model, device="meta").config
+    """The config of a model builder, a preset name, a model folder or a config (no weights read)."""
+    return builder_of(model).config
 
 
 def _bar(total: int, on: bool):
@@ -229,20 +249,21 @@ def auto_plan(model, spec: str = "auto", *, world: int, batch: int, seq: int, dt
     hw = replace(hw, memory_bytes=float(memory))
     headroom = float(options.get("headroom", DEFAULT_HEADROOM))
     dtype = fields.get("dtype") or dtype or "fp32"
-    config = config_of(model)
+    model = builder_of(model)
+    config = model.config
     check_batch(config, batch, seq)
     plans = [p for p in candidate_plans(config, world, batch, dtype=dtype) if _matches(p.replace(**{
         k: v for k, v in fields.items() if k in ("microbatches", "checkpoint", "activation_checkpoint")}), fields)]
     if not plans:
-        raise ValueError(f"no plan of {world} ranks runs {model} with {spec!r} for a batch of {batch}: "
-                         f"see `cuboid plans --model {model} --gpus {world} --batch {batch}`")
+        raise ValueError(f"no plan of {world} ranks runs {model.name} with {spec!r} for a batch of {batch}: "
+                         f"see `cuboid plans --model {model.name} --gpus {world} --batch {batch}`")
     ests = [e for e in rank_plans(model, world, hw, batch, seq, dtype=dtype, plans=plans, progress=progress,
                                   layout=options.get("layout", "autocast"), headroom=headroom)
             if _matches(e.plan, fields)]
     fits = [e for e in ests if e.fits]
     if not fits:
         e = ests[0] if ests else None
-        raise ValueError(f"no plan of {world} ranks fits {model} for a batch of {batch} x {seq}"
+        raise ValueError(f"no plan of {world} ranks fits {model.name} for a batch of {batch} x {seq}"
                          + (f": the smallest, {e.plan.describe()}, {e.why}" if e else ""))
     return fits[0].plan, ests
 
@@ -285,7 +306,8 @@ def resolve(spec, model, *, batch: Optional[int] = None, seq: Optional[int] = No
     if not is_auto(spec):
         return Plan.parse(spec, READY_PLANS)
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    config = config_of(model)
+    model = builder_of(model)
+    config = model.config
     batch = batch or max(8, 4 * world)
     seq = seq or default_seq(config)
     rank = 0

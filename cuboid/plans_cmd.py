@@ -68,9 +68,9 @@ def cmd_plans(args: argparse.Namespace) -> int:
         print(table(rows, ("profile", "description")))
         return 0
     if args.gpus is None:
-        from cuboid import zoo
+        from cuboid.zoo import READY_PLANS
 
-        print(table([(name, plan.describe(), str(plan.world_size)) for name, plan in zoo.READY_PLANS.items()],
+        print(table([(name, plan.describe(), str(plan.world_size)) for name, plan in READY_PLANS.items()],
                      ("plan", "fields", "processes")))
         return 0
     if args.gpus < 1:
@@ -127,7 +127,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
 
 def _no_tensor_split(config, world: int) -> str:
     """Why no tensor split of ``world`` ranks runs ``config`` (the refusal at the smallest tp), or ''."""
-    from cuboid.parallel.plan_space import divisors, refusal
+    from cuboid.parallel.cost.space import divisors, refusal
 
     reasons = [refusal({"tp": t, "dp": world // t}, config, world) for t in divisors(world) if t > 1]
     return reasons[0] if reasons and all(reasons) else ""

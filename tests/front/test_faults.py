@@ -1,8 +1,9 @@
 """Surviving faults: a killed worker restarts and the run ends bit for bit as if nothing had happened;
 two launchers on one machine make the one-node job.
 
-Each faulty run chains three SIGKILLs through ``CUBOID_FAULT`` (cuboid/trainer.py's ``Fault``: the k-th
-entry acts on attempt k), so one run shows all three points at the cost of one launch:
+Each faulty run chains three SIGKILLs through ``CUBOID_FAULT`` (fault_job.py's ``Fault``, installed as a
+trainer callback: the k-th entry acts on attempt k), so one run shows all three points at the cost of one
+launch:
 
 - attempt 0 loses a rank mid-step (step 3): the restart resumes from checkpoint-2;
 - attempt 1 loses the writer mid-save (checkpoint-4 half written in its temporary folder): the restart
@@ -11,8 +12,9 @@ entry acts on attempt k), so one run shows all three points at the cost of one l
 - attempt 3 finishes. Its final checkpoint (model and optimizer tensors) equals the uninterrupted run's,
   compared with ``torch.equal``, and so do the logged losses of every step.
 
-dp=2 goes through ``cuboid finetune --max-restarts``; tp1d (tp=2) through ``torchrun --max-restarts`` and
-the Python API, with dropout, so the RNG restore is part of what must come out equal (fault_job.py).
+dp=2 goes through ``cuboid finetune --max-restarts`` (fault_job.py wrapping ``cuboid.cli.main``); tp1d
+(tp=2) through ``torchrun --max-restarts`` and the Python API, with dropout, so the RNG restore is part of
+what must come out equal (fault_job.py).
 Every process group is gloo on 127.0.0.1; every launch is bounded and killed with its process group.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from . import fixtures as F
 from .test_finetune import ENV
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[1]  # where `python -m tests.front.fault_job` finds the tests package
 FAULTS = {"dp": "1:3:step,0:4:save,0:4:saved", "tp1d": "0:3:step,0:4:save,1:4:saved"}
 RESUMES = [(1, 2), (2, 2), (3, 4)]  # (restart, the step it resumes from) for the chains above
 RUN_TIMEOUT = 300  # seconds for one launch, restarts included
@@ -133,8 +136,10 @@ def reference_dp(data, tmp_path_factory) -> Path:
 
 def test_dp2_cli_survives_three_kills(data, reference_dp, tmp_path):
     out = tmp_path / "run"
-    err, = launch([sys.executable, "-m", "cuboid", *cli_args(data), "--output-dir", str(out), "--max-restarts", "3",
-                   "--timeout-s", "60"], env={"CUBOID_FAULT": FAULTS["dp"]}, what="the dp=2 run with 3 kills")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    err, = launch([sys.executable, "-m", "tests.front.fault_job", *cli_args(data), "--output-dir", str(out),
+                   "--max-restarts", "3", "--timeout-s", "60"], env={"CUBOID_FAULT": FAULTS["dp"], "PYTHONPATH": path},
+                  what="the dp=2 run with 3 kills")
     assert_restarts(err, out)
     assert_identical(out, reference_dp)
     assert err.count("(collective timeout 60 s)") == 4  # --timeout-s reached every attempt's process groups
@@ -166,7 +171,7 @@ def test_two_launchers_end_like_one_node(data, reference_dp, tmp_path):
 
 
 def test_latest_skips_interrupted_and_incomplete_saves(tmp_path):
-    from cuboid.trainer import _interrupted, _resolve_resume
+    from cuboid.resume import interrupted, resolve_resume
 
     def folder(name: str, *files: str) -> None:
         (tmp_path / name).mkdir()
@@ -178,22 +183,72 @@ def test_latest_skips_interrupted_and_incomplete_saves(tmp_path):
     folder("checkpoint-4", "config.json", "optimizer-00001-of-00001.safetensors")  # half deleted or copied
     folder(".checkpoint-6.tmp-123-abcd0123", *full)  # complete files, never renamed into place
     folder("checkpoint-8.old", *full)  # the previous copy of a checkpoint being replaced
-    assert _resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-2"
-    assert _interrupted(tmp_path) == [".checkpoint-6.tmp-123-abcd0123", "checkpoint-4"]
-    assert _resolve_resume("latest", tmp_path / "nothing-here") is None
+    assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-2"
+    assert interrupted(tmp_path) == [".checkpoint-6.tmp-123-abcd0123", "checkpoint-4"]
+    assert resolve_resume("latest", tmp_path / "nothing-here") is None
     with pytest.raises(ValueError, match="--resume nowhere: no such checkpoint folder"):
-        _resolve_resume("nowhere", tmp_path)
+        resolve_resume("nowhere", tmp_path)
 
 
 def test_fault_spec_acts_on_its_attempt_and_rank(monkeypatch):
-    from cuboid.trainer import Fault
+    from .fault_job import Fault, FaultCallback
 
     monkeypatch.setenv("CUBOID_FAULT", "1:3:step, 0:4:save")
-    assert Fault.from_env(1, 0) == Fault(1, 3, "step") and Fault.from_env(0, 0) is None
-    assert Fault.from_env(0, 1) == Fault(0, 4, "save") and Fault.from_env(0, 2) is None
+    faults = FaultCallback().faults
+    assert Fault.pick(faults, 1, 0) == Fault(1, 3, "step") and Fault.pick(faults, 0, 0) is None
+    assert Fault.pick(faults, 0, 1) == Fault(0, 4, "save") and Fault.pick(faults, 0, 2) is None
     monkeypatch.setenv("CUBOID_FAULT", "1:3:later")
     with pytest.raises(ValueError, match="CUBOID_FAULT='1:3:later': expected rank:step:where"):
-        Fault.from_env(0, 5)
+        FaultCallback()
+
+
+def test_callbacks_see_every_event_in_order(tmp_path):
+    """The trainer's callbacks: each event once per step or save, in the loop's order, with the step, the
+    checkpoint path and, on the writing rank, each file as it lands in the save's temporary folder."""
+    import cuboid
+    from cuboid.callbacks import TrainerCallback
+    from cuboid.kernels import use_backend
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_begin(self, run):
+            self.seen.append(("begin", run.start, run.restart))
+
+        def on_step_begin(self, run, step):
+            self.seen.append(("step", step))
+
+        def on_step_end(self, run, step, row):
+            self.seen.append(("step_end", step, row["step"]))
+
+        def on_save_begin(self, run, step, path):
+            self.seen.append(("save_begin", step, path.name))
+
+        def on_save_file(self, run, step, name):
+            assert not (run.output_dir / f"checkpoint-{step}").exists()  # still in the temporary folder
+            self.seen.append(("file", step))
+
+        def on_save(self, run, step, path):
+            assert path.is_dir()
+            self.seen.append(("saved", step, path.name))
+
+        def on_train_end(self, run, summary):
+            self.seen.append(("end", summary["step"]))
+
+    rec = Record()
+    data = F.image_folder(tmp_path / "img", per_class=4)
+    with use_backend("torch"):
+        cuboid.finetune("vit-debug", str(data), steps=2, batch_size=4, save_every=1, output_dir=str(tmp_path / "run"),
+                        progress=False, plot=False, callbacks=[rec])
+    files = [e for e in rec.seen if e[0] == "file"]
+    assert len(files) >= 4 and {s for _, s in files} == {1, 2}  # several files per checkpoint
+    assert [e for e in rec.seen if e[0] != "file"] == [
+        ("begin", 0, 0), ("step", 1), ("step_end", 1, 1), ("save_begin", 1, "checkpoint-1"),
+        ("saved", 1, "checkpoint-1"), ("step", 2), ("step_end", 2, 2), ("save_begin", 2, "checkpoint-2"),
+        ("saved", 2, "checkpoint-2"), ("end", 2)]
+    with pytest.raises(TypeError, match="TrainerCallback instances, got function"):
+        cuboid.finetune("vit-debug", str(data), steps=1, callbacks=[lambda run: None])
 
 
 def test_resume_verifies_checksums_and_bad_launch_values(tmp_path, capsys):

@@ -1,0 +1,35 @@
+"""``curves.png``: a fine-tune's train/eval loss and task metric against steps, from its ``metrics.jsonl``."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def plot_curves(metrics_path: Path, png: Path) -> Optional[str]:
+    """Train/eval loss and the task metric against steps; None (with a note) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed, so no plot (pip install 'cuboid[plot]')", file=sys.stderr,
+              flush=True)
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows]
+    evals = [r for r in rows if "eval_loss" in r]
+    metric = "accuracy" if any("accuracy" in r for r in evals) else "perplexity"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(*zip(*train), label="train loss")
+    if evals:
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+        ax2.plot([r["step"] for r in evals], [r.get(metric) for r in evals], "o-", color="C2")
+    ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
+    ax2.set_xlabel("step"), ax2.set_ylabel(f"eval {metric}"), ax2.grid(alpha=0.3)
+    fig.suptitle(f"cuboid finetune: {metrics_path.parent}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return str(png)

@@ -1,0 +1,76 @@
+"""What a fine-tune run is asked to do: :class:`FinetuneConfig` (every knob; the CLI's flags and
+``--config`` files map onto its names), the task names, and the checks that need no model or data."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from cuboid.data import TASKS
+from cuboid.schedule import LR_SCALINGS, SCHEDULES, lr_lambda
+
+TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls",
+                ("llama", "lm"): "causal", ("llama", "cls"): "seqcls"}
+TASK_ALIASES = {"clm": "causal"}  # the name transformers' run_clm.py gives causal language modelling
+HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
+OPTIMIZERS = ("adamw", "lamb", "lars")
+PYTHON_ONLY = ("callbacks",)  # fields that no flag or --config file sets
+
+
+@dataclass
+class FinetuneConfig:
+    """Every knob of a run; the CLI's flags and ``--config`` files map onto these names."""
+
+    model: Any = "vit-debug"              # a preset, a local Hugging Face folder, or a zoo module
+    data: Any = "digits"
+    plan: Any = None                      # a Plan, or what cuboid.loading.plan_of reads (names, files, "auto")
+    task: Optional[str] = None            # default: from the model's head
+    steps: Optional[int] = None           # optimizer steps; default from epochs
+    epochs: Optional[float] = None        # default 1 when steps is not given
+    batch_size: int = 32                  # global batch (all dp ranks, all micro-batches)
+    micro_batch_size: Optional[int] = None  # per rank; default batch_size / dp (no accumulation)
+    lr: float = 1e-3                      # peak lr at reference_batch (scaled to batch_size by lr_scaling)
+    optimizer: str = "adamw"              # adamw | lamb | lars (1-D params: no decay, no trust ratio)
+    weight_decay: float = 0.01
+    warmup: float = 0.1                   # fraction of steps (< 1) or a step count (>= 1)
+    schedule: str = "cosine"              # after warmup: cosine | linear | constant | poly (cuboid/schedule.py)
+    decay_power: float = 1.0              # poly: lr * (1 - progress) ** decay_power
+    lr_scaling: str = "none"              # none | linear | sqrt: lr * (batch_size / reference_batch) [** 0.5]
+    reference_batch: int = 256            # the global batch lr was tuned at
+    max_grad_norm: Optional[float] = 1.0
+    dtype: Optional[str] = None           # fp32 | bf16 | fp16 (autocast); default: the plan's
+    eval_every: Optional[int] = None      # default: 4 evals per run
+    save_every: Optional[int] = None      # default: at the end only
+    keep: int = 2                         # checkpoints kept
+    output_dir: str = "runs/finetune"
+    resume: Optional[str] = None          # "latest", a checkpoint folder, or None
+    lora: Any = None                      # LoRA adapters only: "r=16,alpha=32[,dropout=0.05][,targets=attn+mlp]"
+    seed: int = 0
+    timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
+    seq_len: Optional[int] = None
+    tokenizer: Optional[str] = None
+    text_column: str = "text"
+    label_column: str = "label"
+    image_column: str = "image"
+    eval_fraction: float = 0.1
+    log_every: int = 10
+    progress: bool = True
+    plot: bool = True
+    callbacks: Sequence[Any] = ()         # cuboid.callbacks.TrainerCallback instances (Python API only)
+
+
+def checked(cfg: FinetuneConfig) -> FinetuneConfig:
+    """``cfg`` with its task alias resolved; a one-sentence ValueError for an unknown optimizer, schedule,
+    lr scaling or task, or a bad decay power, before any work."""
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {cfg.schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    if cfg.lr_scaling not in LR_SCALINGS:
+        raise ValueError(f"unknown lr scaling {cfg.lr_scaling!r}; scalings: {', '.join(LR_SCALINGS)}")
+    lr_lambda(cfg.schedule, 0, 1, cfg.decay_power)  # a bad --decay-power is an error here
+    if cfg.task in TASK_ALIASES:
+        cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
+    if cfg.task is not None and cfg.task not in TASKS:
+        raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(TASKS)} (clm: causal)")
+    return cfg

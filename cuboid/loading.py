@@ -1,0 +1,121 @@
+"""``cuboid.load``: a zoo model by preset name or folder, built for a plan and ready to train.
+
+The steps, in order: the plan read once at the door (:func:`plan_of`), the model built on the meta device
+and cut for the plan (:mod:`cuboid.builder`), allocated or read from the folder (only this rank's
+slices), LoRA adapters attached, and :func:`cuboid.parallel.prepare` for training. A ``device="meta"``
+load stops before allocating and carries its plan in its parallel state
+(:mod:`cuboid.parallel.state`).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from cuboid.zoo import READY_PLANS, build, from_hf, materialize, spec_of
+from cuboid.builder import ModelBuilder, cut, is_folder
+from cuboid.parallel import Mesh, Plan, prepare
+from cuboid.parallel.state import ParallelState, attach
+
+_PLAN_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}  # torch dtype names -> the plan's names
+
+
+def plan_of(spec: Any, model: Any = None, *, dtype=None, **search) -> Plan:
+    """The plan at the door, checked against what this build implements: a :class:`Plan` as it is; ``None``
+    one device; a ready-plan name, a .json / .toml file, ``"dp=2,tp=2"`` or a dict parsed;
+    ``"auto[,...]"`` searched for ``model`` (a preset, folder or :class:`~cuboid.builder.ModelBuilder`) by
+    :func:`cuboid.planner.resolve` with ``search``'s options (``batch``, ``seq``, ``world``). Lower layers
+    take the Plan this returns and never parse again."""
+    if isinstance(spec, Plan):
+        return spec.require_implemented()
+    from cuboid.planner import is_auto
+
+    if is_auto(spec):
+        from cuboid.planner import resolve
+
+        if not isinstance(dtype, (str, type(None))):  # a torch dtype: the plan's name for it
+            dtype = _PLAN_DTYPES.get(str(dtype).replace("torch.", ""))
+        builder = model if isinstance(model, ModelBuilder) else ModelBuilder(model)
+        return resolve(spec, builder, dtype=dtype, **search).require_implemented()
+    return Plan.parse(spec, READY_PLANS).require_implemented()
+
+
+class _Fit:
+    """The transform a meta model goes through before allocation: cut for ``plan`` on ``mesh``, the mesh
+    built from the first model's config when none was given."""
+
+    def __init__(self, plan: Plan, mesh: Optional[Mesh]) -> None:
+        self.plan = plan
+        self.mesh = Mesh.layout(plan) if mesh is None and plan.world_size == 1 else mesh  # one device: no group
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        if self.mesh is None:
+            self.mesh = Mesh.build(self.plan, model.config)
+        else:  # a mesh built without the model: the plan must still fit its shapes (heads, key/value heads, dim)
+            self.plan.validate(model.config)
+        return cut(model, self.plan, self.mesh)
+
+
+def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, lora=None, **overrides):
+    """Load a zoo model, ready to train under ``plan``: a preset name builds a fresh one, a local HF
+    or cuboid checkpoint folder loads its weights.
+
+    ``plan``: how to spread the model (a :class:`cuboid.parallel.Plan`, a ready
+    plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
+    ``None`` for one device; ``"auto"``: the fastest plan the cost model finds
+    for the world size, the detected hardware and free memory, constrained by
+    any fields given, ``"auto,tp=2,batch=16,seq=512"``: :func:`cuboid.planner.resolve`).
+    The model is built on the meta device, sharded
+    for the plan's tensor mode, and only then allocated, so each rank holds and
+    initialises (or reads from the folder) just its own slices, with the same
+    values as the single-device model of the same seed. Multi-process plans run
+    under ``torchrun``.
+
+    The returned model is a drop-in for the single-device one
+    (:func:`cuboid.parallel.prepare`): it carries its plan and mesh in
+    ``model.parallel`` (:func:`cuboid.parallel.state.state_of`), takes this
+    rank's dp share (:func:`cuboid.rank_share`) in the single-device format,
+    returns single-device outputs, and averages gradients over ``dp`` in
+    backward; cuboid's optimizers and clipping find each parameter's sharding
+    themselves.
+
+    ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no
+    memory, shapes only; materialise with ``cuboid.zoo.materialize`` and then
+    ``cuboid.parallel.prepare``); ``seed`` drives a fresh model's
+    initialisation; ``overrides`` change preset fields (``num_labels=10``).
+
+    ``lora``: train LoRA adapters instead of the weights: ``dict(r=16, alpha=32, dropout=0.05,
+    targets=("attn", "mlp"))``, a ``"r=16,alpha=32"`` string, or a peft adapter folder (its config and
+    weights). The adapters follow each adapted layer's layout under the plan, start as peft's (the same
+    under every plan for a seed), and are the only parameters that require gradients
+    (:mod:`cuboid.zoo.lora`; save them with ``cuboid.zoo.lora.save_adapters``).
+    """
+    device = device or "cpu"
+    fit = _Fit(plan_of(plan, ModelBuilder(name_or_path, overrides=overrides), dtype=dtype), mesh)
+    if str(device) == "meta":
+        return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides)
+    if is_folder(name_or_path):
+        model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit)
+    else:
+        model = materialize(fit(build(name_or_path, **overrides)), device, seed=seed, dtype=dtype)
+    _attach_lora(model, lora, seed)
+    return prepare(model, fit.plan, fit.mesh, spec_of(model))
+
+
+def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict) -> nn.Module:
+    """Shapes only: the cut meta model with its plan and mesh, adapters attached, parameters in ``dtype``
+    (a folder's are read in ``dtype``; a preset's are cast after the adapters are attached)."""
+    if is_folder(source):
+        model = from_hf(source, dtype=dtype, device="meta", transform=fit)
+    else:
+        model = fit(build(source, **overrides))
+    attach(model, ParallelState(plan=fit.plan, mesh=fit.mesh, spec=spec_of(model)))
+    _attach_lora(model, lora, seed)
+    return model if dtype is None or is_folder(source) else model.to(dtype)
+
+
+def _attach_lora(model: nn.Module, lora, seed: int) -> None:
+    if lora is not None:
+        from cuboid.zoo.lora import attach as attach_adapters
+
+        attach_adapters(model, lora, seed=seed)
