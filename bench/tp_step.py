@@ -35,7 +35,7 @@ def worker(steps: int):
 
     from cuboid.parallel import Mesh, Plan, shard
     from cuboid.parallel import layers as L
-    from cuboid.parallel.apply import ShardingSpec
+    from cuboid.parallel.spec import ShardingSpec
     from cuboid.zoo.common import Block
     from cuboid.zoo.plans import _BLOCK_ROLES
 

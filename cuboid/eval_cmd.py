@@ -45,8 +45,7 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
     (a cuboid model under any plan: every rank of a tensor or pipeline group passes the same windows), with
     the sliding window of :func:`sliding_windows`; ``max_length`` defaults to the model's positions and
     ``stride`` to half of it. Each window's mean loss is weighted by the targets it really averages over."""
-    from cuboid.parallel import comm
-    from cuboid.parallel import unwrap
+    from cuboid.parallel import comm, state_of, unwrap
 
     core = unwrap(model)
     if getattr(core.config, "head", None) != "lm":
@@ -55,8 +54,8 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
     max_length = max_length or core.config.n_positions
     stride = stride or max(1, max_length // 2)
     windows = sliding_windows(ids.shape[1], max_length, stride)
-    mesh = getattr(core, "mesh", None)
-    dp, rank = (mesh.size("dp"), mesh.coords.get("dp", 0)) if mesh is not None else (1, 0)
+    mesh = state_of(core).mesh
+    dp, rank = mesh.size("dp"), mesh.coords.get("dp", 0)
     # the same number of forwards on every dp rank (a ZeRO-3 forward gathers over dp): a rank short of windows
     # scores its first one again with weight 0
     mine = windows[rank::dp]

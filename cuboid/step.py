@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, unwrap, zero
+from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, state_of, unwrap, zero
 from cuboid.parallel.optim import clip_grad_norm_
 
 
@@ -91,8 +91,8 @@ def sync_found_inf(scaler, optimizer, mesh: Optional[Mesh]) -> None:
         f.copy_(flag)
 
 
-def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Optional[Mesh]:
-    return mesh if mesh is not None else getattr(unwrap(model), "mesh", None)
+def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Mesh:
+    return mesh if mesh is not None else state_of(unwrap(model)).mesh
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: dict, *,
@@ -101,18 +101,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
                mesh: Optional[Mesh] = None) -> StepResult:
     """This rank's share of ``global_batch`` forward and backward in ``microbatches`` parts, then one step.
 
-    ``mesh`` and ``dtype`` default to the model's (``model.mesh``,
-    ``model.plan.dtype``); ``microbatches`` to the plan's. Clipping reduces the
+    ``mesh`` and ``dtype`` default to the model's (``model.parallel.mesh``,
+    ``model.parallel.plan.dtype``); ``microbatches`` to the plan's. Clipping reduces the
     norm over every shard of every parameter (their placements say how).
     """
     core = unwrap(model)
-    mesh = _mesh_of(model, mesh)
-    plan = getattr(core, "plan", None)
-    dtype = dtype if dtype is not None else getattr(plan, "dtype", None)
-    parts = microbatches or getattr(plan, "microbatches", 1) or 1
+    state = state_of(core)
+    mesh = mesh if mesh is not None else state.mesh
+    dtype = dtype if dtype is not None else state.plan.dtype
+    parts = microbatches or state.plan.microbatches or 1
     share = rank_share(global_batch, mesh)
-    if getattr(core, "pipeline", None) is not None:
-        return _pipeline_step(core, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
+    if state.pipeline is not None:
+        return _pipeline_step(core, state.pipeline, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
     micro_batches = split_batch(share, parts) if parts > 1 else [share]
     device = _device_of(model)
     counts = [core.num_targets(b) for b in micro_batches]
@@ -153,9 +153,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
 
 
-def _pipeline_step(core, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype, scaler) -> StepResult:
-    """:func:`train_step` under pipeline parallelism: the schedule runs the micro-batches."""
-    pipe = core.pipeline
+def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype,
+                   scaler) -> StepResult:
+    """:func:`train_step` under pipeline parallelism: the schedule (``pipe``) runs the micro-batches."""
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
                          f"microbatches), not {parts}")
@@ -219,7 +219,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
     """
     core = unwrap(model)
     mesh = _mesh_of(model, mesh)
-    dtype = dtype if dtype is not None else getattr(getattr(core, "plan", None), "dtype", None)
+    dtype = dtype if dtype is not None else state_of(core).plan.dtype
     was_training = core.training
     core.eval()
     device = _device_of(model)

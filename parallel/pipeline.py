@@ -41,6 +41,7 @@ from torch import nn
 from . import comm
 from .batch import pad_batch, split_batch
 from .sequence_split import SequenceSplit, TensorSequenceSplit
+from .state import ParallelState, attach, planned
 
 
 def cut_stages(block_costs: Sequence[float], stages: int, first_cost: float = 0.0,
@@ -146,7 +147,8 @@ class StageModule(nn.Module):
     others; the last stage returns the micro-batch's mean loss.
     """
 
-    def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None, batch_split=None) -> None:
+    def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None, batch_split=None,
+                 sequence_split=None) -> None:
         super().__init__()
         self.batch_split = batch_split  # 2D/3D: the first stage cuts each micro-batch into this rank's block
         object.__setattr__(self, "model", model)  # referenced: its parameters are not this module's
@@ -159,7 +161,7 @@ class StageModule(nn.Module):
                                    if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
-        seq = getattr(model, "sequence_split", None)
+        seq = sequence_split
         self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
         self.sp = seq if isinstance(seq, SequenceSplit) else None  # sp: blocks on this rank's zigzag chunks
 
@@ -168,7 +170,7 @@ class StageModule(nn.Module):
         batch has none)."""
         if self.batch_split is not None:
             size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-            batch = {k: self.batch_split._prepare(k, v, size, 0) for k, v in batch.items()}
+            batch = {k: self.batch_split.cut(k, v, size, 0) for k, v in batch.items()}
         if self.sp is not None:  # sequence parallelism: this rank's chunks travel, with the whole (B, T) mask
             x, keep, local, labels, _ = self.sp.enter(batch)
             return x, torch.zeros_like(x), keep.long(), local if local is not None else labels
@@ -350,15 +352,19 @@ class Pipeline:
     ``schedule``: ``gpipe``, ``1f1b`` (one stage per rank), ``interleaved``
     (interleaved 1F1B, two virtual stages per rank) or ``zbv`` (zero-bubble
     V schedule, backward split into input and weight gradients). ``blocks``:
-    the block range of every stage. After the schedule, gradients of tied
-    parameters (first and last stage) are summed over the embedding group and
-    every gradient is averaged over ``dp`` (one flat all-reduce per dtype).
+    the block range of every stage. ``batch_split`` (2D/3D: the first stage
+    cuts each micro-batch into this rank's block) and ``sequence_split`` (sp,
+    ``tp_sequence``: the stages run their blocks on this rank's tokens) are
+    the model's (:class:`~.state.ParallelState`). After the schedule, gradients
+    of tied parameters (first and last stage) are summed over the embedding
+    group and every gradient is averaged over ``dp`` (one flat all-reduce per
+    dtype).
     """
 
     SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
 
     def __init__(self, model: nn.Module, spec, mesh, blocks: Sequence[range], *, schedule: str = "1f1b",
-                 microbatches: int = 1, batch_split=None, shard_group=None) -> None:
+                 microbatches: int = 1, batch_split=None, sequence_split=None, shard_group=None) -> None:
         from torch.distributed import pipelining as P
 
         if schedule not in self.SCHEDULES:
@@ -375,7 +381,8 @@ class Pipeline:
         infos = [StageInfo(s, total, blocks[s]) for s in range(total)]
         self.first = infos[0]
         self.model = model
-        self.modules = [StageModule(model, spec, infos[s], self.first, batch_split) for s in self.ids]
+        self.modules = [StageModule(model, spec, infos[s], self.first, batch_split, sequence_split)
+                        for s in self.ids]
         self.parts = batch_split.parts if batch_split is not None else 1  # 2D/3D batch blocks per micro-batch
         self.has_first, self.has_last = 0 in self.ids, total - 1 in self.ids
         tied = [n for n in spec.first if n in spec.last]
@@ -457,6 +464,18 @@ class Pipeline:
     def pad(self, batch: dict) -> dict:
         """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks, with rows that weigh nothing."""
         return pad_batch(batch, self.microbatches * self.parts)
+
+    def model_forward(self, *args, **kwargs) -> PipelineOutput:
+        """``model(**batch)`` under pp (:meth:`~.state.ParallelState.install_forward`): :meth:`forward_only`,
+        the same outputs on every rank. Training runs through the schedule (``cuboid.train_step``)."""
+        if args:
+            raise TypeError("a model under pipeline parallelism takes its inputs by name: model(**batch)")
+        if torch.is_grad_enabled() and kwargs.get("labels") is not None:
+            raise RuntimeError("a model under pipeline parallelism trains through its schedule: use "
+                               "cuboid.train_step(model, optimizer, global_batch); a forward with labels runs "
+                               "under torch.no_grad() (evaluation), one without labels anywhere (inference, "
+                               "no gradients)")
+        return self.forward_only(kwargs)
 
     @torch.no_grad()
     def forward_only(self, batch: dict, last=None) -> PipelineOutput:
@@ -567,10 +586,9 @@ def _shard_stages(model: nn.Module, modules: list, group, split_backward: bool =
     ``split_backward`` (ZBV): torch's input-gradient step records which weights to differentiate later as
     the stage module's parameters *at that moment*, so every unit must hold its gathered parameters from
     the forward to the weight step (``reshard_after_forward=False``; torch's schedule gathers a stage once
-    and frees it after its last action). With the blocks freed after each forward (FSDP2's default), the
-    input step saw the sharded parameters, which are not in the autograd graph, and the weight step made
-    no gradient for them (measured: blocks of every stage but the first with their gradients missing in
-    part or whole, steps off one device's by 1e-1). A module both ends own (the tied embedding, both ends
+    and frees it after its last action): with the blocks freed after each forward (FSDP2's default), the
+    input step would see the sharded parameters, which are not in the autograd graph, and the weight step
+    would make no gradient for them. A module both ends own (the tied embedding, both ends
     on one rank under ZBV) is sharded with the first stage's unit and left out of the last's
     (``ignored_params``); the last stage differentiates the same gathered parameter, whose gradient the
     first stage's unit reduces after its last backward, which ZBV runs last of all on that rank.
@@ -643,8 +661,8 @@ def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
     embedding, head) over the plan's stages (two per rank for interleaved and ZBV), or as the plan's
     ``stage_blocks`` say; in place.
 
-    The ranges of every stage are kept on the model (``model.pipeline_blocks``)
-    for :class:`Pipeline`.
+    The ranges of every stage are kept in the model's parallel state
+    (``model.parallel.stages``) for :class:`Pipeline`.
     """
     plan = mesh.plan
     ids = stage_ids(plan.schedule, mesh.coords["pp"], plan.pp)
@@ -656,5 +674,8 @@ def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
         blocks = cut_stages(costs[0], total, costs[1], costs[2])
     keep = [i for s in ids for i in blocks[s]]
     keep_stage(model, spec, keep, 0 in ids, total - 1 in ids, where=f"stages {ids}")
-    model.pipeline_blocks = blocks
+    state = planned(model)
+    if state is None or state.plan != plan:
+        state = attach(model, ParallelState(plan=plan, mesh=mesh, spec=spec))
+    state.stages = blocks
     return model

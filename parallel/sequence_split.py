@@ -1,7 +1,8 @@
 """Sequence parallelism at the model level: each ``sp`` rank runs the blocks on its chunks of every sequence.
 
-Installed by :func:`~cuboid.parallel.apply.prepare` when ``plan.sp > 1``: the
-model's ``forward`` becomes :meth:`SequenceSplit.forward`, which runs the zoo
+Installed by :func:`~cuboid.parallel.prepare` when ``plan.sp > 1``: the
+model's ``forward`` becomes :meth:`SequenceSplit.forward`
+(:meth:`~cuboid.parallel.state.ParallelState.install_forward`), which runs the zoo
 model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
 
 1. ``embed`` runs on the whole sequence (ids or pixels are small; ViT's

@@ -5,14 +5,17 @@ only carries its plan) sets it in one place, :func:`attach`; every reader
 goes through :func:`state_of`, which also answers for a model cuboid never
 prepared (a plain ``zoo.build`` model, a user's own module): one device.
 
-Fields hold only what the plan built: ``pipeline`` under pp, ``zero`` for the
-flat ZeRO-1/2 buckets, ``sequence_split`` under sp or ``tp_sequence``,
-``batch_split`` under the tensor modes that cut the batch (2D, 2.5D, 3D).
+Fields hold only what the plan built: ``stages`` once a pp plan cut the
+model, ``pipeline`` under pp, ``zero`` for the flat ZeRO-1/2 buckets,
+``sequence_split`` under sp or ``tp_sequence``, ``batch_split`` under the
+tensor modes that cut the batch (2D, 2.5D, 3D). The state also replaces the
+model's ``forward`` where the plan runs it another way (:meth:`ParallelState.install_forward`)
+and turns the dp gradient reduction on and off (:meth:`ParallelState.set_gradient_sync`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -30,10 +33,12 @@ class ParallelState:
     mesh: Mesh
     spec: Any = None            # the model's ShardingSpec (None for models without one)
     prepared: bool = False      # prepare ran: the model trains under the plan (False: shapes only, meta)
+    stages: Any = None          # pp: the block range of every pipeline stage (parallel.pipeline.cut_model)
     pipeline: Any = None        # parallel.pipeline.Pipeline under pp
     zero: Any = None            # parallel.zero.FlatShards under ZeRO-1/2
     sequence_split: Any = None  # parallel.sequence_split.SequenceSplit / TensorSequenceSplit
-    batch_split: Any = None     # parallel.prepare's BatchSplit under 2D / 2.5D / 3D
+    batch_split: Any = None     # parallel.batch.BatchSplit under 2D / 2.5D / 3D
+    gradient_sync: Optional[Callable[[bool], None]] = None  # turns the dp gradient reduction on / off
 
     @classmethod
     def single(cls) -> "ParallelState":
@@ -41,11 +46,33 @@ class ParallelState:
         plan = Plan()
         return cls(plan=plan, mesh=Mesh.layout(plan))
 
+    def install_forward(self, model: nn.Module) -> None:
+        """Make ``model(**batch)`` run the way the plan built: through the pipeline (pp: a forward without
+        gradients, :meth:`~cuboid.parallel.pipeline.Pipeline.model_forward`) or the sequence split (sp,
+        ``tp_sequence``); the model's own ``forward`` otherwise. Set on the instance, so the model keeps
+        its class, its hooks and its parameter names."""
+        if self.pipeline is not None:
+            model.forward = self.pipeline.model_forward
+        elif self.sequence_split is not None:
+            model.forward = self.sequence_split.forward
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Turn the dp gradient reduction of the next backward on or off (a no-op without one)."""
+        if self.gradient_sync is not None:
+            self.gradient_sync(enabled)
+
 
 def attach(model: nn.Module, state: ParallelState) -> ParallelState:
-    """Give ``model`` its state (replacing any earlier one); returns it."""
+    """Give ``model`` its state (replacing any earlier one); returns it.
+
+    A pipeline cut is part of the model's structure: a state for the same plan
+    that names no ``stages`` keeps those of the state it replaces.
+    """
     if not isinstance(state, ParallelState):
         raise TypeError(f"a model's parallel state is a ParallelState, got {type(state).__name__}")
+    before = planned(model)
+    if state.stages is None and before is not None and before.plan == state.plan:
+        state.stages = before.stages
     object.__setattr__(model, ATTRIBUTE, state)  # a plain attribute: never a submodule or a parameter
     return state
 

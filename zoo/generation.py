@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
+from cuboid.parallel.state import state_of
 
 
 class CachedAttention(nn.Module):
@@ -112,8 +113,8 @@ def _last_position(head):
 def _over_dp(value: float, model: nn.Module, op: str) -> float:
     """``value`` reduced (``op``: min or max) over the data-parallel ranks, which hold different prompts: what
     decides a collective step (stop, refuse) must be the same on each, or a ZeRO-3 forward's gather waits."""
-    mesh = getattr(model, "mesh", None)
-    if mesh is None or mesh.size("dp") == 1:
+    mesh = state_of(model).mesh
+    if mesh.size("dp") == 1:
         return value
     from cuboid.parallel import comm
 
@@ -147,11 +148,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
     swapped = _swap_cores(model, ids.shape[1] + max_new_tokens - 1)  # the last new token is never fed back
-    pipeline = getattr(model, "pipeline", None)
+    state = state_of(model)
+    pipeline = state.pipeline
     microbatches = pipeline.microbatches if pipeline is not None else None
     if pipeline is not None:  # one micro-batch a step: a stage's caches hold every row, in one order
         pipeline.microbatches = 1
-    if getattr(model, "sequence_split", None) is None:  # the blocks' outputs are whole sequences here
+    if state.sequence_split is None:  # the blocks' outputs are whole sequences here
         model.head = _last_position(model.head)
     learned_positions = "position_ids" in inspect.signature(type(model).forward).parameters  # GPT-2
     was_training = model.training

@@ -6,7 +6,7 @@ to work (each one is exercised by a test); ``cuboid plans`` lists them.
 """
 from __future__ import annotations
 
-from cuboid.parallel.apply import ShardingSpec
+from cuboid.parallel.spec import ShardingSpec
 from cuboid.parallel.plan import Plan
 
 _BLOCK_ROLES = {

@@ -29,7 +29,7 @@ def _grouped(sent: dict) -> dict:
 def cost_worker(plans) -> dict:
     import cuboid
     from cuboid import zoo
-    from cuboid.parallel import comm, cost, zero
+    from cuboid.parallel import comm, cost, state_of, zero
     from cuboid.parallel.optim import AdamW
     from cuboid.planner import meta_shards
 
@@ -38,7 +38,7 @@ def cost_worker(plans) -> dict:
     for spec in plans:
         torch.manual_seed(0)
         model = cuboid.load(config, plan=spec)
-        plan, mesh = model.plan, model.mesh
+        plan, mesh = model.parallel.plan, model.parallel.mesh
         opt = AdamW(model.parameters(), lr=1e-3)
         ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": ids, "labels": ids}
@@ -49,7 +49,7 @@ def cost_worker(plans) -> dict:
 
         meta = meta_shards(config, plan, mesh.rank)  # what the planner prices for this rank
         named = dict(meta.named_parameters())
-        stage = cost.stages_of(plan, getattr(meta, "pipeline_blocks", ()), config.n_layers)[mesh.coords.get("pp", 0)]
+        stage = cost.stages_of(plan, state_of(meta).stages or (), config.n_layers)[mesh.coords.get("pp", 0)]
         predicted = _grouped(cost.traffic(config, plan, named, stage, BATCH, SEQ, spec=zoo.spec_of(meta)))
 
         held = zero.model_state_bytes(model, opt)  # after the step: no gradients held
@@ -103,7 +103,7 @@ def time_worker(plans, steps: int = 3) -> dict:
         cuboid.train_step(model, opt, batch)
         times = []
         for _ in range(steps):
-            model.mesh.barrier()
+            model.parallel.mesh.barrier()
             t0 = time.perf_counter()
             cuboid.train_step(model, opt, batch)
             times.append(time.perf_counter() - t0)

@@ -161,7 +161,7 @@ def test_half_weights_layout_states_after_a_step_are_exact():
     with kernels.use_backend("torch"):
         cuboid.train_step(model, opt, {"input_ids": ids, "labels": ids})
     held = zero.model_state_bytes(model, opt)
-    want = cost.model_states(list(model.parameters()), model.plan)
+    want = cost.model_states(list(model.parameters()), model.parallel.plan)
     n = sum(p.numel() for p in model.parameters())
     assert want["params"] == held["params"] == 2 * n and want["masters"] == held["masters"] == 4 * n
     assert want["optimizer"] == held["optimizer"] == 8 * n
@@ -249,7 +249,7 @@ def _states_worker(plans) -> dict:
     """For each plan: this rank's bytes, measured after and during a ``train_step``, beside the cost model's."""
     import cuboid
     from cuboid import zoo
-    from cuboid.parallel import cost, zero
+    from cuboid.parallel import cost, state_of, zero
     from cuboid.parallel.optim import AdamW
     from cuboid.planner import _Shards
 
@@ -268,12 +268,12 @@ def _states_worker(plans) -> dict:
         cuboid.train_step(model, opt, batch)
         held = zero.model_state_bytes(model, opt)
         live = _live_bytes() - before
-        plan, mesh = model.plan, model.mesh
+        plan, mesh = model.parallel.plan, model.parallel.mesh
         meta = _Shards(config, dtype=dtype).of(plan, mesh.rank)  # the planner's meta shards of this rank
         named = dict(meta.named_parameters())
         dp_rank = mesh.coords.get("dpsp", mesh.coords.get("dp", 0))
         want = cost.model_states(list(named.values()), plan, dp_rank=dp_rank)
-        stage = cost.stages_of(plan, getattr(meta, "pipeline_blocks", ()), config.n_layers)[mesh.coords.get("pp", 0)]
+        stage = cost.stages_of(plan, state_of(meta).stages or (), config.n_layers)[mesh.coords.get("pp", 0)]
         micro = HELD_BATCH // plan.dp // plan.microbatches
         layout = cost.layout_of(plan, next(iter(named.values())).dtype)
         parts = cost.peak_bytes(cost.Shape.of(config), plan, stage, named, micro, HELD_SEQ, layout, want)
@@ -290,7 +290,7 @@ def _two_rank_worker():
     import cuboid
 
     model = cuboid.load("gpt2", plan="auto,batch=4,seq=64")
-    auto = model.plan.describe(), model.plan.world_size
+    auto = model.parallel.plan.describe(), model.parallel.plan.world_size
     del model
     return auto, _states_worker(HELD_PLANS)
 

@@ -61,7 +61,7 @@ def dp_parity_worker():
             model = copy.deepcopy(ref)
             batch = global_batch(name, ref)
             dp_model = prepare(model, plan, mesh)  # a single-device model prepared again for dp
-            assert dp_model is model and model.plan == plan
+            assert dp_model is model and model.parallel.plan == plan
             opt_ref, opt = (AdamW(m.parameters(), lr=1e-2, eps=1e-3) for m in (ref, model))
             loss_err = 0.0
             for _ in range(STEPS):

@@ -62,7 +62,7 @@ def dropout_worker():
             # the tp replicas of every dropped activation dropped the same elements
             differ = 0
             for key in sorted(masks):
-                got = comm.all_gather_list(masks[key].to(torch.uint8).contiguous(), model.mesh.group("tp"))
+                got = comm.all_gather_list(masks[key].to(torch.uint8).contiguous(), model.parallel.mesh.group("tp"))
                 differ += sum(int(not torch.equal(got[0], m)) for m in got[1:])
             report[f"{plan.describe()}/{name}"] = dict(loss=loss_err, logits=logit_err, grad=grad_err,
                                                      differ=differ, layers=len(masks))
@@ -79,7 +79,7 @@ def dropout_worker():
             curves.append([cuboid.train_step(m, opt, batch).loss for _ in range(12)])
         key = sorted(masks)[-1]
         mine = masks[key].to(torch.uint8).contiguous()
-        got = comm.all_gather_list(mine, model.mesh.group("tp"))
+        got = comm.all_gather_list(mine, model.parallel.mesh.group("tp"))
         same = sum(int(torch.equal(got[0], m)) for m in got[1:])
         report[f"tp2d/{name}"] = dict(curves=curves, same=same, frac=mine.float().mean().item())
     dist.barrier()

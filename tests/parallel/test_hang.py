@@ -65,7 +65,7 @@ def child(rank: int) -> None:
     for i, (case, (plan, group, _)) in enumerate(CASES.items()):
         last = i == len(CASES) - 1
         model = cuboid.load("gpt-debug", plan, seed=0).train()
-        assert timeouts._group_timeout(model.mesh.group(group)) == TIMEOUT  # made with cuboid's timeout
+        assert timeouts._group_timeout(model.parallel.mesh.group(group)) == TIMEOUT  # made with cuboid's timeout
         opt = AdamW(model.parameters(), lr=1e-3)
         batch = global_batch("gpt", model)
         kept.append((model, opt))

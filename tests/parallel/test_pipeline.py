@@ -120,7 +120,7 @@ def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
                 names = sorted(n for n, _ in model.named_parameters())
                 report[f"{plan_name}/{name}/{head}/{kind}/{extra}"] = dict(
                     init=init, loss=loss_err, params=params, held=len(names), total=len(list(ref.parameters())),
-                    eval=eval_err, blocks=[len(r) for r in model.pipeline_blocks], names=names)
+                    eval=eval_err, blocks=[len(r) for r in model.parallel.stages], names=names)
         if plan_name == "pp2":  # bad input: one sentence, no hang
             model = cuboid.load("gpt-debug", plan, seed=0, mesh=mesh)
             opt = make_optimizer("adamw", model.parameters())

@@ -245,7 +245,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
                 dist.barrier()
                 start = time.perf_counter()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
-                assert model.plan == plan and model.mesh is mesh
+                assert model.parallel.plan == plan and model.parallel.mesh is mesh
                 errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
                 opt = make_optimizer(kind, model.parameters())
                 for step in range(STEPS):

@@ -78,13 +78,13 @@ def _bytes_and_traffic(stage, name="gpt-debug", extra=None):
     opt.zero_grad()
     pieces = [zero.view_of(p) for p in params]
     piece = sum(math.prod(pc.shape) for pc in pieces) if stage else numel
-    grad_piece = (sum(b.shard for b in model.zero.buckets) if stage in (1, 2) else piece)
+    grad_piece = (sum(b.shard for b in model.parallel.zero.buckets) if stage in (1, 2) else piece)
     want = zero.formula_bytes(numel, stage, 4, param_bytes=4, state_bytes=8, piece=piece, grad_piece=grad_piece)
     sent = tally.bytes(group="dp")
     n, b = 4, 4
     all_reduce = 2 * (n - 1) / n * b * numel  # what plain dp's all-reduce of every gradient sends
     if stage in (1, 2):
-        padded = sum(bk.padded for bk in model.zero.buckets)
+        padded = sum(bk.padded for bk in model.parallel.zero.buckets)
         want_sent = 2 * (n - 1) / n * b * padded
     else:  # FSDP2 pads every parameter's dim 0 to n equal chunks
         padded = {id(p): -(-p.shape[0] // n) * n * p[0].numel() for p in params}

@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from cuboid.parallel.state import state_of
+
 from .format import CheckpointError
 from .shards import ShardPlan, Size, Source, meta, plan_shards
 
@@ -59,14 +61,15 @@ class StageLayout:
 
 
 def stage_layout(model: torch.nn.Module, rank: int) -> StageLayout:
-    mesh = getattr(model, "mesh", None)
-    pp = mesh.size("pp") if mesh is not None else 1
+    state = state_of(model)
+    mesh = state.mesh
+    pp = mesh.size("pp")
     if pp <= 1:
         return StageLayout(writes=rank == 0)
     coords = mesh.coords
     replica = coords.get("dp", 0) == 0 and coords.get("sp", 0) == 0
     # under ZeRO a whole tensor is assembled over dp (x sp) from every rank's piece: every rank fetches
-    sharded = getattr(getattr(mesh, "plan", None), "zero", 0) > 0
+    sharded = state.plan.zero > 0
     return StageLayout(stages=pp, stage=coords["pp"], fetches=replica or sharded,
                        writes=replica and coords.get("tp", 0) == 0)
 

@@ -41,6 +41,8 @@ import numpy as np
 import torch
 
 from cuboid.parallel import zero
+from cuboid.parallel.plan import Plan
+from cuboid.parallel.state import state_of
 
 from ..common import sharded_parameters
 from .format import CheckpointError
@@ -174,14 +176,10 @@ def gather_rng(world: int) -> List[dict]:
 
 
 def _plan_record(model: torch.nn.Module, world: int) -> Any:
-    plan = getattr(model, "plan", None)
-    if plan is None or (dataclasses.is_dataclass(plan) and plan == type(plan)()):  # no plan, or the default one
+    plan = state_of(model).plan
+    if plan == Plan():  # no plan, or the default one
         return {"name": "single" if world == 1 else "dp", "dp": world}
-    if hasattr(plan, "to_dict"):
-        return jsonable(plan.to_dict(), "plan")
-    if dataclasses.is_dataclass(plan):
-        return jsonable(dataclasses.asdict(plan), "plan")
-    return str(plan)
+    return jsonable(plan.to_dict(), "plan")
 
 
 def training_record(model, optimizer, scheduler, state: Optional[dict], world: int) -> dict:
