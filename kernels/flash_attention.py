@@ -63,6 +63,27 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the key loop of the query tile ``pid_m`` (first row ``start_m``), lo a multiple of BLOCK_N.
+
+    Causal: key blocks wholly above the (end-aligned) diagonal are skipped.
+    Documents: only the keys ``SPAN`` gives for this tile (those of its first
+    to its last document) are visited, so a packed row costs the sum of its
+    documents' squares, not the row's.
+    """
+    lo = 0
+    hi = SEQ_K
+    if IS_CAUSAL:
+        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
+    if HAS_DOCS:
+        span = SPAN + (off_b * tl.cdiv(SEQ_Q, BLOCK_M) + pid_m) * 2
+        lo = (tl.load(span) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(hi, tl.load(span + 1))
+    return lo, hi
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q,  # (B, H, Sq, D) input, any strides
     K,  # (B, Hkv, Sk, D) input, any strides; H % Hkv == 0
@@ -70,6 +91,8 @@ def _attn_fwd_kernel(
     O,  # (B, H, Sq, D) output, q's dtype, any strides
     LSE,  # (B, H, Sq) fp32 output, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
+    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
+    SPAN,  # (B, cdiv(Sq, BLOCK_M), 2) int32 [lo, hi) keys holding each query tile's documents; HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -77,7 +100,7 @@ def _attn_fwd_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
@@ -104,10 +127,10 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
 
-    hi = SEQ_K
-    if IS_CAUSAL:  # key blocks wholly above the (end-aligned) diagonal are skipped
-        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    if HAS_DOCS:
+        doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
@@ -124,6 +147,9 @@ def _attn_fwd_kernel(
             keep = keep & (km != 0)[None, :]
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        if HAS_DOCS:
+            doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
+            keep = keep & (doc_m[:, None] == doc_n[None, :])
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) for empty rows
@@ -178,6 +204,8 @@ def _attn_bwd_dkdv_kernel(
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
     DK, DV,  # (B, Hkv, Sk, D) outputs, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
+    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
+    SPAN,  # (B, cdiv(Sk, BLOCK_N), 2) int32 [lo, hi) queries holding each key tile's documents; HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -185,7 +213,7 @@ def _attn_bwd_dkdv_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     sm_scale, qk_scale,  # scale, and scale * log2(e)
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -222,15 +250,21 @@ def _attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     lo = 0
+    hi = SEQ_Q
     if IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
         lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
         lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_DOCS:  # only the queries of this key tile's documents (the mirror of the forward's key span)
+        span = SPAN + (off_b * tl.cdiv(SEQ_K, BLOCK_N) + pid_n) * 2
+        lo = tl.maximum(lo, (tl.load(span) // BLOCK_M) * BLOCK_M)
+        hi = tl.load(span + 1)
+        doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g  # a query head that reads this K/V head
         row0 = (off_b * H + off_h) * SEQ_Q  # its first row in LSE / DELTA
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
-        for start_m in range(lo, SEQ_Q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             m_ok = offs_m < SEQ_Q
             qd_mask = m_ok[:, None] & d_ok[None, :]
@@ -247,6 +281,9 @@ def _attn_bwd_dkdv_kernel(
             keep = keep_n[:, None] & m_ok[None, :]
             if IS_CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
+            if HAS_DOCS:
+                doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+                keep = keep & (doc_n[:, None] == doc_m[None, :])
             pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
@@ -267,6 +304,8 @@ def _attn_bwd_dq_kernel(
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
     DQ,  # (B, H, Sq, D) output, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
+    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
+    SPAN,  # (B, cdiv(Sq, BLOCK_M), 2) int32 [lo, hi) keys holding each query tile's documents; HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -274,7 +313,7 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv
     sm_scale, qk_scale,  # scale, and scale * log2(e)
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -305,10 +344,10 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
-    hi = SEQ_K
-    if IS_CAUSAL:
-        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
-    for start_n in range(0, hi, BLOCK_N):
+    lo, hi = _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    if HAS_DOCS:
+        doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
         kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -324,6 +363,9 @@ def _attn_bwd_dq_kernel(
             keep = keep & (km != 0)[None, :]
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        if HAS_DOCS:
+            doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
+            keep = keep & (doc_m[:, None] == doc_n[None, :])
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # fp32
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
@@ -419,8 +461,39 @@ def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
     return mask, mask.stride(0), mask.stride(1)
 
 
-def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
-    """(out, lse) of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), H % Hkv == 0 (checked by the caller)."""
+def doc_spans(doc_rows: torch.Tensor, doc_cols: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, cdiv(S_rows, block), 2) int32: per tile of ``block`` rows, the [lo, hi) span of columns in its documents.
+
+    ``doc_rows`` (B, S_rows) and ``doc_cols`` (B, S_cols) are int32 document
+    ids, contiguous and non-decreasing along each row. A tile holds the
+    documents from its first row's id to its last row's; sorted ids put the
+    columns of exactly those documents in one span, found by binary search.
+    An empty span (lo == hi) means no column shares a document with the tile.
+    Torch ops on the ids' device, no host sync, so the launch can be traced.
+    """
+    S = doc_rows.shape[1]
+    first = torch.arange(0, S, block, device=doc_rows.device)
+    last = torch.clamp(first + block, max=S) - 1
+    lo = torch.searchsorted(doc_cols, doc_rows[:, first], out_int32=True)
+    hi = torch.searchsorted(doc_cols, doc_rows[:, last], right=True, out_int32=True)
+    return torch.stack((lo, hi), dim=-1).contiguous()
+
+
+def _doc_args(docs: Optional[tuple], fallback: torch.Tensor, block_rows: int, block_cols: int,
+              keys_first: bool = False) -> tuple:
+    """(DOC_Q, DOC_K, SPAN) kernel arguments: the spans over keys per query tile, or over queries per key tile."""
+    if docs is None:
+        return fallback, fallback, fallback
+    doc_q, doc_k = docs
+    span = doc_spans(doc_k, doc_q, block_cols) if keys_first else doc_spans(doc_q, doc_k, block_rows)
+    return doc_q, doc_k, span
+
+
+def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None):
+    """(out, lse) of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), H % Hkv == 0 (checked by the caller).
+
+    ``docs``: None, or (doc_q (B, Sq), doc_k (B, Sk)) int32 contiguous document ids (:func:`kernel_doc_ids`).
+    """
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
@@ -428,16 +501,19 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float):
     cfg = _config(D, q.dtype, backward=False)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
-        q, k, v, out, lse, m_ptr,
+        q, k, v, out, lse, m_ptr, *_doc_args(docs, q, cfg["BLOCK_M"], cfg["BLOCK_N"]),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
         H, H // Hkv, Sq, Sk, D, scale * _LOG2E,
-        IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg,
+        IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, **_dot_options(q.dtype), **cfg,
     )
     return out, lse
 
 
-def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float):
-    """(dq, dk, dv): dq like q (B, H, Sq, D); dk, dv like k (B, Hkv, Sk, D), summed over each group."""
+def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None):
+    """(dq, dk, dv): dq like q (B, H, Sq, D); dk, dv like k (B, Hkv, Sk, D), summed over each group.
+
+    ``docs`` as for :func:`_flash_fwd`.
+    """
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype, backward=True)
@@ -455,11 +531,13 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E)
-    flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, **_dot_options(q.dtype), **cfg, **launch)
-    _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, m_ptr, *common, **flags)
-    _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
-        q, k, v, do, lse, delta, dq, m_ptr, *common, **flags)
+    flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
+                 **_dot_options(q.dtype), **cfg, **launch)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    _attn_bwd_dkdv_kernel[_grid(Sk, bn, B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, m_ptr, *_doc_args(docs, q, bm, bn, keys_first=True), *common, **flags)
+    _attn_bwd_dq_kernel[_grid(Sq, bm, B * H)](
+        q, k, v, do, lse, delta, dq, m_ptr, *_doc_args(docs, q, bm, bn), *common, **flags)
     return dq, dk, dv
 
 
@@ -514,6 +592,46 @@ def _validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) ->
     return float(scale)
 
 
+def _check_docs(q, k, doc_ids, doc_ids_k) -> Optional[tuple]:
+    """(doc_q (B, Sq), doc_k (B, Sk)) as given, or None without documents; raises on a bad argument.
+
+    Non-decreasing ids are checked on the device (``torch._assert_async``: an
+    error at once on CPU, a device-side assert on CUDA), never with a host sync.
+    """
+    if doc_ids is None:
+        if doc_ids_k is not None:
+            raise ValueError(f"{_OP}: doc_ids_k (the keys' document ids) needs doc_ids (the queries')")
+        return None
+    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+    if doc_ids_k is None:
+        if Sq != Sk:
+            raise ValueError(f"{_OP}: doc_ids alone serves q and k of one length; Sq={Sq} != Sk={Sk}: "
+                             f"pass the keys' ids as doc_ids_k")
+        doc_ids_k = doc_ids
+    for name, t, want in (("doc_ids", doc_ids, (B, Sq)), ("doc_ids_k", doc_ids_k, (B, Sk))):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{_OP}: {name} must be an integer tensor of document ids, got {got}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{_OP}: {name} must have shape {want} (batch, seq), got {tuple(t.shape)}")
+        if not t.is_meta and t.shape[1] > 1:
+            torch._assert_async((t[:, 1:] >= t[:, :-1]).all(),
+                                f"{_OP}: {name} must be non-decreasing along each row (documents one after another)")
+    return doc_ids, doc_ids_k
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) int32 document ids of packed rows from position ids that restart at 0 at each document.
+
+    Hugging Face's convention for packed rows (``DataCollatorWithFlattening``):
+    a new document starts where the position is 0. Ids count documents from
+    the row's start, so they are non-decreasing, as :func:`attention` needs;
+    compute them on whole rows before splitting a sequence into chunks.
+    """
+    return torch.cumsum(position_ids == 0, dim=-1, dtype=torch.int32)
+
+
 def _ref_chunk(q, k, v, keep, scale: float):
     """Softmax attention for one chunk of queries, heads grouped.
 
@@ -535,16 +653,19 @@ def _ref_chunk(q, k, v, keep, scale: float):
 
 
 def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
-                  scale: Optional[float] = None, return_lse: bool = False, chunk_size: int = 1024):
+                  scale: Optional[float] = None, return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
+                  doc_ids_k: Optional[torch.Tensor] = None, chunk_size: int = 1024):
     """Plain-torch attention with the same conventions as :func:`attention`.
 
     Computes in fp32 (halves are upcast; float64 stays float64), queries in
     chunks of ``chunk_size`` so that at most a (B, H, chunk, Sk) score matrix is
     live; when gradients are needed and there are several chunks, each chunk is
     recomputed in backward (activation checkpointing) so memory stays bounded
-    there too. Differentiable by autograd, including through ``lse``.
+    there too. Document ids make the mask block-diagonal (query and key in one
+    document). Differentiable by autograd, including through ``lse``.
     """
     scale = _validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
+    docs = _check_docs(q, k, doc_ids, doc_ids_k)
     if chunk_size < 1:
         raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
     B, H, Sq, D = q.shape
@@ -565,6 +686,8 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
             keep = keep & (j <= i + (Sk - Sq))
         if key_keep is not None:
             keep = keep & key_keep
+        if docs is not None:  # (B, 1, 1, c, Sk): block-diagonal
+            keep = keep & (docs[0][:, None, None, start:stop, None] == docs[1][:, None, None, None, :])
         if checkpoint:
             o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, :, start:stop], kf, vf, keep, scale,
                                                      use_reentrant=False)
@@ -579,13 +702,15 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
     return out, lse
 
 
-def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], scale: float):
+def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], scale: float,
+                    docs: Optional[tuple] = None):
     """The fast torch path when no lse is wanted: torch's fused SDPA, or None where it does not apply.
 
     SDPA has no lse output and its fully-masked rows are NaN, so rows without a
-    kept key (padded-out batches, causal with Sq > Sk) and float64 go to
-    :func:`attention_ref` instead. SDPA's ``is_causal`` is top-left aligned, so
-    an end-aligned causal mask with Sq != Sk is passed explicitly.
+    kept key (padded-out batches, causal with Sq > Sk, a query whose document
+    has no key) and float64 go to :func:`attention_ref` instead. SDPA's
+    ``is_causal`` is top-left aligned, so an end-aligned causal mask with
+    Sq != Sk is passed explicitly. Documents pass a (B, 1, Sq, Sk) block-diagonal mask.
     """
     Sq, Sk = q.shape[2], k.shape[2]
     if q.dtype == torch.float64 or (causal and Sq > Sk):
@@ -595,6 +720,9 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
     mask = None
     if key_padding_mask is not None:
         mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    if docs is not None:
+        same = docs[0][:, None, :, None] == docs[1][:, None, None, :]  # (B, 1, Sq, Sk)
+        mask = same if mask is None else mask & same
     if causal and Sq == 1:  # one query, end-aligned: it sees every key (a decoding step), no mask to build
         causal = False
     if causal and (Sq != Sk or mask is not None):
@@ -603,6 +731,8 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
         keep = j <= i + (Sk - Sq)  # (Sq, Sk)
         mask = keep if mask is None else mask & keep
         causal = False
+    if docs is not None and not mask.is_meta and not bool(mask.any(dim=-1).all()):
+        return None
     gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
 
@@ -616,27 +746,37 @@ class _FlashAttention(torch.autograd.Function):
     """Triton forward/backward; returns (out, lse), both differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask_u8, causal: bool, scale: float):
-        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse, mask_u8)
+    def forward(ctx, q, k, v, mask_u8, doc_q, doc_k, causal: bool, scale: float):
+        docs = None if doc_q is None else (doc_q, doc_k)
+        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale, docs)
+        ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k)
         ctx.causal, ctx.scale = causal, scale
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask_u8 = ctx.saved_tensors
+        q, k, v, out, lse, mask_u8, doc_q, doc_k = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         if dout.dtype != out.dtype:
             dout = dout.to(out.dtype)
-        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        docs = None if doc_q is None else (doc_q, doc_k)
+        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale, docs)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def kernel_doc_ids(doc_ids: torch.Tensor, doc_ids_k: Optional[torch.Tensor] = None) -> tuple:
+    """(doc_q, doc_k) as the Triton launchers take them: int32, contiguous; doc_k defaults to doc_q."""
+    doc_q = doc_ids.to(torch.int32).contiguous()
+    doc_k = doc_q if doc_ids_k is None else doc_ids_k.to(torch.int32).contiguous()
+    return doc_q, doc_k
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-              return_lse: bool = False, backend: Optional[str] = None):
+              return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
+              doc_ids_k: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """Softmax attention ``softmax(scale * q @ k^T) @ v`` over (B, H, S, D) tensors.
 
     Args:
@@ -647,29 +787,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         key_padding_mask: (B, Sk) bool, True = keep that key.
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the (B, H, Sq) fp32 natural-log log-sum-exp.
+        doc_ids: (B, Sq) integer document id of each query token, non-decreasing
+            along each row (packed rows: :func:`doc_ids_from_positions`). A
+            query sees only keys of its own document (and, with ``causal``,
+            only those the causal rule allows); the Triton kernels skip the
+            tiles no document spans, so a row costs the sum of its documents'
+            squares. Without ``doc_ids_k`` the keys carry the same ids (Sq == Sk).
+        doc_ids_k: (B, Sk) the keys' document ids where they are another
+            slice of the sequence than the queries (ring attention's K/V
+            chunks); same numbering, non-decreasing.
         backend: ``"triton"``, ``"torch"`` or None for the automatic rule
             (:func:`cuboid.kernels.resolve_backend`).
 
     Returns ``out`` (B, H, Sq, D) in q's dtype, or ``(out, lse)``. Rows with no
-    kept key give ``out = 0`` and ``lse = -inf``, with zero gradients. The
+    kept key (padding, no key of their document) give ``out = 0`` and
+    ``lse = -inf``, with zero gradients, so blocks merge exactly by lse. The
     gradients of k and v are (B, Hkv, Sk, D), summed over each group's heads.
     """
-    tensors: Sequence[Optional[torch.Tensor]] = [q, k, v]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if isinstance(key_padding_mask, torch.Tensor):
-        tensors = [q, k, v, key_padding_mask]
+    tensors: Sequence[torch.Tensor] = [q, k, v] + [t for t in (key_padding_mask, doc_ids, doc_ids_k) if isinstance(t, torch.Tensor)]
     chosen = resolve_backend(_OP, tensors, backend)
     if chosen == "torch":
         if not return_lse:
-            fast = _sdpa_attention(q, k, v, causal, key_padding_mask,
-                                   _validate(q, k, v, causal, key_padding_mask, scale, triton_path=False))
+            checked = _validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
+            fast = _sdpa_attention(q, k, v, causal, key_padding_mask, checked, _check_docs(q, k, doc_ids, doc_ids_k))
             if fast is not None:
                 return fast
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                             return_lse=return_lse)
+                             return_lse=return_lse, doc_ids=doc_ids, doc_ids_k=doc_ids_k)
     scale = _validate(q, k, v, causal, key_padding_mask, scale, triton_path=True)
     mask_u8 = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
-    out, lse = _FlashAttention.apply(q, k, v, mask_u8, causal, scale)
+    doc_q = doc_k = None
+    if _check_docs(q, k, doc_ids, doc_ids_k) is not None:
+        doc_q, doc_k = kernel_doc_ids(doc_ids, doc_ids_k)
+    out, lse = _FlashAttention.apply(q, k, v, mask_u8, doc_q, doc_k, causal, scale)
     return (out, lse) if return_lse else out
