@@ -70,11 +70,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -299,76 +297,37 @@ def probe_worker(cases, args):
 
 # ---------------------------------------------------------------- launching
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(phases, rank, world, port, queue, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+def phases_worker(phases, args):
+    """One rank: a process group with the p2p timeout, then each phase's ``fn(cases, args)``, each result sent
+    back as soon as it is done."""
     import datetime
 
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    phase = 0
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args["p2p_timeout"]))
-        if rank == 0:
-            print(f"  p={world}: process group up after {time.time() - args['t_launch']:.1f} s", file=sys.stderr,
-                  flush=True)
-        for phase, (fn, cases) in enumerate(phases):  # each phase's result goes back as soon as it is done
-            queue.put((rank, phase, "ok", fn(cases, args)))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, phase, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # leave without the interpreter's teardown (triton, which the pipelining package imports, prints
-        # nanobind leak reports there); the results are flushed first
-        queue.close()
-        queue.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args["p2p_timeout"]))
+    if rank == 0:
+        print(f"  p={world}: process group up after {time.time() - args['t_launch']:.1f} s", file=sys.stderr,
+              flush=True)
+    for fn, cases in phases:
+        yield fn(cases, args)
 
 
-def run_world(phases: list, world: int, args, timeout: float):
+def run_phases(phases: list, world: int, args, timeout: float):
     """Each ``(fn, cases)`` of ``phases`` in turn, ``fn(cases, args)``, on ``world`` gloo ranks on loopback
-    (one process group for all). Returns rank 0's result per phase (None where it did not finish) and the
-    first error (a rank's traceback, or a timeout after ``timeout`` s: a hang), or None."""
-    import torch.multiprocessing as mp
+    (one process group for all; :func:`tests.parallel.launch.gather_world`). Returns rank 0's result per phase
+    (None where it did not finish) and the first error (a rank's traceback, or a timeout after ``timeout`` s:
+    a hang), or None."""
+    from tests.parallel.launch import gather_world
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(phases, r, world, port, queue, args), daemon=True)
-             for r in range(world)]
-    for pr in procs:
-        pr.start()
-    results: dict = defaultdict(dict)
-    error = None
-    deadline = time.monotonic() + timeout
-    try:
-        for _ in range(world * len(phases)):
-            rank, phase, status, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
-            if status != "ok":
-                error = f"phase {phase}, rank {rank}: {value}"
-                break
-            results[phase][rank] = value
-    except Exception as e:  # queue.Empty: a hang
-        done = [ph for ph in range(len(phases)) if len(results[ph]) == world]
-        error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__}); phases done: {done}"
-    finally:
-        for pr in procs:
-            pr.join(timeout=5 if error is None else 1)
-            if pr.is_alive():
-                pr.kill()
-    return [results[ph].get(0) if len(results[ph]) == world else None for ph in range(len(phases))], error
+    got = gather_world(phases_worker, world, phases, args, timeout=timeout, hard_exit=True)
+    error = got.error
+    if error is not None and got.failed_rank is not None:
+        error = f"phase {len(got.parts[got.failed_rank])}, rank {got.failed_rank}: {error}"
+    elif error is not None:
+        error += f"; phases done: {[ph for ph in range(len(phases)) if got.complete(ph + 1)]}"
+    return [got.parts[0][ph] if got.complete(ph + 1) else None for ph in range(len(phases))], error
 
 
 # ---------------------------------------------------------------- summary
@@ -546,7 +505,7 @@ def main() -> None:
             phases.append((probe_worker, [(s, m) for s in schedules for m in edge]))
         t0 = time.perf_counter()
         args["t_launch"] = time.time()
-        (recs, *probe), err = run_world(phases, p, args, a.timeout)
+        (recs, *probe), err = run_phases(phases, p, args, a.timeout)
         print(f"p={p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if err:
             failures[p] = err

@@ -8,7 +8,7 @@ dim 768, 12 heads, vocabulary 50257, tied LM head) with ``--layers`` blocks
 (default 2, so that CPU runs finish) and ``n_positions`` raised to
 ``--positions``, fp32, batch 1, random token ids (labels = inputs), trained by
 ``cuboid.train_step`` with ``cuboid.parallel.optim.AdamW(lr=1e-4)``. Every
-world is started by ``run_world`` from bench/pipeline.py (spawned gloo
+world is started by ``run_phases`` from bench/pipeline.py (spawned gloo
 processes on 127.0.0.1, one thread each, bounded in time); memory is
 ``RssAnon`` of ``/proc/self/status`` sampled every 0.5 ms by ``AnonPeak``
 from bench/checkpoint.py, counted from just before the model is built.
@@ -71,7 +71,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench/ is not a package: its helpers are imported as top-level modules
 
 from checkpoint import AnonPeak  # noqa: E402  (RssAnon sampler)
-from pipeline import run_world  # noqa: E402  (spawned gloo worlds with a timeout)
+from pipeline import run_phases  # noqa: E402  (spawned gloo worlds with a timeout)
 
 VOCAB = 50257
 CONFIGS = {  # name -> (world size, Plan kwargs or None for one process, sp for the goal or None)
@@ -238,7 +238,7 @@ def _one_world(fn, case, world: int, args: dict, timeout: float) -> tuple:
         time.sleep(15)
     args = {**args, "t_launch": time.time(), "p2p_timeout": timeout}
     t1 = time.monotonic()
-    (every,), err = run_world([(fn, case)], world, args, timeout)
+    (every,), err = run_phases([(fn, case)], world, args, timeout)
     return every, err, time.monotonic() - t1, t1 - t0
 
 

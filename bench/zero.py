@@ -65,7 +65,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository root: tests.parallel.launch
+
+from tests.parallel.launch import free_port, rank_env  # noqa: E402
 
 
 def _bench_checkpoint():
@@ -114,7 +116,7 @@ def _malloc_trim() -> bool:
 
 
 def worker(args) -> dict:
-    """One rank of one plan's world (started by :func:`run_world` with the torchrun environment)."""
+    """One rank of one plan's world (started by :func:`run_plan` with the torchrun environment)."""
     try:  # if the kernel must kill something for memory, kill this rank first
         Path("/proc/self/oom_score_adj").write_text("1000")
     except OSError:
@@ -189,12 +191,6 @@ def _anon_of(pid: int) -> int:
         return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _param_count(model: str) -> int:
     import cuboid
 
@@ -225,17 +221,16 @@ def wait_for_memory(need: int, floor: int, wait: float) -> dict:
     return {"waited_s": time.monotonic() - t0, "available": _meminfo("MemAvailable"), "fits_by_estimate": True}
 
 
-def run_world(name: str, args) -> dict:
-    """Run one plan on ``args.ranks`` processes, watching memory, time and failures."""
-    port, world = _free_port(), args.ranks
+def run_plan(name: str, args) -> dict:
+    """Run one plan on ``args.ranks`` processes (each ``python bench/zero.py --worker``, so the driver reads
+    every rank's own RssAnon), watching memory, time and failures."""
+    port, world = free_port(), args.ranks
     env0 = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--steps", str(args.steps),
            "--seq", str(args.seq), "--timeout", str(args.timeout)]
     procs, outs, errs = [], [], []
     for rank in range(world):
-        env = {**env0, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {**env0, **rank_env(rank, world, port)}
         outs.append(tempfile.TemporaryFile("w+"))
         errs.append(tempfile.TemporaryFile("w+"))
         procs.append(subprocess.Popen(cmd, stdout=outs[-1], stderr=errs[-1], text=True, env=env, cwd=HERE))
@@ -388,7 +383,7 @@ def main() -> None:
         print(f"{name}: starting ({mem['available'] / 2**30:.1f} GiB available, about {need / 2**30:.1f} GiB "
               f"expected{'' if mem['fits_by_estimate'] else ', more than the machine has: guarded run'})",
               file=sys.stderr, flush=True)
-        run = run_world(name, args)
+        run = run_plan(name, args)
         run["memory_before"] = mem
         runs.append(run)
         print(f"{name}: {run['status']} in {run['wall_s']:.0f} s (1-minute load average {run['loadavg_1min'][0]:.1f}"

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -59,12 +58,6 @@ def train(model, opt, sched, start: int, steps: int) -> int:
 
 
 # --------------------------------------------------------------- child processes
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict:

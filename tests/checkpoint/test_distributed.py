@@ -4,7 +4,8 @@ import json
 import cuboid
 from cuboid.zoo import checkpoint
 
-from .common import free_port, spawn, wait
+from ..parallel.launch import free_port
+from .common import spawn, wait
 
 
 def test_two_rank_data_parallel_save_and_load(tmp_path):

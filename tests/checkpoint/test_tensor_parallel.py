@@ -10,7 +10,8 @@ from cuboid.kernels import use_backend
 from cuboid.zoo import checkpoint
 
 from ._child import tp_model_and_optimizer
-from .common import free_port, spawn, wait
+from ..parallel.launch import free_port
+from .common import spawn, wait
 
 
 def test_tp2_save_matches_single_process_and_loads_back(tmp_path):

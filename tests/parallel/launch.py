@@ -1,30 +1,60 @@
-"""Run a function on N gloo ranks on loopback, bounded in time.
+"""Run a function on N gloo ranks on loopback, bounded in time: the one launcher of the tests and benches.
 
 ``run_world(fn, n, *args)`` spawns n processes, each with the torchrun
-environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT),
-calls ``fn(*args)`` in each (``fn`` must be importable: a module-level
-function), and returns the list of return values by rank. An exception in
-any rank, or a timeout, fails the caller with that rank's traceback.
+environment (:func:`rank_env`: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a
+free MASTER_PORT), calls ``fn(*args)`` in each (``fn`` must be importable: a
+module-level function), and returns the list of return values by rank. An
+exception in any rank, or a timeout, fails the caller with that rank's
+traceback.
+
+:func:`gather_world` is the same launch for a caller that wants what
+finished when something did not (a benchmark reports the cases that ran
+before a hang): ``fn`` may be a generator, whose every value travels back as
+soon as it is yielded, and the outcome is returned, not raised.
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the rendezvous port of a world)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, queue, args):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                      OMP_NUM_THREADS="1")
+def rank_env(rank: int, world: int, port: int) -> Dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of a one-machine world on loopback (gloo, one thread)."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+
+
+@dataclass
+class Gathered:
+    """What :func:`gather_world` got: every value each rank sent, in order, and the first failure."""
+
+    parts: List[list]
+    failed_rank: Optional[int] = None  # the rank whose traceback is ``error`` (None: a timeout, or no error)
+    error: Optional[str] = None
+    finished: List[bool] = field(default_factory=list)  # per rank: fn returned
+
+    def complete(self, n: int) -> bool:
+        """Whether every rank sent at least ``n`` values."""
+        return all(len(p) >= n for p in self.parts)
+
+
+def _entry(fn, rank, world, port, queue, args, hard_exit):
+    os.environ.update(rank_env(rank, world, port))
     try:
         import torch
         torch.set_num_threads(1)
@@ -32,7 +62,9 @@ def _entry(fn, rank, world, port, queue, args):
 
         with use_backend("torch"):
             result = fn(*args)
-        queue.put((rank, "ok", result))
+            for value in result if isinstance(result, types.GeneratorType) else [result]:
+                queue.put((rank, "part", value))
+        queue.put((rank, "done", None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -40,30 +72,55 @@ def _entry(fn, rank, world, port, queue, args):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if hard_exit:  # the results are flushed, then the interpreter's teardown is skipped
+            queue.close()
+            queue.join_thread()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
-def run_world(fn, world: int, *args, timeout: float = 180.0):
+def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool = False) -> Gathered:
+    """Run ``fn(*args)`` on ``world`` ranks until all return, one fails, or ``timeout`` s pass (a hang).
+
+    A generator ``fn`` sends each yielded value (``Gathered.parts[rank]``); a
+    plain one sends its return value as its one part. ``hard_exit``: the ranks
+    leave by ``os._exit`` once their results are sent, skipping the
+    interpreter's teardown (Triton's nanobind prints leak reports there).
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, hard_exit), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
-    results, errors = {}, {}
+    out = Gathered(parts=[[] for _ in range(world)], finished=[False] * world)
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            (results if status == "ok" else errors)[rank] = value
-            if errors:
+        while not all(out.finished):
+            rank, status, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status == "error":
+                out.failed_rank, out.error = rank, value
                 break
+            if status == "part":
+                out.parts[rank].append(value)
+            else:
+                out.finished[rank] = True
     except Exception as e:  # queue.Empty on timeout
-        errors[-1] = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
+        out.error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
     finally:
         for p in procs:
-            p.join(timeout=10 if not errors else 1)
+            p.join(timeout=10 if out.error is None else 1)
             if p.is_alive():
                 p.kill()
-    if errors:
-        rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-    return [results[r] for r in range(world)]
+    return out
+
+
+def run_world(fn, world: int, *args, timeout: float = 180.0):
+    """``fn(*args)`` on ``world`` ranks; the return values by rank, or an AssertionError naming the failure."""
+    out = gather_world(fn, world, *args, timeout=timeout)
+    if out.error is not None:
+        who = "the world" if out.failed_rank is None else f"rank {out.failed_rank}"
+        raise AssertionError(f"{who} failed:\n{out.error}")
+    return [p[0] for p in out.parts]

@@ -1,13 +1,13 @@
 """A process that started its groups with ``init_distributed`` and returns exits 0, never by SIGABRT.
 
-Without an exit handler (``comm.release_groups_at_exit``), a plain torch
-gloo process that just returns after its collectives was killed by SIGABRT
-("terminate called without an active exception") in 18 of 30 two-rank runs
-on this machine (CI saw it as the README's default job failing with "worker rank 1 was killed by
-signal 6"). Each round here starts two plain processes as torchrun starts
+A gloo process group destroyed during the interpreter's teardown can abort
+the process ("terminate called without an active exception", signal 6), so
+``init_distributed`` registers an exit handler
+(``comm.release_groups_at_exit``) that ends the groups while the interpreter
+is whole. Each round here starts two plain processes as torchrun starts
 workers; they build a dp=2 mesh, run a few collectives on the world and on
-the mesh's group and return. Five rounds: before the fix 3 of 5 runs of this
-test failed.
+the mesh's group and return; both must exit 0 having printed their line. The
+abort is intermittent, so the test runs five rounds.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from ..checkpoint.common import REPO, child_env
-from .launch import free_port
+from .launch import free_port, rank_env
 
 ROUNDS = 5
 CHILD = """
@@ -34,10 +34,10 @@ print("returned", dist.get_rank())
 
 
 def _round() -> list:
-    env = dict(child_env(), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", CHILD], cwd=str(REPO),
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+                              env={**child_env(), **rank_env(r, 2, port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     out = []
     try:
         for p in procs:
