@@ -250,11 +250,11 @@ def _fp32_addmm(g: Tensor) -> bool:
     """Whether ``torch.addmm(dw, g.t(), xc, out_dtype=torch.float32, out=dw)`` works here: half-precision
     CUDA inputs, an fp32 ``dw`` added to in place, the product made and summed in fp32 by cuBLAS without a
     half-precision (V, H) temporary. ``out_dtype`` for mm/addmm is CUDA-only and recent (the
-    ``aten::addmm.dtype_out`` overload came with pytorch PR 150812, spring 2025: not in torch 2.4-2.7, where
-    the keyword is a TypeError; its first form also asked ``self`` to be in the input dtype, later ones allow
-    it in ``out_dtype``; 2.13 has the later form), so rather than a version test it is tried once per device
-    and dtype on 1x1 tensors and the answer kept (the refusals are host-side checks, before any GPU work);
-    where it fails the caller adds a half product per chunk, as before."""
+    ``aten::addmm.dtype_out`` overload, pytorch PR 150812: not in torch 2.4-2.7, where the keyword is a
+    TypeError; some versions ask ``self`` to be in the input dtype, others allow it in ``out_dtype``), so
+    rather than a version test it is tried once per device and dtype on 1x1 tensors and the answer kept (the
+    refusals are host-side checks, before any GPU work); where it fails the caller adds a half product per
+    chunk."""
     if g.device.type != "cuda" or g.dtype not in (torch.float16, torch.bfloat16):
         return False
     key = (g.device, g.dtype)
@@ -409,8 +409,8 @@ def default_chunk(n_rows: int, n_local: int, device_type: str = "cpu", dtype: to
     CPU (and the interpreter on CPU): about CHUNK_ELEMS logits (64 MiB in fp32). CUDA: about CUDA_CHUNK_BYTES
     of logits in their dtype (512 MiB: 2048 rows of a 128256-column bf16 slice), rounded down to a multiple of
     CHUNK_ROW_MULTIPLE rows when there are that many, so that the three matmuls of a chunk are wide (the dW
-    product's inner dimension is the chunk's rows; with the CPU rule's 130-row chunks at vocabulary 128256
-    the bf16 step ran 3.7x slower than the unfused head on an H200). It depends on the shapes, the device
+    product's inner dimension is the chunk's rows; the CPU rule's 130-row chunks at vocabulary 128256 make
+    the bf16 step 3.7x slower than the unfused head on an H200: bench/RESULTS.md). It depends on the shapes, the device
     type and the dtype alone (never on free memory or the GPU model), so every rank of a vocab-parallel group
     (same rows, same slice width, same device type and dtype) makes the same number of reduces."""
     if device_type == "cuda":

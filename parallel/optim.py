@@ -247,8 +247,8 @@ def _recipe_flags(group, owners):
     """The group's (weight_decay, trust_ratio), per tensor when ``exclude_1d`` opts 1-D ones out.
 
     Decided from each parameter's own ndim (a shard's is its full tensor's; a
-    ZeRO piece is judged by its parameter), so all ranks decide alike. A group
-    saved before the key existed reads it as on.
+    ZeRO piece is judged by its parameter), so all ranks decide alike. A saved
+    group without the key reads it as on.
     """
     wd, trust = float(group["weight_decay"]), bool(group["trust_ratio"])
     if not group.get("exclude_1d", True):

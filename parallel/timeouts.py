@@ -1,6 +1,6 @@
 """Timeouts and failures of collectives: every group waits a bounded time, a failure names rank, op, group.
 
-Split from :mod:`.comm` (which re-exports these names). Groups made by
+:mod:`.comm` re-exports these names. Groups made by
 :func:`new_group` wait :func:`timeout_s` seconds (``CUBOID_TIMEOUT_S``,
 default 300; ``--timeout-s`` sets it); a failed or stalled collective or p2p
 is raised as a :class:`CollectiveError` / :class:`CollectiveTimeout` whose
@@ -74,10 +74,10 @@ def release_groups_at_exit() -> None:
     """Destroy the process groups and let go of the kept ones when the interpreter exits (registered once).
 
     A gloo group destructed during the interpreter's teardown (one still
-    referenced from a module's globals, as :data:`_MADE` does) aborts the
-    process: "terminate called without an active exception", SIGABRT, in 18
-    of 30 two-rank runs that just returned. An exit handler runs while the
-    interpreter is still whole. A program that destroyed its groups itself
+    referenced from a module's globals, as :data:`_MADE` does) can abort the
+    process ("terminate called without an active exception", SIGABRT), even
+    in a run that just returns. An exit handler runs while the interpreter is
+    still whole. A program that destroyed its groups itself
     loses nothing: the handler then only drops the kept references.
     """
     if not _RELEASE_REGISTERED:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import Deferred
 
 
 class Output:
@@ -24,7 +25,7 @@ class Output:
     ``loss``: mean cross-entropy when ``labels`` were given (-100 ignored);
     ``pooler_output``: BERT/ViT pooled vector where the model has a pooler.
 
-    Fields may be stored as :class:`~cuboid.parallel.layers.Deferred` and are
+    Fields may be stored as :class:`~cuboid.parallel.head.Deferred` and are
     made on first read: under tensor parallelism the whole logits are gathered
     from vocab (or batch) shards only when someone reads ``out.logits``, so a
     training step that only uses ``out.loss`` never gathers them. Reading such
@@ -45,27 +46,27 @@ class Output:
     def __repr__(self) -> str:
         def show(name):
             v = object.__getattribute__(self, name)
-            return "deferred" if isinstance(v, L.Deferred) else (tuple(v.shape) if torch.is_tensor(v) else v)
+            return "deferred" if isinstance(v, Deferred) else (tuple(v.shape) if torch.is_tensor(v) else v)
 
         return f"Output({', '.join(f'{n}={show(n)}' for n in self.__slots__)})"
 
     def __getattribute__(self, name: str):
         value = object.__getattribute__(self, name)
-        if isinstance(value, L.Deferred):
+        if isinstance(value, Deferred):
             value = value.resolve()
             object.__setattr__(self, name, value)
         return value
 
     def is_deferred(self, name: str) -> bool:
         """Whether field ``name`` has not been made yet (reading it would gather)."""
-        return isinstance(object.__getattribute__(self, name), L.Deferred)
+        return isinstance(object.__getattribute__(self, name), Deferred)
 
     def defer(self, name: str, fn) -> None:
         """Replace field ``name`` by a deferred ``fn(value)`` (None stays None)."""
         value = object.__getattribute__(self, name)
         if value is None:
             return
-        d = value.then(fn) if isinstance(value, L.Deferred) else L.Deferred(fn, value)
+        d = value.then(fn) if isinstance(value, Deferred) else Deferred(fn, value)
         object.__setattr__(self, name, d)
 
 
@@ -157,8 +158,8 @@ FUSE_ROWS = 256  # below this many rows (a decoding step) stacking the weights c
 def linears(x: torch.Tensor, layers: tuple) -> list:
     """``[layer(x) for layer in layers]``, as one matmul over the stacked weights where every layer is a
     plain (unsharded) :class:`~cuboid.parallel.layers.Linear` with or without a bias alike: one larger matmul
-    each way instead of several (measured on CPU for Llama's q/k/v and gate/up together: 16% less matmul time), for inputs
-    of at least FUSE_ROWS rows: a decoding step's few rows would pay more for stacking the weights than the
+    each way instead of several (less matmul time on CPU: bench/RESULTS.md), for inputs of at least FUSE_ROWS
+    rows: a decoding step's few rows would pay more for stacking the weights than the
     matmuls cost. Sharded layers, and layers with forward hooks (LoRA adapters), run their own forward.
     The outputs are strided views of one tensor whose gradients backward concatenates, which costs more than
     the stacked matmul saves for Llama's wide gate/up pair (its MLP calls the two layers: see its comment)."""

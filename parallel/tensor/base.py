@@ -47,6 +47,7 @@ from torch import nn
 
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import flat_rows, mean_of
 
 __all__ = ["Axes", "Cut", "Sharded", "VocabParallel", "to_compute", "compute_dtype", "check_ids",
            "vocab_parallel_cross_entropy", "vocab_parallel_ce_sum"]
@@ -172,7 +173,7 @@ def _ctor_args(cls, old: nn.Module) -> tuple:
         return old.num_embeddings, old.dim
     if issubclass(cls, L.LayerNorm):  # an RMSNorm source has no bias
         return old.dim, old.eps, getattr(old, "bias", None) is not None
-    return tuple(old.weight.shape)  # a Tensor
+    return tuple(old.weight.shape)  # a LearnedTensor
 
 
 class Sharded(L.ShardedModule):
@@ -383,7 +384,7 @@ def vocab_parallel_ce_sum(local_logits: torch.Tensor, labels: torch.Tensor, grou
     label is ``ignore_index`` count for nothing. Traffic: one all-reduce of an
     fp32 max (N,) and one of fp32 sums (N, 2) over ``group``; backward is local.
     """
-    logits, labels = L.flat_rows(local_logits, labels, vocab_size, ignore_index)
+    logits, labels = flat_rows(local_logits, labels, vocab_size, ignore_index)
     total = _VocabParallelCE.apply(logits, labels, group, start, vocab_size, ignore_index)
     return total, (labels != ignore_index).sum()
 
@@ -395,7 +396,7 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     Every rank returns the same loss; no rank ever holds the full (.., V) logits.
     """
     total, count = vocab_parallel_ce_sum(local_logits, labels, group, start, vocab_size, ignore_index)
-    return L.mean_of(total, count)
+    return mean_of(total, count)
 
 
 class VocabParallel:

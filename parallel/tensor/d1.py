@@ -255,7 +255,7 @@ class VocabEmbedding(VocabParallel, _Tp, L.Embedding):
         return comm.gather_from(logits, self.group, -1)[..., :self.num_embeddings]
 
 
-class VocabTensor(_Tp, L.Tensor):
+class VocabTensor(_Tp, L.LearnedTensor):
     """A learned tensor whose last dim is the vocabulary (BERT's MLM bias), split like VocabEmbedding."""
 
     role = "vocab"
@@ -309,7 +309,7 @@ STYLES = (
     Style(("column_kv",), L.Linear, KVColumn, lambda s: {"head_dim": s.model.config.head_dim}),
     Style(("row",), L.Linear, RowLinear),
     Style(("vocab",), L.Embedding, VocabEmbedding),
-    Style(("vocab",), L.Tensor, VocabTensor),
+    Style(("vocab",), L.LearnedTensor, VocabTensor),
     Style(("norm", "embedding", "replicate"), ANY, None),  # whole on every rank
 )
 MODE = Mode("1D", STYLES, tp_axes, Costs.of)

@@ -23,7 +23,7 @@ VocabEmbedding2D    (V, H) padded to Vp rows:       ids (B/q, T) -> (B/q, T, H/q
                     hidden block i                  block j (the head's SUMMA layout)
 VocabTensor2D       (.., V): piece j q + i of Vp    () -> (.., Vp/q) vocab block j
 Embedding2D         (n, H): (n, H/q^2) piece jq+i   ids (any) -> (.., H/q) block j
-Tensor2D            (.., H): (.., H/q^2) piece      () -> (.., H/q) block j
+LearnedTensor2D     (.., H): (.., H/q^2) piece      () -> (.., H/q) block j
 Head2D              W (C, H): (C, H/q^2) piece      (.., H/q) -> (.., C) whole, replicated
                     j q + i; b (C,) whole           over the row
 ==================  ==============================  ======================================
@@ -83,7 +83,7 @@ from cuboid.parallel.tensor.engine import Mode, parallelize_module, step_bytes
 from cuboid.parallel.tensor.grid import (Costs, Grid, GridSharded, batch_mean, cross_entropy, gather_output,
                                          split_input, styles)
 
-__all__ = ["Linear2D", "LayerNorm2D", "VocabEmbedding2D", "VocabTensor2D", "Embedding2D", "Tensor2D", "Head2D",
+__all__ = ["Linear2D", "LayerNorm2D", "VocabEmbedding2D", "VocabTensor2D", "Embedding2D", "LearnedTensor2D", "Head2D",
            "shard_2d", "bytes_per_step", "split_input", "gather_output", "cross_entropy", "batch_mean", "Grid",
            "CLASSES", "STYLES", "MODE"]
 
@@ -228,7 +228,7 @@ class VocabEmbedding2D(VocabParallel, GridSharded, L.Embedding):
 
 
 
-class Tensor2D(GridSharded, L.Tensor):
+class LearnedTensor2D(GridSharded, L.LearnedTensor):
     """A free-standing learned tensor whose last dim is hidden (ViT's CLS token, positions): -> (.., H/q).
 
     Stored as piece j q + i of the last dim, gathered over ``tp_col`` where it is used.
@@ -247,7 +247,7 @@ class Tensor2D(GridSharded, L.Tensor):
         return self._vec(self.weight)
 
 
-class VocabTensor2D(Tensor2D):
+class VocabTensor2D(LearnedTensor2D):
     """A learned tensor whose last dim is the vocabulary (BERT's MLM bias); returns (.., Vp/q), vocab block j."""
 
     role = "vocab"
@@ -315,7 +315,7 @@ class Head2D(GridSharded, L.Linear):
 # ---------------------------------------------------------------- whole models
 
 CLASSES = {"linear": Linear2D, "norm": LayerNorm2D, "vocab": VocabEmbedding2D, "vocab_tensor": VocabTensor2D,
-           "embedding": Embedding2D, "tensor": Tensor2D, "head": Head2D}
+           "embedding": Embedding2D, "tensor": LearnedTensor2D, "head": Head2D}
 STYLES = styles(CLASSES)
 
 
@@ -337,7 +337,7 @@ def shard_2d(model, spec, mesh_or_grid):
     embedding); ``vocab`` -> :class:`VocabEmbedding2D` / :class:`VocabTensor2D`;
     ``embedding`` -> :class:`Embedding2D`; ``norm`` -> :class:`LayerNorm2D`;
     ``replicate`` Linear -> :class:`Linear2D` when in == out (pooler, MLM
-    dense) else :class:`Head2D`; ``replicate`` Tensor -> :class:`Tensor2D`.
+    dense) else :class:`Head2D`; ``replicate`` LearnedTensor -> :class:`LearnedTensor2D`.
     ``mesh_or_grid``: a 2D Mesh or a :class:`Grid`.
     """
     return parallelize_module(model, spec, MODE, _place(mesh_or_grid))

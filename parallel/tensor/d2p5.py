@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import torch
 
-from cuboid.parallel.tensor.d2 import (Embedding2D, Head2D, LayerNorm2D, Linear2D, Tensor2D, VocabEmbedding2D,
+from cuboid.parallel.tensor.d2 import (Embedding2D, Head2D, LayerNorm2D, LearnedTensor2D, Linear2D, VocabEmbedding2D,
                                        VocabTensor2D)
 from cuboid.parallel.tensor.engine import Mode, parallelize_module, step_bytes
 from cuboid.parallel.tensor.grid import Costs, Grid, batch_mean, cross_entropy, gather_output, split_input, styles
 
-__all__ = ["Linear2p5D", "LayerNorm2p5D", "VocabEmbedding2p5D", "VocabTensor2p5D", "Embedding2p5D", "Tensor2p5D",
+__all__ = ["Linear2p5D", "LayerNorm2p5D", "VocabEmbedding2p5D", "VocabTensor2p5D", "Embedding2p5D", "LearnedTensor2p5D",
            "Head2p5D", "shard_2p5d", "bytes_per_step", "split_input", "gather_output", "cross_entropy", "batch_mean",
            "Grid", "CLASSES", "STYLES", "MODE"]
 
@@ -70,7 +70,7 @@ class Embedding2p5D(Embedding2D):
     _MODE = "2.5d"
 
 
-class Tensor2p5D(Tensor2D):
+class LearnedTensor2p5D(LearnedTensor2D):
     _MODE = "2.5d"
 
 
@@ -81,7 +81,7 @@ class Head2p5D(Head2D):
 
 
 CLASSES = {"linear": Linear2p5D, "norm": LayerNorm2p5D, "vocab": VocabEmbedding2p5D, "vocab_tensor": VocabTensor2p5D,
-           "embedding": Embedding2p5D, "tensor": Tensor2p5D, "head": Head2p5D}
+           "embedding": Embedding2p5D, "tensor": LearnedTensor2p5D, "head": Head2p5D}
 
 
 STYLES = styles(CLASSES)

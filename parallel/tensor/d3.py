@@ -78,12 +78,13 @@ import torch.nn.functional as F
 
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import mean_of
 from cuboid.parallel.tensor import engine
 from cuboid.parallel.tensor.base import Axes, Cut, Sharded, VocabParallel, check_ids, to_compute
 from cuboid.parallel.tensor.engine import (ANY, Mode, Style, hidden_last, no_row_sibling, parallelize_module,
                                            step_bytes, takes_hidden)
 
-__all__ = ["Linear3D", "LayerNorm3D", "VocabEmbedding3D", "VocabTensor3D", "Embedding3D", "Tensor3D", "Head3D",
+__all__ = ["Linear3D", "LayerNorm3D", "VocabEmbedding3D", "VocabTensor3D", "Embedding3D", "LearnedTensor3D", "Head3D",
            "split_input", "gather_output", "shard_3d", "cube", "Costs", "bytes_per_step", "LAYOUTS", "STYLES", "MODE"]
 
 AXES = ("tp_dep", "tp_col", "tp_row")
@@ -298,7 +299,7 @@ class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
     def _head_mean(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         stats = torch.stack([total, count.to(total.dtype)])
         stats = comm.reduce_from(comm.reduce_from(stats, self._g("tp_row")), self._g("tp_dep"))
-        return L.mean_of(stats[0], stats[1])  # every rank the same loss (NaN if every label is ignored)
+        return mean_of(stats[0], stats[1])  # every rank the same loss (NaN if every label is ignored)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full (B, .., V) logits on every rank from the local ones, padding cut."""
@@ -307,7 +308,7 @@ class VocabEmbedding3D(VocabParallel, Sharded3D, L.Embedding):
 
 
 
-class Tensor3D(Sharded3D, L.Tensor):
+class LearnedTensor3D(Sharded3D, L.LearnedTensor):
     """A free-standing hidden-last tensor (ViT's CLS token, position table): last dim cut over ``tp_col``."""
 
     role = "replicate"
@@ -323,7 +324,7 @@ class Tensor3D(Sharded3D, L.Tensor):
         return self._rep(self.weight, "tp_dep", "tp_row")
 
 
-class VocabTensor3D(Tensor3D):
+class VocabTensor3D(LearnedTensor3D):
     """A learned vocab-last tensor (BERT's MLM bias) cut like the head's logits: block i of Vp/q over ``tp_col``."""
 
     role = "vocab"
@@ -509,12 +510,12 @@ STYLES = (
     Style(("column", "column_qkv", "row"), L.Linear, Linear3D, lambda s: {"role": s.role}),
     Style(("column_kv",), L.Linear, Linear3D, lambda s: {"role": "column"}),
     Style(("vocab",), L.Embedding, VocabEmbedding3D),
-    Style(("vocab",), L.Tensor, VocabTensor3D),
+    Style(("vocab",), L.LearnedTensor, VocabTensor3D),
     Style(("embedding",), L.Embedding, Embedding3D),
     Style(("norm",), L.LayerNorm, LayerNorm3D),
     Style(("norm",), L.RMSNorm, LayerNorm3D, lambda s: {"rms": True}),
     Style(("replicate",), L.Linear, Head3D, _head_out, takes_hidden),
-    Style(("replicate",), L.Tensor, Tensor3D, when=hidden_last),
+    Style(("replicate",), L.LearnedTensor, LearnedTensor3D, when=hidden_last),
     Style(("replicate",), ANY, None),  # other replicated layers stay whole
 )
 MODE = Mode("3D", STYLES, cube, Costs.of)
@@ -529,7 +530,7 @@ def shard_3d(model, spec, mesh):
     ``embedding`` -> :class:`Embedding3D`; ``norm`` -> :class:`LayerNorm3D`;
     ``replicate`` Linear taking the hidden -> :class:`Head3D` (hidden -> hidden
     when it also returns the hidden size, else hidden -> replicated);
-    ``replicate`` Tensor whose last dim is the hidden -> :class:`Tensor3D`.
+    ``replicate`` LearnedTensor whose last dim is the hidden -> :class:`LearnedTensor3D`.
     Other ``replicate`` layers stay whole.
     """
     return parallelize_module(model, spec, MODE, cube(mesh))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import mean_of
 from cuboid.parallel.tensor import engine
 from cuboid.parallel.tensor.base import Axes, Sharded, to_compute
 from cuboid.parallel.tensor.engine import Style, no_row_sibling, row_sibling, square
@@ -187,7 +188,7 @@ def batch_mean(total: torch.Tensor, count: torch.Tensor, mesh_or_grid) -> torch.
     g = Grid.of(mesh_or_grid)
     s = torch.stack([total.float(), count.to(torch.float32)])
     s = comm.reduce_from(comm.reduce_from(s, g.col), g.dep)
-    return L.mean_of(s[0], s[1])
+    return mean_of(s[0], s[1])
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mesh_or_grid, ignore_index: int = -100) -> torch.Tensor:
@@ -212,13 +213,13 @@ def styles(classes: dict) -> tuple:
         # a column layer taking a model input (ViT's patches): whole input features, replicated over the row
         Style(("column",), L.Linear, classes["linear"], lambda s: {"input_is_parallel": False}, no_row_sibling),
         Style(("vocab",), L.Embedding, classes["vocab"]),
-        Style(("vocab",), L.Tensor, classes["vocab_tensor"]),
+        Style(("vocab",), L.LearnedTensor, classes["vocab_tensor"]),
         Style(("embedding",), L.Embedding, classes["embedding"]),
         Style(("norm",), L.LayerNorm, classes["norm"]),
         Style(("norm",), L.RMSNorm, classes["norm"], lambda s: {"rms": True}),
         Style(("replicate",), L.Linear, classes["linear"], when=square),  # hidden -> hidden stays in the layout
         Style(("replicate",), L.Linear, classes["head"]),
-        Style(("replicate",), L.Tensor, classes["tensor"]),
+        Style(("replicate",), L.LearnedTensor, classes["tensor"]),
     )
 
 

@@ -296,13 +296,13 @@ def test_mesh_tensor_grids():
 
 def test_a_loss_without_labels_is_nan_with_zero_gradients():
     """A rank or micro-batch whose labels are all ignored (sequence chunks of a masked-LM batch) has a NaN
-    loss, as F.cross_entropy, and its zeroed term must send zeros back, not 0 * (1 / 0) = NaN: found by the
-    generated parity test as NaN gradients of BERT under tp=2,sp=4."""
-    from cuboid.parallel import layers as L
+    loss, as F.cross_entropy, and its zeroed term must send zeros back, not 0 * (1 / 0) = NaN (BERT under
+    tp=2,sp=4 has such ranks)."""
+    from cuboid.parallel.head import cross_entropy
     from cuboid.parallel.tensor.base import vocab_parallel_cross_entropy
 
     for loss_of in (lambda x, y: vocab_parallel_cross_entropy(x, y, None, 0, 7),
-                    lambda x, y: L.cross_entropy(x.half(), y)):  # the chunked half-precision path
+                    lambda x, y: cross_entropy(x.half(), y)):  # the chunked half-precision path
         logits = torch.randn(3, 5, 7, requires_grad=True)
         labels = torch.full((3, 5), -100)
         loss = loss_of(logits, labels)

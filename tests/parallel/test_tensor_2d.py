@@ -131,7 +131,7 @@ def _vocab_checks(C, grid, out, vocabs):
     costs = Costs(q, d)
     for V in vocabs:
         key = f"vocab {V}"
-        emb, bias = L.Embedding(V, H), L.Tensor(V)
+        emb, bias = L.Embedding(V, H), L.LearnedTensor(V)
         with torch.no_grad():
             emb.weight.normal_(), bias.weight.normal_()
         ve, vt = C["vocab"].from_full(emb, grid), C["vocab_tensor"].from_full(bias, grid)
@@ -178,14 +178,14 @@ def _vocab_checks(C, grid, out, vocabs):
 
 
 def _small_checks(C, grid, out):
-    """Embedding2D, Tensor2D, Head2D + the batch-mean cross-entropy, split_input / gather_output."""
+    """Embedding2D, LearnedTensor2D, Head2D + the batch-mean cross-entropy, split_input / gather_output."""
     from cuboid.parallel import comm, layers as L
     from cuboid.parallel.tensor.grid import Costs, cross_entropy, gather_output, split_input
 
     loc = Local(grid)
     pos = L.Embedding(6, H)
     pe = C["embedding"].from_full(pos, grid)
-    cls = L.Tensor(1, 1, H)
+    cls = L.LearnedTensor(1, 1, H)
     with torch.no_grad():
         cls.weight.normal_()
     te = C["tensor"].from_full(cls, grid)

@@ -132,7 +132,7 @@ def _layer_checks(mesh, out):
 
     # vocabulary: lookup, tied head, loss with -100 labels, bias; padded vocabularies (10, 5) must never leak
     for V in (10, 5, 16):
-        emb, bias = L.Embedding(V, H), L.Tensor(V)
+        emb, bias = L.Embedding(V, H), L.LearnedTensor(V)
         with torch.no_grad():
             emb.weight.normal_(), bias.weight.normal_()
         ve, vb = d3.VocabEmbedding3D.from_full(emb, mesh), d3.VocabTensor3D.from_full(bias, mesh)
@@ -186,7 +186,7 @@ def _layer_checks(mesh, out):
             out[key + " gathered logits"] = (rel(ve.lm_logits(hs, bias=vb()), logits), TOL)
             out[key + " gathered logits shape"] = (abs(ve.lm_logits(hs).shape[-1] - V), 0.0)
 
-    # Embedding3D (split and broadcast ids), Tensor3D
+    # Embedding3D (split and broadcast ids), LearnedTensor3D
     pe = L.Embedding(6, H)
     pe3 = d3.Embedding3D.from_full(pe, mesh)
     ids = torch.randint(0, 6, (B, T))
@@ -201,10 +201,10 @@ def _layer_checks(mesh, out):
     with comm.count() as tally:
         (pe3(pos) * own(g, "block")).sum().backward()
     out["embedding bytes bwd"] = (abs(tally.total - costs.embedding(6, H)[1]), 0.0)
-    tok = L.Tensor(1, T, H)
+    tok = L.LearnedTensor(1, T, H)
     with torch.no_grad():
         tok.weight.normal_()
-    tok3 = d3.Tensor3D.from_full(tok, mesh)
+    tok3 = d3.LearnedTensor3D.from_full(tok, mesh)
     x = torch.randn(B, T, H)
     ((x + tok()) * g).sum().backward()
     ((split(x) + tok3()) * own(g, "block")).sum().backward()
@@ -304,7 +304,7 @@ def _model_checks(mesh, out):
     # ViT runs its own forward unchanged: pixels split, labels whole (the classifier's logits are replicated)
     ref = cuboid.load("vit-debug", seed=0).train()
     model = d3.shard_3d(copy.deepcopy(ref), zoo.SPECS["vit"], mesh)
-    out["vit types"] = (0.0 if isinstance(model.patch, d3.Head3D) and isinstance(model.cls_token, d3.Tensor3D)
+    out["vit types"] = (0.0 if isinstance(model.patch, d3.Head3D) and isinstance(model.cls_token, d3.LearnedTensor3D)
                         and model.classifier.out_layout == "replicated" else 1.0, 0.0)
     pixels = torch.randn(4, 3, 32, 32, generator=g)
     labels = torch.randint(0, 10, (4,), generator=g)

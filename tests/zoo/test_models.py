@@ -142,7 +142,7 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_chunked_cross_entropy_matches_torch():
-    from cuboid.parallel.layers import cross_entropy
+    from cuboid.parallel.head import cross_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 11, generator=g, dtype=torch.float64, requires_grad=True)

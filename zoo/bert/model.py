@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import lazy
 from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask, standard_rule
 
 from .config import BertConfig
@@ -29,7 +30,7 @@ class Bert(nn.Module):
         if c.head == "mlm":
             self.mlm_dense = L.Linear(c.dim, c.dim)
             self.mlm_ln = L.LayerNorm(c.dim, c.eps)
-            self.mlm_bias = L.Tensor(c.vocab_size)  # decoder weight is tok_emb (tied)
+            self.mlm_bias = L.LearnedTensor(c.vocab_size)  # decoder weight is tok_emb (tied)
         elif c.head == "cls":
             self.classifier = L.Linear(c.dim, c.num_labels)
 
@@ -78,7 +79,7 @@ class Bert(nn.Module):
         elif c.head == "cls":
             local = self.classifier(self.drop(pooled))  # (B, num_labels); batch rows split under 2D/3D
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            logits = L.lazy(self.classifier.gather_logits, local)
+            logits = lazy(self.classifier.gather_logits, local)
         else:
             logits, loss = x, None
         return Output(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)

@@ -8,6 +8,7 @@ from torch import nn
 
 import cuboid.kernels as kernels
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import lazy
 from cuboid.zoo.common import Decoder, Output, count_targets, init_parameters, linears, padding_mask, pre_norm
 
 from .config import LlamaConfig
@@ -47,9 +48,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # two matmuls, not one over the stacked weights (zoo.common.linears): the halves of a stacked output are
-        # strided views, slower to read, and their gradients are concatenated in backward. CPU training step,
-        # bench/train_step.py's Llama shapes, both ways alternated on a quiet machine: medium 990 against 1049 ms,
-        # small 91.5 against 93.8 ms (medians; q/k/v stacked in both)
+        # strided views, slower to read, and their gradients are concatenated in backward (the CPU training
+        # step of bench/train_step.py's Llama shapes is faster so: bench/RESULTS.md)
         return self.proj(kernels.swiglu(self.gate(x), self.up(x)))
 
 
@@ -138,7 +138,7 @@ class Llama(Decoder):
             pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
             local = self.classifier(pooled)  # (B, num_labels)
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            return Output(logits=L.lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h)
+            return Output(logits=lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h)
         table = self.tok_emb if c.tie_embeddings else self.lm_head
         # with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel under tp, and
         # the (B, T, V) logits made only when read

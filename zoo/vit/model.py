@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
+from cuboid.parallel.head import lazy
 from cuboid.zoo.common import Block, Output, count_targets, init_parameters, standard_rule
 
 from .config import ViTConfig
@@ -24,8 +25,8 @@ class ViT(nn.Module):
         super().__init__()
         self.config = c = config
         self.patch = L.Linear(c.channels * c.patch_size ** 2, c.dim)  # the conv, as a matmul
-        self.cls_token = L.Tensor(1, 1, c.dim)
-        self.pos_emb = L.Tensor(1, c.n_patches + 1, c.dim)
+        self.cls_token = L.LearnedTensor(1, 1, c.dim)
+        self.pos_emb = L.LearnedTensor(1, c.n_patches + 1, c.dim)
         self.drop = L.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             Block(c.dim, c.n_heads, c.hidden, eps=c.eps, pre_ln=True, causal=False, dropout=c.dropout)
@@ -72,6 +73,6 @@ class ViT(nn.Module):
         if c.head == "cls":
             local = self.classifier(h[:, 0])  # (B, num_labels); batch rows split under 2D/3D
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            return Output(logits=L.lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h,
+            return Output(logits=lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h,
                           pooler_output=pooled)
         return Output(logits=h, last_hidden_state=h, pooler_output=pooled)
