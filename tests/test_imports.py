@@ -77,7 +77,8 @@ def mirror(tmp: Path, extra: dict | None = None) -> int:
 
 def lint(tmp: Path) -> subprocess.CompletedProcess:
     """lint-imports on the mirror in ``tmp`` (its folder first on sys.path), with the project's contracts."""
-    env = {**os.environ, "PYTHONPATH": str(tmp), "COLUMNS": "500"}  # one line per contract in the report
+    # the root after the mirror: tests.import_contracts, the project's own contract type
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp), str(ROOT)]), "COLUMNS": "500"}  # one line per contract
     cmd = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
            str(PYPROJECT), "--no-cache"]
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
@@ -91,7 +92,8 @@ def verdicts(report: str) -> dict:
 
 def test_the_contracts_hold_without_ignored_imports(tmp_path):
     contracts = CONFIG["tool"]["importlinter"]["contracts"]
-    assert {c["type"] for c in contracts} >= {"layers", "acyclic_siblings", "independence"}
+    assert {c["type"] for c in contracts} >= {"layers", "acyclic_siblings", "independence", "protected",
+                                              "private_modules", "private_names"}
     assert not [c["id"] for c in contracts if c.get("ignore_imports")], "no contract may ignore imports"
     files = mirror(tmp_path)
     out = lint(tmp_path)
@@ -113,12 +115,23 @@ PROBES = {  # name: (files added to the mirror, the contract it breaks, what the
     "reader-writer": ({"cuboid/zoo/checkpoint/reader.py": (ROOT / "zoo/checkpoint/reader.py").read_text()
                        + "\nfrom . import writer  # noqa: E402\n"},
                       "checkpoint-read-write", "cuboid.zoo.checkpoint.reader is not allowed to import"),
+    "root-loop": ({"cuboid/planner.py": (ROOT / "cuboid/planner.py").read_text()
+                   + "\nimport cuboid  # noqa: E402 - cuboid.load -> cuboid.planner -> cuboid\n"},
+                  "no-root-imports", "cuboid.planner -> cuboid (l."),
+    "private-module": ({"cuboid/zoo/_probe.py": "from cuboid.kernels import _backend  # noqa\n"},
+                       "private-modules", "cuboid.zoo._probe -> cuboid.kernels._backend"),
+    "private-name": ({"cuboid/parallel/_probe.py": "def f():\n    from .plan import _probe_name  # noqa\n"},
+                     "private-names", "cuboid.parallel._probe imports _probe_name from cuboid.parallel.plan (l.2)"),
+    "private-name-of-the-package": ({"cuboid/zoo/checkpoint/_probe.py": "from . import _probe_name as x  # noqa\n"},
+                                    "private-names",
+                                    "cuboid.zoo.checkpoint._probe imports _probe_name from cuboid.zoo.checkpoint"),
 }
 
 
 @pytest.mark.parametrize("probe", sorted(PROBES))
 def test_a_regression_breaks_its_contract(tmp_path, probe):
-    """Each rule can fail: an upward import, a circle inside a floor, the reader reaching the writer."""
+    """Each rule can fail: an upward import, a circle inside a floor, the reader reaching the writer, a module
+    importing the package root (the load/planner loop), a private module or a private name across modules."""
     extra, contract, named = PROBES[probe]
     mirror(tmp_path, extra)
     out = lint(tmp_path)
