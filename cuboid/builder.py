@@ -40,7 +40,7 @@ def cut(model: nn.Module, plan: Plan, mesh: Mesh) -> nn.Module:
     (blocks balanced with the embedding and head costs)."""
     model = shard(model, plan, mesh, spec_of(model))
     if plan.pp > 1:
-        from cuboid.parallel.pipeline import cut_model
+        from cuboid.parallel.stages import cut_model
 
         cut_model(model, spec_of(model), mesh, stage_costs(model.config))
     return model

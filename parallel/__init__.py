@@ -12,5 +12,5 @@ from .spec import ShardingSpec
 from .state import ParallelState, planned, state_of
 
 __all__ = ["Plan", "Mesh", "ShardingSpec", "ParallelState", "init_distributed", "prepare", "set_gradient_sync",
-           "split_batch", "shard", "input_splitter", "unwrap", "checkpoint_blocks", "recompute_blocks", "state_of",
+           "split_batch", "shard", "input_splitter", "unwrap", "checkpoint_blocks", "recompute_blocks", "state_of", "pad_batch",
            "planned"]

@@ -33,7 +33,7 @@ class ParallelState:
     mesh: Mesh
     spec: Any = None            # the model's ShardingSpec (None for models without one)
     prepared: bool = False      # prepare ran: the model trains under the plan (False: shapes only, meta)
-    stages: Any = None          # pp: the block range of every pipeline stage (parallel.pipeline.cut_model)
+    stages: Any = None          # pp: the block range of every pipeline stage (parallel.stages.cut_model)
     pipeline: Any = None        # parallel.pipeline.Pipeline under pp
     zero: Any = None            # parallel.zero.FlatShards under ZeRO-1/2
     sequence_split: Any = None  # parallel.sequence_split.SequenceSplit / TensorSequenceSplit

@@ -21,7 +21,7 @@ from .test_plans import make_optimizer, outputs_err, params_err, worst
 
 
 def test_cut_stages_balances_costs():
-    from cuboid.parallel.pipeline import cut_stages
+    from cuboid.parallel.stages import cut_stages
     from cuboid.zoo import PRESETS
     from cuboid.zoo.plans import stage_costs
 
