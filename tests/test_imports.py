@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import multiprocessing
 import os
 import re
@@ -141,6 +142,108 @@ def test_a_regression_breaks_its_contract(tmp_path, probe):
     assert named in report, report
 
 
+# ----------------------------------------------------------------- docs/architecture.md's import tables
+
+DOC = ROOT / "docs" / "architecture.md"
+TABLES_BEGIN = "<!-- import tables: written by tests/test_imports.py from the code; do not edit -->"
+TABLES_END = "<!-- end of the import tables -->"
+FLOORS = ("zoo", "parallel", "kernels")  # the root's subpackages: floors of their own, not front-door modules
+GRAPH = """
+import json, grimp
+g = grimp.build_graph("cuboid", cache_dir=None)
+print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))
+"""
+
+
+def import_graph(tmp: Path) -> dict:
+    """{module: [modules it imports directly]} of the ``cuboid`` namespace (grimp on a mirror in ``tmp``)."""
+    mirror(tmp)
+    env = {**os.environ, "PYTHONPATH": str(tmp)}
+    out = subprocess.run([sys.executable, "-c", GRAPH], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _child(package: str, module: str):
+    """The child of ``package`` that holds ``module`` (itself or an ancestor), or None outside the package."""
+    if not module.startswith(package + "."):
+        return None
+    return module[len(package) + 1:].split(".")[0]
+
+
+def _depths(deps: dict) -> dict:
+    """How far each child stands above the ones that import nothing (members of a circle: after the rest)."""
+    depth: dict = {}
+
+    def visit(c, seen=()):
+        if c not in depth:
+            depth[c] = len(deps) if c in seen else 1 + max((visit(d, seen + (c,)) for d in deps[c]), default=-1)
+        return depth[c]
+
+    for c in deps:
+        visit(c)
+    return depth
+
+
+def _folder(package: str) -> str:
+    """Where ``package`` lives in the checkout (setuptools' package-dir): ``cuboid.zoo.gpt`` -> ``zoo/gpt/``."""
+    parts = package.split(".")
+    return "/".join(parts[1:] if len(parts) > 1 else parts) + "/"
+
+
+def import_rows(graph: dict, package: str) -> str:
+    """``package``'s members (a subpackage counted as one, with all it holds) and which members each imports.
+
+    Rows with the same imports share a line; rows go from the members that
+    import no other member up. The package root's own floors are left out.
+    """
+    children = {_child(package, m) for m in graph if _child(package, m)}
+    if package == "cuboid":
+        children -= set(FLOORS)
+    packages = {c for c in children if any(m.startswith(f"{package}.{c}.") for m in graph)}
+    deps = {c: set() for c in children}
+    for importer, imported in graph.items():
+        c = _child(package, importer)
+        if c in deps:
+            deps[c] |= {d for d in map(lambda m: _child(package, m), imported) if d in deps and d != c}
+    label = {c: f"`{c}/`" if c in packages else f"`{c}`" for c in children}
+    depth = _depths(deps)
+    groups: dict = {}
+    for c in sorted(children, key=lambda c: (depth[c], c)):
+        groups.setdefault(frozenset(deps[c]), []).append(c)
+    lines = ["| module | imports from the same package |", "| --- | --- |"]
+    for used, members in groups.items():
+        names = ", ".join(label[c] for c in members)
+        lines.append(f"| {names} | {', '.join(label[d] for d in sorted(used, key=lambda d: (depth[d], d))) or 'nothing'} |")
+    return "\n".join(lines)
+
+
+def import_tables(graph: dict) -> str:
+    """The tables of every package with two members or more, the front door first, then down the floors."""
+    order = ["cuboid", *(f"cuboid.{f}" for f in FLOORS)]
+    pkgs = {m for m in graph if any(x.startswith(m + ".") for x in graph)}
+    pkgs = sorted(pkgs, key=lambda p: (next(i for i, o in enumerate(order) if p == o or p.startswith(o + ".")), p))
+    tables: dict = {}  # rows -> the packages that have them (the model families share theirs)
+    for p in pkgs:
+        if len({_child(p, m) for m in graph if _child(p, m)}) > 1:
+            tables.setdefault(import_rows(graph, p), []).append(p)
+    out = [f"**{', '.join(f'`{_folder(p)}`' for p in ps)}** ({', '.join(f'`{p}`' for p in ps)})\n\n{rows}"
+           for rows, ps in tables.items()]
+    return "\n\n".join([TABLES_BEGIN, *out, TABLES_END])
+
+
+def test_the_import_tables_in_the_architecture_page_are_the_code_s(tmp_path):
+    """docs/architecture.md's "Who imports whom" tables, compared with the tables the code makes now.
+
+    Refresh them with ``python -m tests.test_imports`` (in the repository root), which rewrites the block.
+    """
+    fresh = import_tables(import_graph(tmp_path))
+    text = DOC.read_text()
+    assert TABLES_BEGIN in text and TABLES_END in text, f"{DOC} lost the markers around its import tables"
+    now = text[text.index(TABLES_BEGIN):text.index(TABLES_END) + len(TABLES_END)]
+    assert now == fresh, f"{DOC}'s import tables are stale (python -m tests.test_imports rewrites them):\n{fresh}"
+
+
 # ----------------------------------------------------------------- the root shadows nothing
 
 
@@ -238,3 +341,13 @@ def test_only_kernels_has_an_installed_namesake():
     for name in ("parallel", "zoo"):
         assert name not in owners, f"{owners[name]} installs a top-level {name!r}: the folder {name}/ shadows it " \
                                    "in the repository root; hand over as kernels/__init__.py does"
+
+
+if __name__ == "__main__":  # python -m tests.test_imports: rewrite docs/architecture.md's import tables
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        block = import_tables(import_graph(Path(tmp)))
+    text = DOC.read_text()
+    DOC.write_text(text[:text.index(TABLES_BEGIN)] + block + text[text.index(TABLES_END) + len(TABLES_END):])
+    print(f"wrote the import tables of {DOC}")
