@@ -77,24 +77,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    """``--merge-lora``: the base with the adapters folded in, then (for shards or a dtype) converted."""
+    """``--merge-lora``: the base with the adapters folded in, with the tokenizer and generation config of the
+    adapter folder or else the base (what ``cuboid generate`` needs), then (for shards or a dtype) converted."""
     import os
     import tempfile
     from pathlib import Path
 
     from cuboid.zoo import checkpoint
-    from cuboid.zoo.lora import merge_to_hf
+    from cuboid.zoo.checkpoint.convert import copy_companions
+    from cuboid.zoo.lora import merge_to_hf, read_config
 
     dst = Path(args.dst)
     if dst.exists() and any(dst.iterdir()) and not args.overwrite:
         return _fail(f"{dst} exists and is not empty (--overwrite replaces it)")
     try:
+        base = args.base or read_config(args.src)[2].get("base_model_name_or_path")
         if args.max_shard_size is None and args.dtype is None:
             out = merge_to_hf(args.src, dst, base=args.base)
+            copy_companions(out, args.src, base)
         else:
             with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists()
                                              else None) as tmp:
-                merge_to_hf(args.src, tmp, base=args.base)
+                copy_companions(merge_to_hf(args.src, tmp, base=args.base), args.src, base)
                 size = args.max_shard_size
                 size = int(size) if size is not None and size.isdigit() else size
                 out = checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,

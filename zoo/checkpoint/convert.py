@@ -34,6 +34,30 @@ DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.fl
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".md", ".py", ".jinja")  # configs, tokenizers, cards
 
 
+GENERATION_CONFIG = "generation_config.json"
+# what a tokenizer's save_pretrained writes beside files named tokenizer* and *.model (sentencepiece)
+_TOKENIZER_NAMES = {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                    "chat_template.jinja", "chat_template.json"}
+
+
+def tokenizer_files(folder) -> list:
+    """The tokenizer files of a model folder (none: the folder has no tokenizer of its own)."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and (
+        p.name.startswith("tokenizer") or p.name in _TOKENIZER_NAMES or p.suffix == ".model"))
+
+
+def copy_companions(dst, *folders) -> list:
+    """Copy into ``dst`` the tokenizer of the first of ``folders`` that has one and the first
+    ``generation_config.json`` among them (a merged LoRA folder gets the adapters' tokenizer, else the
+    base's, as the fine-tune's ``final/`` holds them). Returns the names copied."""
+    dst, folders = Path(dst), [Path(f) for f in folders if f is not None and Path(f).is_dir()]
+    chosen = next((files for files in map(tokenizer_files, folders) if files), [])
+    chosen += [f / GENERATION_CONFIG for f in folders if (f / GENERATION_CONFIG).is_file()][:1]
+    for p in chosen:
+        shutil.copyfile(p, dst / p.name)
+    return [p.name for p in chosen]
+
+
 def _copied(p: Path) -> bool:
     """Small companion files that travel with the weights (not weights, not training state)."""
     return (p.is_file() and p.suffix in _COPY_SUFFIXES and p.name != "config.json" and not p.name.startswith(".")
