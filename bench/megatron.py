@@ -42,7 +42,7 @@ def predict_row(row, hw, schedules=("1f1b", "interleaved")):
 
     from cuboid import zoo
     from cuboid.parallel import Plan
-    from cuboid.parallel.plan_space import refusal
+    from cuboid.parallel.cost.space import refusal
     from cuboid.planner import _Shards, estimate, microbatch_counts
 
     _, heads, h, layers, tp, pp, gpus, batch, _ = row

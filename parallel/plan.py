@@ -25,11 +25,11 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   ``full`` keeps each block's input and recomputes the whole block in backward;
   ``selective`` keeps the outputs of the block's matmuls, attention and
   collectives and recomputes only the cheap ops between them (norms,
-  activations, dropout, adds), see :func:`cuboid.parallel.apply.checkpoint_blocks`;
-- ``activation_checkpoint``: the older switch, kept so that older plans and
-  spec strings read as before: ``true`` is ``checkpoint=full`` (the two are
-  kept equal; ``describe`` still writes ``activation_checkpoint=True`` for it),
-  and it is ``false`` under ``selective``;
+  activations, dropout, adds), see :func:`cuboid.parallel.apply.checkpoint_blocks`.
+  ``activation_checkpoint=true|false`` is another spelling of ``full`` /
+  ``none`` that :meth:`Plan.parse`, :meth:`Plan.from_dict` and
+  :meth:`Plan.replace` accept (plan strings and saved plans use it); it is
+  not a field, and :meth:`Plan.describe` writes ``checkpoint=full``;
 - ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
 """
 from __future__ import annotations
@@ -66,11 +66,10 @@ class Plan:
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
-    activation_checkpoint: bool = False
     dtype: str = "fp32"
     stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
     tp_sequence: bool = False           # 1D tp: norms, dropout and residuals sharded along the sequence (Megatron)
-    checkpoint: str = "none"            # none | full | selective (full is activation_checkpoint=True)
+    checkpoint: str = "none"            # recompute per block: none | full | selective
 
     def __post_init__(self) -> None:
         blocks = self.stage_blocks
@@ -99,18 +98,8 @@ class Plan:
         if self.tp_sequence and (self.tp == 1 or self.tp_mode != "1d"):
             raise ValueError(f"tp_sequence shards the sequence inside a 1D tensor-parallel group: it needs "
                              f"tp > 1 and tp_mode 1d, got tp={self.tp}, tp_mode={self.tp_mode}")
-        if not isinstance(self.activation_checkpoint, bool):
-            raise ValueError(f"plan field activation_checkpoint must be true or false, got {self.activation_checkpoint!r}"
-                             + (" (selective recompute is checkpoint=selective)" if isinstance(self.activation_checkpoint, str)
-                                else ""))
         if not isinstance(self.checkpoint, str) or self.checkpoint not in CHECKPOINTS:
             raise ValueError(f"plan field checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
-        if self.activation_checkpoint and self.checkpoint == "selective":
-            raise ValueError("plan fields activation_checkpoint=true (whole blocks recomputed) and checkpoint=selective "
-                             "contradict each other: give checkpoint=none, full or selective alone")
-        if self.activation_checkpoint or self.checkpoint == "full":  # the two spellings of whole-block recompute
-            object.__setattr__(self, "activation_checkpoint", True)
-            object.__setattr__(self, "checkpoint", "full")
         if self.depth != 1 and self.tp_mode != "2.5d":
             raise ValueError(f"depth={self.depth} only applies to tp_mode 2.5d, not {self.tp_mode}")
 
@@ -224,8 +213,7 @@ class Plan:
         """The inline form, naming only fields that differ from the default."""
         default = Plan()
         parts = [f"{f.name}={_inline(getattr(self, f.name))}" for f in fields(self)
-                 if getattr(self, f.name) != getattr(default, f.name)
-                 and not (f.name == "checkpoint" and self.checkpoint == "full")]  # written activation_checkpoint=True
+                 if getattr(self, f.name) != getattr(default, f.name)]
         return ",".join(parts) or "single"
 
     def to_dict(self) -> dict:
@@ -233,11 +221,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """A plan from its fields; ``activation_checkpoint`` is read as ``checkpoint`` (module docstring)."""
+        data = _checkpoint_spelled(dict(data))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown plan field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**dict(data))
+        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -296,13 +286,29 @@ class Plan:
         return cls.from_dict(values)
 
     def replace(self, **changes) -> "Plan":
-        """A copy with ``changes``; one of ``checkpoint`` / ``activation_checkpoint`` given sets the other
-        (``replace(activation_checkpoint=True)`` of a selective plan is a full one, ``False`` is none)."""
-        if "activation_checkpoint" in changes and "checkpoint" not in changes:
-            changes["checkpoint"] = "full" if changes["activation_checkpoint"] is True else "none"
-        elif "checkpoint" in changes and "activation_checkpoint" not in changes:
-            changes["activation_checkpoint"] = False  # set again from checkpoint by __post_init__
-        return replace(self, **changes)
+        """A copy with ``changes``; ``activation_checkpoint=True`` / ``False`` sets ``checkpoint`` to full / none
+        (of a selective plan too)."""
+        return replace(self, **_checkpoint_spelled(changes))
+
+
+def _checkpoint_spelled(values: dict) -> dict:
+    """``values`` with ``activation_checkpoint`` read as ``checkpoint``: ``true`` is ``full`` (refused beside
+    ``checkpoint=selective``), ``false`` leaves ``checkpoint`` as given (``none`` by default)."""
+    if "activation_checkpoint" not in values:
+        return values
+    values = dict(values)
+    flag = values.pop("activation_checkpoint")
+    if not isinstance(flag, bool):
+        raise ValueError(f"plan field activation_checkpoint must be true or false, got {flag!r}"
+                         + (" (selective recompute is checkpoint=selective)" if isinstance(flag, str) else ""))
+    if flag and values.get("checkpoint") == "selective":
+        raise ValueError("plan fields activation_checkpoint=true (whole blocks recomputed) and checkpoint=selective "
+                         "contradict each other: give checkpoint=none, full or selective alone")
+    if flag:
+        values["checkpoint"] = "full"
+    else:
+        values.setdefault("checkpoint", "none")
+    return values
 
 
 def _inline(value: Any) -> str:

@@ -1,17 +1,28 @@
-"""The model families the zoo knows (GPT, BERT, ViT, Llama) and which one a model belongs to.
+"""The model families the zoo knows (GPT, BERT, ViT, Llama), which one a model belongs to, and its shape.
 
 Its own module, below both the package's front (``cuboid.zoo``) and the
 checkpoint package, so that the checkpoint code finds a model's Hugging Face
 mapping without importing the zoo package that uses it.
+
+:func:`shape_of` says what the cost model reads of a config
+(:class:`cuboid.parallel.cost.Shape`): each family fills the fields from its
+own config, and registers that function with the cost model, which never
+guesses a family itself.
 """
 from __future__ import annotations
 
 from torch import nn
 
+from cuboid.parallel.cost.shape import Shape, register_shape
+
+from .bert.config import BertConfig
 from .bert.hf import FAMILY as _BERT
+from .gpt.config import GPTConfig
 from .gpt.hf import FAMILY as _GPT
 from .hf_io import Family
+from .llama.config import LlamaConfig
 from .llama.hf import FAMILY as _LLAMA
+from .vit.config import ViTConfig
 from .vit.hf import FAMILY as _VIT
 
 FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT, "llama": _LLAMA}
@@ -22,3 +33,40 @@ def family_of(model: nn.Module) -> Family:
         if isinstance(model, fam.build):
             return fam
     raise TypeError(f"{type(model).__name__} is not a zoo model")
+
+
+def _gpt_shape(c: GPTConfig) -> Shape:
+    """GPT-2: fused qkv, a GELU MLP, the LM head tied to the token embedding."""
+    return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, c.vocab_size, c.n_positions, tied_head=c.head == "lm")
+
+
+def _bert_shape(c: BertConfig) -> Shape:
+    """BERT: GPT's block, an MLM head tied to the token embedding, the first token broadcast to a pooled head."""
+    return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, c.vocab_size, c.n_positions, tied_head=c.head == "mlm",
+                 first_token_tensors=1)
+
+
+def _vit_shape(c: ViTConfig) -> Shape:
+    """ViT: no vocabulary; the patches and the class token are the sequence, whose first token (and its
+    pre-norm residual) the classifier takes."""
+    return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, 0, c.n_patches + 1, tied_head=False,
+                 first_token_tensors=2)
+
+
+def _llama_shape(c: LlamaConfig) -> Shape:
+    """Llama, Qwen2, Mistral: grouped-query attention, a SwiGLU MLP, an LM head tied only when the config says."""
+    return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
+                 tied_head=c.head == "lm" and c.tie_embeddings, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                 gated_mlp=True)
+
+
+SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape}
+for _config_type, _shape_fn in SHAPES.items():
+    register_shape(_config_type, _shape_fn)
+
+
+def shape_of(config) -> Shape:
+    """What the cost model reads of a zoo config (:class:`cuboid.parallel.cost.Shape`)."""
+    if type(config) not in SHAPES:
+        raise TypeError(f"{type(config).__name__} is not a zoo config")
+    return SHAPES[type(config)](config)

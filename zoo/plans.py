@@ -55,7 +55,7 @@ READY_PLANS = {
     "dp": Plan(dp=2),
     "dp2": Plan(dp=2),
     "dp4": Plan(dp=4),
-    "dp2-ckpt": Plan(dp=2, activation_checkpoint=True),
+    "dp2-ckpt": Plan(dp=2, checkpoint="full"),
     "tp1d": Plan(tp=2),
     "tp1d-4": Plan(tp=4),
     "dp2-tp2": Plan(dp=2, tp=2),

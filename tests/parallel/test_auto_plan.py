@@ -134,7 +134,7 @@ def test_loss_chunk_follows_the_kernel_on_each_device():
     rows in bf16), so a GPU plan's peak is not priced with the CPU's chunk."""
     from cuboid import zoo
     from cuboid.parallel import Plan, cost
-    from cuboid.parallel.cost_memory import head_bytes
+    from cuboid.parallel.cost.memory import head_bytes
 
     shape = cost.Shape.of(zoo.config_of("llama3.1-8b"))
     vocab = shape.vocab_size

@@ -37,7 +37,7 @@ def dropout_worker():
     from cuboid.parallel.optim import AdamW
 
     report = {}
-    for plan in (Plan(tp=4), Plan(dp=2, tp=2), Plan(tp=4, activation_checkpoint=True)):
+    for plan in (Plan(tp=4), Plan(dp=2, tp=2), Plan(tp=4, checkpoint="full")):
         for name in ("gpt-debug", "bert-debug", "vit-debug"):
             ref = cuboid.load(name, seed=0, dropout=P).train()
             model = cuboid.load(name, plan, seed=0, dropout=P).train()

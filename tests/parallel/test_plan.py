@@ -8,7 +8,7 @@ from cuboid.parallel import Plan
 
 
 def test_round_trips_dict_json_toml_inline(tmp_path):
-    plan = Plan(dp=2, tp=8, tp_mode="2.5d", depth=2, zero=1, activation_checkpoint=True, dtype="bf16")
+    plan = Plan(dp=2, tp=8, tp_mode="2.5d", depth=2, zero=1, checkpoint="full", dtype="bf16")
     assert Plan.from_dict(plan.to_dict()) == plan
     assert Plan.from_json(plan.to_json()) == plan
     assert Plan.from_toml(plan.to_toml()) == plan
@@ -19,6 +19,25 @@ def test_round_trips_dict_json_toml_inline(tmp_path):
     assert plan.world_size == 16 and plan.tp_grid == (2, 2, 2)
     assert Plan.parse("tp1d", zoo.READY_PLANS) == Plan(tp=2)
     assert Plan().describe() == "single" and Plan.parse(None) == Plan()
+
+
+def test_activation_checkpoint_is_a_spelling_of_checkpoint():
+    """``activation_checkpoint`` is read as ``checkpoint`` by parse, from_dict and replace; the plan has only
+    ``checkpoint``, and describes and saves itself with it."""
+    full = Plan.parse("dp=2,activation_checkpoint=true")
+    assert full == Plan(dp=2, checkpoint="full") == Plan.from_dict({"dp": 2, "activation_checkpoint": True})
+    assert not hasattr(full, "activation_checkpoint") and "activation_checkpoint" not in full.to_dict()
+    assert full.describe() == "dp=2,checkpoint=full" and Plan.parse(full.describe()) == full
+    # dicts that carry both names (as saved plans did) read as the one field
+    assert Plan.from_dict({"activation_checkpoint": True, "checkpoint": "full"}) == Plan(checkpoint="full")
+    assert Plan.from_dict({"activation_checkpoint": False, "checkpoint": "selective"}) == Plan(checkpoint="selective")
+    assert Plan(checkpoint="selective").replace(activation_checkpoint=True).checkpoint == "full"
+    assert full.replace(activation_checkpoint=False) == Plan(dp=2)
+    with pytest.raises(ValueError, match="contradict each other"):
+        Plan.parse("activation_checkpoint=true,checkpoint=selective")
+    with pytest.raises(TypeError):
+        Plan(activation_checkpoint=True)  # not a field: the constructor takes checkpoint only
+    assert zoo.READY_PLANS["dp2-ckpt"] == Plan.parse("dp=2,activation_checkpoint=true")
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -16,7 +16,7 @@ import pytest
 from cuboid import zoo
 from cuboid.parallel import Plan
 from cuboid.parallel.plan import SCHEDULES, SP_MODES, TP_MODES
-from cuboid.parallel.plan_space import canonical, divisors, enumerate_plans, microbatches_for
+from cuboid.parallel.cost.space import canonical, divisors, enumerate_plans, microbatches_for
 
 FAMILIES = ("gpt-debug", "bert-debug", "vit-debug")
 
@@ -76,5 +76,5 @@ def test_batch_filters_are_explicit():
             assert batch % p.dp == 0 and rows % (p.microbatches * p.batch_parts) == 0
             assert p.pp == 1 or p.microbatches // p.pp in (4, 2, 1)
     assert not any(p.dp == 4 for p in enumerate_plans(config, 8, batch=6))
-    assert all(p.dtype == "bf16" and p.activation_checkpoint
+    assert all(p.dtype == "bf16" and p.checkpoint == "full"
                for p in enumerate_plans(config, 4, dtype="bf16", activation_checkpoint=True))

@@ -327,7 +327,7 @@ def generated(world: int):
     import os
 
     from cuboid import zoo
-    from cuboid.parallel.plan_space import enumerate_plans
+    from cuboid.parallel.cost.space import enumerate_plans
 
     per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in FAMILIES if f != "llama-debug"]
     assert all(p == per_family[0] for p in per_family), "the families' enumerations differ"
@@ -354,8 +354,6 @@ def with_fields(plans: list) -> list:
     given = Plan.parse(os.environ["CUBOID_PLAN_FIELDS"])
     fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(Plan)
               if getattr(given, f.name) != getattr(Plan(), f.name)}
-    if "checkpoint" in fields:  # the one recompute field replaces the older switch
-        fields["activation_checkpoint"] = False
     return [dataclasses.replace(Plan.parse(p, READY_PLANS), **fields) for p in plans]
 
 

@@ -27,7 +27,7 @@ def _step_bytes(plan_text, name):
     want = bytes_per_step(n_layers=c.n_layers, heads=c.n_heads, head_dim=c.dim // c.n_heads,
                           batch=batch["input_ids"].shape[0], seq=batch["input_ids"].shape[1], sp=plan.sp,
                           mode=plan.sp_mode, masked=True, dim=c.dim, first_token=1 if name.startswith("bert") else 0,
-                          recompute=plan.activation_checkpoint)
+                          recompute=plan.checkpoint != "none")
     got = {op: tally.bytes(op, "sp") for op in tally.per_op()}
     return {"got": {k: v for k, v in got.items() if v}, "want": want}
 

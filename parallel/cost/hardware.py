@@ -1,6 +1,6 @@
 """Hardware profiles for the cost model: FLOP/s, memory, links, and how a collective is priced on them.
 
-A profile is a TOML file (``parallel/hardware/*.toml``; ``local`` is measured
+A profile is a TOML file (``parallel/cost/profiles/*.toml``; ``local`` is measured
 on this machine by ``cuboid plans --calibrate``). :meth:`Hardware.collective_time`
 prices one group's traffic:
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-HARDWARE_DIR = Path(__file__).with_name("hardware")
+HARDWARE_DIR = Path(__file__).with_name("profiles")
 # substrings of torch.cuda.get_device_name() -> shipped profile (the first match wins)
 CUDA_PROFILES = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A100", "a100"), ("A800", "a100"),
                  ("V100", "longhorn_v100"), ("RTX 5000", "frontera_rtx"))

@@ -7,9 +7,9 @@ first. Two kinds of figure:
   model-state bytes (parameters, gradients, optimizer state, masters) from
   the parameters a rank really holds (the caller passes them: meta tensors of
   this rank's shards and stages, in the layout it trains in) through the
-  ZeRO formulas and bucket layout of :mod:`.zero` (:mod:`.cost_memory`);
-  bytes sent per group (:mod:`.cost_traffic`). The optimizer is AdamW.
-- **Estimated**: the peak bytes of the fullest rank (:func:`.cost_memory.peak_bytes`:
+  ZeRO formulas and bucket layout of :mod:`cuboid.parallel.zero` (:mod:`.memory`);
+  bytes sent per group (:mod:`.traffic`). The optimizer is AdamW.
+- **Estimated**: the peak bytes of the fullest rank (:func:`.memory.peak_bytes`:
   activations as the code keeps them per layout, autocast's weight copies,
   the loss head's temporaries), FLOPs (Narayanan et al., arXiv 2104.04473),
   and the step time:
@@ -34,26 +34,24 @@ first. Two kinds of figure:
   calibration measured when all cores are busy, and overlap nothing (gloo
   runs on the cores the compute needs: ``overlap = 0``).
 
-Hardware profiles: :mod:`.cost_hardware`.
+Hardware profiles: :mod:`.hardware`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
-from .cost_hardware import (HARDWARE_DIR, Hardware, Link, detect_hardware, free_memory_bytes,  # noqa: F401
-                            load_hardware, profile_for_device, profile_names, user_hardware_dir)
-from .cost_memory import (ADAMW_STATE_BYTES, ADAMW_TOUCHED_BYTES, LAYOUTS, SELECTIVE_KEPT,  # noqa: F401
-                          SELECTIVE_SPLIT_1D, _trainable, activation_bytes, elementwise_elements, held_activations,
-                          layout_of, model_states, peak_bytes)
-from .cost_shape import Shape, Stage, _dtype_bytes, bubble_fraction, in_flight, stages_of, step_flops  # noqa: F401
-from .cost_traffic import traffic  # noqa: F401
-from .plan import Plan
+from ..plan import Plan
+from .hardware import Hardware
+from .memory import (ADAMW_TOUCHED_BYTES, SELECTIVE_KEPT, activation_bytes, elementwise_elements, layout_of,
+                     model_states, peak_bytes, trainable)
+from .shape import Shape, Stage, bubble_fraction, dtype_bytes, stages_of, step_flops
+from .traffic import DDP_BUCKET_BYTES, traffic
 
 DEFAULT_HEADROOM = 0.10        # of device memory left free: allocator fragmentation, NCCL buffers, the CUDA context
-DDP_BUCKET_BYTES = 25 * 2 ** 20
 ELEMENTWISE_TOUCHES = 4        # an activation element is written in forward, read in backward, its gradient
                                # written and read (fused kernels touch it about this often)
+BLOCK_ELEMENTS = 17            # activation elements per token and hidden unit of a block (Korthikanti et al.)
 LAYOUT_NAMES = {"fp32": "fp32 weights and training", "autocast": "fp32 weights under autocast",
                 "half": "half weights + fp32 masters"}
 
@@ -103,7 +101,7 @@ def tensor_axes(plan: Plan) -> tuple:
 def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch: int, seq: int) -> float:
     """Seconds of a rank's FLOPs in a step: the blocks' linears, attention and the head, each at the profile's
     rate times the efficiency of its smallest GEMM dimension (micro-batch tokens, tensor slice widths)."""
-    blocks, head = step_flops(shape, batch, seq, plan.activation_checkpoint, parts=True)
+    blocks, head = step_flops(shape, batch, seq, plan.checkpoint == "full", parts=True)
     share = stage.blocks / max(shape.n_layers, 1)
     per_rank = plan.dp * plan.tp * plan.sp
     h, f, q, kv = shape.dim, shape.hidden, shape.q_dim, shape.kv_dim
@@ -128,7 +126,7 @@ def elementwise_seconds(hw: Hardware, plan: Plan, elements: float) -> float:
     the hidden size grows (matmul work grows with its square)."""
     if hw.cores:
         return elements * hw.elementwise_ns * 1e-9
-    return elements * ELEMENTWISE_TOUCHES * _dtype_bytes(plan.dtype) / hw.memory_bytes_per_s
+    return elements * ELEMENTWISE_TOUCHES * dtype_bytes(plan.dtype) / hw.memory_bytes_per_s
 
 
 def _exposed(plan: Plan, hw: Hardware, timed: dict, compute_s: float, grad_bytes: float) -> float:
@@ -154,11 +152,100 @@ def _exposed(plan: Plan, hw: Hardware, timed: dict, compute_s: float, grad_bytes
     return exposed + max(last, pool - hw.overlap * window)
 
 
+@dataclass
+class _Setting:
+    """What every rank of one prediction shares: the model, plan, profile and batch."""
+
+    shape: Shape
+    config: object
+    plan: Plan
+    hw: Hardware
+    batch: int
+    seq: int
+    spec: object
+    masked: bool
+    crowd: float               # the profile's slowdown for the ranks sharing a node
+    per_node: int
+
+
+def _timed_traffic(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks: dict) -> tuple:
+    """({(op, group): seconds}, {group: bytes}) of a rank's traffic, each collective on the links its group
+    spans; a grid mode's traffic is split evenly over its axes."""
+    sent = traffic(s.config, s.plan, params, stage, s.batch, s.seq, spec=s.spec, masked=s.masked)
+    timed, by_group = {}, {}
+    for (op, group), (nbytes, calls) in sent.items():
+        axes = tensor_axes(s.plan) if op == "tensor" else (group,)
+        kind = "all_reduce" if op == "tensor" else op
+        for a in axes:
+            t = s.hw.collective_time(kind, nbytes / len(axes), calls / len(axes), group_ranks.get(a, [rank]))
+            timed[op, group] = timed.get((op, group), 0.0) + t * s.crowd
+        by_group[group] = by_group.get(group, 0.0) + nbytes
+    return timed, by_group
+
+
+def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks: dict, layout: str) -> dict:
+    """The step time parts of one rank (seconds), with its traffic."""
+    plan, hw, shape = s.plan, s.hw, s.shape
+    ps = trainable(params.values())
+    timed, by_group = _timed_traffic(s, rank, params, stage, group_ranks)
+    elements = elementwise_elements(shape, plan, stage, s.batch, s.seq)
+    if plan.checkpoint == "selective":  # rebuilds a block's non-matmul activations
+        elements *= 1 + (BLOCK_ELEMENTS - SELECTIVE_KEPT) / BLOCK_ELEMENTS
+    compute_s = (compute_seconds(shape, plan, stage, hw, s.batch, s.seq)
+                 + elementwise_seconds(hw, plan, elements)) * s.crowd
+    grad_bytes = sum(p.numel() for p in ps) * (2 if layout == "half" else 4)
+    comm_s = _exposed(plan, hw, timed, compute_s, grad_bytes)
+    # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
+    idle = max(0.0, 2.0 - s.per_node / hw.cores) if hw.cores and s.per_node > hw.cores else 1.0
+    bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
+    opt_bytes = sum(p.numel() for p in ps) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
+    optimizer_s = opt_bytes / hw.memory_bytes_per_s * s.crowd
+    return dict(compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, bubble_s=bubble_s,
+                step_s=compute_s + bubble_s + comm_s + optimizer_s, comm_total_s=sum(timed.values()),
+                sent=by_group, sent_total=sum(by_group.values()))
+
+
+def _take_memory(est: Estimate, s: _Setting, stage: Stage, peak: dict, states: dict, rank: int, layout: str) -> None:
+    """Record the fullest rank's memory in ``est``."""
+    micro = s.batch // s.plan.dp // s.plan.microbatches
+    est.memory, est.peak_parts, est.peak_rank, est.layout = peak["total"], peak, rank, layout
+    est.params, est.grads = states["params"], states["grads"]
+    est.optimizer, est.masters = states["optimizer"], states["masters"]
+    est.activations = activation_bytes(s.shape, s.plan, stage, micro, s.seq, checkpoint=False)
+    est.activations_checkpointed = activation_bytes(s.shape, s.plan, stage, micro, s.seq, checkpoint=True)
+
+
+def _take_time(est: Estimate, s: _Setting, stage: Stage, times: dict) -> None:
+    """Record the slowest rank's time parts, traffic and FLOPs in ``est``."""
+    plan, shape = s.plan, s.shape
+    for k, v in times.items():
+        setattr(est, k, v)
+    blocks, head = step_flops(shape, s.batch, s.seq, plan.checkpoint == "full", parts=True)
+    est.bubble = bubble_fraction(plan)
+    est.flops = (blocks * stage.blocks / max(shape.n_layers, 1) + (head if stage.last else 0.0)) / (
+        plan.dp * plan.tp * plan.sp)
+
+
+def _refuse_if_full(est: Estimate, hw: Hardware, headroom: float) -> None:
+    """Mark ``est`` as not fitting, with the sentence why, when its fullest rank needs more than ``hw`` leaves."""
+    room = hw.memory_bytes * (1 - headroom)
+    if est.memory <= room:
+        return
+    p = est.peak_parts
+    est.fits = False
+    est.why = (f"needs {est.memory / 1e9:.1f} GB on its fullest rank ({p['states'] / 1e9:.1f} GB model states, "
+               f"{(p['activations'] + p['rebuilt']) / 1e9:.1f} GB activations ({est.plan.checkpoint} checkpointing), "
+               f"{(p['copies'] + p['head'] + p['temporaries']) / 1e9:.1f} GB weight copies and loss head), more "
+               f"than the {room / 1e9:.1f} GB usable of a {hw.memory_bytes / 1e9:.0f} GB {hw.name} device "
+               f"({headroom:.0%} headroom)")
+
+
 def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq: int, *, spec=None,
             block_cuts: Sequence[range] = (), masked: bool = False, name: str = "",
             layers_only: bool = False, layout: Optional[str] = None,
             headroom: float = DEFAULT_HEADROOM) -> Estimate:
-    """The :class:`Estimate` of ``plan`` for a model of ``config`` on ``hw``.
+    """The :class:`Estimate` of ``plan`` for a model of ``config`` (a :class:`~.shape.Shape`, or a config its
+    family registered) on ``hw``.
 
     ``rank_params``: ``{rank: {name: parameter}}`` for the ranks to look at (meta tensors of each one's
     shards and stages, in the dtype it trains its weights in); the time is the slowest's, the memory the
@@ -170,73 +257,33 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
     is priced as gradient accumulation (Megatron's micro-batches; cuboid's trainer accumulates by its
     ``micro_batch_size``, the enumeration leaves it at 1).
     """
+    from ..mesh import Mesh
+
     shape = Shape.of(config)
     if layers_only:
         stages = [Stage(shape.n_layers, first=False, last=False)]
     else:
         stages = stages_of(plan, block_cuts, shape.n_layers)
-    est = Estimate(plan=plan, name=name)
     per_node = min(hw.gpus_per_node, plan.world_size)
-    crowd = hw.crowding(per_node)
+    s = _Setting(shape, config, plan, hw, batch, seq, spec, masked, hw.crowding(per_node), per_node)
     blocks_prefix = (spec.blocks if spec is not None else "blocks") + "."
-    from .mesh import Mesh
-
-    worst, fullest = -1.0, -1.0
+    device_type = "cpu" if hw.cores else "cuda"  # CPU profiles have cores
+    est = Estimate(plan=plan, name=name)
+    slowest, fullest = -1.0, -1.0
     for rank, params in rank_params.items():
         mesh = Mesh.layout(plan, rank)
         stage = stages[mesh.coords.get("pp", 0)]
-        ps = _trainable(params.values())
+        ps = trainable(params.values())
         lay = layout or layout_of(plan, ps[0].dtype if ps else None)
         states = model_states(list(params.values()), plan)
-        micro = batch // plan.dp // (plan.microbatches)
-        sent = traffic(config, plan, params, stage, batch, seq, spec=spec, masked=masked)
-        timed, by_group = {}, {}
-        for (op, group), (nbytes, calls) in sent.items():
-            axes = tensor_axes(plan) if op == "tensor" else (group,)
-            for a in axes:
-                kind = "all_reduce" if op == "tensor" else op
-                t = hw.collective_time(kind, nbytes / len(axes), calls / len(axes), mesh.group_ranks.get(a, [rank]))
-                timed[op, group] = timed.get((op, group), 0.0) + t * crowd
-            by_group[group] = by_group.get(group, 0.0) + nbytes
-        elements = elementwise_elements(shape, plan, stage, batch, seq)
-        if plan.checkpoint == "selective":  # rebuilds a block's non-matmul activations
-            elements *= 1 + (17 - SELECTIVE_KEPT) / 17
-        compute_s = (compute_seconds(shape, plan, stage, hw, batch, seq) + elementwise_seconds(hw, plan, elements)) * crowd
-        grad_bytes = sum(p.numel() for p in ps) * (2 if lay == "half" else 4)
-        comm_s = _exposed(plan, hw, timed, compute_s, grad_bytes)
-        # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
-        idle = max(0.0, 2.0 - per_node / hw.cores) if hw.cores and per_node > hw.cores else 1.0
-        bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
-        opt_bytes = sum(p.numel() for p in ps) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
-        optimizer_s = opt_bytes / hw.memory_bytes_per_s * crowd
-        step = compute_s + bubble_s + comm_s + optimizer_s
-        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix,
-                          "cpu" if hw.cores else "cuda")  # CPU profiles have cores
+        micro = batch // plan.dp // plan.microbatches
+        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type)
         if peak["total"] > fullest:
             fullest = peak["total"]
-            est.memory, est.peak_parts, est.peak_rank, est.layout = peak["total"], peak, rank, lay
-            est.params, est.grads = states["params"], states["grads"]
-            est.optimizer, est.masters = states["optimizer"], states["masters"]
-            est.activations = activation_bytes(shape, plan, stage, micro, seq, checkpoint=False)
-            est.activations_checkpointed = activation_bytes(shape, plan, stage, micro, seq, checkpoint=True)
-        if step > worst:
-            worst = step
-            est.sent, est.sent_total = by_group, sum(by_group.values())
-            blocks, head = step_flops(shape, batch, seq, plan.activation_checkpoint, parts=True)
-            est.bubble = bubble_fraction(plan)
-            est.flops = (blocks * stage.blocks / max(shape.n_layers, 1) + (head if stage.last else 0.0)) / (
-                plan.dp * plan.tp * plan.sp)
-            est.compute_s, est.comm_s, est.optimizer_s, est.bubble_s, est.step_s = (
-                compute_s, comm_s, optimizer_s, bubble_s, step)
-            est.comm_total_s = sum(timed.values())
-    room = hw.memory_bytes * (1 - headroom)
-    if est.memory > room:
-        p = est.peak_parts
-        est.fits = False
-        est.why = (f"needs {est.memory / 1e9:.1f} GB on its fullest rank ({p['states'] / 1e9:.1f} GB model states, "
-                   f"{(p['activations'] + p['rebuilt']) / 1e9:.1f} GB activations ({plan.checkpoint} checkpointing), "
-                   f"{(p['copies'] + p['head'] + p['temporaries']) / 1e9:.1f} GB weight copies and loss head), more "
-                   f"than the "
-                   f"{room / 1e9:.1f} GB usable of a {hw.memory_bytes / 1e9:.0f} GB {hw.name} device "
-                   f"({headroom:.0%} headroom)")
+            _take_memory(est, s, stage, peak, states, rank, lay)
+        times = _rank_times(s, rank, params, stage, mesh.group_ranks, lay)
+        if times["step_s"] > slowest:
+            slowest = times["step_s"]
+            _take_time(est, s, stage, times)
+    _refuse_if_full(est, hw, headroom)
     return est

@@ -27,28 +27,29 @@ from typing import Sequence
 
 import torch
 
-from .cost_shape import Shape, Stage, _dtype_bytes, in_flight
-from .plan import Plan
+from ..plan import Plan
+from .shape import Shape, Stage, dtype_bytes, in_flight
 
 ADAMW_STATE_BYTES = 8          # two fp32 moments per element (plus a 4-byte master of half-precision params)
 ADAMW_TOUCHED_BYTES = 28       # an fp32 AdamW step reads p, g, m, v and writes p, m, v
 LAYOUTS = ("fp32", "autocast", "half")
 
 
-def _buckets(ps) -> list:
+def gradient_buckets(ps) -> list:
     """(elements, element bytes) of each ZeRO-1/2 flat bucket of trainable ``ps`` (:func:`.zero.plan_buckets`)."""
-    from .zero import plan_buckets
+    from ..zero import plan_buckets
 
     return [(sum(p.numel() for p in b), b[0].element_size()) for b in plan_buckets(ps)]
 
 
-def _fsdp_rows(p: torch.Tensor, n: int) -> tuple:
+def fsdp_rows(p: torch.Tensor, n: int) -> tuple:
     """(rows, rows per rank, elements per row) of FSDP2's dim-0 cut of ``p`` over ``n`` ranks."""
     rows = p.shape[0] if p.dim() else 1
     return rows, math.ceil(rows / n), p.numel() // max(rows, 1)
 
 
-def _trainable(params) -> list:
+def trainable(params) -> list:
+    """The parameters of ``params`` that take gradients, each once (tied ones appear under two names)."""
     seen, out = set(), []
     for p in params:
         if p.requires_grad and id(p) not in seen:
@@ -67,7 +68,7 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
     (moments of its pieces) and ``masters`` (fp32 copies of half-precision pieces). ``dp_rank``: which
     rank of the ZeRO group (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
     """
-    ps = _trainable(params)
+    ps = trainable(params)
     n = plan.dp * plan.sp
     pbytes = sum(p.numel() * p.element_size() for p in ps)
     frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)
@@ -76,14 +77,14 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
         out = {"params": pbytes + frozen, "grads": pbytes}
     elif plan.zero in (1, 2):
         pieces, grads = [], 0
-        for numel, size in _buckets(ps):
+        for numel, size in gradient_buckets(ps):
             pieces.append((math.ceil(numel / n), size))
             grads += (math.ceil(numel / n) if plan.zero == 2 else numel) * size
         out = {"params": pbytes + frozen, "grads": grads}
     else:  # FSDP2 keeps rows [r ceil(R / n), (r + 1) ceil(R / n)) of every parameter on rank r
         pieces = []
         for p in ps:
-            rows, chunk, per_row = _fsdp_rows(p, n)
+            rows, chunk, per_row = fsdp_rows(p, n)
             mine = min(chunk, max(0, rows - dp_rank * chunk))
             pieces.append((mine * per_row, p.element_size()))
         held = sum(k * s for k, s in pieces)
@@ -104,11 +105,10 @@ def _activation_split(plan: Plan) -> tuple:
 
 # fp32 elements per token and hidden unit a block keeps under checkpoint=selective (its matmuls' outputs, the
 # fused attention's output, its input), measured, not derived: bench/checkpointing.py counts the bytes a forward
-# leaves alive inside the blocks (gpt2, 12 blocks, 2 x 512 tokens, 2026-12-04: none 17.9, the 17 above; full
-# 1.8; selective 11.8). On two and four gloo ranks (gpt2 shapes, 4 blocks) the same count splits it: 1D tensor
-# parallelism cuts the column linears' outputs and the attention (3 + 1 + 4 = 8) and leaves the row linears'
-# partial sums and the block input whole (tp=2: 7.5 measured, 7.8 here; tp=4: 5.5, 5.8); tp_sequence leaves only
-# the two partial sums whole (6.8, 6.9; 4.4, 4.5); the grid modes cut all of it (2d at tp=4: 2.9, 3.0).
+# leaves alive inside the blocks (gpt2 shapes; bench/RESULTS.md has the counts). Of these, 1D tensor parallelism
+# cuts the column linears' outputs and the attention (3 + 1 + 4 = SELECTIVE_SPLIT_1D) and leaves the row linears'
+# partial sums and the block input whole; tp_sequence leaves only the two partial sums whole; the grid modes cut
+# all of it.
 SELECTIVE_KEPT = 11.85
 SELECTIVE_SPLIT_1D = 8.0
 
@@ -129,7 +129,7 @@ def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq
     adds and activations that are not matmuls."""
     tokens = batch / plan.dp * seq / plan.sp
     per, _ = _activation_split(plan)
-    return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.activation_checkpoint else 1.0)
+    return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.checkpoint == "full" else 1.0)
 
 
 def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
@@ -150,7 +150,7 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     mode = plan.checkpoint if checkpoint is None else (
         checkpoint if isinstance(checkpoint, str) else "full" if checkpoint else "none")
     ckpt = mode == "full"
-    e = _dtype_bytes(plan.dtype)
+    e = dtype_bytes(plan.dtype)
     tokens = micro_rows * seq / plan.sp
     h = shape.dim
     per, split_all = _activation_split(plan)

@@ -15,7 +15,7 @@ here with no edit. Spellings of one plan with fields that mean nothing in it
 lists this enumeration, and ``tests/parallel/test_plan_space.py`` and
 ``tests/parallel/test_plans.py`` walk it.
 
-Orthogonal toggles (``activation_checkpoint``, ``dtype``, ``stage_blocks``)
+Orthogonal toggles (``checkpoint``, ``dtype``, ``stage_blocks``)
 are the caller's: :func:`enumerate_plans` leaves them at their defaults
 unless given. What depends on the batch is explicit: with ``batch`` (global
 rows), ``dp`` must divide it and each dp share must cut into
@@ -28,7 +28,7 @@ from __future__ import annotations
 from itertools import product
 from typing import Any, Iterator, Optional, Sequence
 
-from .plan import SCHEDULES, SP_MODES, TP_MODES, Plan
+from ..plan import SCHEDULES, SP_MODES, TP_MODES, Plan
 
 
 def divisors(n: int) -> list[int]:
@@ -79,7 +79,7 @@ def enumerate_plans(config: Any, world: int, *, batch: Optional[int] = None, per
     """Every plan of ``world`` ranks this build runs for ``config`` (see the module docstring), one per
     combination of the structural fields, in a fixed order. ``batch``/``per_stage`` choose micro-batches
     (:func:`microbatches_for`) and drop plans the batch does not divide over; ``toggles`` (such as
-    ``dtype="bf16"`` or ``activation_checkpoint=True``) are set on every plan."""
+    ``dtype="bf16"`` or ``checkpoint="full"``) are set on every plan."""
     plans, seen = [], set()
     for fields in structural(world):
         fields = canonical(fields)

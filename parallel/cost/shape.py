@@ -1,41 +1,52 @@
 """What the cost model reads of a model and a plan: the model's shape, pipeline stages, bubble, FLOPs.
 
-Pure arithmetic on a config and a :class:`~.plan.Plan` (no tensors): :mod:`.cost`,
-:mod:`.cost_memory` and :mod:`.cost_traffic` build on it.
+:class:`Shape` holds every fact the formulas need of a model, each one a
+field the zoo fills from its family's config (``cuboid.zoo.families``
+registers one function per config class with :func:`register_shape`):
+nothing here guesses a family from a config. The rest is pure arithmetic on
+a shape and a :class:`~cuboid.parallel.plan.Plan` (no tensors);
+:mod:`.memory`, :mod:`.traffic` and :mod:`.predict` build on it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from .plan import Plan
+from ..plan import Plan
 
 
 @dataclass(frozen=True)
 class Shape:
-    """What the formulas read of a model config."""
+    """What the formulas read of a model."""
 
     n_layers: int
     dim: int
     n_heads: int
     hidden: int                 # MLP width
     vocab_size: int             # 0: no vocabulary (ViT)
-    n_positions: int
-    tied_head: bool             # an LM head tied to the token embedding (GPT; BERT's MLM head)
+    n_positions: int            # the longest sequence (ViT: patches + the class token)
+    tied_head: bool             # an LM or MLM head tied to the token embedding
     kv_heads: int = 0           # key/value heads (grouped-query attention); 0: n_heads
     head_dim: int = 0           # 0: dim // n_heads
-    mlp_matrices: int = 2       # fc + proj; SwiGLU's gate + up + down: 3
+    gated_mlp: bool = False     # a gated MLP (SwiGLU: gate, up, down) with q, k, v apart and RMSNorm (Llama's block)
+    first_token_tensors: int = 0  # (B, 1, dim) tensors the head takes from the first token's sequence rank
+                                  # (BERT 1; ViT 2: its pre-norm residual too)
 
     @classmethod
-    def of(cls, config) -> "Shape":
-        dim = config.dim
-        hidden = getattr(config, "hidden", None) or getattr(config, "mlp_hidden", 0) or 4 * dim
-        vocab = getattr(config, "vocab_size", 0) or 0
-        positions = getattr(config, "n_positions", None) or (getattr(config, "n_patches", 0) + 1)
-        swiglu = hasattr(config, "n_kv_heads")
-        return cls(config.n_layers, dim, config.n_heads, int(hidden), int(vocab), int(positions),
-                   getattr(config, "head", "") in ("lm", "mlm") and getattr(config, "tie_embeddings", True),
-                   getattr(config, "n_kv_heads", 0) or 0, getattr(config, "head_dim", 0) or 0, 3 if swiglu else 2)
+    def of(cls, model: Any) -> "Shape":
+        """The shape of a model config, by the function its family registered (a :class:`Shape` is its own)."""
+        if isinstance(model, Shape):
+            return model
+        shape_fn = _SHAPES.get(type(model))
+        if shape_fn is None:
+            raise TypeError(f"the cost model does not know the shape of a {type(model).__name__}: give a Shape, or a "
+                            "config whose family registered one (cuboid.zoo registers its configs' shapes)")
+        return shape_fn(model)
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the MLP: fc and proj, or a gated MLP's gate, up and down."""
+        return 3 if self.gated_mlp else 2
 
     @property
     def q_dim(self) -> int:
@@ -48,7 +59,17 @@ class Shape:
         return (self.kv_heads or self.n_heads) * (self.head_dim or self.dim // self.n_heads)
 
 
-def _dtype_bytes(name: str) -> int:
+_SHAPES: dict[type, Callable[[Any], Shape]] = {}
+
+
+def register_shape(config_type: type, shape_fn: Callable[[Any], Shape]) -> None:
+    """Say how a config class's models are shaped: ``shape_fn(config)`` is the :class:`Shape` that
+    :meth:`Shape.of` gives for instances of ``config_type``."""
+    _SHAPES[config_type] = shape_fn
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes of an element of a plan's ``dtype`` name."""
     return 4 if name == "fp32" else 2
 
 
@@ -70,7 +91,7 @@ def stages_of(plan: Plan, block_cuts: Sequence[range], n_layers: int) -> list[St
     ``interleaved`` / ``zbv``); without pp, one stage of all ``n_layers`` blocks."""
     if plan.pp == 1:
         return [Stage(n_layers)]
-    from .pipeline import stage_ids
+    from ..stages import stage_ids
 
     out = []
     n = len(block_cuts)
@@ -103,9 +124,9 @@ def in_flight(plan: Plan, stage: Stage) -> int:
 def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False, *, parts: bool = False):
     """FLOPs of one training step over a ``batch`` x ``seq`` global batch (Narayanan et al.):
     per block forward ``2 B s (4 h^2 + 2 h f) + 4 B s^2 h``, the logits ``2 B s h V``; backward
-    twice forward, recompute one forward of the blocks more. Grouped-query attention and SwiGLU
-    (Llama): ``2 B s ((2 q + 2 kv) h + 3 h f) + 4 B s^2 q`` with ``q``, ``kv`` the query and key
-    widths. ``parts``: (all blocks, head) apart."""
+    twice forward, recompute (whole blocks) one forward of the blocks more. Grouped-query attention
+    and a gated MLP (Llama): ``2 B s ((2 q + 2 kv) h + 3 h f) + 4 B s^2 q`` with ``q``, ``kv`` the
+    query and key widths. ``parts``: (all blocks, head) apart."""
     h, f = shape.dim, shape.hidden
     q, kv = shape.q_dim, shape.kv_dim
     block = 2 * batch * seq * ((2 * q + 2 * kv) * h + shape.mlp_matrices * h * f) + 4 * batch * seq * seq * q

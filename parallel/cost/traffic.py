@@ -1,0 +1,168 @@
+"""Bytes a rank sends in a training step under a plan, group by group (exact: the tests hold them equal to
+``comm.count``): the tensor modes' parts, the sequence split, DDP's / ZeRO's gradient traffic, the pipeline.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from ..plan import Plan
+from .memory import fsdp_rows, gradient_buckets, trainable
+from .shape import Shape, Stage
+
+# collectives per block and step of each tensor mode (forward + backward), for the alpha term only:
+# counted with comm.count on a 2-block GPT (2D on 4 ranks, 2.5D and 3D on 8), embeddings and head included
+TP_CALLS_PER_BLOCK = {"1d": 4, "2d": 65, "2.5d": 100, "3d": 70}
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket: one all-reduce each
+
+
+def _add(out: dict, key: tuple, nbytes: float, calls: float = 1.0) -> None:
+    b, c = out.get(key, (0.0, 0.0))
+    out[key] = (b + nbytes, c + calls)
+
+
+def _all_reduce(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _autocast(plan: Plan):
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype]
+
+
+def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int, *, spec=None,
+            masked: bool = False) -> dict:
+    """``{(op, group): (bytes, calls)}`` one rank sends in a ``train_step`` of a ``batch`` x ``seq``
+    global batch under ``plan``, in :mod:`cuboid.parallel.comm`'s convention (what ``comm.count`` measures).
+
+    ``config``: the model's :class:`~.shape.Shape` or a config its family registered; ``params``: this
+    rank's parameters by name (meta tensors do); ``stage``: its pipeline stage; ``spec``: the model's
+    :class:`~cuboid.parallel.apply.ShardingSpec` (its blocks make ZeRO-3's units, the modules its first and
+    last stages share are tied over ``pp``). Bytes are exact for the zoo's models with AdamW and no
+    clipping; ``calls`` are exact for the gradient and pipeline traffic and estimated for the tensor modes
+    (they only price latency).
+    """
+    shape = Shape.of(config)
+    out: dict = {}
+    rows = batch // plan.dp
+    ps = trainable(params.values())
+    if plan.tp > 1:
+        _add_tensor(out, shape, plan, stage, rows, seq, ps[0].dtype if ps else torch.float32)
+    if plan.sp > 1:
+        _add_sequence(out, shape, plan, rows, seq, masked)
+    if plan.dp * plan.sp > 1:
+        _add_gradients(out, shape, plan, params, ps, spec)
+    if plan.pp > 1:
+        _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
+    # train_step's scalars: the label count and the loss summed over dp (float64 on CPU)
+    if plan.dp > 1:
+        _add(out, ("all_reduce", "dp"), 2 * _all_reduce(plan.dp, 8), 2)
+    return out
+
+
+def engine_config(shape: Shape) -> SimpleNamespace:
+    """What :func:`cuboid.parallel.tensor.engine.step_parts` reads of a model, from ``shape``. It prices two
+    block layouts, told apart by ``n_kv_heads``: GPT's (fused qkv, LayerNorm, fc and proj, a position table)
+    and Llama's (q, k, v apart, RMSNorm, a gated MLP, no table); a gated MLP is the second."""
+    view = SimpleNamespace(dim=shape.dim, vocab_size=shape.vocab_size, hidden=shape.hidden, n_heads=shape.n_heads,
+                           n_positions=shape.n_positions, n_layers=shape.n_layers)
+    if shape.gated_mlp:
+        view.n_kv_heads = shape.kv_heads or shape.n_heads
+        view.head_dim = shape.q_dim // shape.n_heads
+    return view
+
+
+def _add_tensor(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, seq: int, pdtype) -> None:
+    """Tensor parallelism: the stage's parts, once per micro-batch (forward again when recomputing). Under sp
+    the embeddings see the whole (padded) sequence and the rest this rank's T / sp tokens, every one of them a
+    loss row (an estimate: measured 0.8% low at sp2 x tp2)."""
+    from ..tensor.engine import mode_of, step_parts
+
+    m = plan.microbatches if plan.pp > 1 else 1
+    costs = mode_of(plan.tp_mode).costs(plan, pdtype, _autocast(plan))
+    view = engine_config(shape)
+    if plan.sp == 1:
+        parts = step_parts(costs, view, rows // m, seq)
+    else:
+        t = seq + (-seq) % (2 * plan.sp)
+        n = rows * (t // plan.sp)
+        parts = dict(step_parts(costs, view, rows, t // plan.sp), first=step_parts(costs, view, rows, t)["first"],
+                     last=[costs.norm(shape.dim, n), costs.lm_loss(shape.vocab_size, shape.dim, n, n)])
+    recompute = plan.checkpoint != "none"  # full and selective alike re-run a block's collectives
+
+    def fwd_bwd(xs):
+        return sum(f + b for f, b in xs)
+
+    # recompute reruns a block's forward up to the last tensor backward needs (torch's non-reentrant
+    # checkpoint stops early): under 1D that leaves out the last row linear's all-reduce, whose output
+    # nothing saves; the grid modes gather that linear's operands first, so they run it all again
+    redo = parts["block"][:-1] if plan.tp_mode == "1d" else parts["block"]
+    again = sum(f for f, _ in redo) if recompute else 0.0
+    per_mb = stage.blocks * (fwd_bwd(parts["block"]) + again)
+    per_mb += (fwd_bwd(parts["first"]) if stage.first else 0.0) + (fwd_bwd(parts["last"]) if stage.last else 0.0)
+    calls = m * stage.blocks * TP_CALLS_PER_BLOCK[plan.tp_mode] * (1.5 if recompute else 1.0)
+    _add(out, ("tensor", "tp"), m * per_mb, calls)
+
+
+def _add_sequence(out: dict, shape: Shape, plan: Plan, rows: int, seq: int, masked: bool) -> None:
+    """Sequence parallelism (with 1D tp inside each sp rank: heads split over tp)."""
+    from ..sequence_split import bytes_per_step
+
+    kv = shape.kv_heads or shape.n_heads
+    sent = bytes_per_step(n_layers=shape.n_layers, heads=shape.n_heads // plan.tp,
+                          kv_heads=kv // plan.tp if kv % plan.tp == 0 else 1, head_dim=shape.q_dim // shape.n_heads,
+                          batch=rows, seq=seq, sp=plan.sp, mode=plan.sp_mode, masked=masked,
+                          elem=2 if _autocast(plan) is not None else 4, dim=shape.dim,
+                          first_token=shape.first_token_tensors, recompute=plan.checkpoint != "none")
+    for op, b in sent.items():
+        _add(out, (op, "sp"), b, shape.n_layers * (plan.sp - 1) if op == "send" else shape.n_layers)
+
+
+def _add_gradients(out: dict, shape: Shape, plan: Plan, named: dict, ps: list, spec) -> None:
+    """Gradients over dp (x sp): DDP's buckets, ZeRO-1/2's reduce-scatter + all-gather, or FSDP2's units."""
+    n = plan.dp * plan.sp
+    group = "dpsp" if plan.sp > 1 else "dp"
+    if plan.zero == 0:
+        grad_bytes = sum(p.numel() * p.element_size() for p in ps)
+        _add(out, ("all_reduce", group), _all_reduce(n, grad_bytes), max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES)))
+    elif plan.zero in (1, 2):
+        for numel, size in gradient_buckets(ps):
+            padded = math.ceil(numel / n) * n * size
+            _add(out, ("reduce_scatter", group), (n - 1) / n * padded)
+            _add(out, ("all_gather", group), (n - 1) / n * padded)
+    else:
+        blocks = (spec.blocks if spec is not None else "blocks") + "."
+        mine = {id(p) for p in ps}
+        for name, p in named.items():
+            if id(p) not in mine:
+                continue
+            _, chunk, per_row = fsdp_rows(p, n)
+            padded = chunk * n * per_row * p.element_size()
+            gathers = 2 if name.startswith(blocks) else 1  # the root unit stays gathered into backward
+            _add(out, ("all_gather", group), gathers * (n - 1) / n * padded, 0)
+            _add(out, ("reduce_scatter", group), (n - 1) / n * padded, 0)
+        units = shape.n_layers + 1
+        _add(out, ("all_gather", group), 0.0, 2 * units - 1)
+        _add(out, ("reduce_scatter", group), 0.0, units)
+
+
+def _add_pipeline(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, seq: int, masked: bool,
+                  named: dict, spec) -> None:
+    """The pipeline: activations forward, their gradients back, the tied embedding, the loss."""
+    m = plan.microbatches
+    micro = rows // m
+    e = 4  # the stream stays fp32 between stages (autocast casts inside the blocks)
+    act = micro * seq * shape.dim * e / (plan.tp if plan.tp_mode != "1d" else 1)  # 2D/3D: this rank's block
+    block_rows = micro // plan.batch_parts
+    extra = block_rows * 8 * (seq if masked else 1) + block_rows * seq * 8  # mask (int64; (B, 1) ones), labels
+    if not stage.last:  # x and the residual forward, with the mask and labels
+        _add(out, ("send", "pp"), m * (2 * act + extra), 4 * m)
+    if not stage.first:  # the gradients of x and the residual back
+        _add(out, ("send", "pp"), m * 2 * act, 2 * m)
+    shared = set(spec.first) & set(spec.last) if spec is not None else set()
+    tied = [p for name, p in named.items() if p.requires_grad and name.rsplit(".", 1)[0] in shared]
+    if tied and stage.first != stage.last:  # summed over the first and last stage's ranks (a pair)
+        _add(out, ("all_reduce", "pp_embed"), sum(_all_reduce(2, p.numel() * p.element_size()) for p in tied),
+             len(tied))
+    _add(out, ("broadcast", "pp"), (plan.pp - 1) / plan.pp * 8, 1)
