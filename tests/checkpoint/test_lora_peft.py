@@ -141,3 +141,22 @@ def test_one_device_lora_steps_equal_peft(tmp_path, name):
 
     keys = sorted(x)
     assert rel_norm(torch.cat([x[k].flatten() for k in keys]), torch.cat([y[k].flatten() for k in keys])) < 1e-6
+
+
+def test_checkpoint_save_writes_a_lora_model_s_adapters_for_peft(tmp_path):
+    """``checkpoint.save`` on a LoRA model writes what ``save_adapters`` (and a fine-tune's final/) writes."""
+    from cuboid.zoo import checkpoint
+
+    folder = _hf_folder(tmp_path, "LlamaForCausalLM")
+    model = _trained(folder, dict(r=4, alpha=8, targets=("qkv", "mlp")))
+    out = checkpoint.save(model, tmp_path / "saved")
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        base = CASES["LlamaForCausalLM"][0].from_pretrained(folder).eval()
+        ref = peft.PeftModel.from_pretrained(base, out).eval()(input_ids=ids).logits
+    assert (ours - ref).abs().max() < TOL
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(checkpoint.CheckpointError, match="cuboid.zoo.lora.save_checkpoint"):
+        checkpoint.save(model, tmp_path / "with-state", optimizer=opt)

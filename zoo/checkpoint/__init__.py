@@ -34,7 +34,8 @@ other stages' layers), :mod:`.folder` (the atomic replace protocol and what a cr
 ``cuboid.load(folder)`` / ``zoo.from_hf`` through ``read_new``, both reading
 only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
 (optimizer, RNG, training state as a save records them), :mod:`.resume`
-(reading them back), :mod:`.convert`. The reader and the writer never import
+(reading them back), :mod:`.convert`, :mod:`.adapters` (a LoRA model's adapters in
+``peft``'s layout: what ``save`` writes for one). The reader and the writer never import
 each other: what both need (file names, records, errors) is in :mod:`.format`,
 the shard plan in :mod:`.shards`, the stage rule in :mod:`.stages`.
 

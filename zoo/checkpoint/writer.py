@@ -28,10 +28,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from cuboid.parallel import lora as plora
 from cuboid.parallel import zero
 
 from ..families import family_of
 from . import folder as folder_mod
+from .adapters import save_adapters
 from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
                      CheckpointError, FileRecord, StreamWriter, layout, write_json)
 from .shards import ShardPlan, Size, Source, model_sources, plan_shards
@@ -217,8 +219,18 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     writes its own tensors (:mod:`.stages`): always an index, each stage's
     tensors in files of their own, a tied tensor once, optimizer state per
     stage; no rank gathers the model.
+
+    A LoRA model (``cuboid.load(..., lora=...)``) is saved as its adapters in
+    ``peft``'s layout (:func:`~.adapters.save_adapters`, what a LoRA
+    fine-tune's ``final/`` holds); its base is the folder it was loaded from.
+    Its training state goes through ``cuboid.zoo.lora.save_checkpoint``.
     """
     path = Path(path).absolute()
+    if plora.adapted(model):
+        if optimizer is not None or scheduler is not None or state is not None:
+            raise CheckpointError("a LoRA model's optimizer, scheduler and state are saved by "
+                                  "cuboid.zoo.lora.save_checkpoint(model, path, optimizer=..., ...)")
+        return save_adapters(model, path)
     rank, world = dist_info()
     where = stage_layout(model, rank)
     if where.stages > 1:
