@@ -16,6 +16,17 @@ log, fp32), so that partial results over key blocks can be merged exactly (ring
 attention does this), and gradients flow through ``lse`` as well as ``out``.
 A row with no kept key gives ``out = 0``, ``lse = -inf`` and zero gradients.
 
+Packed rows (several documents one after another in a row, Hugging Face's
+``position_ids`` restarting at 0): ``doc_ids`` (B, Sq) and ``doc_ids_k``
+(B, Sk) give each token's document, non-decreasing along a row, and a query
+sees only keys of its own document. Key and query ids are separate so that
+ring attention's chunks carry their own. Because the ids are sorted, the keys
+of a query tile's documents form one span (from the first key of its first
+document to the last key of its last), found by binary search on the device
+(:func:`doc_spans`); the forward and dQ kernels loop over that span only, and
+the dK/dV kernel over the mirror span of queries per key tile, so a packed row
+costs the sum of its documents' squares, not the row's.
+
 Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward runs
 an online softmax over key blocks, one program per (query block, batch*head),
 never materializing the (Sq x Sk) matrix; the backward recomputes P from the
@@ -383,20 +394,15 @@ def _attn_bwd_dq_kernel(
 
 # GPU tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by element size and padded head dim (BLOCK_D <= limit).
 # Entry 0 of each list is what the launcher uses; the others are the row's GPU autotune list (bench/gpu.py
-# times them all, see AUTOTUNE). Every entry compiles for sm_80 and sm_90 within shared memory, half precision
-# with tensor cores and without register spills, for the causal + mask + grouped-K/V kernels and the plain ones
-# alike (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, spills at most 80 bytes).
-# The lists were chosen from compiles only: tiles that reached 255 registers or spilled were dropped (the
-# bf16/fp16 forward at d64 was (128, 64, 4, 3) and the backward (64, 64, 4, 2): both spilled on sm_80; the
-# fp32 rows spilled 1-15 KB per thread). At d256 the backward has no wgmma on sm_90: a 64-row key tile needs
-# 2 x 64 x 256 fp32 accumulators and spills.
-# Timed on one GPU only, an H200 (sm_90, torch 2.11, triton 3.6; `bench/gpu.py --part tune`, bench/RESULTS.md
-# "GPU kernels", 2026-12-04), and only the 2-byte rows d <= 64 and d <= 128, at b4 h16 s4096 causal bf16:
-# - backward d <= 64: (32, 64, 4, 2) took 1.80 ms against (32, 64, 8, 2)'s 3.03 ms and (64, 32, 8, 2)'s
-#   3.10 ms, so it is entry 0 now (it was entry 2; the others stay in the list for the sweep);
-# - backward d <= 128 and both forward rows: entry 0 was already the fastest (forward d64 entry 2, 0.471 ms,
-#   ties entry 0's 0.468).
-# The d256 rows and every fp32 row are still compile-only choices, as is every tile on sm_80.
+# --part tune times them all, see AUTOTUNE). Every entry compiles for sm_80 and sm_90 within shared memory, and
+# in half precision with tensor cores and without register spills, for the fullest kernels (causal + mask +
+# grouped K/V, with and without document ids) and the plain ones alike (tests/kernels/test_compile_gate.py;
+# fp32, whose "ieee" dots run on FMA units, may spill a few bytes). Tiles that reach 255 registers or spill are
+# left out: that is why the half-precision d <= 64 rows take 64 queries in the forward and 32 in the backward.
+# At d256 the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32 accumulators and spills.
+# Entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16 s4096 causal
+# bf16 (bench/RESULTS.md, "GPU kernels"); the d256 rows, the fp32 rows and every tile on sm_80 are chosen from
+# compiles alone.
 _GPU_FWD = {
     2: ((64, ((64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))),
         (128, ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3))),
@@ -404,7 +410,7 @@ _GPU_FWD = {
     4: ((32, ((64, 32, 8, 2),)), (64, ((64, 32, 8, 2),)), (128, ((32, 32, 8, 1),)), (256, ((32, 32, 8, 1),))),
 }
 _GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ owns BLOCK_M queries
-    2: ((64, ((32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2))),  # entry 0 timed fastest on an H200 (above)
+    2: ((64, ((32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2))),  # entry 0 is the fastest on an H200 (above)
         (128, ((64, 64, 8, 1), (32, 32, 4, 2))),
         (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
@@ -771,6 +777,24 @@ def kernel_doc_ids(doc_ids: torch.Tensor, doc_ids_k: Optional[torch.Tensor] = No
     doc_q = doc_ids.to(torch.int32).contiguous()
     doc_k = doc_q if doc_ids_k is None else doc_ids_k.to(torch.int32).contiguous()
     return doc_q, doc_k
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, *, causal: bool, scale: float,
+                       key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+                       doc_ids_k: Optional[torch.Tensor] = None) -> tuple:
+    """(dq, dk, dv) of one block of attention by the Triton backward kernels, from an ``out`` and ``lse``.
+
+    For ring attention, which merges blocks by lse: with the *merged* out and
+    lse of the query rows, each key block's call gives that block's share of
+    the gradients (dk, dv (B, Hkv, Sk, D) summed over each group). Arguments
+    as in :func:`attention`; ``scale`` is the one the forward used.
+    """
+    mask_u8 = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
+    docs = None
+    if _check_docs(q, k, doc_ids, doc_ids_k) is not None:
+        docs = kernel_doc_ids(doc_ids, doc_ids_k)
+    return _flash_bwd(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, causal, scale, docs)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
