@@ -215,7 +215,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     writes, all return once the checkpoint is committed. The write is atomic
     (:mod:`.folder`). Returns ``path``.
 
-    Under pipeline parallelism (``model.mesh`` with ``pp > 1``) each stage
+    Under pipeline parallelism (``state_of(model).mesh`` with ``pp > 1``) each stage
     writes its own tensors (:mod:`.stages`): always an index, each stage's
     tensors in files of their own, a tied tensor once, optimizer state per
     stage; no rank gathers the model.
