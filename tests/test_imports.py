@@ -293,7 +293,7 @@ import cuboid
 from cuboid import kernels as ck
 print(ck.rms_norm.__module__, type(sys.modules["cuboid.kernels"]).__name__)
 import cuboid.zoo
-print(type(cuboid.zoo.build("gpt2-debug")).__name__)
+print(type(cuboid.zoo.build("gpt-debug")).__name__)
 """
 
 
