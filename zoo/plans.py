@@ -9,6 +9,9 @@ from __future__ import annotations
 from cuboid.parallel.spec import ShardingSpec
 from cuboid.parallel.plan import Plan
 
+from .families import shape_of
+from .vit.config import ViTConfig
+
 _BLOCK_ROLES = {
     "blocks.*.attn.qkv": "column_qkv",  # fused [W_q; W_k; W_v]: each of the 3 segments split alike
     "blocks.*.attn.proj": "row",
@@ -86,21 +89,19 @@ READY_PLANS = {
 
 def stage_costs(config, seq_len=None) -> tuple:
     """(per-block, embedding, head) forward costs of a zoo config, in multiply-adds per token: what
-    pipeline stages are balanced by (``cuboid.parallel.pipeline.cut_stages``).
+    pipeline stages are balanced by (``cuboid.parallel.stages.cut_stages``).
 
-    A block: QKV, projection and MLP matmuls (Llama: grouped K/V, three SwiGLU
-    matrices) plus attention over ``seq_len`` keys; the embedding: lookups (GPT, BERT) or the patch matmul (ViT); the
-    head: the vocabulary matmul of an LM head, else pooler and classifier.
+    A block: its projections and MLP matmuls (the cost model's :class:`~cuboid.parallel.cost.Shape` of the
+    config: grouped K/V, a gated MLP's three matrices) plus attention over ``seq_len`` keys; the embedding:
+    lookups, or ViT's patch matmul; the head: the vocabulary matmul of an LM or MLM head (with BERT's MLM
+    dense layer), else pooler and classifier.
     """
-    h = config.dim
-    t = seq_len or getattr(config, "n_positions", None) or getattr(config, "n_patches", 0) + 1
-    if hasattr(config, "n_kv_heads"):  # grouped-query attention and a SwiGLU MLP (three matrices)
-        q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-        block = (2 * q + 2 * kv) * h + 3 * h * config.hidden + 2 * t * q
-    else:
-        block = 4 * h * h + 2 * h * config.hidden + 2 * t * h
-    embed = config.channels * config.patch_size ** 2 * h if hasattr(config, "patch_size") else 3 * h
-    if getattr(config, "head", "") in ("lm", "mlm"):
+    shape = shape_of(config)
+    h, q, kv = shape.dim, shape.q_dim, shape.kv_dim
+    t = seq_len or shape.n_positions
+    block = (2 * q + 2 * kv) * h + shape.mlp_matrices * h * shape.hidden + 2 * t * q
+    embed = config.channels * config.patch_size ** 2 * h if isinstance(config, ViTConfig) else 3 * h
+    if config.head in ("lm", "mlm"):
         head = h * config.vocab_size + (h * h if config.head == "mlm" else 0)
     else:
         head = h * h + h * (getattr(config, "num_labels", 0) or 0)

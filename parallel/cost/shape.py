@@ -93,8 +93,11 @@ def stages_of(plan: Plan, block_cuts: Sequence[range], n_layers: int) -> list[St
         return [Stage(n_layers)]
     from ..stages import stage_ids
 
-    out = []
     n = len(block_cuts)
+    if n != plan.pp * (2 if plan.schedule in ("interleaved", "zbv") else 1):
+        raise ValueError(f"the cost model needs the pipeline's block ranges, one per stage, for plan "
+                         f"{plan.describe()}; got {n}")
+    out = []
     for r in range(plan.pp):
         ids = stage_ids(plan.schedule, r, plan.pp)
         out.append(Stage(sum(len(block_cuts[i]) for i in ids), 0 in ids, n - 1 in ids, r))

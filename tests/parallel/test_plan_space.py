@@ -1,4 +1,4 @@
-"""The one enumeration of plans (``cuboid.parallel.plan_space``) and Plan's refusals agree by construction.
+"""The one enumeration of plans (``cuboid.parallel.cost.space``) and Plan's refusals agree by construction.
 
 For 2, 4 and 8 ranks and each debug family: every enumerated plan validates
 and is implemented, and every combination of the raw product of the
