@@ -33,7 +33,7 @@ def step_time(model: dict, plan_fields: dict, hw, batch=None) -> tuple:
     from cuboid.parallel.cost import predict
 
     config = config_of(model)
-    plan = Plan(**plan_fields).validate(config, 64)
+    plan = Plan.from_dict(plan_fields).validate(config, 64)
     est = predict(config, plan, {0: {}}, hw, batch or model["batch"], model["seq"], layers_only=True)
     return est.step_s, est
 
