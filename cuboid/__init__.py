@@ -58,7 +58,7 @@ def finetune(model="vit-debug", data="digits", **options) -> dict:
     """Fine-tune a zoo model (preset, HF folder or module) on a dataset; returns the final metrics.
 
     The Python face of ``cuboid finetune``; options are the fields of
-    :class:`cuboid.trainer.FinetuneConfig` (``plan``, ``steps``, ``batch_size``,
+    :class:`cuboid.finetune_config.FinetuneConfig` (``plan``, ``steps``, ``batch_size``,
     ``lr``, ``output_dir``, ...; the large-batch recipe: ``optimizer="lamb"``,
     ``lr_scaling="sqrt"``, ``reference_batch``, ``warmup``, ``schedule="poly"``,
     ``decay_power``). Run it under ``torchrun`` for multi-process plans.

@@ -134,11 +134,12 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
              name: str = "", headroom: float = DEFAULT_HEADROOM) -> Estimate:
     """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a model builder, preset name,
     folder or config)."""
+    from cuboid.parallel.state import state_of
     from cuboid.zoo import spec_of
 
     shards = shards or _Shards(model)
     first = shards.of(plan, 0)
-    cuts = getattr(first, "pipeline_blocks", ())
+    cuts = state_of(first).stages or ()  # pp: every stage's block range
     rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in _ranks_to_look_at(plan, cuts)}
     return predict(first.config, plan, rank_params, hw, batch, seq, spec=spec_of(first), block_cuts=cuts,
                    name=name, headroom=headroom)
