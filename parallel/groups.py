@@ -17,12 +17,18 @@ def name_group(group, name: str) -> None:
         _NAMES[id(group)] = (group, name)
 
 
+def is_named(group) -> bool:
+    """Whether ``group`` was given a name with :func:`name_group`."""
+    entry = _NAMES.get(id(group))
+    return entry is not None and entry[0] is group
+
+
 def group_name(group) -> str:
+    """The name :func:`name_group` gave ``group``, else ``group[r0,r1,...]`` (its global ranks)."""
     if group is None:
         return "none"
-    entry = _NAMES.get(id(group))
-    if entry is not None and entry[0] is group:
-        return entry[1]
+    if is_named(group):
+        return _NAMES[id(group)][1]
     try:
         return "group[" + ",".join(map(str, dist.get_process_group_ranks(group))) + "]"
     except Exception:  # noqa: BLE001 - a name is only a label

@@ -64,9 +64,10 @@ bytes), sends K, V around again, and lets each block's dK, dV accumulator
 (fp32) travel with it, so that it arrives home after sp hops. Block gradients
 use the FINAL output and lse (the standard flash backward: P = exp(S scale -
 lse), D = rowsum(dO * O), dS = P (dP - D)): with Triton (CUDA, or the
-interpreter) the kernel's own ``_flash_bwd``, which takes out and lse as
-arguments; on the torch backend a plain-torch block backward in fp32 (fp64
-for fp64 inputs), queries in chunks so at most a (B, H, 1024, Sk) matrix lives.
+interpreter) the kernel's own backward (``attention_backward``), which takes
+out and lse as arguments; on the torch backend a plain-torch block backward
+in fp32 (fp64 for fp64 inputs), queries in chunks so at most a
+(B, H, 1024, Sk) matrix lives.
 
 Under GQA only the Hkv K/V heads travel (and their dK, dV, summed over each
 group by the block backward before they move), never copies per query head.
@@ -243,10 +244,9 @@ def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float
 
 
 def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float):
-    from cuboid.kernels.flash_attention import _flash_bwd
+    from cuboid.kernels.flash_attention import attention_backward
 
-    mask_u8 = None if keep_k is None else keep_k.view(torch.uint8)
-    return _flash_bwd(do, None, q, k, v, out, lse.contiguous(), mask_u8, causal, scale)
+    return attention_backward(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding_mask=keep_k)
 
 
 # ----------------------------------------------------------------- ring attention

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .groups import _NAMES, group_name
+from .groups import group_name, is_named
+
 
 class CollectiveError(RuntimeError):
     """A collective or p2p of this rank failed; the message names the rank, the operation and the group."""
@@ -127,7 +128,7 @@ def as_collective_error(op: str, group, exc: BaseException, *, known: bool = Tru
         ranks = " (ranks " + ",".join(map(str, dist.get_process_group_ranks(group))) + ")"
     except Exception:  # noqa: BLE001 - ranks are only a label
         ranks = ""
-    name = "world" if group is world and id(group) not in _NAMES else group_name(group)
+    name = "world" if group is world and not is_named(group) else group_name(group)
     where = f"rank {dist.get_rank() if world is not None else 0}: {op} over group '{name}'{ranks}"
     if timeout:
         return CollectiveTimeout(f"{where} timed out after {_group_timeout(group):g} s: a peer stalled or died")
