@@ -424,7 +424,7 @@ class VocabParallel:
     def _ce_sum(self, logits: torch.Tensor, labels: torch.Tensor, group, ignore_index: int):
         return vocab_parallel_ce_sum(logits, labels, group, self.local_start, self.num_embeddings, ignore_index)
 
-    # The head (``lm_outputs``, ``lm_logits``: :class:`cuboid.parallel.layers.Embedding`) over the mode's hooks:
+    # The head (``lm_outputs``, ``lm_logits``: :class:`cuboid.parallel.head.TiedHead`) over the mode's hooks:
     # ``_head_input`` (h copied or gathered into the head's rows), ``_head_weight`` (the local vocab table),
     # ``_head_group`` (the vocab slices' group), ``_head_mean`` (the mean over the mode's batch layout).
 
