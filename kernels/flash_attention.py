@@ -21,11 +21,12 @@ Packed rows (several documents one after another in a row, Hugging Face's
 (B, Sk) give each token's document, non-decreasing along a row, and a query
 sees only keys of its own document. Key and query ids are separate so that
 ring attention's chunks carry their own. Because the ids are sorted, the keys
-of a query tile's documents form one span (from the first key of its first
-document to the last key of its last), found by binary search on the device
-(:func:`doc_spans`); the forward and dQ kernels loop over that span only, and
-the dK/dV kernel over the mirror span of queries per key tile, so a packed row
-costs the sum of its documents' squares, not the row's.
+a query sees form one run, found by binary search on the device
+(:func:`doc_ranges`, which folds the causal rule in too): the kernels mask by
+these per-row ranges, and the forward and dQ kernels loop only over the keys
+from a query tile's first row's range to its last row's (the dK/dV kernel over
+the mirror range of queries per key tile), so a packed row costs the sum of its
+documents' squares, not the row's.
 
 Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward runs
 an online softmax over key blocks, one program per (query block, batch*head),
@@ -74,23 +75,23 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi) of the key loop of the query tile ``pid_m`` (first row ``start_m``), lo a multiple of BLOCK_N.
+def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr,
+                     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi) of the key loop of the query tile whose first row is ``start_m``; lo a multiple of BLOCK_N.
 
     Causal: key blocks wholly above the (end-aligned) diagonal are skipped.
-    Documents: only the keys ``SPAN`` gives for this tile (those of its first
-    to its last document) are visited, so a packed row costs the sum of its
-    documents' squares, not the row's.
+    Documents: the rows' key ranges are non-decreasing, so the tile visits
+    only the keys from its first row's ``lo`` to its last row's ``hi`` (causal
+    included): a packed row costs the sum of its documents' squares.
     """
     lo = 0
     hi = SEQ_K
-    if IS_CAUSAL:
-        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
     if HAS_DOCS:
-        span = SPAN + (off_b * tl.cdiv(SEQ_Q, BLOCK_M) + pid_m) * 2
-        lo = (tl.load(span) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(hi, tl.load(span + 1))
+        row0 = off_b * SEQ_Q + start_m
+        lo = (tl.load(RANGE_LO + row0) // BLOCK_N) * BLOCK_N
+        hi = tl.load(RANGE_HI + row0 + tl.minimum(BLOCK_M, SEQ_Q - start_m) - 1)
+    elif IS_CAUSAL:
+        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
     return lo, hi
 
 
@@ -102,8 +103,7 @@ def _attn_fwd_kernel(
     O,  # (B, H, Sq, D) output, q's dtype, any strides
     LSE,  # (B, H, Sq) fp32 output, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
-    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
-    SPAN,  # (B, cdiv(Sq, BLOCK_M), 2) int32 [lo, hi) keys holding each query tile's documents; HAS_DOCS only
+    RANGE_LO, RANGE_HI,  # (B, Sq) int32: query i sees keys [lo, hi) (its document, causal); HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -138,9 +138,11 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
 
-    lo, hi = _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    lo, hi = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M,
+                              BLOCK_N)
     if HAS_DOCS:
-        doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -156,11 +158,10 @@ def _attn_fwd_kernel(
         if HAS_MASK:
             km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
             keep = keep & (km != 0)[None, :]
-        if IS_CAUSAL:
+        if HAS_DOCS:  # the row's range holds the causal rule too
+            keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
+        elif IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
-        if HAS_DOCS:
-            doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
-            keep = keep & (doc_m[:, None] == doc_n[None, :])
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) for empty rows
@@ -215,8 +216,7 @@ def _attn_bwd_dkdv_kernel(
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
     DK, DV,  # (B, Hkv, Sk, D) outputs, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
-    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
-    SPAN,  # (B, cdiv(Sk, BLOCK_N), 2) int32 [lo, hi) queries holding each key tile's documents; HAS_DOCS only
+    RANGE_LO, RANGE_HI,  # (B, Sk) int32: key j is seen by queries [lo, hi) (its document, causal); HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -262,14 +262,15 @@ def _attn_bwd_dkdv_kernel(
 
     lo = 0
     hi = SEQ_Q
-    if IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
+    if HAS_DOCS:  # the mirror of the forward's key loop: the queries from the first key's lo to the last key's hi
+        col0 = off_b * SEQ_K + start_n
+        lo = (tl.load(RANGE_LO + col0) // BLOCK_M) * BLOCK_M
+        hi = tl.load(RANGE_HI + col0 + tl.minimum(BLOCK_N, SEQ_K - start_n) - 1)
+        lo_n = tl.load(RANGE_LO + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
+        hi_n = tl.load(RANGE_HI + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
+    elif IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
         lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
         lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_DOCS:  # only the queries of this key tile's documents (the mirror of the forward's key span)
-        span = SPAN + (off_b * tl.cdiv(SEQ_K, BLOCK_N) + pid_n) * 2
-        lo = tl.maximum(lo, (tl.load(span) // BLOCK_M) * BLOCK_M)
-        hi = tl.load(span + 1)
-        doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g  # a query head that reads this K/V head
         row0 = (off_b * H + off_h) * SEQ_Q  # its first row in LSE / DELTA
@@ -290,11 +291,10 @@ def _attn_bwd_dkdv_kernel(
             delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2
             keep = keep_n[:, None] & m_ok[None, :]
-            if IS_CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
             if HAS_DOCS:
-                doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-                keep = keep & (doc_n[:, None] == doc_m[None, :])
+                keep = keep & (offs_m[None, :] >= lo_n[:, None]) & (offs_m[None, :] < hi_n[:, None])
+            elif IS_CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
             pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
@@ -315,8 +315,7 @@ def _attn_bwd_dq_kernel(
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
     DQ,  # (B, H, Sq, D) output, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
-    DOC_Q, DOC_K,  # (B, Sq), (B, Sk) int32 document ids, contiguous; unused unless HAS_DOCS
-    SPAN,  # (B, cdiv(Sq, BLOCK_M), 2) int32 [lo, hi) keys holding each query tile's documents; HAS_DOCS only
+    RANGE_LO, RANGE_HI,  # (B, Sq) int32: query i sees keys [lo, hi) (its document, causal); HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -355,9 +354,11 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
-    lo, hi = _key_loop_bounds(SPAN, off_b, pid_m, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    lo, hi = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M,
+                              BLOCK_N)
     if HAS_DOCS:
-        doc_m = tl.load(DOC_Q + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -372,11 +373,10 @@ def _attn_bwd_dq_kernel(
         if HAS_MASK:
             km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
             keep = keep & (km != 0)[None, :]
-        if IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
         if HAS_DOCS:
-            doc_n = tl.load(DOC_K + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
-            keep = keep & (doc_m[:, None] == doc_n[None, :])
+            keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
+        elif IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # fp32
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
@@ -467,32 +467,29 @@ def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
     return mask, mask.stride(0), mask.stride(1)
 
 
-def doc_spans(doc_rows: torch.Tensor, doc_cols: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, cdiv(S_rows, block), 2) int32: per tile of ``block`` rows, the [lo, hi) span of columns in its documents.
+def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> tuple:
+    """Per-token ranges for the kernels: ((key_lo, key_hi) (B, Sq), (query_lo, query_hi) (B, Sk)), int32.
 
-    ``doc_rows`` (B, S_rows) and ``doc_cols`` (B, S_cols) are int32 document
-    ids, contiguous and non-decreasing along each row. A tile holds the
-    documents from its first row's id to its last row's; sorted ids put the
-    columns of exactly those documents in one span, found by binary search.
-    An empty span (lo == hi) means no column shares a document with the tile.
-    Torch ops on the ids' device, no host sync, so the launch can be traced.
+    Query ``i`` sees keys ``[key_lo[i], key_hi[i])`` (the keys of its document,
+    end-aligned causal included) and key ``j`` is seen by queries
+    ``[query_lo[j], query_hi[j])``; an empty range (lo >= hi) sees nothing.
+    ``doc_q`` (B, Sq) and ``doc_k`` (B, Sk) are int32 contiguous ids,
+    non-decreasing along each row: one document's keys are then one run,
+    found by binary search, and every bound is non-decreasing along the row,
+    which lets a tile take its loop from its first and last rows. Torch ops on
+    the ids' device, no host sync, so the launch can be traced.
     """
-    S = doc_rows.shape[1]
-    first = torch.arange(0, S, block, device=doc_rows.device)
-    last = torch.clamp(first + block, max=S) - 1
-    lo = torch.searchsorted(doc_cols, doc_rows[:, first], out_int32=True)
-    hi = torch.searchsorted(doc_cols, doc_rows[:, last], right=True, out_int32=True)
-    return torch.stack((lo, hi), dim=-1).contiguous()
-
-
-def _doc_args(docs: Optional[tuple], fallback: torch.Tensor, block_rows: int, block_cols: int,
-              keys_first: bool = False) -> tuple:
-    """(DOC_Q, DOC_K, SPAN) kernel arguments: the spans over keys per query tile, or over queries per key tile."""
-    if docs is None:
-        return fallback, fallback, fallback
-    doc_q, doc_k = docs
-    span = doc_spans(doc_k, doc_q, block_cols) if keys_first else doc_spans(doc_q, doc_k, block_rows)
-    return doc_q, doc_k, span
+    Sq, Sk = doc_q.shape[1], doc_k.shape[1]
+    key_lo = torch.searchsorted(doc_k, doc_q, out_int32=True)
+    key_hi = torch.searchsorted(doc_k, doc_q, right=True, out_int32=True)
+    query_lo = torch.searchsorted(doc_q, doc_k, out_int32=True)
+    query_hi = torch.searchsorted(doc_q, doc_k, right=True, out_int32=True)
+    if causal:  # query i sees key j iff j <= i + Sk - Sq
+        i = torch.arange(Sq, dtype=torch.int32, device=doc_q.device)
+        j = torch.arange(Sk, dtype=torch.int32, device=doc_q.device)
+        key_hi = torch.minimum(key_hi, i + (Sk - Sq + 1))
+        query_lo = torch.maximum(query_lo, j - (Sk - Sq))
+    return (key_lo, key_hi), (query_lo, query_hi)
 
 
 def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None):
@@ -506,8 +503,9 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     cfg = _config(D, q.dtype, backward=False)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
+    keys = (q, q) if docs is None else doc_ranges(*docs, causal)[0]
     _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
-        q, k, v, out, lse, m_ptr, *_doc_args(docs, q, cfg["BLOCK_M"], cfg["BLOCK_N"]),
+        q, k, v, out, lse, m_ptr, *keys,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
         H, H // Hkv, Sq, Sk, D, scale * _LOG2E,
         IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, **_dot_options(q.dtype), **cfg,
@@ -539,11 +537,11 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
                  **_dot_options(q.dtype), **cfg, **launch)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    _attn_bwd_dkdv_kernel[_grid(Sk, bn, B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, m_ptr, *_doc_args(docs, q, bm, bn, keys_first=True), *common, **flags)
-    _attn_bwd_dq_kernel[_grid(Sq, bm, B * H)](
-        q, k, v, do, lse, delta, dq, m_ptr, *_doc_args(docs, q, bm, bn), *common, **flags)
+    keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal)
+    _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags)
+    _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
+        q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags)
     return dq, dk, dv
 
 

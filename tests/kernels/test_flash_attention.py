@@ -129,9 +129,16 @@ def check_triton_vs_ref(case, device="cpu", Hkv=None):
     out, lse, grads = fwd_bwd(attention, q, k, v, causal=causal, key_padding_mask=m, backend="triton")
     assert out.dtype == dtype and lse.dtype == F32 and out.shape == (B, H, Sq, D) and lse.shape == (B, H, Sq)
     assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
-    # the reference on fp32 copies of the same values: the tolerance is the kernel's own error
+    compare_with_ref((out, lse, grads), q, k, v, causal=causal, key_padding_mask=m)
+
+
+def compare_with_ref(got, q, k, v, **kw):
+    """Triton's (out, lse, grads) against the reference on fp32 copies of the same values (the tolerance is
+    the kernel's own error); returns the copies and the reference's (out, lse, grads)."""
+    out, lse, grads = got
+    dtype = q.dtype
     r = [leaf_copy(t, F32) for t in (q, k, v)]
-    rout, rlse, rgrads = fwd_bwd(attention_ref, *r, causal=causal, key_padding_mask=m)
+    rout, rlse, rgrads = fwd_bwd(attention_ref, *r, **kw)
     gpu = q.is_cuda
     torch.testing.assert_close(out.float(), rout, **(GPU_TOL if gpu else TOL)[dtype])
     assert_lse_close(lse, rlse, **(GPU_LSE_TOL[dtype] if gpu else TOL[F32 if dtype == F32 else F16]))
@@ -139,6 +146,7 @@ def check_triton_vs_ref(case, device="cpu", Hkv=None):
         assert torch.isfinite(a).all(), f"d{name} has non-finite values"
         torch.testing.assert_close(a.float(), b, **(GPU_GRAD_TOL if gpu else GRAD_TOL)[dtype],
                                    msg=lambda s: f"d{name}: {s}")
+    return r, (rout, rlse, rgrads)
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=_case_id)
@@ -438,20 +446,11 @@ LAYOUT = doc_ids([31, 1, 32, 36], [100], [1, 1, 40, 1, 56, 1])
 DOC_CASES = [(4, 2, True, F32), (2, 2, False, F32), (2, 1, True, F16), (4, 2, False, F16)]
 
 
-def check_docs_vs_ref(q, k, v, docs, causal, mask=None, device="cpu"):
+def check_docs_vs_ref(q, k, v, docs, causal, mask=None):
     """Triton against the reference on fp32 copies, and the reference against float64, for one doc layout."""
-    dtype = q.dtype
     kw = dict(causal=causal, key_padding_mask=mask, doc_ids=docs[0], doc_ids_k=docs[1])
     out, lse, grads = fwd_bwd(attention, q, k, v, backend="triton", **kw)
-    r = [leaf_copy(t, F32) for t in (q, k, v)]
-    rout, rlse, rgrads = fwd_bwd(attention_ref, *r, **kw)
-    gpu = q.is_cuda
-    torch.testing.assert_close(out.float(), rout, **(GPU_TOL if gpu else TOL)[dtype])
-    assert_lse_close(lse, rlse, **(GPU_LSE_TOL[dtype] if gpu else TOL[F32 if dtype == F32 else F16]))
-    for name, a, b in zip("qkv", grads, rgrads):
-        assert torch.isfinite(a).all(), f"d{name} has non-finite values"
-        torch.testing.assert_close(a.float(), b, **(GPU_GRAD_TOL if gpu else GRAD_TOL)[dtype],
-                                   msg=lambda s: f"d{name}: {s}")
+    r, (rout, rlse, rgrads) = compare_with_ref((out, lse, grads), q, k, v, **kw)
     h = [leaf_copy(t, F64) for t in r]
     dev = (docs[0].to(q.device), docs[1].to(q.device))
     nout, nlse, ngrads = fwd_bwd(naive64, *h, causal=causal, mask=mask, docs=dev)
@@ -557,25 +556,26 @@ def test_document_b_has_no_gradient_from_document_a(backend, return_lse):
     assert torch.equal(grads[0][:, :, 87:], torch.zeros_like(grads[0][:, :, 87:]))
 
 
-def test_doc_spans_are_the_tiles_documents():
-    """Each tile's span holds exactly the keys (or queries) that share a document with one of its rows."""
-    docs = LAYOUT.to(torch.int32)
-    cols = doc_ids([50, 3, 10, 20, 17], [100], [2, 98]).to(torch.int32)
-    for rows, block in ((docs, 32), (docs, 16), (cols, 64), (docs[:, :37], 32)):
-        spans = attention_mod.doc_spans(rows.contiguous(), cols, block)
-        assert spans.dtype == torch.int32 and spans.shape == (3, -(-rows.shape[1] // block), 2)
-        for bi in range(3):
-            for t in range(spans.shape[1]):
-                tile = rows[bi, t * block:(t + 1) * block]
-                hit = torch.isin(cols[bi], tile).nonzero().flatten()
-                want = (int(hit[0]), int(hit[-1]) + 1) if len(hit) else None
-                lo, hi = spans[bi, t].tolist()
-                assert (lo, hi) == want if want else lo == hi, (bi, t, (lo, hi), want)
-    # the layout of test_tiles_outside_the_documents_are_never_read: query tile t reads key tile t // 2 only
+@pytest.mark.parametrize("causal", [False, True])
+def test_doc_ranges_are_the_block_diagonal_mask(causal):
+    """Each query's key range, and each key's query range, is exactly its row / column of the mask."""
+    for dq, dk in ((LAYOUT, LAYOUT), (LAYOUT[:, 20:70], LAYOUT[:, 50:]), (LAYOUT[:, 50:], LAYOUT[:, :30])):
+        dq, dk = dq.to(torch.int32).contiguous(), dk.to(torch.int32).contiguous()
+        (klo, khi), (qlo, qhi) = attention_mod.doc_ranges(dq, dk, causal)
+        Sq, Sk = dq.shape[1], dk.shape[1]
+        keep = dq[:, :, None] == dk[:, None, :]
+        if causal:
+            keep = keep & (torch.arange(Sk)[None, :] <= torch.arange(Sq)[:, None] + Sk - Sq)
+        for lo, hi, m in ((klo, khi, keep), (qlo, qhi, keep.transpose(1, 2))):
+            assert lo.dtype == hi.dtype == torch.int32
+            idx = torch.arange(m.shape[2])
+            got = (idx >= lo[..., None]) & (idx < hi[..., None])
+            assert torch.equal(got, m)
+            assert (lo[:, 1:] >= lo[:, :-1]).all() and (hi[:, 1:] >= hi[:, :-1]).all()  # what the tile loop needs
+    # the layout of test_tiles_outside_the_documents_are_never_read: every query sees only its 64-key block
     aligned = doc_ids([64, 64, 64]).to(torch.int32)
-    assert attention_mod.doc_spans(aligned, aligned, 32)[0].tolist() == [[0, 64]] * 2 + [[64, 128]] * 2 + \
-        [[128, 192]] * 2
-    assert attention_mod.doc_spans(aligned, aligned, 64)[0].tolist() == [[0, 64], [64, 128], [128, 192]]
+    (klo, khi), _ = attention_mod.doc_ranges(aligned, aligned, False)
+    assert torch.equal(klo[0], torch.arange(192, dtype=torch.int32) // 64 * 64) and torch.equal(khi[0], klo[0] + 64)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -652,4 +652,4 @@ def test_cuda_packed_rows_match_reference(dtype):
     docs = doc_ids([1, 63, 64, 200, 7, 300, 365], [1000], [1] * 10 + [490, 500]).cuda()
     for causal, hkv in ((True, 2), (False, 8)):
         q, k, v, _ = make_inputs(3, 8, 1000, 1000, 128, dtype, device="cuda", Hkv=hkv)
-        check_docs_vs_ref(q, k, v, (docs, docs), causal, device="cuda")
+        check_docs_vs_ref(q, k, v, (docs, docs), causal)
