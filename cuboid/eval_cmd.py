@@ -94,8 +94,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def load_model_and_tokenizer(args: argparse.Namespace):
     """(model, tokenizer) of ``add_model_arguments``' flags: the process group first under torchrun with a
     plan, then the tokenizer (a one-line error where there is none), then the model under the plan."""
-    import cuboid
     from cuboid import data as D
+    from cuboid.loading import load
     from cuboid.parallel import init_distributed
 
     if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -103,7 +103,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     tokenizer = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
     if tokenizer is None:
         raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
-    return cuboid.load(args.model, args.plan), tokenizer
+    return load(args.model, args.plan), tokenizer
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
