@@ -75,9 +75,10 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr,
+def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr,
                      HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[lo, hi) of the key loop of the query tile whose first row is ``start_m``; lo a multiple of BLOCK_N.
+    """(lo, hi, lo_m, hi_m): the key loop [lo, hi) of the query tile whose first row is ``start_m`` (lo a
+    multiple of BLOCK_N) and, with documents, each row's key range [lo_m, hi_m) (else placeholders).
 
     Causal: key blocks wholly above the (end-aligned) diagonal are skipped.
     Documents: the rows' key ranges are non-decreasing, so the tile visits
@@ -86,13 +87,17 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL
     """
     lo = 0
     hi = SEQ_K
+    lo_m = offs_m
+    hi_m = offs_m
     if HAS_DOCS:
         row0 = off_b * SEQ_Q + start_m
         lo = (tl.load(RANGE_LO + row0) // BLOCK_N) * BLOCK_N
         hi = tl.load(RANGE_HI + row0 + tl.minimum(BLOCK_M, SEQ_Q - start_m) - 1)
+        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
     elif IS_CAUSAL:
         hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
-    return lo, hi
+    return lo, hi, lo_m, hi_m
 
 
 @triton.jit
@@ -138,11 +143,8 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
 
-    lo, hi = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M,
-                              BLOCK_N)
-    if HAS_DOCS:
-        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K,
+                                          IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -354,11 +356,8 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
-    lo, hi = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, SEQ_Q, SEQ_K, IS_CAUSAL, HAS_DOCS, BLOCK_M,
-                              BLOCK_N)
-    if HAS_DOCS:
-        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K,
+                                          IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -415,11 +414,14 @@ _GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ 
         (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
 }
+# With document ids the forward keeps each row's key range live as well: in half precision at d <= 128 the
+# 128x64 tile spills on sm_80 then, so packed rows take this row's other entries.
+_GPU_FWD_DOCS = {(2, 128): ((64, 64, 8, 3), (128, 32, 8, 3))}
 # op -> number of autotune entries (cuboid.kernels._backend.autotune_pick("attention", i))
 AUTOTUNE = {"attention": max(len(c) for t in (_GPU_FWD, _GPU_BWD) for rows in t.values() for _, c in rows)}
 
 
-def _config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
+def _config(head_dim: int, dtype: torch.dtype, backward: bool, docs: bool = False) -> dict:
     """Fixed block sizes and launch options: a table, no autotuning.
 
     The interpreter runs programs one after another in numpy and pays per op,
@@ -431,8 +433,11 @@ def _config(head_dim: int, dtype: torch.dtype, backward: bool) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     if interpreter_active():
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
-    table = (_GPU_BWD if backward else _GPU_FWD)[4 if dtype == torch.float32 else 2]
-    candidates = next(c for limit, c in table if block_d <= limit)
+    size = 4 if dtype == torch.float32 else 2
+    table = (_GPU_BWD if backward else _GPU_FWD)[size]
+    limit, candidates = next((limit, c) for limit, c in table if block_d <= limit)
+    if docs and not backward:
+        candidates = _GPU_FWD_DOCS.get((size, limit), candidates)
     bm, bn, warps, stages = picked(_OP, candidates)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
 
@@ -501,7 +506,7 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = _config(D, q.dtype, backward=False)
+    cfg = _config(D, q.dtype, backward=False, docs=docs is not None)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     keys = (q, q) if docs is None else doc_ranges(*docs, causal)[0]
     _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](

@@ -38,9 +38,10 @@ target, tensor cores in half-precision matmul kernels, no spills in half
 precision, grids within CUDA's limits, every kernel reached.
 
 CI compiles a subset (every config-table row and autotune entry, fewer flag x
-dtype combinations; each driver says which): 536 compiles, 2 min 14 s from an
-empty Triton cache on 2 cores, 8 s warm. ``--full`` (or CUBOID_GATE_FULL=1)
-compiles every combination the drivers know.
+dtype combinations; each driver says which); ``--full`` (or
+CUBOID_GATE_FULL=1) compiles every combination the drivers know. Triton's
+cache on disk makes a second run a matter of seconds; the counts and times
+are in bench/RESULTS.md ("Compile gate").
 """
 from __future__ import annotations
 
@@ -184,38 +185,42 @@ def _pick(gate: Gate, full, subset):
 def drive_flash_attention(gate: Gate, mod) -> None:
     # Head dims select every row of _GPU_FWD / _GPU_BWD: 2-byte rows d <= 64, 128, 256; fp32 rows d <= 32, 64,
     # 128, 256 (d32 and d16 share the d64 row in half precision: compiled under --full). Seq 1024 (a multiple of
-    # 16, as training lengths are). Flags: the fullest kernel (causal + key padding mask + grouped K/V heads) for
-    # every dtype and row, the plain one (MHA: GROUP specialised to 1) for bf16 (CI) or every dtype (--full).
-    # Autotune passes: the half-precision rows only (fp32 rows have one entry).
-    fullest, plain = (True, True, 2), (False, False, 4)
+    # 16, as training lengths are). Flags: the fullest kernel (causal + key padding mask + grouped K/V heads) and
+    # the same with packed rows' document ids, for every dtype and row; the plain one (MHA: GROUP specialised to
+    # 1) for bf16 (CI) or every dtype (--full). Autotune passes: the half-precision rows only (fp32 rows have
+    # one entry), bf16 in CI.
+    fullest, packed, plain = (True, True, 2, False), (True, True, 2, True), (False, False, 4, False)
     dtypes = (BF16, F16) if gate.tuning else DTYPES
     for dtype in dtypes:
         dims = (64, 128, 256) if dtype != F32 else (32, 64, 128, 256)
         if gate.full and dtype != F32:
             dims = (32,) + dims
         for d in dims:
-            flags = [fullest] + ([plain] if gate.full or dtype == BF16 else [])
+            flags = [fullest, packed] + ([plain] if gate.full or dtype == BF16 else [])
             if gate.tuning and not gate.full:
-                flags = [fullest] if dtype == BF16 else []
-            for causal, masked, hkv in flags:
+                flags = [fullest, packed] if dtype == BF16 else []
+            for causal, masked, hkv, docs in flags:
                 label = f"attention {_dn(dtype)} d{d}{' causal' if causal else ''}{' mask' if masked else ''}" \
-                        f"{' gqa' if hkv != 4 else ''}"
+                        f"{' gqa' if hkv != 4 else ''}{' docs' if docs else ''}"
                 with gate.case(label):
-                    _attention(mod, 2, 4, hkv, 1024, d, dtype, causal, masked)
+                    _attention(mod, 2, 4, hkv, 1024, d, dtype, causal, masked, docs)
     if gate.tuning:
         return
     # grids: B * H = 2^17 (ViT inference at batch 8192 x 16 heads), one 4M-token sequence, many short ones
     for b, h, s in ((8192, 16, 256), (1, 1, 1 << 22), (1 << 16, 8, 16)):
         with gate.case(f"attention grid b{b} h{h} s{s}"):
             _attention(mod, b, h, h, s, 64, BF16, True, False)
+    with gate.case("attention grid b1 h1 s4194304 docs"):  # the document spans of a 4M-token packed row
+        _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, True)
 
 
-def _attention(mod, b, h, hkv, s, d, dtype, causal, masked):
+def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False):
     import torch
     q = _meta(b, h, s, d, dtype=dtype)
     k, v = _meta(b, hkv, s, d, dtype=dtype), _meta(b, hkv, s, d, dtype=dtype)
     mask = torch.empty(b, s, dtype=torch.bool, device="meta") if masked else None
-    out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True)
+    ids = torch.empty(b, s, dtype=torch.int32, device="meta") if docs else None
+    out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True, doc_ids=ids)
     _backward([out, lse])
 
 
