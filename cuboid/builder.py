@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from cuboid.zoo import PRESETS, build, config_of, from_hf, spec_of
+from cuboid.zoo import PRESETS, build, config_of, from_hf
+import cuboid.zoo as zoo  # zoo.spec_of looked up at call time (a test swaps it)
 from cuboid.zoo.plans import stage_costs
 from cuboid.parallel import Mesh, Plan, shard
 from cuboid.parallel.state import ParallelState, attach
@@ -38,11 +39,11 @@ def check_source(source: Any, overrides: dict) -> None:
 def cut(model: nn.Module, plan: Plan, mesh: Mesh) -> nn.Module:
     """``model`` (on meta) sharded for ``plan``'s tensor mode and, under pp, cut to ``mesh.rank``'s stages
     (blocks balanced with the embedding and head costs)."""
-    model = shard(model, plan, mesh, spec_of(model))
+    model = shard(model, plan, mesh, zoo.spec_of(model))
     if plan.pp > 1:
         from cuboid.parallel.stages import cut_model
 
-        cut_model(model, spec_of(model), mesh, stage_costs(model.config))
+        cut_model(model, zoo.spec_of(model), mesh, stage_costs(model.config))
     return model
 
 
@@ -81,5 +82,5 @@ class ModelBuilder:
             model = cut(build(self.source, **self.overrides), plan, mesh)
             if self.dtype is not None:
                 model = model.to(self.dtype)
-        attach(model, ParallelState(plan=plan, mesh=mesh, spec=spec_of(model)))
+        attach(model, ParallelState(plan=plan, mesh=mesh, spec=zoo.spec_of(model)))
         return model

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from cuboid.zoo import READY_PLANS, build, from_hf, materialize, spec_of
+from cuboid.zoo import READY_PLANS, build, from_hf, materialize
+import cuboid.zoo as zoo  # zoo.spec_of looked up at call time (a test swaps it)
 from cuboid.builder import ModelBuilder, cut, is_folder
 from cuboid.parallel import Mesh, Plan, prepare
 from cuboid.parallel.state import ParallelState, attach
@@ -99,7 +100,7 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     else:
         model = materialize(fit(build(name_or_path, **overrides)), device, seed=seed, dtype=dtype)
     _attach_lora(model, lora, seed)
-    return prepare(model, fit.plan, fit.mesh, spec_of(model))
+    return prepare(model, fit.plan, fit.mesh, zoo.spec_of(model))
 
 
 def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict) -> nn.Module:
@@ -109,7 +110,7 @@ def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict) -> nn.M
         model = from_hf(source, dtype=dtype, device="meta", transform=fit)
     else:
         model = fit(build(source, **overrides))
-    attach(model, ParallelState(plan=fit.plan, mesh=fit.mesh, spec=spec_of(model)))
+    attach(model, ParallelState(plan=fit.plan, mesh=fit.mesh, spec=zoo.spec_of(model)))
     _attach_lora(model, lora, seed)
     return model if dtype is None or is_folder(source) else model.to(dtype)
 

@@ -1,7 +1,7 @@
 """Which plan for this model on this cluster: ``cuboid plans --model M --gpus N`` and ``plan="auto"``.
 
 :func:`candidate_plans` lists every plan this build runs on ``N`` ranks (the one
-enumeration, :func:`cuboid.parallel.plan_space.enumerate_plans`, with the batch's filters);
+enumeration, :func:`cuboid.parallel.cost.space.enumerate_plans`, with the batch's filters);
 :func:`search_space` adds what a plan leaves open: micro-batch counts (``pp``,
 ``2 pp``, ``4 pp``, ... up to one sequence per micro-batch) and checkpointing
 (none, selective, full). :func:`rank_plans` builds each structure's shards on
@@ -39,7 +39,7 @@ AUTO_KEYS = ("batch", "seq", "hardware", "memory", "headroom", "layout")  # what
 
 def candidate_plans(config, world: int, batch: int, *, dtype: str = "fp32") -> list[Plan]:
     """Every plan of ``world`` ranks that this build runs for ``config`` (the one enumeration,
-    :func:`cuboid.parallel.plan_space.enumerate_plans`) that a global ``batch`` divides over: dp shares of whole
+    :func:`cuboid.parallel.cost.space.enumerate_plans`) that a global ``batch`` divides over: dp shares of whole
     tensor-grid blocks and, under pp, 4, 2 or 1 micro-batches per stage (the most that divide)."""
     return enumerate_plans(config, world, batch=batch, per_stage=(4, 2, 1), dtype=dtype)
 

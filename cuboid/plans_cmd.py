@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plans", help="the ready plans; with --gpus, every plan ranked for a model and cluster",
                        description="Without --gpus: the ready plans. With --gpus N: every plan of N ranks that "
                                    "fits the model, ranked by predicted step time, with per-rank memory, traffic "
-                                   "and pipeline bubble (parallel/cost.py says how each figure is made).")
+                                   "and pipeline bubble (parallel/cost/ says how each figure is made).")
     p.add_argument("--model", default="gpt2", help="a preset name or a model folder (default gpt2)")
     p.add_argument("--gpus", type=int, default=None, help="world size to plan for")
     p.add_argument("--hardware", default="h100", help="hardware profile: a name (see --list-hardware) or a "

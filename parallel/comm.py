@@ -102,7 +102,7 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _active(group) -> int:
+def active(group) -> int:
     """The group size, or 0 when calls on ``group`` are no-ops."""
     p = group_size(group)
     return p if p > 1 else 0
@@ -173,6 +173,18 @@ def count() -> Iterator[Tally]:
 
 
 @contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """No :func:`count` tally sees the traffic inside the block (a recompute replays collectives without
+    sending anything)."""
+    saved = list(_TALLIES)
+    _TALLIES.clear()
+    try:
+        yield
+    finally:
+        _TALLIES[:] = saved
+
+
+@contextlib.contextmanager
 def _count_torch_engines() -> Iterator[None]:
     """Count the traffic of torch's engines under the same convention: FSDP2's collectives
     (``dist.all_gather_single``/``reduce_scatter_single``) and the pipelining schedules' sends
@@ -195,7 +207,7 @@ def _count_pipeline_sends() -> Iterator[None]:
     def counted(p2p_ops, *args, **kwargs):
         for op in p2p_ops:
             if op.op is dist.isend:
-                _record("send", op.group, _nbytes(op.tensor))
+                record("send", op.group, _nbytes(op.tensor))
         return plain(p2p_ops, *args, **kwargs)
 
     schedules._batch_p2p = counted
@@ -212,7 +224,7 @@ def ddp_comm_hook(group, bucket):  # no return annotation: DDP checks it against
     reducer keeps the message, not the type)."""
     buf = bucket.buffer()
     p = group_size(group) if group is not None else dist.get_world_size()
-    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(buf))
+    record("all_reduce", group, 2 * (p - 1) / p * _nbytes(buf))
     buf.div_(p)
     with guarded("all_reduce (DDP gradient bucket)", group):
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
@@ -233,12 +245,12 @@ def _count_fsdp() -> Iterator[None]:
 
     def gather(output_tensor, input_tensor, group=None, async_op=False, **kw):
         p = group_size(group) if group is not None else dist.get_world_size()
-        _record("all_gather", group, (p - 1) / p * _nbytes(output_tensor))
+        record("all_gather", group, (p - 1) / p * _nbytes(output_tensor))
         return saved["all_gather_single"](output_tensor, input_tensor, group=group, async_op=async_op, **kw)
 
     def scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, **kw):
         p = group_size(group) if group is not None else dist.get_world_size()
-        _record("reduce_scatter", group, (p - 1) / p * _nbytes(input))
+        record("reduce_scatter", group, (p - 1) / p * _nbytes(input))
         return saved["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op, **kw)
 
     if saved["all_gather_single"] is None:
@@ -251,7 +263,7 @@ def _count_fsdp() -> Iterator[None]:
         dist.all_gather_single, dist.reduce_scatter_single = saved["all_gather_single"], saved["reduce_scatter_single"]
 
 
-def _record(op: str, group, nbytes: float) -> None:
+def record(op: str, group, nbytes: float) -> None:
     if _TALLIES:
         name = group_name(group)
         for t in _TALLIES:
@@ -273,12 +285,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def all_reduce_(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """Reduce ``t`` in place over ``group`` (``sum | max | min | product``); returns ``t``."""
-    p = _active(group)
+    p = active(group)
     if not p:
         return t
     if not t.is_contiguous():
         raise ValueError("all_reduce_ needs a contiguous tensor (it reduces in place)")
-    _record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
+    record("all_reduce", group, 2 * (p - 1) / p * _nbytes(t))
     with guarded("all_reduce", group):
         dist.all_reduce(t, op=_OPS[op], group=group)
     return t
@@ -286,10 +298,10 @@ def all_reduce_(t: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
 
 def broadcast_(t: torch.Tensor, group, src: int = 0) -> torch.Tensor:
     """Overwrite ``t`` with the copy of the group's rank ``src`` (an index *inside* the group)."""
-    p = _active(group)
+    p = active(group)
     if not p:
         return t
-    _record("broadcast", group, (p - 1) / p * _nbytes(t))
+    record("broadcast", group, (p - 1) / p * _nbytes(t))
     with guarded("broadcast", group):
         dist.broadcast(t, src=dist.get_global_rank(group, src), group=group)
     return t
@@ -300,7 +312,7 @@ def send_(tensors: list, group, dst: int) -> None:
     they are sent. The receiver calls :func:`recv_` with tensors of the same shapes and dtypes."""
     works = []
     for t in tensors:
-        _record("send", group, _nbytes(t))
+        record("send", group, _nbytes(t))
         with guarded("send", group):
             works.append(dist.isend(t, dist.get_global_rank(group, dst), group=group))
     wait_p2p(works, f"send of {len(tensors)} tensor(s) to group rank {dst}", group)
@@ -361,12 +373,12 @@ def recv_described(count: int, group, src: int, device) -> list:
 
 def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape and dtype on all ranks), in group order; ``[t]`` when no-op."""
-    p = _active(group)
+    p = active(group)
     if not p:
         return [t]
     flat = t.contiguous().reshape(-1)
     out = torch.empty(p * flat.numel(), dtype=t.dtype, device=t.device)
-    _record("all_gather", group, (p - 1) * _nbytes(t))
+    record("all_gather", group, (p - 1) * _nbytes(t))
     with guarded("all_gather", group):
         _gather_single(out, flat, group=group)
     return list(out.view(p, *t.shape).unbind(0))
@@ -374,13 +386,13 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 def reduce_scatter_(t: torch.Tensor, group) -> torch.Tensor:
     """The sum over ``group`` of the flat ``t``, this rank's 1/p chunk of it (a new tensor); ``t`` if no-op."""
-    p = _active(group)
+    p = active(group)
     if not p:
         return t.clone()
     if t.dim() != 1 or t.numel() % p:
         raise ValueError(f"reduce_scatter_ takes a flat tensor whose size divides over {p} ranks, got {tuple(t.shape)}")
     out = torch.empty(t.numel() // p, dtype=t.dtype, device=t.device)
-    _record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
+    record("reduce_scatter", group, (p - 1) / p * _nbytes(t))
     with guarded("reduce_scatter", group):
         _reduce_scatter_single(out, t.contiguous(), group=group)
     return out
@@ -388,13 +400,13 @@ def reduce_scatter_(t: torch.Tensor, group) -> torch.Tensor:
 
 def all_gather_(out: torch.Tensor, t: torch.Tensor, group) -> torch.Tensor:
     """Fill the flat ``out`` with every rank's flat ``t`` in group order (``out`` is p times ``t``)."""
-    p = _active(group)
+    p = active(group)
     if not p:
         out.copy_(t)
         return out
     if out.numel() != p * t.numel() or not out.is_contiguous():
         raise ValueError(f"all_gather_: out has {out.numel()} elements, not {p} x {t.numel()}")
-    _record("all_gather", group, (p - 1) / p * _nbytes(out))
+    record("all_gather", group, (p - 1) / p * _nbytes(out))
     with guarded("all_gather", group):
         _gather_single(out, t.contiguous(), group=group)
     return out
@@ -402,14 +414,14 @@ def all_gather_(out: torch.Tensor, t: torch.Tensor, group) -> torch.Tensor:
 
 def ring_shift(t: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
     """Send ``t`` to the rank ``shift`` ahead in the group and return the one ``shift`` behind's."""
-    p = _active(group)
+    p = active(group)
     if not p:
         return t
     r = group_rank(group)
     to, frm = dist.get_global_rank(group, (r + shift) % p), dist.get_global_rank(group, (r - shift) % p)
     t = t.contiguous()
     out = torch.empty_like(t)
-    _record("send", group, _nbytes(t))
+    record("send", group, _nbytes(t))
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, out, frm, group)])
     wait_p2p(works, f"ring_shift (send to rank {to}, recv from rank {frm})", group)
     return out
@@ -425,7 +437,7 @@ def _gather(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``."""
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((p * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", group, (p - 1) * _nbytes(moved))
+    record("all_gather", group, (p - 1) * _nbytes(moved))
     with guarded("all_gather", group):
         _gather_single(out, moved, group=group)
     return out.movedim(0, dim)
@@ -436,7 +448,7 @@ def _reduce_scatter(x: torch.Tensor, group, p: int, dim: int) -> torch.Tensor:
     _check_split(x, dim, p, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // p,) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", group, (p - 1) / p * _nbytes(moved))
+    record("reduce_scatter", group, (p - 1) / p * _nbytes(moved))
     with guarded("reduce_scatter", group):
         _reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
@@ -451,7 +463,7 @@ def _all_to_all(x: torch.Tensor, group, p: int, scatter_dim: int, gather_dim: in
     _check_split(x, scatter_dim, p, "all_to_all")
     send = torch.stack(x.chunk(p, dim=scatter_dim), 0).contiguous()  # (p, ...) chunk i goes to rank i
     recv = torch.empty_like(send)
-    _record("all_to_all", group, (p - 1) / p * _nbytes(send))
+    record("all_to_all", group, (p - 1) / p * _nbytes(send))
     with guarded("all_to_all", group):
         dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
@@ -496,7 +508,7 @@ class _Along(torch.autograd.Function):
 
 
 def _along(x: torch.Tensor, group, dim: int, there, back) -> torch.Tensor:
-    p = _active(group)
+    p = active(group)
     return _Along.apply(x, group, p, dim % x.ndim, there, back) if p else x
 
 
@@ -513,12 +525,12 @@ class _AllToAll(torch.autograd.Function):
 
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyTo.apply(x, group) if _active(group) else x
+    return _CopyTo.apply(x, group) if active(group) else x
 
 
 def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
     """Leave a parallel region by summing partial results: all-reduce forward, identity backward."""
-    return _ReduceFrom.apply(x, group) if _active(group) else x
+    return _ReduceFrom.apply(x, group) if active(group) else x
 
 
 def scatter_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
@@ -543,5 +555,8 @@ def all_gather_to(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
 
 def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``x`` along ``scatter_dim``, send chunk i to rank i, concatenate what arrives along ``gather_dim``."""
-    p = _active(group)
+    p = active(group)
     return _AllToAll.apply(x, group, p, scatter_dim % x.ndim, gather_dim % x.ndim) if p else x
+
+
+_record, _active = record, active  # the names parallel/sequence.py still reads

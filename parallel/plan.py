@@ -25,7 +25,7 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   ``full`` keeps each block's input and recomputes the whole block in backward;
   ``selective`` keeps the outputs of the block's matmuls, attention and
   collectives and recomputes only the cheap ops between them (norms,
-  activations, dropout, adds), see :func:`cuboid.parallel.apply.checkpoint_blocks`.
+  activations, dropout, adds), see :func:`cuboid.parallel.recompute.recompute_blocks`.
   ``activation_checkpoint=true|false`` is another spelling of ``full`` /
   ``none`` that :meth:`Plan.parse`, :meth:`Plan.from_dict` and
   :meth:`Plan.replace` accept (plan strings and saved plans use it); it is

@@ -173,7 +173,7 @@ class SelectiveContexts:
 
     def __call__(self):
         if self.keep_collectives:
-            return _KeepMode(self), _Reusable(lambda: _stacked(_quiet_tallies(), _ReplayMode(self)))
+            return _KeepMode(self), _Reusable(lambda: _stacked(comm.uncounted(), _ReplayMode(self)))
         return _KeepMode(self), _ReplayMode(self)
 
 
@@ -288,17 +288,6 @@ def _done(x):
 
         return Work.boxed(FakeWork())
     return x
-
-
-@contextlib.contextmanager
-def _quiet_tallies():
-    """No :func:`.comm.count` tally sees the replayed collectives of a recompute (nothing is sent)."""
-    saved = list(comm._TALLIES)
-    comm._TALLIES.clear()
-    try:
-        yield
-    finally:
-        comm._TALLIES[:] = saved
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
 
     ``config``: the model's :class:`~.shape.Shape` or a config its family registered; ``params``: this
     rank's parameters by name (meta tensors do); ``stage``: its pipeline stage; ``spec``: the model's
-    :class:`~cuboid.parallel.apply.ShardingSpec` (its blocks make ZeRO-3's units, the modules its first and
+    :class:`~cuboid.parallel.spec.ShardingSpec` (its blocks make ZeRO-3's units, the modules its first and
     last stages share are tied over ``pp``). Bytes are exact for the zoo's models with AdamW and no
     clipping; ``calls`` are exact for the gradient and pipeline traffic and estimated for the tensor modes
     (they only price latency).
