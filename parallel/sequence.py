@@ -81,6 +81,21 @@ a mask is given, else 0):
 - backward: (sp - 1) 2 n_kv e + sp 2 n_kv a  -- K, V again (the masks were
   kept), and dK, dV sp hops home.
 
+**Packed rows** (several documents in a row; ``doc_ids``, the kernel's
+convention). Both functions take the WHOLE rows' (B, T) document ids in
+sequence order, the same on every rank: the sequence split embeds the whole
+row, so the ids are computed once before the cut and no rank sends them. The
+ring gives each kernel call its query and key chunks' ids
+(``doc_ids``/``doc_ids_k``) and skips the chunk pairs that hold no common
+document: :class:`ZigzagDocs` finds them from each chunk's first and last id
+(one host read of a (2 sp, 2 sp) table per ZigzagDocs; build it once per
+model forward and every layer's forward and backward reuse it). A pair group
+above with a pair that shares nothing is cut into one call per pair that
+does. Only compute is skipped: every hop runs on every rank (the collective
+rule), and the bytes are those without documents. After all-to-all's
+exchange each rank holds the whole sequence, so the kernel takes the whole
+rows' ids as they are (no host read).
+
 **All-to-all attention** (DeepSpeed-Ulysses, arXiv 2309.14509): one all-to-all
 of q, k, v (their heads cut in sp groups, rank i's q, k and v heads side by
 side) turns the (B, H, T/sp, D) / (B, Hkv, T/sp, D) shards into (B, H/sp, T, D)
@@ -104,7 +119,7 @@ import cuboid.kernels as kernels
 from . import comm
 
 __all__ = ["ring_attention", "all_to_all_attention", "zigzag_split", "zigzag_merge", "zigzag_positions",
-           "causal_work"]
+           "causal_work", "ZigzagDocs"]
 
 _BWD_CHUNK = 1024  # query rows per step of the torch block backward
 _TAG_KV, _TAG_DKV = 100, 200  # p2p tags (gloo matches on them; NCCL ignores them)
@@ -142,6 +157,35 @@ def zigzag_positions(T: int, sp: int, rank: int, device=None) -> torch.Tensor:
     return torch.cat([torch.arange(lo, lo + c, device=device), torch.arange(hi, hi + c, device=device)])
 
 
+class ZigzagDocs:
+    """A packed batch's document ids as the ring sees them: the whole rows' ids (B, T), every rank's zigzag
+    share of them, and which of the 2 sp chunks hold a common document.
+
+    Every sp rank has the whole row (the sequence split embeds the whole
+    sequence), so each rank knows every chunk's ids without communication.
+    Ids are non-decreasing along a row, so chunk i holds the documents
+    ``first_i .. last_i`` of its row and chunks i, j share one iff those
+    ranges meet (then ``max(first_i, first_j)`` is in both). ``shares[i][j]``
+    is that, in any row of the batch: building one reads this (2 sp, 2 sp)
+    table to the host, the one host sync of packed ring attention. Build it
+    once per model forward and give it to every layer (a tensor given to
+    :func:`ring_attention` builds one per call).
+    """
+
+    def __init__(self, doc_ids: torch.Tensor, sp: int) -> None:
+        if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point \
+                or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool:
+            raise TypeError("ZigzagDocs: doc_ids must be a (batch, seq) integer tensor of the whole rows' "
+                            "document ids")
+        c = _chunk_len(doc_ids.shape[1], sp, "ZigzagDocs")
+        chunks = doc_ids.unflatten(1, (2 * sp, c))
+        first, last = chunks[..., 0], chunks[..., -1]  # (B, 2 sp): each chunk's documents
+        meet = (first[:, :, None] <= last[:, None, :]) & (first[:, None, :] <= last[:, :, None])
+        self.ids, self.sp = doc_ids, sp
+        self.shares = meet.any(0).tolist()  # the host read
+        self.ranks = [zigzag_split(doc_ids, sp, i, 1) for i in range(sp)]  # (B, T/sp) ids of rank i's tokens
+
+
 def causal_work(T: int, sp: int, layout: str = "zigzag") -> list:
     """Causal (query, key) scores each rank computes at each ring step: ``[rank][step]`` ints.
 
@@ -175,7 +219,7 @@ class _Exchange:
         self.recv = [torch.empty_like(t) for t in self.sent]
         ops = []
         for i, (s, buf) in enumerate(zip(self.sent, self.recv)):
-            comm._record("send", group, s.numel() * s.element_size())
+            comm.record("send", group, s.numel() * s.element_size())
             ops += [dist.P2POp(dist.isend, s, to, group, tag + i), dist.P2POp(dist.irecv, buf, frm, group, tag + i)]
         self.works = dist.batch_isend_irecv(ops)
         self.group, self.op = group, f"ring attention hop (send to rank {to}, receive from rank {frm})"
@@ -186,16 +230,28 @@ class _Exchange:
         return self.recv
 
 
-def _blocks(r: int, s: int, causal: bool, c: int) -> list:
-    """(query slice, key slice, causal) kernel calls when rank r's queries meet rank s's zigzag keys."""
-    every = slice(None)
+def _blocks(r: int, s: int, causal: bool, c: int, sp: int, shares=None) -> list:
+    """(query slice, key slice, causal) kernel calls when rank r's queries meet rank s's zigzag keys.
+
+    ``shares[i][j]``: whether global chunks i and j hold a common document in
+    some row (None: every pair does). The chunk pairs with work are grouped in
+    one call as in the module docstring; when a pair of that group shares no
+    document, the group is cut into one call per pair that does (a pair on the
+    diagonal causal), and pairs without a common document get no call.
+    """
+    every, first, second = slice(None), slice(0, c), slice(c, None)
+    pairs = [(qi, qs, kj, ks, causal and kj == qi)
+             for qi, qs in ((r, first), (2 * sp - 1 - r, second))
+             for kj, ks in ((s, first), (2 * sp - 1 - s, second)) if not (causal and kj > qi)]
+    if shares is not None and not all(shares[qi][kj] for qi, _, kj, _, _ in pairs):
+        return [(qs, ks, diag) for qi, qs, kj, ks, diag in pairs if shares[qi][kj]]
     if not causal:
         return [(every, every, False)]
     if s == r:
         return [(every, every, True)]
     if s < r:
-        return [(every, slice(0, c), False)]
-    return [(slice(c, None), every, False)]
+        return [(every, first, False)]
+    return [(second, every, False)]
 
 
 def _merge(out, lse, o, l) -> None:
@@ -206,11 +262,12 @@ def _merge(out, lse, o, l) -> None:
     lse.copy_(new)
 
 
-def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float):
+def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float, docs=None):
     """dq, dk, dv (accumulator dtype) of one block, from the FINAL lse and delta = rowsum(dO * O).
 
     q, do: (B, H, Sq, D); k, v: (B, Hkv, Sk, D). Heads are grouped (B, Hkv, G, ...)
     so each K/V head broadcasts over its G query heads; dk, dv sum over the group.
+    ``docs``: None or the (B, Sq), (B, Sk) document ids of the queries and keys.
     """
     acc = lse.dtype
     B, H, Sq, D = q.shape
@@ -232,6 +289,8 @@ def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float
             keep = keep & (j[None, :] <= i + (Sk - Sq))
         if keep_k is not None:
             keep = keep & keep_k[:, None, None, None, :]
+        if docs is not None:  # (B, 1, 1, rows, Sk): block-diagonal
+            keep = keep & (docs[0][:, None, None, rows, None] == docs[1][:, None, None, None, :])
         s = torch.matmul(qf[..., rows, :], kf.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
         p = torch.where(keep, torch.exp(s - lse[..., rows, None]), torch.zeros_like(s))
         dp = torch.matmul(dof[..., rows, :], vf.transpose(-1, -2))
@@ -243,55 +302,68 @@ def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float
     return dq.flatten(1, 2), dk, dv
 
 
-def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float):
+def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float, docs=None):
     from cuboid.kernels.flash_attention import attention_backward
 
-    return attention_backward(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding_mask=keep_k)
+    doc_q, doc_k = (None, None) if docs is None else docs
+    return attention_backward(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding_mask=keep_k,
+                              doc_ids=doc_q, doc_ids_k=doc_k)
 
 
 # ----------------------------------------------------------------- ring attention
 
 
+def _ids(docs, rank: int, sl: slice):
+    return None if docs is None else docs.ranks[rank][:, sl]
+
+
 class _RingAttention(torch.autograd.Function):
-    """Zigzag ring attention; forward and backward are each one pass of sp ring steps."""
+    """Zigzag ring attention; forward and backward are each one pass of sp ring steps.
+
+    ``docs``: None or a :class:`ZigzagDocs`: each kernel call takes its query
+    and key chunks' document ids (known on every rank, never sent), and chunk
+    pairs without a common document get no call (:func:`_blocks`). Only
+    compute is skipped: every hop of the ring runs on every rank.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str):
+    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str, docs):
         sp, r = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
+        shares = None if docs is None else docs.shares
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         masks = [None] * sp  # every block's mask, kept for backward (B x T bools in all)
+        calls = [None] * sp  # every block's kernel calls, the same in backward
         kb, vb, mb = k, v, mask
-        out = lse = None
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for t in range(sp):
             s = (r - t) % sp
-            masks[s] = mb
+            masks[s], calls[s] = mb, _blocks(r, s, causal, c, sp, shares)
             nxt = None
             if t < sp - 1:  # the next block travels while this one is computed
                 nxt = _Exchange([kb, vb] + ([] if mb is None else [mb.view(torch.uint8)]), group, _TAG_KV)
-            for qs, ks, blk_causal in _blocks(r, s, causal, c):
+            for qs, ks, blk_causal in calls[s]:
                 o, l = kernels.attention(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal=blk_causal,
                                          key_padding_mask=None if mb is None else mb[:, ks], scale=scale,
-                                         return_lse=True, backend=backend)
-                if out is None:  # step 0 covers every query row
-                    out, lse = o.to(acc), l.to(acc)
-                else:
-                    _merge(out[:, :, qs], lse[:, :, qs], o, l.to(acc))
+                                         return_lse=True, doc_ids=_ids(docs, r, qs), doc_ids_k=_ids(docs, s, ks),
+                                         backend=backend)
+                _merge(out[:, :, qs], lse[:, :, qs], o, l.to(acc))
             if nxt is not None:
                 got = nxt.wait()
                 kb, vb = got[0], got[1]
                 mb = None if mask is None else got[2].view(torch.bool)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.masks, ctx.group, ctx.causal, ctx.scale, ctx.backend = masks, group, causal, scale, backend
+        ctx.masks, ctx.calls, ctx.docs, ctx.group = masks, calls, docs, group
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, scale, docs = ctx.group, ctx.scale, ctx.docs
         sp, r = comm.group_size(group), comm.group_rank(group)
-        c = q.shape[2] // 2
         acc = lse.dtype
         do = dout.to(out.dtype).contiguous()
         triton = ctx.backend == "triton"
@@ -305,14 +377,15 @@ class _RingAttention(torch.autograd.Function):
             gk = torch.zeros(kb.shape, dtype=acc, device=q.device)
             gv = torch.zeros(vb.shape, dtype=acc, device=q.device)
             mb = ctx.masks[s]
-            for qs, ks, blk_causal in _blocks(r, s, causal, c):
+            for qs, ks, blk_causal in ctx.calls[s]:
                 keep = None if mb is None else mb[:, ks]
+                ids = None if docs is None else (_ids(docs, r, qs), _ids(docs, s, ks))
                 if triton:
                     a, b, d = _block_bwd_triton(do[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                                out[:, :, qs], lse[:, :, qs], keep, blk_causal, scale)
+                                                out[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids)
                 else:
                     a, b, d = _block_bwd_torch(do[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                               delta[:, :, qs], lse[:, :, qs], keep, blk_causal, scale)
+                                               delta[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids)
                 dq[:, :, qs] += a
                 gk[:, :, ks] += b
                 gv[:, :, ks] += d
@@ -324,7 +397,7 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kb, vb = nxt.wait()
         dk, dv = home.wait()  # after sp hops, our own block's sums
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
@@ -346,8 +419,26 @@ def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
                              f"got {tuple(key_padding_mask.shape)}")
 
 
+def _row_docs(doc_ids, q, sp: int, what: str):
+    """The whole rows' (B, T) document ids of ``doc_ids`` (a tensor or a :class:`ZigzagDocs`), checked
+    against q's (B, H, T/sp, D) shard; None without."""
+    if doc_ids is None:
+        return None
+    ids = doc_ids.ids if isinstance(doc_ids, ZigzagDocs) else doc_ids
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{what}: doc_ids must be a tensor or a ZigzagDocs, got {type(doc_ids).__name__}")
+    want = (q.shape[0], q.shape[2] * sp)
+    if tuple(ids.shape) != want:
+        raise ValueError(f"{what}: doc_ids are the whole rows' document ids in sequence order, (batch, seq) = "
+                         f"{want}, got {tuple(ids.shape)}")
+    if isinstance(doc_ids, ZigzagDocs) and doc_ids.sp != sp:
+        raise ValueError(f"{what}: these ZigzagDocs were cut for sp = {doc_ids.sp}, the group has {sp} ranks")
+    return ids
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
-                   key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None) -> torch.Tensor:
+                   key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                   doc_ids=None) -> torch.Tensor:
     """This rank's rows of the attention of the whole sequence, K/V passed around the ``group`` ring.
 
     Args:
@@ -358,20 +449,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
         causal: causal attention over global positions.
         key_padding_mask: (B, T/sp) bool, True = keep, zigzag layout like q.
         scale: softmax scale, default 1 / sqrt(D).
+        doc_ids: packed rows: the WHOLE rows' (B, T) document ids in sequence
+            order, non-decreasing (the same on every rank;
+            ``kernels.flash_attention.doc_ids_from_positions``), or a
+            :class:`ZigzagDocs` of them built once for every layer. A query
+            sees only keys of its document; chunk pairs that share no
+            document are not computed. A tensor costs one host sync per call
+            (building its ZigzagDocs), a ZigzagDocs none.
 
     Returns (B, H, T/sp, D) in q's dtype, differentiable w.r.t. q, k, v.
     """
     _check_qkv(q, k, v, key_padding_mask, "ring_attention")
     if not isinstance(causal, bool):
         raise TypeError(f"ring_attention: causal must be a bool, got {type(causal).__name__}")
-    if not comm._active(group):
-        return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    sp = comm.group_size(group)
+    ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "ring_attention")
+    if not comm.active(group):
+        return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                 doc_ids=ids)
     if causal and q.shape[2] % 2:
         raise ValueError(f"ring_attention: a zigzag shard holds two equal chunks, got an odd length {q.shape[2]}")
     backend = kernels.resolve_backend("attention", [q, k, v, key_padding_mask])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # the kernel's default, bit for bit
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
-    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend)
+    docs = doc_ids if isinstance(doc_ids, ZigzagDocs) or ids is None else ZigzagDocs(ids, sp)
+    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend, docs)
 
 
 # ----------------------------------------------------------------- all-to-all attention
@@ -379,7 +481,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
                          key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                         layout: str = "contiguous") -> torch.Tensor:
+                         layout: str = "contiguous", doc_ids=None) -> torch.Tensor:
     """This rank's rows of the whole-sequence attention by a head/sequence all-to-all (Ulysses).
 
     Args:
@@ -390,6 +492,10 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         key_padding_mask: (B, T/sp) bool, True = keep, same layout as q.
         layout: ``"contiguous"`` (rank i holds tokens [i T/sp, (i+1) T/sp)) or
             ``"zigzag"`` (as :func:`ring_attention`).
+        doc_ids: packed rows: the WHOLE rows' (B, T) document ids in sequence
+            order (or a :class:`ZigzagDocs`), whatever the layout: after the
+            exchange each rank holds the whole sequence in that order. No
+            host sync.
 
     Returns (B, H, T/sp, D) in the same layout, differentiable w.r.t. q, k, v.
     """
@@ -397,8 +503,10 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         raise ValueError(f"all_to_all_attention: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     _check_qkv(q, k, v, key_padding_mask, "all_to_all_attention")
     sp = comm.group_size(group)
-    if not comm._active(group):
-        return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale)
+    ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "all_to_all_attention")
+    if not comm.active(group):
+        return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
+                                 doc_ids=ids)
     H, Hkv = q.shape[1], k.shape[1]
     if H % sp:
         raise ValueError(f"all_to_all_attention needs heads ({H}) divisible by sp ({sp}).")
@@ -419,7 +527,7 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         qkv = zigzag_merge(list(qkv.chunk(sp, dim=2)), sp, dim=2)
     # (B, H/sp, T, D) and (B, Hkv/sp, T, D): the whole sequence for this rank's heads
     qa, ka, va = qkv.split([H // sp, Hkv // sp, Hkv // sp], dim=1)
-    out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale)
+    out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale, doc_ids=ids)
     if layout == "zigzag":  # global order -> rank order
         out = torch.cat([zigzag_split(out, sp, i, dim=2) for i in range(sp)], dim=2)
     return comm.all_to_all(out, group, scatter_dim=2, gather_dim=1)

@@ -39,10 +39,12 @@ def _mask(kind, sp, B=B, T=T):
     return m
 
 
-def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D), hkv=None):
+def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D), hkv=None, docs=None, docs_arg=None):
     """(out, dq, dk, dv) errors of ``op`` on fp32 shards against the float64 whole-sequence kernel.
 
     ``hkv``: K/V heads (grouped-query attention; default: as many as q's heads).
+    ``docs``: packed rows, the whole (B, T) document ids (the reference takes them); ``docs_arg``: what
+    ``op`` gets as doc_ids (default: ``docs``).
     """
     from cuboid.kernels import attention
 
@@ -51,10 +53,11 @@ def _case(seed, causal, kind, sp, shard, gather, op, shape=(B, H, T, D), hkv=Non
     full = [torch.randn(*sh, generator=g, dtype=torch.float64) for sh in (shape, kv_shape, kv_shape, shape)]
     mask = _mask(kind, sp, shape[0], shape[2])
     ref = [t.clone().requires_grad_() for t in full[:3]]
-    out = attention(*ref, causal=causal, key_padding_mask=mask, backend="torch")
+    out = attention(*ref, causal=causal, key_padding_mask=mask, doc_ids=docs, backend="torch")
     out.backward(full[3])
     loc = [shard(t, 2).float().requires_grad_() for t in full[:3]]
-    got = op(*loc, causal=causal, key_padding_mask=None if mask is None else shard(mask, 1))
+    extra = {} if docs is None else {"doc_ids": docs if docs_arg is None else docs_arg}
+    got = op(*loc, causal=causal, key_padding_mask=None if mask is None else shard(mask, 1), **extra)
     got.backward(shard(full[3], 2).float())
     errs = [rel(gather(got.detach()), out)]
     errs += [rel(gather(t.grad), r.grad) for t, r in zip(loc, ref)]
@@ -187,6 +190,167 @@ def sp_worker():
     return out
 
 
+def _doc_ids(rows):
+    """(len(rows), sum of a row's lengths) document ids of packed rows given each row's document lengths."""
+    return torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in rows])
+
+
+def _layouts(sp, T=T):
+    """Packed rows of two rows each: boundaries inside chunks, on chunk edges, a document spanning several
+    chunks (and a row of one document), documents of length 1."""
+    c = T // (2 * sp)
+    return {"inside": _doc_ids([[5, 17, 9, 1, 16], [1, 30, 17]]),
+            "edges": _doc_ids([[c] * (2 * sp), [2 * c, c, T - 3 * c]]),
+            "spanning": _doc_ids([[3, 40, 5], [48]]),
+            "ones": _doc_ids([[1, 1, 1, 20, 1, 1, 23], [2, 1, 1, 1, 43]])}
+
+
+def _counting(module, name, counter):
+    """Wrap ``module.name`` so that each call adds one to ``counter[name]``; returns the original."""
+    plain = getattr(module, name)
+
+    def counted(*a, **kw):
+        counter[name] = counter.get(name, 0) + 1
+        return plain(*a, **kw)
+
+    setattr(module, name, counted)
+    return plain
+
+
+def packed_worker():
+    """Packed rows (document ids) under ring and all-to-all attention: {check: (error, tolerance)}."""
+    import torch.distributed as dist
+
+    import cuboid.kernels as kernels
+    from cuboid.kernels import attention, interpreter_active, use_backend
+    from cuboid.parallel import comm
+    from cuboid.parallel import sequence as seq
+    from cuboid.parallel.sequence import ZigzagDocs, all_to_all_attention, ring_attention, zigzag_merge, zigzag_split
+
+    dist.init_process_group("gloo")
+    p, r = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(p)))
+    comm.name_group(group, "sp")
+    out = {}
+
+    def zz_shard(t, dim):
+        return zigzag_split(t, p, r, dim)
+
+    def zz_gather(t):
+        return zigzag_merge(comm.all_gather_list(t.contiguous(), group), p, dim=2)
+
+    def ct_shard(t, dim):
+        return t.chunk(p, dim=dim)[r].contiguous()
+
+    def ct_gather(t):
+        return torch.cat(comm.all_gather_list(t.contiguous(), group), dim=2)
+
+    def ring(*a, **kw):
+        return ring_attention(*a, group, **kw)
+
+    def a2a(layout):
+        return lambda *a, **kw: all_to_all_attention(*a, group, layout=layout, **kw)
+
+    seed = 100
+    for name, docs in _layouts(p).items():
+        for causal in (False, True):
+            seed += 1
+            key = f"sp{p} docs={name} causal={causal}"
+            _record(out, "ring " + key, _case(seed, causal, None, p, zz_shard, zz_gather, ring, docs=docs))
+            _record(out, "a2a contiguous " + key,
+                    _case(seed, causal, None, p, ct_shard, ct_gather, a2a("contiguous"), docs=docs))
+            _record(out, "a2a zigzag " + key, _case(seed, causal, None, p, zz_shard, zz_gather, a2a("zigzag"), docs=docs))
+    layouts = _layouts(p)
+    for name, causal, kind, (h, hkv) in (("inside", True, "pad", (8, 4)), ("ones", False, "chunk", (8, 4)),
+                                         ("edges", True, "chunk", (4, 1)), ("spanning", True, None, (4, 1))):
+        seed += 1
+        key = f"sp{p} docs={name} gqa {h}/{hkv} causal={causal} mask={kind}"
+        docs, shape = layouts[name], (B, h, T, D)
+        _record(out, "ring " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, ring, shape, hkv, docs))
+        _record(out, "ring ZigzagDocs " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, ring, shape, hkv, docs,
+                                                     ZigzagDocs(docs, p)))
+        if hkv % p == 0:
+            _record(out, "a2a zigzag " + key,
+                    _case(seed, causal, kind, p, zz_shard, zz_gather, a2a("zigzag"), shape, hkv, docs))
+
+    if p == 2 and interpreter_active():  # the Triton kernels with document ids, forward and per-block backward
+        with use_backend("triton"):
+            docs = _doc_ids([[3, 6, 7], [8, 1, 7]])
+            errs = _case(97, True, None, p, zz_shard, zz_gather, ring, shape=(2, 2, 16, 16), hkv=1, docs=docs)
+            _record(out, "ring triton mqa causal docs", errs)
+            errs = _case(96, False, "pad", p, zz_shard, zz_gather, ring, shape=(2, 1, 16, 16), docs=docs)
+            _record(out, "ring triton docs mask=pad", errs)
+
+    # skipped chunk pairs: kernel calls counted, forward and backward (one document per chunk: only the
+    # diagonal pairs of step 0; one document: every step, as without documents)
+    c = T // (2 * p)
+    q, k, v = (torch.randn(1, H, T // p, D, requires_grad=True) for _ in range(3))
+    for name, docs, causal, want in (("per chunk", _doc_ids([[c] * (2 * p)]), True, 2),
+                                     ("per chunk", _doc_ids([[c] * (2 * p)]), False, 2),
+                                     ("two chunks", _doc_ids([[2 * c] * p]), False, 4),
+                                     ("one", _doc_ids([[T]]), True, p), ("none", None, True, p)):
+        counter = {}
+        plain = (_counting(kernels, "attention", counter), _counting(seq, "_block_bwd_torch", counter))
+        try:
+            ring_attention(q, k, v, group, causal=causal, doc_ids=docs).sum().backward()
+        finally:
+            kernels.attention, seq._block_bwd_torch = plain
+        got = (counter.get("attention", 0), counter.get("_block_bwd_torch", 0))
+        out[f"ring calls docs={name} causal={causal}"] = (float(got != (want, want)), 0.0)
+
+    # NaN in the keys and values of document 0: rows of the other documents never meet them (their chunk
+    # pairs are skipped, forward and backward), so they stay finite and exact
+    docs = _doc_ids([[T // 4, T // 4, T // 2]] * B)
+    other = (docs[0] != 0)
+    for causal in (False, True):
+        g = torch.Generator().manual_seed(7)
+        full = [torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(4)]
+        ref = [t.clone().requires_grad_() for t in full[:3]]
+        want = attention(*ref, causal=causal, doc_ids=docs, backend="torch")
+        want.backward(full[3])
+        poisoned = [t.clone() for t in full[:3]]
+        for t in poisoned[1:]:
+            t[:, :, :T // 4] = float("nan")
+        loc = [zz_shard(t, 2).float().requires_grad_() for t in poisoned]
+        got = ring_attention(*loc, group, causal=causal, doc_ids=docs)
+        got.backward(zz_shard(full[3], 2).float())
+        pairs = [(zz_gather(got.detach()), want)] + [(zz_gather(t.grad), s.grad) for t, s in zip(loc, ref)]
+        for what, (a, b) in zip(("out", "dq", "dk", "dv"), pairs):
+            a, b = a[:, :, other], b[:, :, other]
+            err = rel(a, b) if bool(torch.isfinite(a).all()) else float("inf")
+            out[f"ring NaN in document 0 causal={causal} {what}"] = (err, TOL)
+
+    # the ids never travel: the bytes are those without documents
+    S = T // p
+    n, e, a = B * H * S * D, 4, 4
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    with comm.count() as tally:
+        ring_attention(q, k, v, group, causal=True, doc_ids=layouts["inside"]).sum().backward()
+    want = (p - 1) * 2 * n * e + (p - 1) * 2 * n * e + p * 2 * n * a
+    out["ring bytes with documents"] = (abs(tally.total - want), 0.0)
+
+    # doc ids are the whole rows': a shard's are refused with a sentence
+    try:
+        ring_attention(q, k, v, group, causal=True, doc_ids=zz_shard(layouts["inside"], 1))
+        msg = ""
+    except ValueError as err:
+        msg = str(err)
+    want = f"ring_attention: doc_ids are the whole rows' document ids in sequence order, (batch, seq) = {(B, T)}, got {(B, S)}"
+    out["doc ids shape error"] = (0.0 if msg == want else 1.0, 0.0)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_rows_under_sequence_parallel_attention(world):
+    """Document ids under ring and all-to-all attention match the one-device kernel with them, forward
+    and backward; chunk pairs without a common document are never computed."""
+    reports = run_world(packed_worker, world, timeout=300)
+    for rank, report in enumerate(reports):
+        bad = {k: v for k, v in report.items() if not v[0] <= v[1]}
+        assert not bad, (rank, bad)
+    assert len(reports[0]) >= 4 * 2 * 3 * 4 + 5 + 8
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_attention_matches_single_device(world):
     reports = run_world(sp_worker, world, timeout=180)
@@ -207,6 +371,10 @@ def test_one_rank_is_plain_attention():
         want = attention(q, k, v, causal=True, key_padding_mask=mask)
         for fn in (ring_attention, all_to_all_attention):
             assert torch.equal(fn(q, k, v, None, causal=True, key_padding_mask=mask), want)
+        docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 47 + [1]])
+        want = attention(q, k, v, causal=True, key_padding_mask=mask, doc_ids=docs)
+        for fn in (ring_attention, all_to_all_attention):
+            assert torch.equal(fn(q, k, v, None, causal=True, key_padding_mask=mask, doc_ids=docs), want)
 
 
 def test_zigzag_layout_roundtrip():
