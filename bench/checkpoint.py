@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository root: tests.parallel.launch
+from tests.parallel.launch import free_port, rank_env  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -247,16 +249,10 @@ def run_worker(op: str, args, shard: str) -> dict:
 
 def run_tp(args, shard: str, world: int = 4) -> list:
     """The tp=4 load on ``world`` local gloo processes (the torchrun environment, set by hand)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(world):
-        env = {**_env(), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        env = {**_env(), **rank_env(rank, world, port)}
         procs.append(subprocess.Popen(_command("tp-load", args, shard), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, env=env))
     results = []

@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -34,16 +33,12 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
+from tests.parallel.launch import free_port, rank_env  # noqa: E402
 
 
 def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(rank_env(rank, world, port))
     try:
         torch.set_num_threads(1)
         import cuboid
@@ -77,7 +72,7 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 
 def run(cfg: dict, timeout: float) -> list:
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=worker, args=(r, 2, port, cfg, queue), daemon=True) for r in range(2)]
     for p in procs:
         p.start()

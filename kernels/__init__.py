@@ -50,6 +50,8 @@ else:
 _EXPORTS = {
     "attention": "flash_attention",
     "attention_ref": "flash_attention",
+    "attention_backward": "flash_attention",
+    "doc_ids_from_positions": "flash_attention",
     "layer_norm": "norm",
     "layer_norm_ref": "norm",
     "rms_norm": "norm",

@@ -34,7 +34,7 @@ import time
 import pytest
 
 from ..checkpoint.common import REPO, child_env
-from .launch import free_port
+from .launch import free_port, rank_env
 
 TIMEOUT = 5.0  # seconds, the mesh groups' timeout in these worlds
 SLACK = 30.0   # the issue's bound: detected within the timeout plus this
@@ -97,10 +97,9 @@ def child(rank: int) -> None:
 
 def _run_world() -> dict:
     """Start the two ranks, wait for rank 0 to exit (bounded), kill rank 1; rank 0's output and exit time."""
-    env = dict(child_env(), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.test_hang"], cwd=str(REPO),
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              env={**child_env(), **rank_env(r, 2, port)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
         stdout, stderr = procs[0].communicate(timeout=180)
