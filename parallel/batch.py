@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cuboid.kernels.flash_attention import doc_ids_from_positions
+
+from .mask import Mask
+
 if TYPE_CHECKING:
     from .mesh import Mesh
     from .plan import Plan
@@ -29,16 +33,28 @@ def pad_batch(batch: dict, multiple: int) -> dict:
     """``batch`` padded on dim 0 to a multiple of ``multiple`` with rows that weigh nothing (:func:`pad_rows`)."""
     size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
     pad = (-size) % multiple
+    batch = rows_of(batch, size) if pad else batch
     return {k: pad_rows(k, v, pad) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} if pad else batch
 
 
 def split_batch(batch: dict, parts: int) -> list[dict]:
-    """Split a batch dict along dim 0 into ``parts`` equal micro-batches."""
+    """Split a batch dict along dim 0 into ``parts`` equal micro-batches (HF's (1, T) ``position_ids``, one row
+    for all, expanded first)."""
     size = next(iter(batch.values())).shape[0]
     if size % parts:
         raise ValueError(f"a batch of {size} does not split into {parts} equal micro-batches")
     step = size // parts
+    batch = rows_of(batch, size)
     return [{k: v[i * step:(i + 1) * step] for k, v in batch.items()} for i in range(parts)]
+
+
+def rows_of(batch: dict, size: int) -> dict:
+    """``batch`` with a (1, T) ``position_ids`` (Hugging Face's: the same positions for every row) expanded to
+    ``size`` rows, so that cutting rows cuts it too."""
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.shape[0] == 1 and size > 1:
+        return dict(batch, position_ids=positions.expand(size, *positions.shape[1:]))
+    return batch
 
 
 class BatchSplit:
@@ -51,7 +67,8 @@ class BatchSplit:
     - before forward, every tensor input whose dim 0 is the batch is padded to
       a multiple of the mode's batch blocks (labels with -100, other inputs by
       repeating the last row, so padded rows never count in a loss) and this
-      rank keeps its block (3D: attention masks in the ``inner`` layout and
+      rank keeps its block (3D: attention masks in the ``inner`` layout, as a
+      :class:`~cuboid.parallel.mask.Mask` with the positions when the batch gives them, and
       one-per-example labels whole, as its layers expect);
     - after forward, hidden-state fields of the :class:`Output` (in the mode's
       activation layout) and the logits are gathered to whole tensors *when
@@ -86,14 +103,31 @@ class BatchSplit:
             return x
         return self._split(key, pad_rows(key, x, pad))
 
+    def cut_inputs(self, inputs: dict, batch: int, pad: int) -> dict:
+        """Every input of ``inputs`` cut (:meth:`cut`). Under 3D with ``position_ids``, ``attention_mask``
+        becomes the attention cores' :class:`~cuboid.parallel.mask.Mask` (:meth:`core_mask`): the cores
+        hold other rows than the embeddings, which take ``position_ids`` in the block layout."""
+        out = {k: self.cut(k, v, batch, pad) for k, v in inputs.items()}
+        if self.plan.tp_mode == "3d" and isinstance(inputs.get("position_ids"), torch.Tensor):
+            out["attention_mask"] = self.core_mask(inputs.get("attention_mask"), inputs["position_ids"], batch, pad)
+        return out
+
+    def core_mask(self, attention_mask, position_ids: torch.Tensor, batch: int, pad: int) -> Mask:
+        """The 3D attention cores' :class:`~cuboid.parallel.mask.Mask` (the ``inner`` layout's rows): its
+        document ids counted on the whole rows, then cut. The key mask stays whole-shaped where the batch gave
+        one (a pipeline stream's shape must not depend on its values)."""
+        positions = position_ids.long().expand(batch, -1) if position_ids.shape[0] != batch else position_ids.long()
+        keep = attention_mask.to(torch.bool) if isinstance(attention_mask, torch.Tensor) else None
+        whole = Mask(keep, positions, doc_ids_from_positions(positions))
+        return whole.map(lambda t: self._split("attention_mask", pad_rows(None, t, pad)))
+
     def before(self, module, args, kwargs):
         first = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0), None)
         batch = first.shape[0] if first is not None else 0
         pad = (-batch) % self.parts
         self._sizes.append((batch, pad))
         args = tuple(self.cut(None, v, batch, pad) for v in args)
-        kwargs = {k: self.cut(k, v, batch, pad) for k, v in kwargs.items()}
-        return args, kwargs
+        return args, self.cut_inputs(kwargs, batch, pad)
 
     def _gather_hidden(self, x: torch.Tensor) -> torch.Tensor:
         if self.plan.tp_mode in ("2d", "2.5d"):

@@ -33,6 +33,7 @@ from torch import nn
 import cuboid.kernels as kernels
 from cuboid.parallel import comm
 from cuboid.parallel.head import TiedHead, cross_entropy
+from cuboid.parallel.mask import Mask
 
 ROLES = ("column", "column_qkv", "column_kv", "row", "vocab", "norm", "replicate", "embedding")
 
@@ -297,10 +298,11 @@ def sync_rng(group) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+              key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention core: q (B, H, T, D), k and v (B, Hkv, S, D) with H a multiple of Hkv (grouped-query
-    attention), out (B, H, T, D), through the kernel."""
-    return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    attention), out (B, H, T, D), through the kernel; ``doc_ids`` (B, T): a query sees only keys of its
+    document."""
+    return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, doc_ids=doc_ids)
 
 
 class Rotary(nn.Module):
@@ -346,22 +348,33 @@ class Rotary(nn.Module):
 class Attention(nn.Module):
     """The attention core as a layer (no parameters; role ``attention``): (B, H, T, D) q, (B, Hkv, T, D) k
     and v in, (B, H, T, D) out; with ``rope`` (a :class:`Rotary`), q and k are rotated first by their
-    positions in the sequence.
+    positions: ``mask.positions`` where the batch gave them, else 0 .. T-1.
+
+    ``mask`` (a :class:`~cuboid.parallel.mask.Mask` or None) is what the model built from its inputs, laid
+    out like this core's tokens: its key padding mask and, for packed rows, the document of each token (a
+    query sees only keys of its own document).
 
     A layer so that a plan can swap it: sequence parallelism replaces it by
-    ring or all-to-all attention over the ``sp`` group (:mod:`.sequence`), the
-    model code unchanged; the core, not the model, knows which positions its
-    tokens hold.
+    ring or all-to-all attention over the ``sp`` group (:mod:`.sequence_split`),
+    generation by a cached core (:mod:`cuboid.zoo.generation`), the model code
+    unchanged; a swapped core takes the same call.
     """
 
     role = "attention"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                key_padding_mask: Optional[torch.Tensor] = None, rope: Optional[Rotary] = None) -> torch.Tensor:
+                mask: Optional[Mask] = None, rope: Optional[Rotary] = None) -> torch.Tensor:
+        if mask is not None and not isinstance(mask, Mask):
+            raise TypeError(f"an attention core takes a cuboid.parallel.mask.Mask, got {type(mask).__name__}")
         if rope is not None:
-            T = q.shape[2]
-            q, k = rope(q, k, torch.arange(T, device=q.device), ("range", T))
-        return attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+            if mask is not None and mask.positions is not None:
+                q, k = rope(q, k, mask.positions)
+            else:
+                T = q.shape[2]
+                q, k = rope(q, k, torch.arange(T, device=q.device), ("range", T))
+        if mask is None:
+            return attention(q, k, v, causal=causal)
+        return attention(q, k, v, causal=causal, key_padding_mask=mask.keep, doc_ids=mask.docs)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

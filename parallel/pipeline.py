@@ -17,7 +17,10 @@ the single-device step.
 **The stream between stages** is ``(x, residual, attention_mask, labels)``:
 the residual of pre-LN models starts as zeros (``norm(x + 0)`` is
 ``norm(x)`` exactly), post-LN models pass zeros through, a model without an
-attention mask passes a (B, 1) mask of ones (no key is masked). Labels
+attention mask passes a (B, 1) mask of ones (no key is masked). A batch with
+``position_ids`` (packed rows) sends them in the mask's place, stacked under
+it as (B, 2, T) (:func:`_stream_mask`); every stage builds the attention
+cores' :class:`~.mask.Mask` from it, document ids counted on whole rows. Labels
 travel with their micro-batch to the last stage, which returns the
 micro-batch's mean loss; the schedule's loss function weights it by its
 share of the global batch's label count, so a step is one device's step.
@@ -35,7 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from cuboid.kernels.flash_attention import doc_ids_from_positions
+
 from .batch import pad_batch, split_batch
+from .mask import Mask
 from .sequence_split import SequenceSplit, TensorSequenceSplit
 from .stages import stage_ids
 
@@ -48,10 +54,22 @@ class StageInfo:
     input_keys: tuple = ()    # the batch keys the first stage takes, in order
 
 
-def _key_mask(mask: torch.Tensor) -> Optional[torch.Tensor]:
-    """A (B, T) attention mask (1 = token) as the attention kernel's bool key mask; None when all are kept."""
-    m = mask.to(torch.bool)
-    return None if bool(m.all()) else m
+def _stream_mask(keep: Optional[torch.Tensor], positions: Optional[torch.Tensor], rows: int, tokens: int,
+                 device) -> torch.Tensor:
+    """The stream's mask entry, long: the (B, T) attention mask, or (B, ``tokens``) ones where the batch has
+    none (``tokens`` 1: no key is masked); with ``positions`` (B, T) or (1, T), (B, 2, T): keep over
+    positions. Its shape depends only on which inputs the batch has, as torch's schedules need."""
+    T = positions.shape[-1] if positions is not None else tokens
+    keep = keep.long() if keep is not None else torch.ones(rows, T, dtype=torch.long, device=device)
+    if positions is None:
+        return keep
+    return torch.stack([keep, positions.long().expand(rows, -1)], 1)
+
+
+def _unstack(mask: torch.Tensor) -> tuple:
+    """``(keep, positions)`` of a stream's mask entry (:func:`_stream_mask`): keep (B, T) long, positions
+    (B, T) long or None."""
+    return (mask[:, 0], mask[:, 1]) if mask.dim() == 3 else (mask, None)
 
 
 class StageModule(nn.Module):
@@ -88,36 +106,49 @@ class StageModule(nn.Module):
         batch has none)."""
         if self.batch_split is not None:
             size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
-            batch = {k: self.batch_split.cut(k, v, size, 0) for k, v in batch.items()}
+            batch = self.batch_split.cut_inputs(batch, size, 0)
+        keep, positions = batch.get("attention_mask"), batch.get("position_ids")
+        if isinstance(keep, Mask):  # 3D: the cores' rows, cut by the batch split
+            keep, positions = keep.keep, keep.positions
         if self.sp is not None:  # sequence parallelism: this rank's chunks travel, with the whole (B, T) mask
-            x, keep, local, labels, _ = self.sp.enter(batch)
-            return x, torch.zeros_like(x), keep.long(), local if local is not None else labels
+            x, whole, local, labels, _ = self.sp.enter(batch)
+            mask = _stream_mask(whole, positions, x.shape[0], whole.shape[1], x.device)
+            return x, torch.zeros_like(x), mask, local if local is not None else labels
         x = self.model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
-        mask = batch.get("attention_mask")
-        if mask is None:  # no key is masked ((B, T) under tp_sequence: the last stage reads T from it)
-            mask = torch.ones(x.shape[0], x.shape[1] if self.seq is not None else 1, dtype=torch.long,
-                              device=x.device)
+        # no key masked: (B, 1) ones ((B, T) under tp_sequence: the last stage reads T from it)
+        mask = _stream_mask(keep, positions, x.shape[0], x.shape[1] if self.seq is not None else 1, x.device)
         if self.seq is not None:  # Megatron sequence parallelism: this rank's T / tp tokens travel
             x = comm.scatter_to(F.pad(x, (0, 0, 0, (-x.shape[1]) % self.seq.tp)), self.seq.group, 1)
         return x, torch.zeros_like(x), mask, batch.get("labels")
 
+    def core_mask(self, mask: torch.Tensor, tokens: int) -> Optional[Mask]:
+        """The attention cores' :class:`~.mask.Mask` from the stream's mask entry; ``tokens``: this stage's
+        tokens per row (a sequence split's share)."""
+        keep, positions = _unstack(mask)
+        if self.sp is not None:  # the whole rows' mask, cut to this rank's chunks by the sequence split
+            whole = Mask(keep.to(torch.bool), positions, None if positions is None else doc_ids_from_positions(positions))
+            return self.sp.local_mask(whole, tokens * self.sp.sp)
+        core = Mask.of(keep, positions, keep.shape[0])
+        if self.seq is not None and tokens * self.seq.tp > keep.shape[1]:  # attention sees the padded sequence
+            core = (core or Mask(keep=keep.to(torch.bool))).pad(tokens * self.seq.tp)
+        return core
+
     def run_blocks(self, x, residual, mask):
-        if self.seq is not None:  # attention sees the whole (gathered, padded) sequence
-            mask = F.pad(mask, (0, x.shape[1] * self.seq.tp - mask.shape[1]))
-        key_mask = _key_mask(mask) if self.sp is None else self.sp.key_mask(mask, x.shape[1] * self.sp.sp)
+        core = self.core_mask(mask, x.shape[1])
         for block in self.blocks.values():
-            x, r = block(x, residual, key_mask)
+            x, r = block(x, residual, core)
             residual = r if r is not None else torch.zeros_like(x)
         return x, residual
 
     def head(self, x, residual, mask, labels):
         """The model's head on the last stage (under tp_sequence after the sequence is gathered)."""
+        T = mask.shape[-1]  # the whole sequence (under sp and tp_sequence the mask is (B, T))
         if self.seq is not None:
-            x = comm.gather_from(x, self.seq.group, 1)[:, :mask.shape[1]]
-            residual = comm.gather_from(residual, self.seq.group, 1)[:, :mask.shape[1]]
+            x = comm.gather_from(x, self.seq.group, 1)[:, :T]
+            residual = comm.gather_from(residual, self.seq.group, 1)[:, :T]
         if self.sp is not None:  # the loss summed over sp, outputs gathered in order when read
             token = labels is not None and labels.dim() == 2
-            return self.sp.leave(x, residual, labels if token else None, labels, mask.shape[1])
+            return self.sp.leave(x, residual, labels if token else None, labels, T)
         return self.model.head(x, residual, labels)
 
     def forward(self, *inputs):
@@ -132,7 +163,9 @@ class StageModule(nn.Module):
             if self.inferring:
                 # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
                 # the first training step); labels and masks there are noise, so that pass ignores and keeps all
-                labels, mask = torch.full_like(labels, -100), torch.ones_like(mask)
+                labels = torch.full_like(labels, -100)
+                mask = torch.stack([torch.ones_like(mask[:, 0]), torch.zeros_like(mask[:, 1])], 1) if mask.dim() == 3 \
+                    else torch.ones_like(mask)  # (positions all 0: each token its own document)
         x, residual = self.run_blocks(x, residual, mask)
         if info.stage < info.stages - 1:
             # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and

@@ -16,6 +16,7 @@ from torch import nn
 
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import Deferred
+from cuboid.parallel.mask import Mask
 
 
 class Output:
@@ -115,11 +116,11 @@ class SelfAttention(nn.Module):
         self.proj = L.Linear(dim, dim)
         self.dropout = L.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3 * H * D); T read off the projection (it gathers a sequence-sharded x)
         B, T, _ = qkv.shape
         q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
-        y = self.core(q, k, v, causal=self.causal, key_padding_mask=key_padding_mask)  # (B, H, T, D)
+        y = self.core(q, k, v, causal=self.causal, mask=mask)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.dropout(self.proj(y))
 
@@ -144,10 +145,10 @@ class Block(nn.Module):
         self.mlp = MLP(dim, mlp_hidden, approximate, dropout)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                key_padding_mask: Optional[torch.Tensor] = None):
+                mask: Optional[Mask] = None):
         if self.pre_ln:
-            return pre_norm(self, x, residual, key_padding_mask)
-        x, _ = self.ln1(self.attn(x, key_padding_mask), x)
+            return pre_norm(self, x, residual, mask)
+        x, _ = self.ln1(self.attn(x, mask), x)
         x, _ = self.ln2(self.mlp(x), x)
         return x, None
 
@@ -173,24 +174,25 @@ def linears(x: torch.Tensor, layers: tuple) -> list:
 
 
 def pre_norm(block: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
-             key_padding_mask: Optional[torch.Tensor]) -> tuple:
+             mask: Optional[Mask]) -> tuple:
     """A pre-norm block's ``(x', residual')`` from its ``ln1``, ``attn``, ``ln2`` and ``mlp`` (GPT-2, ViT, Llama):
-    each norm fuses the residual add, and the true hidden state is ``x' + residual'``."""
+    each norm fuses the residual add, and the true hidden state is ``x' + residual'``. ``mask``: the
+    :class:`~cuboid.parallel.mask.Mask` the model built, handed to the attention core unchanged."""
     if residual is None:
         h, residual = block.ln1(x), x
     else:
         h, residual = block.ln1(x, residual)
-    x = block.attn(h, key_padding_mask)
+    x = block.attn(h, mask)
     h, residual = block.ln2(x, residual)
     return block.mlp(h), residual
 
 
-def padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """HF ``attention_mask`` (B, T), 1 = token, to the kernel's bool key mask; None if all kept."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask.to(torch.bool)
-    return mask if mask.is_meta or not bool(mask.all()) else None
+def attention_mask_of(input_ids: torch.Tensor, attention_mask=None,
+                      position_ids: Optional[torch.Tensor] = None) -> Optional[Mask]:
+    """The :class:`~cuboid.parallel.mask.Mask` a model's blocks pass to their attention cores, from HF's
+    ``attention_mask`` (1 = token) and ``position_ids`` (restarting at 0 at each document of a packed row),
+    on the whole rows of ``input_ids``: None when no key is masked and no position is given."""
+    return Mask.of(attention_mask, position_ids, input_ids.shape[0])
 
 
 # ---------------------------------------------------------------- initialisation

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
+from cuboid.parallel.mask import Mask
 from cuboid.parallel.state import state_of
 
 
@@ -49,8 +50,10 @@ class CachedAttention(nn.Module):
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
-    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None, rope=None):
+    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None):
         T = q.shape[2]
+        # (B, S) over every cached token and the new ones; a prompt is one document (its left padding is masked)
+        key_padding_mask = mask.keep if mask is not None else None
         S = self.length + T  # tokens cached after this call
         if rope is not None:  # the new tokens' positions: each row's kept tokens before them (its rows only)
             if key_padding_mask is None:
@@ -155,7 +158,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
         pipeline.microbatches = 1
     if state.sequence_split is None:  # the blocks' outputs are whole sequences here
         model.head = _last_position(model.head)
-    learned_positions = "position_ids" in inspect.signature(type(model).forward).parameters  # GPT-2
+    learned_positions = "position_ids" in inspect.signature(model.embed).parameters  # GPT-2 (Llama: RoPE, in the core)
     was_training = model.training
     model.eval()
     try:

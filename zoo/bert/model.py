@@ -8,7 +8,7 @@ from torch import nn
 
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import lazy
-from cuboid.zoo.common import Block, Output, count_targets, init_parameters, padding_mask, standard_rule
+from cuboid.zoo.common import Block, Output, attention_mask_of, count_targets, init_parameters, standard_rule
 
 from .config import BertConfig
 
@@ -46,7 +46,7 @@ class Bert(nn.Module):
                 token_type_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> Output:
         x = self.embed(input_ids, token_type_ids, position_ids)  # (B, T, C)
-        mask = padding_mask(attention_mask)
+        mask = attention_mask_of(input_ids, attention_mask, position_ids)  # packed rows: one document per restart
         for block in self.blocks:
             x, _ = block(x, None, mask)
         return self.head(x, None, labels)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Decoder, Output, count_targets, init_parameters, padding_mask
+from cuboid.zoo.common import Block, Decoder, Output, attention_mask_of, count_targets, init_parameters
 
 from .config import GPTConfig
 
@@ -51,7 +51,7 @@ class GPT(Decoder):
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
         x = self.embed(input_ids, position_ids)  # (B, T, C)
-        mask = padding_mask(attention_mask)
+        mask = attention_mask_of(input_ids, attention_mask, position_ids)  # packed rows: one document per restart
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)

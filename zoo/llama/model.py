@@ -9,7 +9,8 @@ from torch import nn
 import cuboid.kernels as kernels
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import lazy
-from cuboid.zoo.common import Decoder, Output, count_targets, init_parameters, linears, padding_mask, pre_norm
+from cuboid.parallel.mask import Mask
+from cuboid.zoo.common import Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, pre_norm
 
 from .config import LlamaConfig
 
@@ -29,11 +30,11 @@ class Attention(nn.Module):
         self.proj = L.Linear(c.n_heads * d, c.dim, bias=False)
         self.dropout = L.Dropout(c.dropout)
 
-    def forward(self, x: torch.Tensor, key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
         q, k, v = linears(x, (self.q, self.k, self.v))  # (B, T, H * D), (B, T, Hkv * D) twice
         B, T, _ = q.shape
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
-        y = self.core(q, k, v, causal=True, key_padding_mask=key_padding_mask, rope=self.rope)  # (B, H, T, D)
+        y = self.core(q, k, v, causal=True, mask=mask, rope=self.rope)  # (B, H, T, D)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -64,8 +65,8 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(c)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                key_padding_mask: Optional[torch.Tensor] = None):
-        return pre_norm(self, x, residual, key_padding_mask)
+                mask: Optional[Mask] = None):
+        return pre_norm(self, x, residual, mask)
 
 
 class Llama(Decoder):
@@ -98,9 +99,11 @@ class Llama(Decoder):
         init_parameters(self, rule, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> Output:
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
+        """``position_ids`` (B, T) or (1, T): the rotary positions (HF's), restarting at 0 at each document of a
+        packed row (attention stays inside each document); 0 .. T-1 when not given."""
         x = self.embed(input_ids)  # (B, T, C)
-        mask = padding_mask(attention_mask)
+        mask = attention_mask_of(input_ids, attention_mask, position_ids)
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)
