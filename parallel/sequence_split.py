@@ -31,19 +31,33 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .sequence import all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions, zigzag_split
+from .mask import Mask
+from .sequence import (ZigzagDocs, all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
+                       zigzag_split)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceMask(Mask):
+    """A :class:`~cuboid.parallel.mask.Mask` of this sp rank's zigzag tokens (``keep``, ``positions``,
+    ``docs`` cut like the tokens) with ``row_docs``, the whole rows' document ids as the sp attention takes
+    them: a :class:`~cuboid.parallel.sequence.ZigzagDocs` under ring attention (built once per forward,
+    its one host read), the (B, T) ids under all-to-all; None without documents."""
+
+    row_docs: Any = None
 
 
 class SequenceAttention(nn.Module):
     """The attention core over the ``sp`` group: ``ring`` or ``all_to_all``, on zigzag-laid-out tokens
-    (rotary embeddings, when the model gives them, at those tokens' positions in the whole sequence)."""
+    (rotary embeddings, when the model gives them, at the positions of ``mask``, else at those tokens'
+    positions in the whole sequence); ``mask`` a :class:`SequenceMask` (:meth:`SequenceSplit.local_mask`)."""
 
     role = "attention"
 
@@ -51,15 +65,23 @@ class SequenceAttention(nn.Module):
         super().__init__()
         self.group, self.mode = group, mode
 
-    def forward(self, q, k, v, *, causal: bool, key_padding_mask: Optional[torch.Tensor] = None, rope=None):
-        if rope is not None:  # this rank's tokens sit at its zigzag chunks' positions
-            sp, rank = comm.group_size(self.group), comm.group_rank(self.group)
-            T = q.shape[2] * sp
-            q, k = rope(q, k, zigzag_positions(T, sp, rank, q.device), ("zigzag", T, sp, rank))
+    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None):
+        if mask is not None and mask.docs is not None and not isinstance(mask, SequenceMask):
+            raise TypeError("sequence-parallel attention takes packed rows as a SequenceMask (the whole rows' "
+                            "document ids with this rank's): build it with SequenceSplit.local_mask")
+        if rope is not None:
+            if mask is not None and mask.positions is not None:  # the batch's positions, cut like the tokens
+                q, k = rope(q, k, mask.positions)
+            else:  # this rank's tokens sit at its zigzag chunks' positions
+                sp, rank = comm.group_size(self.group), comm.group_rank(self.group)
+                T = q.shape[2] * sp
+                q, k = rope(q, k, zigzag_positions(T, sp, rank, q.device), ("zigzag", T, sp, rank))
+        keep = None if mask is None else mask.keep
+        docs = None if mask is None else mask.row_docs
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask)
-        return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=key_padding_mask,
-                                    layout="zigzag")
+            return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, doc_ids=docs)
+        return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, layout="zigzag",
+                                    doc_ids=docs)
 
 
 class _SumOverSp(torch.autograd.Function):
@@ -97,7 +119,7 @@ class _FromFirstRank(torch.autograd.Function):
 
 def _embed_whole(model: nn.Module, embed_args: tuple, batch: dict, what: str) -> tuple:
     """The model's ``embed`` of the whole batch, (B, T, C), and the (B, T) bool mask of kept tokens."""
-    unknown = set(batch) - set(embed_args) - {"attention_mask", "labels"}
+    unknown = set(batch) - set(embed_args) - {"attention_mask", "labels", "position_ids"}
     if unknown:
         raise TypeError(f"{type(model).__name__} under {what} got unexpected inputs {sorted(unknown)}")
     x = model.embed(**{k: batch[k] for k in embed_args if batch.get(k) is not None})  # (B, T, C)
@@ -115,12 +137,14 @@ class SequenceSplit:
     def __init__(self, model: nn.Module, spec, mesh) -> None:
         self.model, self.spec, self.mesh = model, spec, mesh
         self.group, self.sp, self.rank = mesh.group("sp"), mesh.size("sp"), mesh.coords.get("sp", 0)
+        self.mode = "ring"  # the attention cores' (swap_attention)
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.shifted = bool(getattr(spec, "shifted_labels", False))
         self.pooled_first = bool(getattr(spec, "pooled_first", False))
 
     def swap_attention(self, mode: str) -> int:
         """Replace every attention core of the model by the sp one; returns how many."""
+        self.mode = mode
         n = 0
         for mod in list(self.model.modules()):
             for name, child in list(mod.named_children()):
@@ -153,11 +177,31 @@ class SequenceSplit:
         local = self._split(F.pad(token_labels, (0, pad), value=-100)) if token_labels is not None else None
         return x, keep, local, labels, int((token_labels != -100).sum()) if token_labels is not None else 0
 
-    def key_mask(self, keep: torch.Tensor, tokens: int) -> Optional[torch.Tensor]:
-        """This rank's key padding mask for the whole (B, T) ``keep`` padded to ``tokens`` (None: all kept;
-        the same choice on every sp rank)."""
-        keep = F.pad(keep.to(torch.bool), (0, tokens - keep.shape[1]), value=False)
-        return None if bool(keep.all()) else self._split(keep)
+    def local_mask(self, whole: Mask, tokens: int) -> Optional[SequenceMask]:
+        """This rank's attention cores' mask from the ``whole`` rows' :class:`~cuboid.parallel.mask.Mask`
+        ((B, T) fields, document ids counted on whole rows), padded to ``tokens`` (the padded tail masked,
+        its own document) and cut like the tokens; None when no key is masked and no position is given
+        (the same choice on every sp rank). Packed rows under ring attention: one host read (the
+        :class:`~cuboid.parallel.sequence.ZigzagDocs` table), once per forward for every layer."""
+        whole = whole.pad(tokens)
+        keep = whole.keep
+        if keep is not None and bool(keep.all()):
+            keep = None
+        if keep is None and whole.positions is None:
+            return None
+        row_docs = whole.docs
+        if row_docs is not None and self.mode == "ring":
+            row_docs = ZigzagDocs(row_docs, self.sp)
+        return SequenceMask(*(None if t is None else self._split(t) for t in (keep, whole.positions, whole.docs)),
+                            row_docs=row_docs)
+
+    def whole_mask(self, keep: torch.Tensor, position_ids: Optional[torch.Tensor]) -> Mask:
+        """The whole rows' Mask of a batch: ``keep`` (B, T) bool and HF's ``position_ids`` ((B, T) or
+        (1, T), restarting at 0 at each document), document ids counted on the whole rows."""
+        if position_ids is None:
+            return Mask(keep=keep)
+        whole = Mask.of(None, position_ids, keep.shape[0])
+        return Mask(keep, whole.positions, whole.docs)
 
     def leave(self, x, residual, local_labels, labels, length: int, n_total: Optional[int] = None):
         """The model's head on this rank's tokens: the single-device loss (summed over sp) and outputs
@@ -205,10 +249,10 @@ class SequenceSplit:
 
     def forward(self, **batch):
         x, keep, local_labels, labels, n_total = self.enter(batch)
-        key_mask = self.key_mask(keep, x.shape[1] * self.sp)
+        mask = self.local_mask(self.whole_mask(keep, batch.get("position_ids")), x.shape[1] * self.sp)
         residual = None
         for block in getattr(self.model, self.spec.blocks):
-            x, residual = block(x, residual, key_mask)
+            x, residual = block(x, residual, mask)
         return self.leave(x, residual, local_labels, labels, keep.shape[1], n_total)
 
 
@@ -252,18 +296,25 @@ class TensorSequenceSplit:
         x, keep = _embed_whole(model, self._embed_args, batch, "sequence-sharded tensor parallelism")
         B, T, _ = x.shape
         pad = (-T) % self.tp
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-            keep = F.pad(keep, (0, pad), value=False)
-        key_mask = None if bool(keep.all()) else keep  # attention sees the whole (gathered) sequence
-        x = comm.scatter_to(x, self.group, 1)  # (B, T / tp, C): this rank's tokens
+        mask = self.mask(keep, batch.get("position_ids"), T + pad)
+        x = comm.scatter_to(F.pad(x, (0, 0, 0, pad)), self.group, 1)  # (B, T / tp, C): this rank's tokens
         residual = None
         for block in getattr(model, self.spec.blocks):
-            x, residual = block(x, residual, key_mask)
+            x, residual = block(x, residual, mask)
         x = comm.gather_from(x, self.group, 1)[:, :T]
         if residual is not None:
             residual = comm.gather_from(residual, self.group, 1)[:, :T]
         return model.head(x, residual, batch.get("labels"))
+
+    @staticmethod
+    def mask(keep: torch.Tensor, position_ids: Optional[torch.Tensor], tokens: int) -> Optional[Mask]:
+        """The attention cores' Mask: they see the whole (gathered) sequence, padded to ``tokens`` (padded keys
+        masked, the padded tail its own document); ``keep`` (B, T) bool, ``position_ids`` HF's (packed rows);
+        None when no key is masked and no position is given."""
+        whole = Mask.of(keep, position_ids, keep.shape[0])
+        if tokens > keep.shape[1]:
+            whole = (whole or Mask(keep=keep)).pad(tokens)
+        return whole
 
 
 def bytes_per_step(*, n_layers: int, heads: int, head_dim: int, batch: int, seq: int, sp: int, mode: str = "ring",
