@@ -8,8 +8,11 @@ handwritten digits that ship with scikit-learn (the embedded default).
 
 :func:`prepare` turns a split into a dict of equal-length tensors for a task:
 
-- ``causal``: tokenized text, concatenated and packed into blocks of
-  ``seq_len`` (labels = inputs; the model shifts);
+- ``causal``: tokenized text, concatenated and cut into blocks of
+  ``seq_len`` (labels = inputs; the model shifts); with ``packing`` each
+  record is a document of its own instead, rows of ``seq_len`` filled by
+  :func:`cuboid.packing.pack` (best-fit-decreasing, ``position_ids``
+  restarting per document, so no document attends to another);
 - ``mlm``: tokenized, padded/truncated to ``seq_len``; masking happens per
   batch (:func:`mask_tokens`) so every step sees new masks;
 - ``seqcls``: tokenized, padded/truncated, one label per example;
@@ -154,10 +157,14 @@ def _check_labels(labels: torch.Tensor, n: int, column: str) -> None:
 
 
 def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = None, text_column: str = "text",
-            label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None) -> dict:
+            label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None,
+            packing: bool = False) -> dict:
     """A split as a dict of equal-length tensors for ``task`` (see module docstring)."""
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if packing and task != "causal":
+        raise DataError(f"packing puts whole documents into rows for causal language modelling (--task clm), "
+                        f"not for task {task}")
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     if task == "imgcls":
@@ -171,6 +178,8 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
     if task == "causal":
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         eos = tokenizer.eos_token_id
+        if packing:
+            return _packed_documents(ids, eos, tokenizer.pad_token_id, seq_len)
         flat = [tok for seq in ids for tok in ([*seq, eos] if eos is not None else seq)]
         n_blocks = len(flat) // seq_len
         if n_blocks == 0:
@@ -187,6 +196,31 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
         _check_labels(labels, num_labels or config.num_labels, label_column)
         out["labels"] = labels
     return out
+
+
+def _packed_documents(ids: list, eos: Optional[int], pad_id: Optional[int], seq_len: int) -> dict:
+    """Each non-empty text a document (its tokens, then EOS), packed into rows of ``seq_len``."""
+    from cuboid.packing import pack
+
+    docs = [[*seq, eos] if eos is not None else seq for seq in ids if seq]
+    if not docs:
+        raise DataError("the text column holds no text to pack")
+    return pack(docs, seq_len, pad_id=pad_id if pad_id is not None else 0)
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the model is given of a batch: a packed batch (one with ``position_ids``) without its
+    ``attention_mask``: its padding is a document of its own, which the positions already keep apart,
+    and a key mask beside document ids only adds work (rows of padding that see no key)."""
+    if "position_ids" in batch and "attention_mask" in batch:
+        return {k: v for k, v in batch.items() if k != "attention_mask"}
+    return batch
+
+
+def real_tokens(batch: dict) -> int:
+    """The tokens of a batch that are not padding (its ``attention_mask``; every token when it has none)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
 def _prepare_images(ds, config, image_column: str, label_column: str, num_labels: Optional[int]) -> dict:

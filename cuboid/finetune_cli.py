@@ -60,7 +60,10 @@ FLAGS = [
                     "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
-    ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's)"),
+    ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's); with --packing "
+                       "the length of a packed row"),
+    ("--packing", bool, "causal LM: each line/record is a document; documents are packed into rows of --seq-len "
+                        "(best-fit-decreasing; longer ones split) and attend only to themselves"),
     ("--tokenizer", str, "a tokenizer folder or tokenizer.json (default: the model folder's)"),
     ("--text-column", str, "text column (default 'text')"),
     ("--label-column", str, "label column (default 'label')"),
@@ -76,6 +79,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     for flag, typ, help_ in FLAGS:
         if flag == "--resume":  # a bare --resume means the latest checkpoint in --output-dir
             p.add_argument(flag, type=typ, default=None, nargs="?", const="latest", help=help_)
+            continue
+        if typ is bool:  # a switch; None when not given, so a --config file's value stands
+            p.add_argument(flag, action="store_true", default=None, help=help_)
             continue
         p.add_argument(flag, type=typ, default=None, help=help_)
     p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")

@@ -47,7 +47,8 @@ class FinetuneConfig:
     lora: Any = None                      # LoRA adapters only: "r=16,alpha=32[,dropout=0.05][,targets=attn+mlp]"
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
-    seq_len: Optional[int] = None
+    seq_len: Optional[int] = None         # tokens per row of a text task (packing: the packed row's length)
+    packing: bool = False                 # causal LM: each record a document, packed into rows (cuboid.packing)
     tokenizer: Optional[str] = None
     text_column: str = "text"
     label_column: str = "label"
@@ -61,7 +62,7 @@ class FinetuneConfig:
 
 def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     """``cfg`` with its task alias resolved; a one-sentence ValueError for an unknown optimizer, schedule,
-    lr scaling or task, or a bad decay power, before any work."""
+    lr scaling or task, a bad decay power, or packing for a task other than causal LM, before any work."""
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
@@ -73,4 +74,6 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
         cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
     if cfg.task is not None and cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(TASKS)} (clm: causal)")
+    if cfg.packing and cfg.task not in (None, "causal"):
+        raise ValueError(f"--packing packs documents for causal language modelling (--task clm), not {cfg.task}")
     return cfg

@@ -43,8 +43,8 @@ from torch import nn
 
 from cuboid.callbacks import Callbacks
 from cuboid.curves import plot_curves
-from cuboid.data import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, num_classes,
-                         prepare as prepare_data, train_eval_split)
+from cuboid.data import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, model_inputs,
+                         num_classes, prepare as prepare_data, real_tokens, train_eval_split)
 from cuboid.finetune_config import HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked
 from cuboid.loading import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
@@ -117,7 +117,7 @@ class Run:
 
     @property
     def unit(self) -> str:
-        """What the throughput counts."""
+        """What the throughput counts: tokens (not padding) or samples."""
         return "tokens" if self.task in ("causal", "mlm") else "samples"
 
     @property
@@ -186,8 +186,9 @@ def load_data_and_model(r: Run) -> None:
     config = r.model.config
     prep = dict(config=config, tokenizer=r.tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
                 label_column=cfg.label_column, image_column=cfg.image_column,
-                num_labels=getattr(config, "num_labels", None))
-    train_data, r.eval_data = prepare_data(train_ds, r.task, **prep), prepare_data(eval_ds, r.task, **prep)
+                num_labels=getattr(config, "num_labels", None), packing=cfg.packing)
+    train_data = prepare_data(train_ds, r.task, **prep)
+    r.eval_data = model_inputs(prepare_data(eval_ds, r.task, **prep))
     r.batches = GlobalBatches(train_data, cfg.batch_size, seed=cfg.seed)
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
 
@@ -304,6 +305,20 @@ def announce(r: Run) -> None:
         f"at peak lr {r.peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
                                          if cfg.lr_scaling != "none" else "")
         + f", {r.warmup} warmup steps, {cfg.schedule} decay")
+    if "input_ids" in r.batches.tensors:
+        log(padding_line(r.batches.tensors) + ("; tokens/s counts real tokens" if r.unit == "tokens" else ""))
+
+
+def padding_line(tensors: dict) -> str:
+    """The training rows' padding in one line (packed rows: how many documents they hold)."""
+    ids = tensors["input_ids"]
+    rows, width = ids.shape
+    real = real_tokens(tensors)
+    line = f"data: {rows} rows of {width} tokens, {real:,} of them real, padding {1 - real / ids.numel():.1%}"
+    if "position_ids" in tensors:  # a packed row: a document starts at each position 0 (a split one once a piece)
+        docs = int(((tensors["position_ids"] == 0) & (tensors["attention_mask"] == 1)).sum())
+        line += f" (packed: {docs} documents, {docs / rows:.1f} a row, attending only within themselves)"
+    return line
 
 
 def train(r: Run) -> None:
@@ -342,16 +357,17 @@ def train(r: Run) -> None:
 
 def train_one_step(r: Run, step: int, gen: torch.Generator):
     """Optimizer step ``step`` (1-based) on the next global batch (masked for MLM), the lr schedule
-    stepped: (the :class:`cuboid.step.StepResult`, the samples or tokens it trained on)."""
+    stepped: (the :class:`cuboid.step.StepResult`, the samples or real tokens it trained on)."""
     r.model.train()
     batch = r.batches.next()
     if r.task == "mlm":
         gen.manual_seed(r.cfg.seed * 1_000_003 + step - 1)
         batch = mask_tokens(batch, r.tokenizer, gen)
-    result = train_step(r.model, r.optimizer, batch, microbatches=r.accumulate, max_grad_norm=r.cfg.max_grad_norm,
-                        dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh)
+    counted = real_tokens(batch) if r.unit == "tokens" else r.cfg.batch_size
+    result = train_step(r.model, r.optimizer, model_inputs(batch), microbatches=r.accumulate,
+                        max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh)
     r.scheduler.step()
-    return result, batch["input_ids"].numel() if r.unit == "tokens" else r.cfg.batch_size
+    return result, counted
 
 
 def record(r: Run, row: dict) -> None:
