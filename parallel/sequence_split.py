@@ -14,7 +14,11 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
    ``i`` and ``2 sp - 1 - i``, which balances causal attention);
 3. the blocks run on the rank's ``T / sp`` tokens; their attention core (a
    :class:`~cuboid.parallel.layers.Attention` layer) has been swapped for
-   ring or all-to-all attention over ``sp``;
+   ring or all-to-all attention over ``sp``. The blocks' mask is built on the
+   whole rows (key mask, ``position_ids``, document ids of packed rows),
+   padded and cut like the tokens (:meth:`SequenceSplit.local_mask`); it
+   carries the whole rows' document ids too, which ring attention needs to
+   know every chunk's documents (and skip chunk pairs that share none);
 4. ``head`` runs on the rank's tokens: token labels are aligned before the cut
    (a causal LM's target of position ``t`` is token ``t + 1``, possibly on
    another rank; the spec's ``shifted_labels`` says so), and heads that read

@@ -30,9 +30,8 @@ def _embedding_grads(model, batch, doc: int):
     ranks (each sp rank's embedding feeds only its own chunks)."""
     import torch.distributed as dist
 
-    zoo = model
     captured = {}
-    plain = zoo.embed  # every rank embeds the whole sequence
+    plain = model.embed  # every rank embeds the whole sequence
 
     def embed(*a, **kw):
         x = plain(*a, **kw)
@@ -40,7 +39,7 @@ def _embedding_grads(model, batch, doc: int):
         captured["x"] = x
         return x
 
-    zoo.embed = embed
+    model.embed = embed  # on the instance: the sequence split and the model's forward call it there
     try:
         labels = torch.full_like(batch["labels"], -100)
         start = sum(DOCS[0][:doc])
@@ -49,7 +48,7 @@ def _embedding_grads(model, batch, doc: int):
         out = model(**dict(batch, labels=labels))
         out.loss.backward()
     finally:
-        del zoo.embed
+        del model.embed
     grad = captured["x"].grad.clone()
     dist.all_reduce(grad)
     return grad
