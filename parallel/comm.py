@@ -557,6 +557,3 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     """Split ``x`` along ``scatter_dim``, send chunk i to rank i, concatenate what arrives along ``gather_dim``."""
     p = active(group)
     return _AllToAll.apply(x, group, p, scatter_dim % x.ndim, gather_dim % x.ndim) if p else x
-
-
-_record, _active = record, active  # the names parallel/sequence.py still reads
