@@ -15,17 +15,20 @@ the other's peak):
 - ``model``: a Llama-shaped cuboid model (RMSNorm, RoPE, grouped K/V heads,
   SwiGLU), forward + backward + AdamW step per batch;
 - ``kernel``: ``cuboid.kernels.attention`` alone on the CPU torch path, forward +
-  backward, q/k/v shaped as that model's attention; plus ``per-doc``, the same
-  function called once per document of each packed row (causal, no mask): what
-  the torch path would cost if it attended per document segment (kernels/'s
-  torch path builds one (B, S, S) mask for the whole row instead).
+  backward, q/k/v shaped as that model's attention.
+
+Each part has a third mode, ``per-doc``: the packed rows with attention called
+once per document (causal, no mask; :func:`per_document_attention`, swapped in
+for the model's core in that process only). It is what the CPU torch path would
+cost if it attended per document segment; kernels/'s torch path builds one
+(B, S, S) mask for the whole packed row, so it pays the row's square.
 
 Each mode runs ``--passes`` passes over its batches after a warm-up batch; the
 median pass counts. Peak memory is the peak of RssAnon (anonymous resident memory, /proc/self/status),
 sampled every millisecond by a thread, not RSS (which counts mapped files).
 Prints a table and writes JSON.
 
-    python bench/packing.py [--docs 60] [--passes 3] [--parts model kernel] [--out bench/packing.json]
+    python bench/packing.py [--docs 150] [--passes 2] [--parts model kernel] [--out bench/packing.json]
 """
 from __future__ import annotations
 
@@ -109,9 +112,31 @@ def rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
-def model_step_fn():
+def per_document_attention(q, k, v, *, causal: bool, key_padding_mask=None, doc_ids=None):
+    """The attention core called once per document of each row (causal, no mask), for the ``per-doc`` mode:
+    each document costs its own square. The bench swaps it in for the model's core; kernels/ is untouched."""
+    from cuboid.kernels import attention
+
+    if doc_ids is None:
+        return attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+    assert key_padding_mask is None or bool(key_padding_mask.all()), "per-doc: packed rows carry no key mask"
+    rows = []
+    for b in range(q.shape[0]):
+        counts = torch.unique_consecutive(doc_ids[b], return_counts=True)[1].tolist()
+        bounds = np.cumsum([0] + counts).tolist()
+        rows.append(torch.cat([attention(q[b:b + 1, :, a:e], k[b:b + 1, :, a:e], v[b:b + 1, :, a:e], causal=causal)
+                               for a, e in zip(bounds, bounds[1:])], dim=2))
+    return torch.cat(rows, dim=0)
+
+
+def model_step_fn(mode: str):
     from cuboid.zoo import build, materialize
     from cuboid.zoo.llama.config import LlamaConfig
+
+    if mode == "per-doc":
+        import cuboid.parallel.layers as layers
+
+        layers.attention = per_document_attention  # the attention core's call, looked up at each forward
 
     config = LlamaConfig(n_positions=ROW, **SHAPE)
     model = materialize(build(config), "cpu", seed=0).train()
@@ -147,10 +172,8 @@ def kernel_step_fn(mode: str):
         if mode == "packed":
             out = attention(q, k, v, causal=True, doc_ids=doc_ids_from_positions(batch["position_ids"]),
                             backend="torch")
-        elif mode == "per-doc":  # one causal call per document: no mask, each document's square only
-            starts = torch.nonzero(batch["position_ids"][0] == 0).flatten().tolist() + [q.shape[2]]
-            out = torch.cat([attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], causal=True, backend="torch")
-                             for a, b in zip(starts, starts[1:])], dim=2)
+        elif mode == "per-doc":
+            out = per_document_attention(q, k, v, causal=True, doc_ids=doc_ids_from_positions(batch["position_ids"]))
         else:
             out = attention(q, k, v, causal=True, key_padding_mask=batch["attention_mask"].bool(), backend="torch")
         out.sum().backward()
@@ -167,7 +190,7 @@ def run_one(part: str, mode: str, n_docs: int, per_step: int, passes: int) -> di
     batches = padded_batches(docs, per_step) if mode == "padded" else packed_batches(docs)
     warm = (padded_batches(documents(per_step, seed=7), per_step) if mode == "padded"
             else packed_batches(documents(per_step, seed=7)))[0]
-    step = model_step_fn() if part == "model" else kernel_step_fn(mode)
+    step = model_step_fn(mode) if part == "model" else kernel_step_fn(mode)
     getattr(step, "prepare", lambda b: None)(batches)
     step(warm)
     load_before = os.getloadavg()[0]
@@ -189,10 +212,10 @@ def run_one(part: str, mode: str, n_docs: int, per_step: int, passes: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=60, help="documents (the same set for every mode)")
+    ap.add_argument("--docs", type=int, default=150, help="documents (the same set for every mode)")
     ap.add_argument("--parts", nargs="+", default=["model", "kernel"], choices=["model", "kernel"])
     ap.add_argument("--out", default="bench/packing.json")
-    ap.add_argument("--passes", type=int, default=3, help="timed passes over the batches (the median counts)")
+    ap.add_argument("--passes", type=int, default=2, help="timed passes over the batches (the median counts)")
     ap.add_argument("--one", nargs=2, metavar=("PART", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--per-step", type=int, default=None, help="documents per padded step (default: the mean "
                     "number a packed row holds)")
@@ -204,7 +227,7 @@ def main() -> None:
         return
     results = []
     for part in args.parts:
-        for mode in ("packed", "padded") + (("per-doc",) if part == "kernel" else ()):
+        for mode in ("packed", "padded", "per-doc"):
             cmd = [sys.executable, __file__, "--docs", str(args.docs), "--per-step", str(per_step),
                    "--passes", str(args.passes), "--one", part, mode]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
