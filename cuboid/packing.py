@@ -165,15 +165,18 @@ def pack(docs: Sequence[Sequence[int]], row_length: int, *, labels: Optional[Seq
         raise ValueError("pack: labels must hold one list per document, as long as the document")
     layout = plan_rows(lengths, row_length)
     doc_offset = np.cumsum(lengths) - lengths
-    flat = np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(lengths.sum()))
-    flat_labels = None if labels is None else \
-        np.fromiter((t for d in labels for t in d), dtype=np.int64, count=int(lengths.sum()))
-    out = _fill(layout, doc_offset, flat, flat_labels, pad_id)
+    out = _fill(layout, doc_offset, _flat(docs), None if labels is None else _flat(labels), pad_id)
     if as_tensors:
         import torch
 
         out = {key: torch.from_numpy(v) for key, v in out.items()}
     return out
+
+
+def _flat(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    """Lists of ids one after another, as one int64 array (a numpy copy per list, no loop per token)."""
+    parts = [np.asarray(x, dtype=np.int64).reshape(-1) for x in lists]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _arrow_values(column) -> tuple[np.ndarray, np.ndarray]:
