@@ -387,9 +387,11 @@ class Pipeline:
 
     def _fit_shapes(self, batch: dict) -> None:
         """Have torch's stages infer shapes again when the batch's shapes changed since the last run
-        (a short last evaluation batch): their p2p buffers are sized by the first run."""
+        (a short last evaluation batch, a packed batch after a padded one): their p2p buffers are sized by the
+        first run; the first stage's input keys are read again."""
         key = tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
         if self._shapes is not None and key != self._shapes:
+            self.first.input_keys = ()
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
                          "_stages_forward_initialized", "_stages_backward_initialized"):
                 if hasattr(self._schedule, flag):
