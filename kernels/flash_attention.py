@@ -724,6 +724,11 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
     Sq, Sk = q.shape[2], k.shape[2]
     if q.dtype == torch.float64 or (causal and Sq > Sk):
         return None
+    if docs is not None and docs[0] is docs[1] and key_padding_mask is None and q.device.type == "cpu" \
+            and not q.is_meta:
+        per_document = _sdpa_per_document(q, k, v, docs[0], causal, scale)
+        if per_document is not None:
+            return per_document
     if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
         return None
     mask = None
@@ -744,6 +749,33 @@ def _sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tens
         return None
     gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
+
+
+def _sdpa_per_document(q, k, v, doc_ids: torch.Tensor, causal: bool, scale: float):
+    """Self-attention of packed rows on CPU, one SDPA call per document: the cost is the sum of the
+    documents' squares, as in the Triton kernels, instead of the row's square under a block-diagonal mask.
+
+    The documents' lengths are read on the host once (one ``unique_consecutive`` over the rows' ids); every
+    slice is a view, and autograd carries the gradients back through the concatenation.
+    """
+    B, S = doc_ids.shape
+    low, high = doc_ids.min(), doc_ids.max()
+    rows = torch.arange(B, device=doc_ids.device)[:, None] * (high - low + 1)  # each row's ids apart
+    _, counts = torch.unique_consecutive((rows + doc_ids - low).flatten(), return_counts=True)
+    if counts.numel() <= B:  # one document a row: nothing to split
+        return None
+    lengths, i = counts.tolist(), 0
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}
+    out_rows = []
+    for b in range(B):
+        parts, pos = [], 0
+        while pos < S:
+            e, i = pos + lengths[i], i + 1
+            parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, pos:e], k[b:b + 1, :, pos:e],
+                                                        v[b:b + 1, :, pos:e], is_causal=causal, scale=scale, **gqa))
+            pos = e
+        out_rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return torch.cat(out_rows, dim=0)
 
 
 # ----------------------------------------------------------------------------

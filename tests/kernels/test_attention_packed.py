@@ -200,6 +200,32 @@ def test_packed_rows_without_lse(backend):
     assert not out[0, :, :32].any()  # row 0: documents 0 and 1 have no key from 60 on
 
 
+@pytest.mark.parametrize("H,Hkv,causal", [(4, 2, True), (2, 2, False), (2, 1, True)])
+def test_torch_path_attends_per_document(monkeypatch, H, Hkv, causal):
+    # on CPU the torch path runs SDPA once per document (the row's square is never built): one call per
+    # document of LAYOUT's rows, forward and gradients against float64
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(q, k, v, **kw):
+        calls.append((q.shape[2], kw.get("attn_mask")))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    q, k, v, _ = make_inputs(3, H, 100, 100, 16, Hkv=Hkv)
+    out = attention(q, k, v, causal=causal, doc_ids=LAYOUT, backend="torch")
+    assert [n for n, _ in calls] == [31, 1, 32, 36, 100, 1, 1, 40, 1, 56, 1]
+    assert all(m is None for _, m in calls)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad((out * go).sum(), (q, k, v))
+    h = [leaf_copy(t, F64) for t in (q, k, v)]
+    nout = naive64(*h, causal=causal, docs=(LAYOUT, LAYOUT))[0]
+    ngrads = torch.autograd.grad((nout * go.double()).sum(), h)
+    torch.testing.assert_close(out.double(), nout, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ngrads):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
+
+
 def test_doc_ids_from_positions():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5], [3, 4, 0, 1, 0, 0]])  # row 2 starts mid-document
     want = torch.tensor([[1, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 3]], dtype=torch.int32)
