@@ -277,7 +277,8 @@ class GlobalBatches:
         if self.size == 0:
             raise DataError("the dataset is empty")
         if self.batch_size > self.size:
-            raise DataError(f"batch size {self.batch_size} is larger than the {self.size} training examples")
+            raise DataError(f"batch size {self.batch_size} is larger than the {self.size} training examples"
+                            + (" (packed rows)" if "position_ids" in self.tensors else ""))
         self.per_epoch = self.size // self.batch_size  # the tail of each epoch is dropped
 
     def _order(self, epoch: int) -> torch.Tensor:
