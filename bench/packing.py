@@ -17,11 +17,8 @@ the other's peak):
 - ``kernel``: ``cuboid.kernels.attention`` alone on the CPU torch path, forward +
   backward, q/k/v shaped as that model's attention.
 
-Each part has a third mode, ``per-doc``: the packed rows with attention called
-once per document (causal, no mask; :func:`per_document_attention`, swapped in
-for the model's core in that process only). It is what the CPU torch path would
-cost if it attended per document segment; kernels/'s torch path builds one
-(B, S, S) mask for the whole packed row, so it pays the row's square.
+The packed rows' attention is the kernels' own: on CPU the torch path runs SDPA
+once per document, so a packed row costs the sum of its documents' squares.
 
 Each mode runs ``--passes`` passes over its batches after a warm-up batch; the
 median pass counts. Peak memory is the peak of RssAnon (anonymous resident memory, /proc/self/status),
@@ -112,31 +109,9 @@ def rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
-def per_document_attention(q, k, v, *, causal: bool, key_padding_mask=None, doc_ids=None):
-    """The attention core called once per document of each row (causal, no mask), for the ``per-doc`` mode:
-    each document costs its own square. The bench swaps it in for the model's core; kernels/ is untouched."""
-    from cuboid.kernels import attention
-
-    if doc_ids is None:
-        return attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
-    assert key_padding_mask is None or bool(key_padding_mask.all()), "per-doc: packed rows carry no key mask"
-    rows = []
-    for b in range(q.shape[0]):
-        counts = torch.unique_consecutive(doc_ids[b], return_counts=True)[1].tolist()
-        bounds = np.cumsum([0] + counts).tolist()
-        rows.append(torch.cat([attention(q[b:b + 1, :, a:e], k[b:b + 1, :, a:e], v[b:b + 1, :, a:e], causal=causal)
-                               for a, e in zip(bounds, bounds[1:])], dim=2))
-    return torch.cat(rows, dim=0)
-
-
 def model_step_fn(mode: str):
     from cuboid.zoo import build, materialize
     from cuboid.zoo.llama.config import LlamaConfig
-
-    if mode == "per-doc":
-        import cuboid.parallel.layers as layers
-
-        layers.attention = per_document_attention  # the attention core's call, looked up at each forward
 
     config = LlamaConfig(n_positions=ROW, **SHAPE)
     model = materialize(build(config), "cpu", seed=0).train()
@@ -172,8 +147,6 @@ def kernel_step_fn(mode: str):
         if mode == "packed":
             out = attention(q, k, v, causal=True, doc_ids=doc_ids_from_positions(batch["position_ids"]),
                             backend="torch")
-        elif mode == "per-doc":
-            out = per_document_attention(q, k, v, causal=True, doc_ids=doc_ids_from_positions(batch["position_ids"]))
         else:
             out = attention(q, k, v, causal=True, key_padding_mask=batch["attention_mask"].bool(), backend="torch")
         out.sum().backward()
@@ -227,7 +200,7 @@ def main() -> None:
         return
     results = []
     for part in args.parts:
-        for mode in ("packed", "padded", "per-doc"):
+        for mode in ("packed", "padded"):
             cmd = [sys.executable, __file__, "--docs", str(args.docs), "--per-step", str(per_step),
                    "--passes", str(args.passes), "--one", part, mode]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
