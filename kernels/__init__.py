@@ -49,9 +49,9 @@ else:
 # public name -> submodule that defines it
 _EXPORTS = {
     "attention": "flash_attention",
-    "attention_ref": "flash_attention",
+    "attention_ref": "attention_torch",
     "attention_backward": "flash_attention",
-    "doc_ids_from_positions": "flash_attention",
+    "doc_ids_from_positions": "attention_torch",
     "layer_norm": "norm",
     "layer_norm_ref": "norm",
     "rms_norm": "norm",

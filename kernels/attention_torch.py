@@ -1,0 +1,244 @@
+"""Attention's argument checks and its plain-torch path (the reference, and the CPU path).
+
+:func:`attention_ref` is the reference the Triton kernels of
+:mod:`.flash_attention` are tested against, computed in fp32 (float64 stays
+float64) in query chunks; :func:`sdpa_attention` is the fast torch path where
+no log-sum-exp is wanted (torch's fused SDPA; packed rows on CPU one document
+at a time). Conventions (layout, end-aligned causal, masks, document ids) are
+:mod:`.flash_attention`'s, whose :func:`~.flash_attention.attention` chooses
+the backend.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import check_floating, check_same_dtype
+
+_OP = "attention"
+
+
+def validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) -> float:
+    """Check the arguments; return the softmax scale to use."""
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    if not triton_path:
+        dtypes = dtypes + (torch.float64,)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_floating(_OP, name, t, dtypes)
+    check_same_dtype(_OP, q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{_OP}: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    for i, what in ((0, "batch"), (3, "head_dim")):
+        if not q.shape[i] == k.shape[i] == v.shape[i]:
+            raise ValueError(f"{_OP}: q, k, v must share {what} (dim {i}), got "
+                             f"{q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"{_OP}: k and v must share heads (dim 1), got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{_OP}: q's {q.shape[1]} heads must be a multiple of k/v's {k.shape[1]} heads "
+                         f"(grouped-query attention).")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"{_OP}: k and v must have the same sequence length, got {k.shape[2]} and {v.shape[2]}")
+    if q.shape[2] < 1 or k.shape[2] < 1:
+        raise ValueError(f"{_OP}: sequence lengths must be >= 1, got Sq={q.shape[2]}, Sk={k.shape[2]}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{_OP}: causal must be a bool, got {type(causal).__name__}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            got = key_padding_mask.dtype if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+            raise TypeError(f"{_OP}: key_padding_mask must be a bool tensor (True = keep), got {got}")
+        want = (q.shape[0], k.shape[2])
+        if tuple(key_padding_mask.shape) != want:
+            raise ValueError(f"{_OP}: key_padding_mask must have shape (batch, seq_k) = {want}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+    D = q.shape[3]
+    if triton_path and not 16 <= D <= 256:
+        raise ValueError(f"{_OP}: the Triton kernel supports head_dim 16..256, got {D} (use backend='torch')")
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{_OP}: scale must be a positive number, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{_OP}: scale must be positive and finite, got {scale}")
+    return float(scale)
+
+
+def check_docs(q, k, doc_ids, doc_ids_k) -> Optional[tuple]:
+    """(doc_q (B, Sq), doc_k (B, Sk)) as given, or None without documents; raises on a bad argument.
+
+    Non-decreasing ids are checked on the device (``torch._assert_async``: an
+    error at once on CPU, a device-side assert on CUDA), never with a host sync.
+    """
+    if doc_ids is None:
+        if doc_ids_k is not None:
+            raise ValueError(f"{_OP}: doc_ids_k (the keys' document ids) needs doc_ids (the queries')")
+        return None
+    B, Sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+    if doc_ids_k is None:
+        if Sq != Sk:
+            raise ValueError(f"{_OP}: doc_ids alone serves q and k of one length; Sq={Sq} != Sk={Sk}: "
+                             f"pass the keys' ids as doc_ids_k")
+        doc_ids_k = doc_ids
+    for name, t, want in (("doc_ids", doc_ids, (B, Sq)), ("doc_ids_k", doc_ids_k, (B, Sk))):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+                or t.dtype == torch.bool:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{_OP}: {name} must be an integer tensor of document ids, got {got}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{_OP}: {name} must have shape {want} (batch, seq), got {tuple(t.shape)}")
+        if not t.is_meta and t.shape[1] > 1:
+            torch._assert_async((t[:, 1:] >= t[:, :-1]).all(),
+                                f"{_OP}: {name} must be non-decreasing along each row (documents one after another)")
+    return doc_ids, doc_ids_k
+
+
+def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) int32 document ids of packed rows from position ids that restart at 0 at each document.
+
+    Hugging Face's convention for packed rows (``DataCollatorWithFlattening``):
+    a new document starts where the position is 0. Ids count documents from
+    the row's start, so they are non-decreasing, as :func:`attention` needs;
+    compute them on whole rows before splitting a sequence into chunks.
+    """
+    return torch.cumsum(position_ids == 0, dim=-1, dtype=torch.int32)
+
+
+def _ref_chunk(q, k, v, keep, scale: float):
+    """Softmax attention for one chunk of queries, heads grouped.
+
+    ``q`` is (B, Hkv, G, c, D), ``k``/``v`` (B, Hkv, 1, Sk, D): the matmuls
+    broadcast each K/V head over its G query heads (no copies), and autograd
+    sums dK/dV over the group. ``keep`` broadcasts to (B, Hkv, G, c, Sk).
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: shift by 0
+    p = torch.exp(s - m)  # unnormalized; exactly 0 where masked
+    l = p.sum(dim=-1, keepdim=True)
+    empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
+    out = torch.matmul(p, v) / l_safe
+    lse = torch.where(empty, torch.full_like(l, float("-inf")), m + torch.log(l_safe))
+    return out, lse.squeeze(-1)
+
+
+def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
+                  scale: Optional[float] = None, return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
+                  doc_ids_k: Optional[torch.Tensor] = None, chunk_size: int = 1024):
+    """Plain-torch attention with the same conventions as :func:`attention`.
+
+    Computes in fp32 (halves are upcast; float64 stays float64), queries in
+    chunks of ``chunk_size`` so that at most a (B, H, chunk, Sk) score matrix is
+    live; when gradients are needed and there are several chunks, each chunk is
+    recomputed in backward (activation checkpointing) so memory stays bounded
+    there too. Document ids make the mask block-diagonal (query and key in one
+    document). Differentiable by autograd, including through ``lse``.
+    """
+    scale = validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
+    docs = check_docs(q, k, doc_ids, doc_ids_k)
+    if chunk_size < 1:
+        raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # heads grouped: q (B, Hkv, G, Sq, D), k, v (B, Hkv, 1, Sk, D); query head h = hkv * G + g
+    qf = q.to(cdt).unflatten(1, (Hkv, H // Hkv))
+    kf, vf = k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
+    key_keep = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]  # (B, 1, 1, 1, Sk)
+    checkpoint = Sq > chunk_size and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses = [], []
+    for start in range(0, Sq, chunk_size):
+        stop = min(Sq, start + chunk_size)
+        keep = torch.ones((1, 1, 1, stop - start, Sk), dtype=torch.bool, device=q.device)
+        if causal:
+            i = torch.arange(start, stop, device=q.device)[:, None]
+            j = torch.arange(Sk, device=q.device)[None, :]
+            keep = keep & (j <= i + (Sk - Sq))
+        if key_keep is not None:
+            keep = keep & key_keep
+        if docs is not None:  # (B, 1, 1, c, Sk): block-diagonal
+            keep = keep & (docs[0][:, None, None, start:stop, None] == docs[1][:, None, None, None, :])
+        if checkpoint:
+            o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, :, start:stop], kf, vf, keep, scale,
+                                                     use_reentrant=False)
+        else:
+            o, l = _ref_chunk(qf[:, :, :, start:stop], kf, vf, keep, scale)
+        outs.append(o)
+        lses.append(l)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).flatten(1, 2).to(q.dtype)
+    if not return_lse:
+        return out
+    lse = (lses[0] if len(lses) == 1 else torch.cat(lses, dim=3)).flatten(1, 2)
+    return out, lse
+
+
+def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], scale: float,
+                    docs: Optional[tuple] = None):
+    """The fast torch path when no lse is wanted: torch's fused SDPA, or None where it does not apply.
+
+    SDPA has no lse output and its fully-masked rows are NaN, so rows without a
+    kept key (padded-out batches, causal with Sq > Sk, a query whose document
+    has no key) and float64 go to :func:`attention_ref` instead. SDPA's
+    ``is_causal`` is top-left aligned, so an end-aligned causal mask with
+    Sq != Sk is passed explicitly. Documents pass a (B, 1, Sq, Sk) block-diagonal mask.
+    """
+    Sq, Sk = q.shape[2], k.shape[2]
+    if q.dtype == torch.float64 or (causal and Sq > Sk):
+        return None
+    if docs is not None and docs[0] is docs[1] and key_padding_mask is None and q.device.type == "cpu" \
+            and not q.is_meta:
+        per_document = _sdpa_per_document(q, k, v, docs[0], causal, scale)
+        if per_document is not None:
+            return per_document
+    if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
+        return None
+    mask = None
+    if key_padding_mask is not None:
+        mask = key_padding_mask[:, None, None, :]  # (B, 1, 1, Sk)
+    if docs is not None:
+        same = docs[0][:, None, :, None] == docs[1][:, None, None, :]  # (B, 1, Sq, Sk)
+        mask = same if mask is None else mask & same
+    if causal and Sq == 1:  # one query, end-aligned: it sees every key (a decoding step), no mask to build
+        causal = False
+    if causal and (Sq != Sk or mask is not None):
+        i = torch.arange(Sq, device=q.device)[:, None]
+        j = torch.arange(Sk, device=q.device)[None, :]
+        keep = j <= i + (Sk - Sq)  # (Sq, Sk)
+        mask = keep if mask is None else mask & keep
+        causal = False
+    if docs is not None and not mask.is_meta and not bool(mask.any(dim=-1).all()):
+        return None
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
+
+
+def _sdpa_per_document(q, k, v, doc_ids: torch.Tensor, causal: bool, scale: float):
+    """Self-attention of packed rows on CPU, one SDPA call per document: the cost is the sum of the
+    documents' squares, as in the Triton kernels, instead of the row's square under a block-diagonal mask.
+
+    The documents' lengths are read on the host once (one ``unique_consecutive`` over the rows' ids); every
+    slice is a view, and autograd carries the gradients back through the concatenation.
+    """
+    B, S = doc_ids.shape
+    low, high = doc_ids.min(), doc_ids.max()
+    rows = torch.arange(B, device=doc_ids.device)[:, None] * (high - low + 1)  # each row's ids apart
+    _, counts = torch.unique_consecutive((rows + doc_ids - low).flatten(), return_counts=True)
+    if counts.numel() <= B:  # one document a row: nothing to split
+        return None
+    lengths, i = counts.tolist(), 0
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}
+    out_rows = []
+    for b in range(B):
+        parts, pos = [], 0
+        while pos < S:
+            e, i = pos + lengths[i], i + 1
+            parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, pos:e], k[b:b + 1, :, pos:e],
+                                                        v[b:b + 1, :, pos:e], is_causal=causal, scale=scale, **gqa))
+            pos = e
+        out_rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+    return torch.cat(out_rows, dim=0)
