@@ -354,8 +354,8 @@ class Pipeline:
     def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
         """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
         last stage returns the sum of the weighted micro-batch losses, the others None."""
+        self._fit_shapes(batch)  # (first: a batch with other keys resets the first stage's input keys)
         args = self._first_args(batch)
-        self._fit_shapes(batch)
         losses: list = []
         try:
             with _timed_p2p(self.mesh.group("pp")):

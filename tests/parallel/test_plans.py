@@ -19,7 +19,10 @@ steps on fixed global batches, alternating the two public ways to train:
   ``model(**share).loss.backward()``, ``clip_grad_norm_``, ``opt.step()``
   (on a batch whose dp shares hold equal label counts, as the contract asks);
 - ``cuboid.train_step(model, opt, batch, max_grad_norm=1.0)`` (on a batch
-  whose shares hold different label counts).
+  whose shares hold different label counts); step 1's is packed
+  (:func:`packed_batch`: ``position_ids`` restarting at each of two or three
+  documents a row, as Hugging Face packs), so every plan trains on packed
+  rows once (ViT has no packing: its batch stays as it is).
 
 A pipeline plan trains through ``train_step`` only (its forward with
 gradients is refused, as the contract says). Checked: initial parameters
@@ -105,6 +108,38 @@ def even_batch(name, model, size=8):
     return batch
 
 
+def packed_batch(name, model, size=8):
+    """:func:`global_batch` with its rows packed (Hugging Face's convention): ``position_ids`` restart at 0 where
+    a document starts (two or three documents a row, boundaries turned by the row), a causal LM's label of a
+    document's first token -100; the rows keep their right padding. ViT's batch is returned as it is."""
+    batch = global_batch(name, model, size)
+    if name.startswith("vit"):
+        return batch
+    T = batch["input_ids"].shape[1]
+    positions = torch.empty(size, T, dtype=torch.long)
+    for row in range(size):
+        starts = sorted({0, 2 + row % 4, 7 + row % 3})
+        positions[row] = torch.cat([torch.arange(b - a) for a, b in zip(starts, starts[1:] + [T])])
+    labels = batch["labels"]
+    if labels.dim() == 2 and not name.startswith("bert"):  # a document's first token is never a target
+        labels = labels.masked_fill(positions == 0, -100)
+    return dict(batch, position_ids=positions, labels=labels)
+
+
+SP_PACKED = True  # sequence-parallel plans train on packed rows too (False: their train_step batch stays padded)
+
+
+def packs(plan) -> bool:
+    """Whether ``plan``'s train_step batch of step 1 is packed (:func:`step_batch`)."""
+    return plan.sp == 1 or SP_PACKED
+
+
+def step_batch(name, model, step, packed):
+    """The batch ``cuboid.train_step`` takes at ``step``: step 1's packed (:func:`packed_batch`) when ``packed``,
+    the others :func:`global_batch` (a pipeline trains on both: its stream changes shape between steps)."""
+    return packed_batch(name, model) if packed and step == 1 else global_batch(name, model)
+
+
 def rel_norm(a: torch.Tensor, b: torch.Tensor, drop: float = 0.001) -> float:
     """||a - b|| / ||b|| over flattened tensors, without the largest ``drop`` fraction of |a - b|."""
     d = (a.double() - b.double()).abs().flatten()
@@ -169,7 +204,7 @@ def _batch_size(dp: int) -> int:
     return max(8, 2 * dp)  # even_batch's dp shares of 2+ rows, alternating 0 and 3 padded positions
 
 
-def reference(name, kind, pipelined, size, extra):
+def reference(name, kind, pipelined, size, extra, packed=True):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
@@ -177,7 +212,7 @@ def reference(name, kind, pipelined, size, extra):
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = (name, kind, pipelined, size, tuple(sorted(extra.items())))
+    key = (name, kind, pipelined, size, tuple(sorted(extra.items())), packed)
     if key in _REFS:
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
@@ -194,7 +229,7 @@ def reference(name, kind, pipelined, size, extra):
             losses.append(out.loss.item())
             first = out if first is None else first
         else:
-            losses.append(cuboid.train_step(ref, opt, global_batch(name, ref), max_grad_norm=1.0).loss)
+            losses.append(cuboid.train_step(ref, opt, step_batch(name, ref, step, packed), max_grad_norm=1.0).loss)
     odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
     ref.eval()
     with torch.no_grad():
@@ -241,7 +276,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
-                want = reference(name, kind, pipelined, size, extra)
+                want = reference(name, kind, pipelined, size, extra, packs(plan))
                 dist.barrier()
                 start = time.perf_counter()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
@@ -264,7 +299,8 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
                         opt.step()
                         opt.zero_grad()
                     else:
-                        loss = cuboid.train_step(model, opt, global_batch(name, model), max_grad_norm=1.0).loss
+                        batch = step_batch(name, model, step, packs(plan))
+                        loss = cuboid.train_step(model, opt, batch, max_grad_norm=1.0).loss
                     errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
                 errs["params"] = _params_err(model, want["params"])
                 # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
