@@ -192,9 +192,10 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
         return None
     if docs is not None and docs[0] is docs[1] and key_padding_mask is None and q.device.type == "cpu" \
             and not q.is_meta:
-        per_document = _sdpa_per_document(q, k, v, docs[0], causal, scale)
-        if per_document is not None:
-            return per_document
+        lengths = _document_lengths(docs[0])
+        if lengths is not None:
+            return _sdpa_per_document(q, k, v, lengths, causal, scale)
+        docs = None  # one document a row: the ids change nothing
     if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
         return None
     mask = None
@@ -217,20 +218,23 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
 
 
-def _sdpa_per_document(q, k, v, doc_ids: torch.Tensor, causal: bool, scale: float):
-    """Self-attention of packed rows on CPU, one SDPA call per document: the cost is the sum of the
-    documents' squares, as in the Triton kernels, instead of the row's square under a block-diagonal mask.
-
-    The documents' lengths are read on the host once (one ``unique_consecutive`` over the rows' ids); every
-    slice is a view, and autograd carries the gradients back through the concatenation.
-    """
-    B, S = doc_ids.shape
+def _document_lengths(doc_ids: torch.Tensor) -> Optional[list]:
+    """The lengths of the documents of (B, S) rows, row after row (one host read), or None when each row is
+    one document."""
+    B = doc_ids.shape[0]
     low, high = doc_ids.min(), doc_ids.max()
     rows = torch.arange(B, device=doc_ids.device)[:, None] * (high - low + 1)  # each row's ids apart
     _, counts = torch.unique_consecutive((rows + doc_ids - low).flatten(), return_counts=True)
-    if counts.numel() <= B:  # one document a row: nothing to split
-        return None
-    lengths, i = counts.tolist(), 0
+    return counts.tolist() if counts.numel() > B else None
+
+
+def _sdpa_per_document(q, k, v, lengths: list, causal: bool, scale: float):
+    """Self-attention of packed rows on CPU, one SDPA call per document (``lengths``, row after row): the
+    cost is the sum of the documents' squares, as in the Triton kernels, instead of the row's square under a
+    block-diagonal mask. Every slice is a view; autograd carries the gradients back through the concatenation.
+    """
+    B, S = q.shape[0], q.shape[2]
+    i = 0
     gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}
     out_rows = []
     for b in range(B):

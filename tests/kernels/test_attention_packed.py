@@ -226,6 +226,19 @@ def test_torch_path_attends_per_document(monkeypatch, H, Hkv, causal):
         torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
 
 
+def test_torch_path_one_document_a_row_builds_no_mask(monkeypatch):
+    # position ids 0..T-1 (one document a row, as generation or an unpacked batch may pass them): SDPA's own
+    # causal path, no (B, S, S) mask
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append(kw) or sdpa(q, k, v, **kw))
+    q, k, v, _ = make_inputs(2, 2, 40, 40, 16)
+    out = attention(q, k, v, causal=True, doc_ids=torch.ones(2, 40, dtype=torch.int32), backend="torch")
+    assert len(calls) == 1 and calls[0]["attn_mask"] is None and calls[0]["is_causal"]
+    torch.testing.assert_close(out, attention(q, k, v, causal=True, backend="torch"))
+
+
 def test_doc_ids_from_positions():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5], [3, 4, 0, 1, 0, 0]])  # row 2 starts mid-document
     want = torch.tensor([[1, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 2, 3]], dtype=torch.int32)
