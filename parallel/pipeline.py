@@ -56,20 +56,25 @@ class StageInfo:
 
 def _stream_mask(keep: Optional[torch.Tensor], positions: Optional[torch.Tensor], rows: int, tokens: int,
                  device) -> torch.Tensor:
-    """The stream's mask entry, long: the (B, T) attention mask, or (B, ``tokens``) ones where the batch has
-    none (``tokens`` 1: no key is masked); with ``positions`` (B, T) or (1, T), (B, 2, T): keep over
-    positions. Its shape depends only on which inputs the batch has, as torch's schedules need."""
+    """The stream's mask entry, long: the (B, S) attention mask, or (B, ``tokens``) ones where the batch has
+    none (``tokens`` 1: no key is masked); with ``positions`` (B, T) or (1, T), (B, 2, S): keep over the
+    positions, left-padded with -1 where the keys outnumber the tokens (a generation step's cache). Its
+    shape depends only on which inputs the batch has, as torch's schedules need."""
     T = positions.shape[-1] if positions is not None else tokens
     keep = keep.long() if keep is not None else torch.ones(rows, T, dtype=torch.long, device=device)
     if positions is None:
         return keep
-    return torch.stack([keep, positions.long().expand(rows, -1)], 1)
+    positions = F.pad(positions.long().expand(rows, -1), (keep.shape[1] - T, 0), value=-1)
+    return torch.stack([keep, positions], 1)
 
 
 def _unstack(mask: torch.Tensor) -> tuple:
-    """``(keep, positions)`` of a stream's mask entry (:func:`_stream_mask`): keep (B, T) long, positions
+    """``(keep, positions)`` of a stream's mask entry (:func:`_stream_mask`): keep (B, S) long, positions
     (B, T) long or None."""
-    return (mask[:, 0], mask[:, 1]) if mask.dim() == 3 else (mask, None)
+    if mask.dim() == 2:
+        return mask, None
+    positions = mask[:, 1]
+    return mask[:, 0], positions[:, int((positions[0] == -1).sum()):]
 
 
 class StageModule(nn.Module):
