@@ -4,6 +4,7 @@
 result carries a :class:`ParallelState` (``model.parallel``, read through :func:`state_of`).
 """
 from .batch import input_splitter, pad_batch, split_batch
+from .mask import Mask
 from .mesh import Mesh, init_distributed
 from .plan import Plan
 from .prepare import prepare, set_gradient_sync, shard, unwrap
@@ -13,4 +14,4 @@ from .state import ParallelState, planned, state_of
 
 __all__ = ["Plan", "Mesh", "ShardingSpec", "ParallelState", "init_distributed", "prepare", "set_gradient_sync",
            "split_batch", "shard", "input_splitter", "unwrap", "checkpoint_blocks", "recompute_blocks", "state_of", "pad_batch",
-           "planned"]
+           "planned", "Mask"]

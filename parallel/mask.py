@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cuboid.kernels.flash_attention import doc_ids_from_positions
+from cuboid.kernels import doc_ids_from_positions
 
 
 @dataclass(frozen=True, eq=False)
