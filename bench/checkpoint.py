@@ -56,7 +56,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # the repository root: tests.parallel.launch
+if str(HERE.parent) not in sys.path:  # the repository root, for tests.parallel.launch: last, so that its
+    sys.path.append(str(HERE.parent))  # kernels/ never shadows an installed package (bench/checkpointing imports us)
 from tests.parallel.launch import free_port, rank_env  # noqa: E402
 
 

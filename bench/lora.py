@@ -33,7 +33,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root (tests.*), last
 from tests.parallel.launch import free_port, rank_env  # noqa: E402
 
 
