@@ -211,6 +211,8 @@ def parse_auto(spec: str) -> tuple[dict, dict]:
         if "=" not in part:
             raise ValueError(f"plan part {part!r} of {spec!r} is not of the form field=value")
         key, raw = (s.strip() for s in part.split("=", 1))
+        if key == "activation_checkpoint":  # Plan.parse's other spelling of checkpoint=full|none
+            key, raw = "checkpoint", Plan.parse(part).checkpoint
         if key in AUTO_KEYS:
             options[key] = raw
         else:
@@ -254,7 +256,7 @@ def auto_plan(model, spec: str = "auto", *, world: int, batch: int, seq: int, dt
     config = model.config
     check_batch(config, batch, seq)
     plans = [p for p in candidate_plans(config, world, batch, dtype=dtype) if _matches(p.replace(**{
-        k: v for k, v in fields.items() if k in ("microbatches", "checkpoint", "activation_checkpoint")}), fields)]
+        k: v for k, v in fields.items() if k in ("microbatches", "checkpoint")}), fields)]
     if not plans:
         raise ValueError(f"no plan of {world} ranks runs {model.name} with {spec!r} for a batch of {batch}: "
                          f"see `cuboid plans --model {model.name} --gpus {world} --batch {batch}`")

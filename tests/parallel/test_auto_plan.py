@@ -177,6 +177,7 @@ def test_auto_specs_sizes_and_refusals():
 
     assert is_auto("auto") and is_auto("auto,tp=2") and not is_auto("dp=2") and not is_auto(None)
     assert parse_auto("auto,tp=2,batch=16,memory=8G") == ({"tp": 2}, {"batch": "16", "memory": "8G"})
+    assert parse_auto("auto,activation_checkpoint=true") == ({"checkpoint": "full"}, {})  # the other spelling
     assert parse_size("80G") == parse_size("80GB") == 80e9 and parse_size("1GiB") == 2 ** 30
     with pytest.raises(ValueError, match="neither a plan field"):
         parse_auto("auto,nope=1")
