@@ -96,6 +96,35 @@ def check_docs(q, k, doc_ids, doc_ids_k) -> Optional[tuple]:
     return doc_ids, doc_ids_k
 
 
+def check_window(window, window_shift, q, k) -> Optional[int]:
+    """The window's left bound as a diagonal offset ``lo``: query ``i`` keeps keys ``j >= i + lo``; None when
+    there is no window or it drops no key of these shapes (the paths without a window then apply).
+
+    ``window`` W (int >= 1): with end alignment query ``i`` sits at key index
+    ``i + Sk - Sq``, and it sees the W keys ending there (``i + Sk - Sq - W <
+    j``), transformers' sliding window. ``window_shift`` (int): the queries sit
+    that many positions further right of the keys than end alignment says
+    (ring attention's chunk pairs), so ``lo = Sk - Sq + window_shift - W + 1``.
+    """
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{_OP}: window must be an int >= 1 (keys a query sees, itself included) or None, "
+                         f"got {window!r}")
+    if isinstance(window_shift, bool) or not isinstance(window_shift, int):
+        raise TypeError(f"{_OP}: window_shift must be an int, got {type(window_shift).__name__}")
+    lo = k.shape[2] - q.shape[2] + window_shift - window + 1
+    return None if lo <= -(q.shape[2] - 1) else lo  # every (i, j) has j - i >= -(Sq - 1): no key dropped
+
+
+def window_keep(lo: Optional[int], rows: range, Sk: int, device) -> Optional[torch.Tensor]:
+    """(len(rows), Sk) bool: key ``j >= i + lo`` for the query rows ``rows``; None without a window."""
+    if lo is None:
+        return None
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None]
+    return torch.arange(Sk, device=device)[None, :] >= i + lo
+
+
 def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, S) int32 document ids of packed rows from position ids that restart at 0 at each document.
 
@@ -129,7 +158,8 @@ def _ref_chunk(q, k, v, keep, scale: float):
 
 def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
                   scale: Optional[float] = None, return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
-                  doc_ids_k: Optional[torch.Tensor] = None, chunk_size: int = 1024):
+                  doc_ids_k: Optional[torch.Tensor] = None, chunk_size: int = 1024, window: Optional[int] = None,
+                  window_shift: int = 0):
     """Plain-torch attention with the same conventions as :func:`attention`.
 
     Computes in fp32 (halves are upcast; float64 stays float64), queries in
@@ -137,10 +167,12 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
     live; when gradients are needed and there are several chunks, each chunk is
     recomputed in backward (activation checkpointing) so memory stays bounded
     there too. Document ids make the mask block-diagonal (query and key in one
-    document). Differentiable by autograd, including through ``lse``.
+    document); a ``window`` bands it (:func:`check_window`). Differentiable by autograd, including through
+    ``lse``.
     """
     scale = validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
     docs = check_docs(q, k, doc_ids, doc_ids_k)
+    lo = check_window(window, window_shift, q, k)
     if chunk_size < 1:
         raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
     B, H, Sq, D = q.shape
@@ -159,6 +191,8 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
             i = torch.arange(start, stop, device=q.device)[:, None]
             j = torch.arange(Sk, device=q.device)[None, :]
             keep = keep & (j <= i + (Sk - Sq))
+        if lo is not None:
+            keep = keep & window_keep(lo, range(start, stop), Sk, q.device)
         if key_keep is not None:
             keep = keep & key_keep
         if docs is not None:  # (B, 1, 1, c, Sk): block-diagonal
@@ -178,14 +212,15 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
 
 
 def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], scale: float,
-                    docs: Optional[tuple] = None):
+                    docs: Optional[tuple] = None, window_lo: Optional[int] = None):
     """The fast torch path when no lse is wanted: torch's fused SDPA, or None where it does not apply.
 
     SDPA has no lse output and its fully-masked rows are NaN, so rows without a
     kept key (padded-out batches, causal with Sq > Sk, a query whose document
     has no key) and float64 go to :func:`attention_ref` instead. SDPA's
     ``is_causal`` is top-left aligned, so an end-aligned causal mask with
-    Sq != Sk is passed explicitly. Documents pass a (B, 1, Sq, Sk) block-diagonal mask.
+    Sq != Sk is passed explicitly. Documents pass a (B, 1, Sq, Sk) block-diagonal mask, a window
+    (``window_lo``, :func:`check_window`'s offset) a banded one.
     """
     Sq, Sk = q.shape[2], k.shape[2]
     if q.dtype == torch.float64 or (causal and Sq > Sk):
@@ -194,7 +229,7 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
             and not q.is_meta:
         lengths = _document_lengths(docs[0])
         if lengths is not None:
-            return _sdpa_per_document(q, k, v, lengths, causal, scale)
+            return _sdpa_per_document(q, k, v, lengths, causal, scale, window_lo)
         docs = None  # one document a row: the ids change nothing
     if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
         return None
@@ -204,6 +239,9 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
     if docs is not None:
         same = docs[0][:, None, :, None] == docs[1][:, None, None, :]  # (B, 1, Sq, Sk)
         mask = same if mask is None else mask & same
+    if window_lo is not None:
+        band = window_keep(window_lo, range(0, Sq), Sk, q.device)  # (Sq, Sk)
+        mask = band if mask is None else mask & band
     if causal and Sq == 1:  # one query, end-aligned: it sees every key (a decoding step), no mask to build
         causal = False
     if causal and (Sq != Sk or mask is not None):
@@ -212,7 +250,7 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
         keep = j <= i + (Sk - Sq)  # (Sq, Sk)
         mask = keep if mask is None else mask & keep
         causal = False
-    if docs is not None and not mask.is_meta and not bool(mask.any(dim=-1).all()):
+    if (docs is not None or window_lo is not None) and not mask.is_meta and not bool(mask.any(dim=-1).all()):
         return None
     gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
@@ -228,10 +266,12 @@ def _document_lengths(doc_ids: torch.Tensor) -> Optional[list]:
     return counts.tolist() if counts.numel() > B else None
 
 
-def _sdpa_per_document(q, k, v, lengths: list, causal: bool, scale: float):
+def _sdpa_per_document(q, k, v, lengths: list, causal: bool, scale: float, window_lo: Optional[int] = None):
     """Self-attention of packed rows on CPU, one SDPA call per document (``lengths``, row after row): the
     cost is the sum of the documents' squares, as in the Triton kernels, instead of the row's square under a
     block-diagonal mask. Every slice is a view; autograd carries the gradients back through the concatenation.
+    A window (``window_lo``, Sq == Sk here) bands each document's own square: index differences inside a
+    document are its position differences.
     """
     B, S = q.shape[0], q.shape[2]
     i = 0
@@ -241,8 +281,12 @@ def _sdpa_per_document(q, k, v, lengths: list, causal: bool, scale: float):
         parts, pos = [], 0
         while pos < S:
             e, i = pos + lengths[i], i + 1
+            band = window_keep(window_lo, range(0, e - pos), e - pos, q.device)
+            if band is not None and causal:
+                band = band & torch.ones_like(band).tril()
             parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, pos:e], k[b:b + 1, :, pos:e],
-                                                        v[b:b + 1, :, pos:e], is_causal=causal, scale=scale, **gqa))
+                                                        v[b:b + 1, :, pos:e], attn_mask=band,
+                                                        is_causal=causal and band is None, scale=scale, **gqa))
             pos = e
         out_rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
     return torch.cat(out_rows, dim=0)

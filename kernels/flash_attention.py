@@ -48,7 +48,8 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreter_active, picked, resolve_backend
-from .attention_torch import attention_ref, check_docs, doc_ids_from_positions, sdpa_attention, validate  # noqa: F401 (re-exported)
+from .attention_torch import (attention_ref, check_docs, check_window, doc_ids_from_positions,  # noqa: F401 (re-exported)
+                              sdpa_attention, validate)
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 _LN2 = 0.6931471805599453  # ln(2)
@@ -75,8 +76,9 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, IS_CAUSAL: tl.constexpr,
-                     HAS_DOCS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO, IS_CAUSAL: tl.constexpr,
+                     HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
     """(lo, hi, lo_m, hi_m): the key loop [lo, hi) of the query tile whose first row is ``start_m`` (lo a
     multiple of BLOCK_N) and, with documents, each row's key range [lo_m, hi_m) (else placeholders).
 
@@ -84,6 +86,8 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SE
     Documents: the rows' key ranges are non-decreasing, so the tile visits
     only the keys from its first row's ``lo`` to its last row's ``hi`` (causal
     included): a packed row costs the sum of its documents' squares.
+    Window: row ``i`` keeps keys ``j >= i + WIN_LO``, so the loop starts at the
+    first row's bound: a windowed row costs its window, not its length.
     """
     lo = 0
     hi = SEQ_K
@@ -97,6 +101,8 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SE
         hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
     elif IS_CAUSAL:
         hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (tl.maximum(start_m + WIN_LO, 0) // BLOCK_N) * BLOCK_N)
     return lo, hi, lo_m, hi_m
 
 
@@ -116,7 +122,8 @@ def _attn_fwd_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
+    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
@@ -143,8 +150,8 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
 
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K,
-                                          IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
+                                          IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -164,6 +171,8 @@ def _attn_fwd_kernel(
             keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
         elif IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        if HAS_WINDOW:
+            keep = keep & (offs_n[None, :] >= offs_m[:, None] + WIN_LO)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) for empty rows
@@ -226,7 +235,8 @@ def _attn_bwd_dkdv_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
     sm_scale, qk_scale,  # scale, and scale * log2(e)
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
+    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -273,6 +283,8 @@ def _attn_bwd_dkdv_kernel(
     elif IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
         lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
         lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:  # key j is seen by queries i <= j - WIN_LO: the tile's last key bounds the query loop
+        hi = tl.minimum(hi, tl.minimum(start_n + BLOCK_N, SEQ_K) - WIN_LO)
     for g in range(0, GROUP):
         off_h = off_hkv * GROUP + g  # a query head that reads this K/V head
         row0 = (off_b * H + off_h) * SEQ_Q  # its first row in LSE / DELTA
@@ -297,6 +309,8 @@ def _attn_bwd_dkdv_kernel(
                 keep = keep & (offs_m[None, :] >= lo_n[:, None]) & (offs_m[None, :] < hi_n[:, None])
             elif IS_CAUSAL:
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
+            if HAS_WINDOW:
+                keep = keep & (offs_n[:, None] >= offs_m[None, :] + WIN_LO)
             pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
@@ -325,7 +339,8 @@ def _attn_bwd_dq_kernel(
     stride_mb, stride_mn,
     H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv
     sm_scale, qk_scale,  # scale, and scale * log2(e)
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
+    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
+    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -356,8 +371,8 @@ def _attn_bwd_dq_kernel(
     v_base = V + off_b * stride_vb + off_hkv * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K,
-                                          IS_CAUSAL, HAS_DOCS, BLOCK_M, BLOCK_N)
+    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
+                                          IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < SEQ_K
@@ -376,6 +391,8 @@ def _attn_bwd_dq_kernel(
             keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
         elif IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+        if HAS_WINDOW:
+            keep = keep & (offs_n[None, :] >= offs_m[:, None] + WIN_LO)
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # fp32
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
@@ -497,10 +514,13 @@ def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> tuple:
     return (key_lo, key_hi), (query_lo, query_hi)
 
 
-def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None):
+def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None,
+               win_lo: Optional[int] = None):
     """(out, lse) of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), H % Hkv == 0 (checked by the caller).
 
     ``docs``: None, or (doc_q (B, Sq), doc_k (B, Sk)) int32 contiguous document ids (:func:`kernel_doc_ids`).
+    ``win_lo``: None, or the window's bound (:func:`~.attention_torch.check_window`): query i keeps keys
+    ``j >= i + win_lo``.
     """
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -512,16 +532,18 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, out, lse, m_ptr, *keys,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
-        H, H // Hkv, Sq, Sk, D, scale * _LOG2E,
-        IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, **_dot_options(q.dtype), **cfg,
+        H, H // Hkv, Sq, Sk, D, scale * _LOG2E, 0 if win_lo is None else win_lo,
+        IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, HAS_WINDOW=win_lo is not None,
+        **_dot_options(q.dtype), **cfg,
     )
     return out, lse
 
 
-def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None):
+def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None,
+               win_lo: Optional[int] = None):
     """(dq, dk, dv): dq like q (B, H, Sq, D); dk, dv like k (B, Hkv, Sk, D), summed over each group.
 
-    ``docs`` as for :func:`_flash_fwd`.
+    ``docs`` and ``win_lo`` as for :func:`_flash_fwd`.
     """
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -539,9 +561,9 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     dv = torch.empty((B, Hkv, Sk, D), dtype=v.dtype, device=q.device)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
-              H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E)
+              H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
-                 **_dot_options(q.dtype), **cfg, **launch)
+                 HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype), **cfg, **launch)
     keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal)
     _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags)
@@ -559,11 +581,11 @@ class _FlashAttention(torch.autograd.Function):
     """Triton forward/backward; returns (out, lse), both differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask_u8, doc_q, doc_k, causal: bool, scale: float):
+    def forward(ctx, q, k, v, mask_u8, doc_q, doc_k, causal: bool, scale: float, win_lo: Optional[int]):
         docs = None if doc_q is None else (doc_q, doc_k)
-        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale, docs)
+        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale, docs, win_lo)
         ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.win_lo = causal, scale, win_lo
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -575,8 +597,8 @@ class _FlashAttention(torch.autograd.Function):
         if dout.dtype != out.dtype:
             dout = dout.to(out.dtype)
         docs = None if doc_q is None else (doc_q, doc_k)
-        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale, docs)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale, docs, ctx.win_lo)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def kernel_doc_ids(doc_ids: torch.Tensor, doc_ids_k: Optional[torch.Tensor] = None) -> tuple:
@@ -589,7 +611,8 @@ def kernel_doc_ids(doc_ids: torch.Tensor, doc_ids_k: Optional[torch.Tensor] = No
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, *, causal: bool, scale: float,
                        key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-                       doc_ids_k: Optional[torch.Tensor] = None) -> tuple:
+                       doc_ids_k: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                       window_shift: int = 0) -> tuple:
     """(dq, dk, dv) of one block of attention by the Triton backward kernels, from an ``out`` and ``lse``.
 
     For ring attention, which merges blocks by lse: with the *merged* out and
@@ -601,13 +624,15 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     docs = None
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         docs = kernel_doc_ids(doc_ids, doc_ids_k)
-    return _flash_bwd(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, causal, scale, docs)
+    win_lo = check_window(window, window_shift, q, k)
+    return _flash_bwd(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, causal, scale, docs, win_lo)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
               return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
-              doc_ids_k: Optional[torch.Tensor] = None, backend: Optional[str] = None):
+              doc_ids_k: Optional[torch.Tensor] = None, window: Optional[int] = None, window_shift: int = 0,
+              backend: Optional[str] = None):
     """Softmax attention ``softmax(scale * q @ k^T) @ v`` over (B, H, S, D) tensors.
 
     Args:
@@ -627,6 +652,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         doc_ids_k: (B, Sk) the keys' document ids where they are another
             slice of the sequence than the queries (ring attention's K/V
             chunks); same numbering, non-decreasing.
+        window: sliding-window attention (Mistral, Qwen2, Gemma 3): query
+            ``i`` sees only keys ``j > i + Sk - Sq - window`` (with ``causal``,
+            the ``window`` keys ending at its own), transformers' rule. Index
+            differences inside one packed document are its position
+            differences, so packed rows need nothing more. The Triton kernels
+            skip the tiles wholly left of the band: a row costs its window.
+        window_shift: the queries sit this many positions further right of
+            the keys than end alignment says (ring attention's chunk pairs);
+            0 otherwise.
         backend: ``"triton"``, ``"torch"`` or None for the automatic rule
             (:func:`cuboid.kernels.resolve_backend`).
 
@@ -640,18 +674,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
     tensors: Sequence[torch.Tensor] = [q, k, v] + [t for t in (key_padding_mask, doc_ids, doc_ids_k) if isinstance(t, torch.Tensor)]
     chosen = resolve_backend(_OP, tensors, backend)
+    win_lo = check_window(window, window_shift, q, k)
     if chosen == "torch":
         if not return_lse:
             checked = validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
-            fast = sdpa_attention(q, k, v, causal, key_padding_mask, checked, check_docs(q, k, doc_ids, doc_ids_k))
+            fast = sdpa_attention(q, k, v, causal, key_padding_mask, checked, check_docs(q, k, doc_ids, doc_ids_k),
+                                  win_lo)
             if fast is not None:
                 return fast
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                             return_lse=return_lse, doc_ids=doc_ids, doc_ids_k=doc_ids_k)
+                             return_lse=return_lse, doc_ids=doc_ids, doc_ids_k=doc_ids_k,
+                             window=None if win_lo is None else window, window_shift=window_shift)
     scale = validate(q, k, v, causal, key_padding_mask, scale, triton_path=True)
     mask_u8 = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
     doc_q = doc_k = None
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         doc_q, doc_k = kernel_doc_ids(doc_ids, doc_ids_k)
-    out, lse = _FlashAttention.apply(q, k, v, mask_u8, doc_q, doc_k, causal, scale)
+    out, lse = _FlashAttention.apply(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo)
     return (out, lse) if return_lse else out

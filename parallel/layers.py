@@ -298,11 +298,13 @@ def sync_rng(group) -> None:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+              key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+              window: Optional[int] = None) -> torch.Tensor:
     """The attention core: q (B, H, T, D), k and v (B, Hkv, S, D) with H a multiple of Hkv (grouped-query
     attention), out (B, H, T, D), through the kernel; ``doc_ids`` (B, T): a query sees only keys of its
-    document."""
-    return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, doc_ids=doc_ids)
+    document; ``window``: only the ``window`` keys ending at its own (sliding-window attention)."""
+    return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                             window=window)
 
 
 class Rotary(nn.Module):
@@ -354,13 +356,24 @@ class Attention(nn.Module):
     out like this core's tokens: its key padding mask and, for packed rows, the document of each token (a
     query sees only keys of its own document).
 
+    ``window`` (None: every earlier key): sliding-window attention as transformers' (Mistral, Qwen2,
+    Gemma 3's local layers): a query at position ``i`` attends keys ``j`` with ``i - window < j <= i``,
+    positions counted in its own document of a packed row.
+
     A layer so that a plan can swap it: sequence parallelism replaces it by
     ring or all-to-all attention over the ``sp`` group (:mod:`.sequence_split`),
     generation by a cached core (:mod:`cuboid.zoo.generation`), the model code
-    unchanged; a swapped core takes the same call.
+    unchanged; a swapped core takes the same call and carries ``window`` over.
     """
 
     role = "attention"
+
+    def __init__(self, window: Optional[int] = None) -> None:
+        super().__init__()
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"Attention: window must be an int >= 1 (keys a query sees, itself included) or None, "
+                             f"got {window!r}")
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                 mask: Optional[Mask] = None, rope: Optional[Rotary] = None) -> torch.Tensor:
@@ -373,8 +386,11 @@ class Attention(nn.Module):
                 T = q.shape[2]
                 q, k = rope(q, k, torch.arange(T, device=q.device), ("range", T))
         if mask is None:
-            return attention(q, k, v, causal=causal)
-        return attention(q, k, v, causal=causal, key_padding_mask=mask.keep, doc_ids=mask.docs)
+            return attention(q, k, v, causal=causal, window=self.window)
+        return attention(q, k, v, causal=causal, key_padding_mask=mask.keep, doc_ids=mask.docs, window=self.window)
+
+    def extra_repr(self) -> str:
+        return "" if self.window is None else f"window={self.window}"
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

@@ -116,6 +116,7 @@ import torch
 import torch.distributed as dist
 
 import cuboid.kernels as kernels
+from cuboid.kernels.attention_torch import check_window, window_keep
 from . import comm
 
 __all__ = ["ring_attention", "all_to_all_attention", "zigzag_split", "zigzag_merge", "zigzag_positions",
@@ -230,28 +231,42 @@ class _Exchange:
         return self.recv
 
 
-def _blocks(r: int, s: int, causal: bool, c: int, sp: int, shares=None) -> list:
-    """(query slice, key slice, causal) kernel calls when rank r's queries meet rank s's zigzag keys.
+def _blocks(r: int, s: int, causal: bool, c: int, sp: int, shares=None, window: Optional[int] = None) -> list:
+    """(query slice, key slice, causal, window) kernel calls when rank r's queries meet rank s's zigzag keys;
+    ``window`` of a call is None or (window, shift) for the kernel's ``window`` / ``window_shift``.
 
     ``shares[i][j]``: whether global chunks i and j hold a common document in
     some row (None: every pair does). The chunk pairs with work are grouped in
     one call as in the module docstring; when a pair of that group shares no
     document, the group is cut into one call per pair that does (a pair on the
     diagonal causal), and pairs without a common document get no call.
+    A ``window`` (which drops some keys of the sequence) cuts the group into
+    one call per chunk pair: query chunk qi sits ``(qi - kj) c`` positions
+    right of key chunk kj (the call's shift); a pair wholly left of the window
+    gets no call, and one wholly inside it is called without a window.
     """
     every, first, second = slice(None), slice(0, c), slice(c, None)
     pairs = [(qi, qs, kj, ks, causal and kj == qi)
              for qi, qs in ((r, first), (2 * sp - 1 - r, second))
              for kj, ks in ((s, first), (2 * sp - 1 - s, second)) if not (causal and kj > qi)]
+    if window is not None:
+        calls = []
+        for qi, qs, kj, ks, diag in pairs:
+            shift = (qi - kj) * c
+            lo = shift - window + 1  # key jj of the pair is kept iff jj >= ii + lo
+            if (shares is not None and not shares[qi][kj]) or lo > c - 1:
+                continue
+            calls.append((qs, ks, diag, None if lo <= -(c - 1) else (window, shift)))
+        return calls
     if shares is not None and not all(shares[qi][kj] for qi, _, kj, _, _ in pairs):
-        return [(qs, ks, diag) for qi, qs, kj, ks, diag in pairs if shares[qi][kj]]
+        return [(qs, ks, diag, None) for qi, qs, kj, ks, diag in pairs if shares[qi][kj]]
     if not causal:
-        return [(every, every, False)]
+        return [(every, every, False, None)]
     if s == r:
-        return [(every, every, True)]
+        return [(every, every, True, None)]
     if s < r:
-        return [(every, first, False)]
-    return [(second, every, False)]
+        return [(every, first, False, None)]
+    return [(second, every, False, None)]
 
 
 def _merge(out, lse, o, l) -> None:
@@ -262,12 +277,13 @@ def _merge(out, lse, o, l) -> None:
     lse.copy_(new)
 
 
-def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float, docs=None):
+def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float, docs=None, win=None):
     """dq, dk, dv (accumulator dtype) of one block, from the FINAL lse and delta = rowsum(dO * O).
 
     q, do: (B, H, Sq, D); k, v: (B, Hkv, Sk, D). Heads are grouped (B, Hkv, G, ...)
     so each K/V head broadcasts over its G query heads; dk, dv sum over the group.
-    ``docs``: None or the (B, Sq), (B, Sk) document ids of the queries and keys.
+    ``docs``: None or the (B, Sq), (B, Sk) document ids of the queries and keys; ``win``: None or the
+    call's (window, shift) (:func:`_blocks`).
     """
     acc = lse.dtype
     B, H, Sq, D = q.shape
@@ -281,12 +297,15 @@ def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float
     dq = torch.empty_like(qf)
     dk, dv = torch.zeros_like(kf.squeeze(2)), torch.zeros_like(vf.squeeze(2))  # (B, Hkv, Sk, D)
     j = torch.arange(Sk, device=q.device)
+    lo = None if win is None else check_window(win[0], win[1], q, k)
     for start in range(0, Sq, _BWD_CHUNK):
         rows = slice(start, min(Sq, start + _BWD_CHUNK))
         keep = torch.ones((1, 1, 1, 1, Sk), dtype=torch.bool, device=q.device)
         if causal:  # end-aligned, as in the kernel
             i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
             keep = keep & (j[None, :] <= i + (Sk - Sq))
+        if lo is not None:
+            keep = keep & window_keep(lo, range(rows.start, rows.stop), Sk, q.device)
         if keep_k is not None:
             keep = keep & keep_k[:, None, None, None, :]
         if docs is not None:  # (B, 1, 1, rows, Sk): block-diagonal
@@ -302,12 +321,13 @@ def _block_bwd_torch(do, q, k, v, delta, lse, keep_k, causal: bool, scale: float
     return dq.flatten(1, 2), dk, dv
 
 
-def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float, docs=None):
+def _block_bwd_triton(do, q, k, v, out, lse, keep_k, causal: bool, scale: float, docs=None, win=None):
     from cuboid.kernels.flash_attention import attention_backward
 
     doc_q, doc_k = (None, None) if docs is None else docs
+    window, shift = (None, 0) if win is None else win
     return attention_backward(do, q, k, v, out, lse, causal=causal, scale=scale, key_padding_mask=keep_k,
-                              doc_ids=doc_q, doc_ids_k=doc_k)
+                              doc_ids=doc_q, doc_ids_k=doc_k, window=window, window_shift=shift)
 
 
 # ----------------------------------------------------------------- ring attention
@@ -327,7 +347,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str, docs):
+    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str, docs, window):
         sp, r = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
         shares = None if docs is None else docs.shares
@@ -339,15 +359,16 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for t in range(sp):
             s = (r - t) % sp
-            masks[s], calls[s] = mb, _blocks(r, s, causal, c, sp, shares)
+            masks[s], calls[s] = mb, _blocks(r, s, causal, c, sp, shares, window)
             nxt = None
             if t < sp - 1:  # the next block travels while this one is computed
                 nxt = _Exchange([kb, vb] + ([] if mb is None else [mb.view(torch.uint8)]), group, _TAG_KV)
-            for qs, ks, blk_causal in calls[s]:
+            for qs, ks, blk_causal, win in calls[s]:
                 o, l = kernels.attention(q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal=blk_causal,
                                          key_padding_mask=None if mb is None else mb[:, ks], scale=scale,
                                          return_lse=True, doc_ids=_ids(docs, r, qs), doc_ids_k=_ids(docs, s, ks),
-                                         backend=backend)
+                                         window=None if win is None else win[0], window_shift=0 if win is None
+                                         else win[1], backend=backend)
                 _merge(out[:, :, qs], lse[:, :, qs], o, l.to(acc))
             if nxt is not None:
                 got = nxt.wait()
@@ -377,15 +398,15 @@ class _RingAttention(torch.autograd.Function):
             gk = torch.zeros(kb.shape, dtype=acc, device=q.device)
             gv = torch.zeros(vb.shape, dtype=acc, device=q.device)
             mb = ctx.masks[s]
-            for qs, ks, blk_causal in ctx.calls[s]:
+            for qs, ks, blk_causal, win in ctx.calls[s]:
                 keep = None if mb is None else mb[:, ks]
                 ids = None if docs is None else (_ids(docs, r, qs), _ids(docs, s, ks))
                 if triton:
                     a, b, d = _block_bwd_triton(do[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                                out[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids)
+                                                out[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids, win)
                 else:
                     a, b, d = _block_bwd_torch(do[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                               delta[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids)
+                                               delta[:, :, qs], lse[:, :, qs], keep, blk_causal, scale, ids, win)
                 dq[:, :, qs] += a
                 gk[:, :, ks] += b
                 gv[:, :, ks] += d
@@ -397,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kb, vb = nxt.wait()
         dk, dv = home.wait()  # after sp hops, our own block's sums
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
@@ -419,6 +440,16 @@ def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
                              f"got {tuple(key_padding_mask.shape)}")
 
 
+def _check_window(window, q, sp: int, what: str) -> Optional[int]:
+    """``window`` checked; None when it drops no key of the whole sequence (T = sp x the local length)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{what}: window must be an int >= 1 (keys a query sees, itself included) or None, "
+                         f"got {window!r}")
+    return None if window >= q.shape[2] * max(sp, 1) else window
+
+
 def _row_docs(doc_ids, q, sp: int, what: str):
     """The whole rows' (B, T) document ids of ``doc_ids`` (a tensor or a :class:`ZigzagDocs`), checked
     against q's (B, H, T/sp, D) shard; None without."""
@@ -438,7 +469,7 @@ def _row_docs(doc_ids, q, sp: int, what: str):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
                    key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                   doc_ids=None) -> torch.Tensor:
+                   doc_ids=None, window: Optional[int] = None) -> torch.Tensor:
     """This rank's rows of the attention of the whole sequence, K/V passed around the ``group`` ring.
 
     Args:
@@ -456,24 +487,29 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
             sees only keys of its document; chunk pairs that share no
             document are not computed. A tensor costs one host sync per call
             (building its ZigzagDocs), a ZigzagDocs none.
+        window: sliding-window attention over global positions (the kernel's
+            ``window``; inside a packed document index differences are position
+            differences). Chunk pairs wholly left of the window are not
+            computed, so a rank's work is its T/sp tokens x the window.
 
     Returns (B, H, T/sp, D) in q's dtype, differentiable w.r.t. q, k, v.
     """
     _check_qkv(q, k, v, key_padding_mask, "ring_attention")
+    window = _check_window(window, q, comm.group_size(group), "ring_attention")
     if not isinstance(causal, bool):
         raise TypeError(f"ring_attention: causal must be a bool, got {type(causal).__name__}")
     sp = comm.group_size(group)
     ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "ring_attention")
     if not comm.active(group):
         return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                                 doc_ids=ids)
+                                 doc_ids=ids, window=window)
     if causal and q.shape[2] % 2:
         raise ValueError(f"ring_attention: a zigzag shard holds two equal chunks, got an odd length {q.shape[2]}")
     backend = kernels.resolve_backend("attention", [q, k, v, key_padding_mask])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # the kernel's default, bit for bit
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     docs = doc_ids if isinstance(doc_ids, ZigzagDocs) or ids is None else ZigzagDocs(ids, sp)
-    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend, docs)
+    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend, docs, window)
 
 
 # ----------------------------------------------------------------- all-to-all attention
@@ -481,7 +517,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
                          key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                         layout: str = "contiguous", doc_ids=None) -> torch.Tensor:
+                         layout: str = "contiguous", doc_ids=None, window: Optional[int] = None) -> torch.Tensor:
     """This rank's rows of the whole-sequence attention by a head/sequence all-to-all (Ulysses).
 
     Args:
@@ -496,17 +532,20 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             order (or a :class:`ZigzagDocs`), whatever the layout: after the
             exchange each rank holds the whole sequence in that order. No
             host sync.
+        window: sliding-window attention over global positions, passed to
+            the kernel's attention of the whole sequence.
 
     Returns (B, H, T/sp, D) in the same layout, differentiable w.r.t. q, k, v.
     """
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"all_to_all_attention: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     _check_qkv(q, k, v, key_padding_mask, "all_to_all_attention")
+    window = _check_window(window, q, comm.group_size(group), "all_to_all_attention")
     sp = comm.group_size(group)
     ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "all_to_all_attention")
     if not comm.active(group):
         return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                                 doc_ids=ids)
+                                 doc_ids=ids, window=window)
     H, Hkv = q.shape[1], k.shape[1]
     if H % sp:
         raise ValueError(f"all_to_all_attention needs heads ({H}) divisible by sp ({sp}).")
@@ -527,7 +566,8 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         qkv = zigzag_merge(list(qkv.chunk(sp, dim=2)), sp, dim=2)
     # (B, H/sp, T, D) and (B, Hkv/sp, T, D): the whole sequence for this rank's heads
     qa, ka, va = qkv.split([H // sp, Hkv // sp, Hkv // sp], dim=1)
-    out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale, doc_ids=ids)
+    out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale, doc_ids=ids,
+                            window=window)
     if layout == "zigzag":  # global order -> rank order
         out = torch.cat([zigzag_split(out, sp, i, dim=2) for i in range(sp)], dim=2)
     return comm.all_to_all(out, group, scatter_dim=2, gather_dim=1)

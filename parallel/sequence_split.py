@@ -61,13 +61,14 @@ class SequenceMask(Mask):
 class SequenceAttention(nn.Module):
     """The attention core over the ``sp`` group: ``ring`` or ``all_to_all``, on zigzag-laid-out tokens
     (rotary embeddings, when the model gives them, at the positions of ``mask``, else at those tokens'
-    positions in the whole sequence); ``mask`` a :class:`SequenceMask` (:meth:`SequenceSplit.local_mask`)."""
+    positions in the whole sequence); ``mask`` a :class:`SequenceMask` (:meth:`SequenceSplit.local_mask`);
+    ``window`` the swapped core's sliding window (:class:`~cuboid.parallel.layers.Attention`)."""
 
     role = "attention"
 
-    def __init__(self, group, mode: str) -> None:
+    def __init__(self, group, mode: str, window: Optional[int] = None) -> None:
         super().__init__()
-        self.group, self.mode = group, mode
+        self.group, self.mode, self.window = group, mode, window
 
     def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None):
         if mask is not None and mask.docs is not None and not isinstance(mask, SequenceMask):
@@ -83,9 +84,13 @@ class SequenceAttention(nn.Module):
         keep = None if mask is None else mask.keep
         docs = None if mask is None else mask.row_docs
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, doc_ids=docs)
+            return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, doc_ids=docs,
+                                  window=self.window)
         return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, layout="zigzag",
-                                    doc_ids=docs)
+                                    doc_ids=docs, window=self.window)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}" + ("" if self.window is None else f", window={self.window}")
 
 
 class _SumOverSp(torch.autograd.Function):
@@ -153,7 +158,7 @@ class SequenceSplit:
         for mod in list(self.model.modules()):
             for name, child in list(mod.named_children()):
                 if getattr(child, "role", None) == "attention" and not isinstance(child, SequenceAttention):
-                    setattr(mod, name, SequenceAttention(self.group, mode))
+                    setattr(mod, name, SequenceAttention(self.group, mode, getattr(child, "window", None)))
                     n += 1
         return n
 
