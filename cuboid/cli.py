@@ -5,7 +5,8 @@ ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
 processes), ``info`` (environment and kernel backends), ``plans`` (the ready
 plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`), ``eval`` (loss and
 perplexity of a causal LM on a text: :mod:`cuboid.eval_cmd`), ``generate`` (text from a causal LM:
-:mod:`cuboid.generate_cmd`) and ``convert``. Bad values are one line on stderr
+:mod:`cuboid.generate_cmd`), ``prepare`` (a dataset tokenized as finetune would, with a report:
+:mod:`cuboid.prepare_cmd`) and ``convert``. Bad values are one line on stderr
 and exit code 2.
 """
 from __future__ import annotations
@@ -93,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_plans(sub)
     from cuboid.eval_cmd import add_parser as add_eval
     from cuboid.generate_cmd import add_parser as add_generate
+    from cuboid.prepare_cmd import add_parser as add_prepare
 
     add_eval(sub)
     add_generate(sub)
+    add_prepare(sub)
     try:
         from cuboid.convert_cmd import add_parser as add_convert
     except ImportError:  # pragma: no cover - arrives with the checkpoint package

@@ -32,7 +32,8 @@ FLAGS = [
     ("--model", str, "a preset (vit-debug, gpt2, bert-base, ...) or a local Hugging Face folder"),
     ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
     ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
-    ("--task", str, "causal (or clm) | mlm | seqcls | imgcls (default: from the model's head)"),
+    ("--task", str, "sft | causal (or clm) | mlm | seqcls | imgcls (default: from the model's head; sft: instruction "
+                    "or chat data, see DATA FORMATS below)"),
     ("--steps", int, "optimizer steps (default: from --epochs)"),
     ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),
     ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),
@@ -60,12 +61,18 @@ FLAGS = [
                     "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
-    ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's); with --packing "
-                       "the length of a packed row"),
-    ("--packing", bool, "causal LM: each line/record is a document; documents are packed into rows of --seq-len "
-                        "(best-fit-decreasing; longer ones split) and attend only to themselves"),
+    ("--seq-len", int, "tokens per example for text tasks (default 128, at most the model's); sft: longer examples are cut, keeping the start; with --packing the length "
+                       "of a packed row"),
+    ("--packing", bool, "causal LM and sft: each record is a document; documents are packed into rows of --seq-len "
+                        "(best-fit-decreasing) and attend only to themselves"),
+    ("--train-on-prompt", bool, "sft: train on every token (system, user, template text), not only the answers"),
+    ("--template", str, "sft: the prompt template of instruction data (alpaca: instruction/input/output columns)"),
+    ("--data-format", str, "sft: messages | prompt_completion | alpaca | text (default: from the columns)"),
+    ("--chat-template", str, "sft: a Jinja chat template file used instead of the tokenizer's"),
+    ("--streaming", bool, "read a local jsonl/parquet/txt file as a stream (shuffled in a buffer; needs --steps)"),
+    ("--shuffle-buffer", int, "--streaming: examples in the shuffle buffer (default 1000)"),
     ("--tokenizer", str, "a tokenizer folder or tokenizer.json (default: the model folder's)"),
-    ("--text-column", str, "text column (default 'text')"),
+    ("--text-column", str, "text column (default 'text'; sft: the messages, prompt or text column)"),
     ("--label-column", str, "label column (default 'label')"),
     ("--image-column", str, "image column (default 'image')"),
     ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1)"),
@@ -73,10 +80,31 @@ FLAGS = [
 ]
 
 
+ALIASES = {"--seq-len": "--max-length"}  # another spelling of a flag (and of its --config key)
+
+DATA_FORMATS = """\
+data formats of --task sft (read from the columns, or named by --data-format):
+  format             columns                            trained tokens
+  messages           messages: [{role, content}, ...]   the assistant turns (rendered with the chat template)
+  prompt_completion  prompt, completion                 the completion (strings, or message lists)
+  alpaca             instruction, input, output         the output (prompt from --template alpaca)
+  text               text                               every token (plain language modelling)
+--train-on-prompt trains every token; --text-column names another messages/prompt/text column.
+
+a messages jsonl file, one conversation a line:
+  {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+  {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}, \
+{"role": "assistant", "content": "4"}]}
+Check the trained tokens before a long run: cuboid prepare --model FOLDER --data FILE --output DIR"""
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, epilog=DATA_FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, typ, help_ in FLAGS:
+        if flag in ALIASES:
+            p.add_argument(flag, ALIASES[flag], type=typ, default=None, help=help_)
+            continue
         if flag == "--resume":  # a bare --resume means the latest checkpoint in --output-dir
             p.add_argument(flag, type=typ, default=None, nargs="?", const="latest", help=help_)
             continue
@@ -119,6 +147,12 @@ def read_config_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: the file must hold a table of keys")
     data = {k.replace("-", "_"): v for k, v in data.get("finetune", data).items()}
+    for flag, alias in ALIASES.items():
+        key, other = flag[2:].replace("-", "_"), alias[2:].replace("-", "_")
+        if other in data:
+            if key in data:
+                raise ValueError(f"--config {path}: give {key} or {other}, not both (they are one setting)")
+            data[key] = data.pop(other)
     if isinstance(data.get("plan"), dict):
         data["plan"] = dict(data["plan"])
     known = set(FinetuneConfig.__dataclass_fields__) - set(PYTHON_ONLY) | set(LAUNCHER_KEYS)
