@@ -46,7 +46,7 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], device: torch.device,
+def all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], device: torch.device,
                     axis: str = "dp") -> list[float]:
     """Sum ``values`` over ``axis``; the tensor lives on ``device`` (NCCL needs CUDA tensors)."""
     if mesh is None or mesh.size(axis) == 1:
@@ -98,25 +98,27 @@ def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Mesh:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: dict, *,
                microbatches: Optional[int] = None, max_grad_norm: Optional[float] = None,
                dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
-               mesh: Optional[Mesh] = None) -> StepResult:
+               mesh: Optional[Mesh] = None, share: bool = False) -> StepResult:
     """This rank's share of ``global_batch`` forward and backward in ``microbatches`` parts, then one step.
 
     ``mesh`` and ``dtype`` default to the model's (``model.parallel.mesh``,
     ``model.parallel.plan.dtype``); ``microbatches`` to the plan's. Clipping reduces the
-    norm over every shard of every parameter (their placements say how).
+    norm over every shard of every parameter (their placements say how). ``share=True``: the batch
+    is already this rank's share (a stream read per dp rank, :mod:`cuboid.streaming`); every rank of a
+    dp group passes the same one, and the loss is weighted by the step's targets over all ranks as ever.
     """
     core = unwrap(model)
     state = state_of(core)
     mesh = mesh if mesh is not None else state.mesh
     dtype = dtype if dtype is not None else state.plan.dtype
     parts = microbatches or state.plan.microbatches or 1
-    share = rank_share(global_batch, mesh)
+    mine = global_batch if share else rank_share(global_batch, mesh)
     if state.pipeline is not None:
-        return _pipeline_step(core, state.pipeline, optimizer, share, mesh, parts, max_grad_norm, dtype, scaler)
-    micro_batches = split_batch(share, parts) if parts > 1 else [share]
+        return _pipeline_step(core, state.pipeline, optimizer, mine, mesh, parts, max_grad_norm, dtype, scaler)
+    micro_batches = split_batch(mine, parts) if parts > 1 else [mine]
     device = _device_of(model)
     counts = [core.num_targets(b) for b in micro_batches]
-    total, = _all_reduce_sum([sum(counts)], mesh, device)
+    total, = all_reduce_sum([sum(counts)], mesh, device)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp") if mesh is not None else 1
@@ -149,7 +151,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_total, = _all_reduce_sum([loss_sum], mesh, device)
+    loss_total, = all_reduce_sum([loss_sum], mesh, device)
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
 
 
@@ -164,7 +166,7 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
     counts = [core.num_targets(b) for b in micro]
-    total, = _all_reduce_sum([sum(counts)], mesh, device)
+    total, = all_reduce_sum([sum(counts)], mesh, device)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp")
@@ -236,7 +238,7 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
         if labels is not None and labels.dim() == 1:  # one label per example: accuracy
             correct += float((out.logits.argmax(-1) == labels).sum())
             seen += labels.numel()
-    loss_sum, n_sum, correct, seen = _all_reduce_sum([loss_sum, n_sum, correct, seen], mesh, device)
+    loss_sum, n_sum, correct, seen = all_reduce_sum([loss_sum, n_sum, correct, seen], mesh, device)
     zero.reshard(core)  # ZeRO-3: free the gathered root unit a forward without backward leaves behind
     if was_training:
         core.train()

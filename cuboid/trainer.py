@@ -45,12 +45,13 @@ from cuboid.callbacks import Callbacks
 from cuboid.curves import plot_curves
 from cuboid.data import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, model_inputs,
                          num_classes, prepare as prepare_data, real_tokens, train_eval_split)
-from cuboid.finetune_config import HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked
+from cuboid.finetune_config import (HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked, data_options,
+                                     task_fits_head)
 from cuboid.loading import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.resume import checkpoints, interrupted, load_checkpoint, restart_count, resume_folder
 from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.step import evaluate, train_step
+from cuboid.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
 
 __all__ = ["FinetuneConfig", "Run", "finetune", "run", "make_optimizer"]
@@ -100,7 +101,7 @@ class Run:
     train_examples: int = 0               # examples in the training and eval splits
     eval_examples: int = 0
     eval_data: Any = None                 # the prepared eval split
-    batches: Optional[GlobalBatches] = None
+    batches: Any = None                   # GlobalBatches, or a StreamBatches (--streaming: this dp rank's share)
     steps: int = 0                        # optimizer steps of the whole run
     micro: int = 0                        # rows per rank per forward
     accumulate: int = 1                   # forwards per optimizer step
@@ -118,11 +119,15 @@ class Run:
     @property
     def unit(self) -> str:
         """What the throughput counts: tokens (not padding) or samples."""
-        return "tokens" if self.task in ("causal", "mlm") else "samples"
+        return "tokens" if self.task in ("causal", "sft", "mlm") else "samples"
 
     @property
     def metrics_path(self) -> Path:
         return self.output_dir / "metrics.jsonl"
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.cfg.streaming)
 
 
 # ---------------------------------------------------------------- the steps of a run
@@ -152,6 +157,8 @@ def start(cfg: FinetuneConfig) -> Run:
     """The plan (read once, here: an ``auto`` one searched after the timeout's process group), the
     collective timeout, the mesh, the restart count and the seeds."""
     peak_lr = scaled_lr(cfg.lr, cfg.batch_size, cfg.reference_batch, cfg.lr_scaling)  # a bad value: an error now
+    if cfg.streaming and (not cfg.steps or cfg.epochs is not None):
+        raise ValueError("--streaming needs --steps (and no --epochs): a stream has no length to count epochs in")
     if cfg.timeout_s is not None and not cfg.timeout_s > 0:
         raise ValueError(f"--timeout-s {cfg.timeout_s}: the process-group timeout must be positive seconds")
     from cuboid.planner import is_auto
@@ -178,19 +185,39 @@ def load_data_and_model(r: Run) -> None:
     """The dataset first (its number of classes decides a fresh model's head), then the model and the
     task, then both splits prepared for the task."""
     cfg = r.cfg
+    if cfg.streaming:
+        return load_stream_and_model(r)
     train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
     num_labels = None
     if cfg.task in ("seqcls", "imgcls") or (cfg.task is None and cfg.label_column in train_ds.column_names):
         num_labels = num_classes(train_ds, cfg.label_column)
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
-    config = r.model.config
-    prep = dict(config=config, tokenizer=r.tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
-                label_column=cfg.label_column, image_column=cfg.image_column,
-                num_labels=getattr(config, "num_labels", None), packing=cfg.packing)
+    prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = prepare_data(train_ds, r.task, **prep)
     r.eval_data = model_inputs(prepare_data(eval_ds, r.task, **prep))
-    r.batches = GlobalBatches(train_data, cfg.batch_size, seed=cfg.seed)
+    r.batches = GlobalBatches(train_data, cfg.batch_size, seed=cfg.seed, width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
+
+
+def width_multiple(plan: Plan) -> int:
+    """What a batch's row width is rounded up to: whole pieces for the plan's sequence and tensor splits
+    (and multiples of 8 for the kernels' tiles)."""
+    return math.lcm(8, 2 * plan.sp * plan.tp)
+
+
+def load_stream_and_model(r: Run) -> None:
+    """:func:`load_data_and_model` for ``--streaming``: the model first (a stream is a text task's), then
+    this dp rank's stream and the eval rows (:mod:`cuboid.streaming`)."""
+    from cuboid.streaming import setup
+
+    cfg = r.cfg
+    r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, None, r.device, r.plan, r.mesh)
+    dp = r.mesh.size("dp")
+    r.batches, eval_tensors, r.eval_examples = setup(
+        data_options(cfg, r.model.config, r.tokenizer), cfg.data, r.task, rank=r.mesh.coords["dp"], world=dp,
+        rows=max(cfg.batch_size // dp, 1), shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
+        width_multiple=width_multiple(r.plan))
+    r.eval_data = model_inputs(eval_tensors)
 
 
 def load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device, plan: Plan,
@@ -235,7 +262,7 @@ def task_of(model: nn.Module, task: Optional[str]) -> str:
         if inferred is None:
             raise ValueError(f"the {family} model has head {model.config.head!r}: no task to fine-tune; set --task")
         return inferred
-    if inferred != task:
+    if not task_fits_head(task, inferred):
         raise ValueError(f"task {task} does not fit the {family} model with head {model.config.head!r}"
                          + (f" (it does {inferred})" if inferred else ""))
     return task
@@ -253,7 +280,7 @@ def batching(r: Run) -> None:
     if cfg.batch_size % (dp * micro):
         raise ValueError(f"global batch {cfg.batch_size} is not a multiple of dp ({dp}) x micro-batch ({micro})")
     r.micro, r.accumulate = micro, cfg.batch_size // (dp * micro)
-    r.steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * r.batches.per_epoch))
+    r.steps = cfg.steps or max(1, math.ceil((cfg.epochs or 1.0) * r.batches.per_epoch))  # (a stream: --steps)
     r.warmup = warmup_steps(cfg.warmup, r.steps)
     r.eval_every = cfg.eval_every or max(1, r.steps // 4)
 
@@ -280,7 +307,14 @@ def resume(r: Run) -> None:
     if r.resumed_from is not None:
         saved = load_checkpoint(r.resumed_from, r.model, r.optimizer, r.scheduler, r.mesh, r.cfg.lora is not None)
         r.start = int(saved["step"])
-        r.batches.position = int(saved["data"]["position"])
+        if r.streaming:
+            from cuboid.streaming import saved_position
+
+            r.batches.position = saved_position(saved["data"], r.mesh)
+        elif "position" not in saved["data"]:
+            raise ValueError(f"{r.resumed_from} was written by a --streaming run: resume it with --streaming")
+        else:
+            r.batches.position = int(saved["data"]["position"])
         log(f"resumed from {r.resumed_from} at step {r.start}" + (f" (restart {restart})" if restart else ""))
     elif restart:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
@@ -299,18 +333,24 @@ def announce(r: Run) -> None:
     n_params = count_parameters(build(r.model.config))  # the whole model (a pp stage holds part of it)
     name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
     timeout = f" (collective timeout {comm.timeout_s():g} s)" if r.mesh.world_size > 1 else ""
+    train = "streamed" if r.streaming else str(r.train_examples)
     log(f"cuboid finetune: {name} ({n_params:,} parameters), task {r.task}, plan {r.plan.describe()} "
-        f"on {r.mesh.world_size} process(es){timeout}, {r.train_examples} train / {r.eval_examples} eval examples, "
+        f"on {r.mesh.world_size} process(es){timeout}, {train} train / {r.eval_examples} eval examples, "
         f"{r.steps} steps of {cfg.batch_size} (micro-batch {r.micro} x {r.accumulate} per rank), {cfg.optimizer} "
         f"at peak lr {r.peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
                                          if cfg.lr_scaling != "none" else "")
         + f", {r.warmup} warmup steps, {cfg.schedule} decay")
-    if "input_ids" in r.batches.tensors:
-        log(padding_line(r.batches.tensors) + ("; tokens/s counts real tokens" if r.unit == "tokens" else ""))
+    if r.streaming:
+        log(r.batches.describe() + "; tokens/s counts real tokens")
+    elif "input_ids" in r.batches.tensors:
+        log(padding_line(r.batches.tensors, cfg.batch_size) + ("; tokens/s counts real tokens"
+                                                              if r.unit == "tokens" else ""))
 
 
-def padding_line(tensors: dict) -> str:
-    """The training rows' padding in one line (packed rows: how many documents they hold)."""
+def padding_line(tensors: dict, batch_size: Optional[int] = None) -> str:
+    """The training rows' padding in one line (packed rows: how many documents they hold; rows padded to
+    the split's longest: that batches are cut to their own longest) and, with labels, the trained tokens
+    (loss targets: labels not -100 after a row's first position, which the shift never predicts)."""
     ids = tensors["input_ids"]
     rows, width = ids.shape
     real = real_tokens(tensors)
@@ -318,6 +358,13 @@ def padding_line(tensors: dict) -> str:
     if "position_ids" in tensors:  # a packed row: a document starts at each position 0 (a split one once a piece)
         docs = int(((tensors["position_ids"] == 0) & (tensors["attention_mask"] == 1)).sum())
         line += f" (packed: {docs} documents, {docs / rows:.1f} a row, attending only within themselves)"
+    elif "attention_mask" in tensors and "labels" in tensors and tensors["labels"].dim() == 2:
+        line += " at the longest row's width (each batch is cut to its own longest row)"
+    labels = tensors.get("labels")
+    if labels is not None and labels.dim() == 2 and labels.shape == ids.shape:
+        trained = int((labels[:, 1:] != -100).sum())
+        line += f"; {trained:,} trained tokens" + (f", {trained * batch_size / rows:,.0f} a step on average"
+                                                   if batch_size else "")
     return line
 
 
@@ -364,8 +411,11 @@ def train_one_step(r: Run, step: int, gen: torch.Generator):
         gen.manual_seed(r.cfg.seed * 1_000_003 + step - 1)
         batch = mask_tokens(batch, r.tokenizer, gen)
     counted = real_tokens(batch) if r.unit == "tokens" else r.cfg.batch_size
+    if r.streaming:  # the batch is this dp rank's share: the step's tokens are summed over dp
+        counted = int(all_reduce_sum([counted], r.mesh, r.device)[0])
     result = train_step(r.model, r.optimizer, model_inputs(batch), microbatches=r.accumulate,
-                        max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh)
+                        max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh,
+                        share=r.streaming)
     r.scheduler.step()
     return result, counted
 
@@ -396,7 +446,13 @@ def save(r: Run, step: int) -> Path:
     from cuboid.zoo import checkpoint as ckpt
 
     path = r.output_dir / f"checkpoint-{step}"
-    state = {"step": step, "data": {"position": r.batches.position}, "plan": r.plan.to_dict()}
+    if r.streaming:  # every dp rank's stream position (a collective), so each resumes where it was
+        from cuboid.streaming import gather_positions
+
+        data = {"stream": gather_positions(r.batches, r.mesh)}
+    else:
+        data = {"position": r.batches.position}
+    state = {"step": step, "data": data, "plan": r.plan.to_dict()}
     r.callbacks.fire("on_save_begin", r, step, path)
     with r.callbacks.save_files(r, step):
         if r.cfg.lora is not None:
