@@ -13,6 +13,12 @@ handwritten digits that ship with scikit-learn (the embedded default).
   record is a document of its own instead, rows of ``seq_len`` filled by
   :func:`cuboid.packing.pack` (best-fit-decreasing, ``position_ids``
   restarting per document, so no document attends to another);
+  a split that is already tokenized (an ``input_ids`` column: a ``cuboid prepare`` folder) is used as
+  it is for ``causal`` and ``sft`` (packed rows kept; other rows padded to the longest, or packed);
+- ``sft``: instruction and chat records (messages, prompt/completion, alpaca, text; see
+  :mod:`cuboid.sft`) tokenized with loss masks; rows padded to the longest in the split (with an
+  ``attention_mask``), or with ``packing`` packed into rows of the max length by
+  :func:`cuboid.packing.pack` with their labels;
 - ``mlm``: tokenized, padded/truncated to ``seq_len``; masking happens per
   batch (:func:`mask_tokens`) so every step sees new masks;
 - ``seqcls``: tokenized, padded/truncated, one label per example;
@@ -22,10 +28,13 @@ handwritten digits that ship with scikit-learn (the embedded default).
 :class:`GlobalBatches` draws global batches from the prepared tensors in a
 seeded order per epoch; each data-parallel rank takes its own contiguous share.
 Its position is one integer (batches drawn), so a resumed run sees the same
-batches as one that never stopped.
+batches as one that never stopped. A drawn batch of padded rows (an
+``attention_mask`` and no ``position_ids``) loses its trailing columns of
+padding: it is as wide as its longest row, rounded up to ``width_multiple``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-TASKS = ("causal", "mlm", "seqcls", "imgcls")
+TASKS = ("causal", "sft", "mlm", "seqcls", "imgcls")
 DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -158,20 +167,29 @@ def _check_labels(labels: torch.Tensor, n: int, column: str) -> None:
 
 def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = None, text_column: str = "text",
             label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None,
-            packing: bool = False) -> dict:
-    """A split as a dict of equal-length tensors for ``task`` (see module docstring)."""
+            packing: bool = False, sft=None, sft_stats=None) -> dict:
+    """A split as a dict of equal-length tensors for ``task`` (see module docstring). ``sft``: the
+    :class:`cuboid.sft.SFTOptions` of task ``sft`` (default: formats from the columns, ``seq_len`` as
+    the max length); ``sft_stats``, a :class:`cuboid.sft.SFTStats`, takes its counts."""
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-    if packing and task != "causal":
-        raise DataError(f"packing puts whole documents into rows for causal language modelling (--task clm), "
+    if packing and task not in ("causal", "sft"):
+        raise DataError(f"packing puts whole documents into rows for language modelling (--task clm or sft), "
                         f"not for task {task}")
     if len(ds) == 0:
         raise DataError("the dataset is empty")
     if task == "imgcls":
         return _prepare_images(ds, config, image_column, label_column, num_labels)
+    if task in ("causal", "sft") and "input_ids" in ds.column_names:
+        from cuboid.sft import prepared_tensors
+
+        return prepared_tensors(ds, packing=packing, row_length=min(seq_len or 1024, config.n_positions),
+                                pad_id=_pad_id(tokenizer))
     if tokenizer is None:
         raise DataError(f"task {task} needs a tokenizer: load the model from a folder with tokenizer.json "
                         "or pass --tokenizer PATH")
+    if task == "sft":
+        return _prepare_sft(ds, config, tokenizer, seq_len, text_column, packing, sft, sft_stats)
     _need_column(ds, text_column, "--text-column")
     seq_len = min(seq_len or 128, config.n_positions)
     texts = [t if isinstance(t, str) else "" for t in ds[text_column]]
@@ -196,6 +214,24 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
         _check_labels(labels, num_labels or config.num_labels, label_column)
         out["labels"] = labels
     return out
+
+
+def _pad_id(tokenizer) -> int:
+    if tokenizer is None:
+        return 0
+    for tok_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tok_id is not None:
+            return int(tok_id)
+    return 0
+
+
+def _prepare_sft(ds, config, tokenizer, seq_len, text_column: str, packing: bool, sft, stats) -> dict:
+    from cuboid.sft import SFTOptions, sft_tensors
+
+    if sft is None:
+        sft = SFTOptions(max_length=seq_len or 1024, text_column=None if text_column == "text" else text_column)
+    sft = dataclasses.replace(sft, max_length=min(sft.max_length, config.n_positions))
+    return sft_tensors(ds, tokenizer, sft, packing=packing, stats=stats)
 
 
 def _packed_documents(ids: list, eos: Optional[int], pad_id: Optional[int], seq_len: int) -> dict:
@@ -265,12 +301,15 @@ def mask_tokens(batch: dict, tokenizer, generator: torch.Generator, prob: float 
 
 @dataclass
 class GlobalBatches:
-    """Seeded global batches over prepared tensors; ``position`` counts batches drawn."""
+    """Seeded global batches over prepared tensors; ``position`` counts batches drawn. Padded rows
+    (an ``attention_mask``, no ``position_ids``) are cut to the batch's longest row, rounded up to
+    ``width_multiple`` (the sequence splits of the plan need whole pieces)."""
 
     tensors: dict
     batch_size: int
     seed: int = 0
     position: int = 0
+    width_multiple: int = 1
 
     def __post_init__(self) -> None:
         self.size = len(next(iter(self.tensors.values())))
@@ -291,11 +330,40 @@ class GlobalBatches:
     def next(self) -> dict:
         idx = self.indices(self.position)
         self.position += 1
-        return {k: v[idx] for k, v in self.tensors.items()}
+        return trim_padding({k: v[idx] for k, v in self.tensors.items()}, self.width_multiple)
 
     @property
     def epoch(self) -> float:
         return self.position / self.per_epoch
+
+
+_PAD_FILL = {"labels": -100, "attention_mask": 0}
+
+
+def trim_padding(batch: dict, multiple: int = 1) -> dict:
+    """A batch of padded rows cut to its longest row, rounded up to ``multiple``: trailing columns of
+    padding go, and where the rounding passes the rows' width, columns of padding are added (the batch's
+    pad token, labels -100, mask 0). Packed batches (``position_ids``) and batches without an
+    ``attention_mask`` are returned as they are."""
+    mask = batch.get("attention_mask")
+    if mask is None or "position_ids" in batch or mask.dim() != 2:
+        return batch
+    multiple, full = max(multiple, 1), mask.shape[1]
+    used = mask.any(dim=0).nonzero()
+    width = -(-(int(used[-1]) + 1 if len(used) else 1) // multiple) * multiple
+    if width == full:
+        return batch
+    out = {}
+    for k, v in batch.items():
+        if v.dim() != 2 or v.shape[1] != full:
+            out[k] = v
+        elif width < full:
+            out[k] = v[:, :width]
+        else:
+            pads = v[mask == 0]
+            fill = _PAD_FILL.get(k, int(pads[0]) if k == "input_ids" and len(pads) else 0)
+            out[k] = torch.cat([v, v.new_full((v.shape[0], width - full), fill)], dim=1)
+    return out
 
 
 def eval_batches(tensors: dict, batch_size: int, rank: int = 0, world: int = 1):

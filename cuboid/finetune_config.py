@@ -12,7 +12,8 @@ from cuboid.schedule import LR_SCALINGS, SCHEDULES, lr_lambda
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls",
                 ("llama", "lm"): "causal", ("llama", "cls"): "seqcls"}
 TASK_ALIASES = {"clm": "causal"}  # the name transformers' run_clm.py gives causal language modelling
-HEAD_OF_TASK = {"causal": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
+HEAD_OF_TASK = {"causal": "lm", "sft": "lm", "mlm": "mlm", "seqcls": "cls", "imgcls": "cls"}
+ALSO_DOES = {"causal": ("sft",)}  # a head's task -> the other tasks it takes when asked (--task sft: an LM head)
 OPTIMIZERS = ("adamw", "lamb", "lars")
 PYTHON_ONLY = ("callbacks",)  # fields that no flag or --config file sets
 
@@ -48,7 +49,13 @@ class FinetuneConfig:
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
     seq_len: Optional[int] = None         # tokens per row of a text task (packing: the packed row's length)
-    packing: bool = False                 # causal LM: each record a document, packed into rows (cuboid.packing)
+    packing: bool = False                 # causal LM / sft: each record a document, packed into rows (cuboid.packing)
+    train_on_prompt: bool = False         # sft: train every token, not only the answers
+    template: Optional[str] = None        # sft: a named prompt template for instruction data (alpaca)
+    data_format: Optional[str] = None     # sft: messages | prompt_completion | alpaca | text; default from the columns
+    chat_template: Optional[str] = None   # sft: a Jinja chat template file instead of the tokenizer's
+    streaming: bool = False               # read local files as a stream (datasets IterableDataset)
+    shuffle_buffer: int = 1000            # streaming: examples in the shuffle buffer
     tokenizer: Optional[str] = None
     text_column: str = "text"
     label_column: str = "label"
@@ -74,6 +81,53 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
         cfg = dataclasses.replace(cfg, task=TASK_ALIASES[cfg.task])
     if cfg.task is not None and cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(TASKS)} (clm: causal)")
-    if cfg.packing and cfg.task not in (None, "causal"):
-        raise ValueError(f"--packing packs documents for causal language modelling (--task clm), not {cfg.task}")
+    if cfg.packing and cfg.task not in (None, "causal", "sft"):
+        raise ValueError(f"--packing packs documents for language modelling (--task clm or sft), not {cfg.task}")
+    _check_sft(cfg)
     return cfg
+
+
+def _check_sft(cfg: FinetuneConfig) -> None:
+    from cuboid.sft import FORMATS, TEMPLATES
+
+    if cfg.template is not None and cfg.template not in TEMPLATES:
+        raise ValueError(f"unknown --template {cfg.template!r}; templates: {', '.join(TEMPLATES)}")
+    if cfg.data_format is not None and cfg.data_format not in FORMATS:
+        raise ValueError(f"unknown --data-format {cfg.data_format!r}; formats: {', '.join(FORMATS)}")
+    sft_only = [flag for flag, value in (("--train-on-prompt", cfg.train_on_prompt), ("--template", cfg.template),
+                                         ("--data-format", cfg.data_format), ("--chat-template", cfg.chat_template))
+                if value]
+    if sft_only and cfg.task != "sft":
+        raise ValueError(f"{' and '.join(sft_only)} apply to --task sft, not "
+                         f"{cfg.task or 'the task of the model head'}")
+    if cfg.shuffle_buffer < 1:
+        raise ValueError(f"--shuffle-buffer {cfg.shuffle_buffer}: the buffer holds at least 1 example")
+
+
+def task_fits_head(task: str, inferred: Optional[str]) -> bool:
+    """Whether a model whose head does ``inferred`` takes ``task`` (an LM head does causal and sft)."""
+    return task == inferred or task in ALSO_DOES.get(inferred, ())
+
+
+def data_options(cfg: FinetuneConfig, config, tokenizer=None) -> dict:
+    """The keyword arguments of :func:`cuboid.data.prepare` for this run (the task is passed beside them):
+    the columns, the row length, packing, and for sft the :class:`cuboid.sft.SFTOptions`."""
+    out = dict(config=config, tokenizer=tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
+               label_column=cfg.label_column, image_column=cfg.image_column,
+               num_labels=getattr(config, "num_labels", None), packing=cfg.packing)
+    if cfg.task == "sft":
+        out["sft"] = sft_options(cfg, config)
+    return out
+
+
+def sft_options(cfg: FinetuneConfig, config=None):
+    """The :class:`cuboid.sft.SFTOptions` of a run: max length ``seq_len`` (default 1024, at most the
+    model's positions), the text column when it is not the default ``text``."""
+    from cuboid.sft import SFTOptions
+
+    max_length = cfg.seq_len or 1024
+    if config is not None and getattr(config, "n_positions", None):
+        max_length = min(max_length, config.n_positions)
+    return SFTOptions(format=cfg.data_format, template=cfg.template, train_on_prompt=cfg.train_on_prompt,
+                      max_length=max_length, text_column=None if cfg.text_column == "text" else cfg.text_column,
+                      chat_template=cfg.chat_template)
