@@ -1,4 +1,4 @@
-"""Text generation with a key/value cache for the zoo's decoders (GPT-2, the Llama family).
+"""Text generation with a key/value cache for the zoo's decoders (GPT-2, the Llama family with Qwen3 and Gemma 3).
 
 :func:`generate` swaps every attention core of the model (the
 :class:`~cuboid.parallel.layers.Attention` layers, role ``attention``, as
@@ -8,7 +8,9 @@ step against the cache, and puts the cores back. The model code is unchanged:
 a core writes the new keys and values (after RoPE, at each token's position)
 into buffers allocated once at prefill for the prompt and every new token,
 and attends over everything cached; the end-aligned causal mask of the kernel
-lets a step's queries see every earlier token.
+lets a step's queries see every earlier token. A sliding-window layer's core
+keeps only its window (the global layers keep everything), as transformers'
+cache does.
 
 Prompts of different lengths are left-padded (as transformers does); each
 row's positions count only its kept tokens (``attention_mask.cumsum - 1``),
@@ -40,13 +42,17 @@ from cuboid.parallel.state import state_of
 class CachedAttention(nn.Module):
     """An attention core with this layer's key/value cache: (B, Hkv, capacity, D) buffers, the first
     ``length`` positions filled. ``capacity`` (the prompt and every new token but the last) is allocated once,
-    at prefill: a step writes its keys and values in place instead of copying the whole cache."""
+    at prefill: a step writes its keys and values in place instead of copying the whole cache.
+
+    A sliding-window core (``window`` W, the swapped core's) keeps only the last W - 1 keys and values, all a
+    next token can see beside its own (transformers' sliding-window cache): its memory stays W tokens however
+    long the text grows, while ``length`` still counts every token (the positions)."""
 
     role = "attention"
 
-    def __init__(self, capacity: int = 0) -> None:
+    def __init__(self, capacity: int = 0, window: Optional[int] = None) -> None:
         super().__init__()
-        self.capacity, self.length = capacity, 0
+        self.capacity, self.length, self.window = capacity, 0, window
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
@@ -60,6 +66,8 @@ class CachedAttention(nn.Module):
                 q, k = rope(q, k, torch.arange(S - T, S, device=q.device), ("span", S - T, S))  # shared by layers
             else:
                 q, k = rope(q, k, (key_padding_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:])
+        if self.window is not None:
+            return self._sliding(q, k, v, causal, key_padding_mask, S)
         if self.k is None or S > self.k.shape[2]:  # prefill (or a call past the capacity: grow)
             size = max(S, self.capacity)
             grown = [t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v)]
@@ -72,6 +80,18 @@ class CachedAttention(nn.Module):
         self.length = S
         return L.attention(q, self.k[:, :, :S], self.v[:, :, :S], causal=causal, key_padding_mask=key_padding_mask)
 
+    def _sliding(self, q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], S: int) -> torch.Tensor:
+        """Attend over the kept keys and the new ones under the window (end-aligned: the new tokens are the last
+        of the keys), then keep the last ``window - 1``."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)  # (B, Hkv, kept + T, D)
+        keep = key_padding_mask[:, -k.shape[2]:] if key_padding_mask is not None else None
+        out = L.attention(q, k, v, causal=causal, key_padding_mask=keep, window=self.window)
+        first = k.shape[2] - min(k.shape[2], self.window - 1)
+        self.k, self.v = k[:, :, first:], v[:, :, first:]
+        self.length = S
+        return out
+
 
 def _swap_cores(model: nn.Module, capacity: int) -> list:
     swapped = []
@@ -81,7 +101,7 @@ def _swap_cores(model: nn.Module, capacity: int) -> list:
                 if type(child) is not L.Attention:
                     raise NotImplementedError(f"generation under sequence parallelism is not built "
                                               f"({type(child).__name__} cores)")
-                setattr(mod, name, CachedAttention(capacity))
+                setattr(mod, name, CachedAttention(capacity, getattr(child, "window", None)))
                 swapped.append((mod, name, child))
     return swapped
 

@@ -2,7 +2,8 @@
 
 - :func:`target_paths`: the linears a LoRA config's ``targets`` name in a
   model (``attn``: the attention's input projections and output; ``qkv``,
-  ``q``, ``k``, ``v``, ``o``: parts of it; ``mlp``: every MLP linear), read
+  ``q``, ``k``, ``v``, ``o``: parts of it; ``mlp``: every MLP linear;
+  ``gate``, ``up``, ``down``: parts of it, ``up`` being a plain MLP's fc), read
   off the family's sharding spec, so every family (GPT, BERT, ViT, Llama)
   gets them;
 - :func:`attach`: adapters on those linears (:mod:`cuboid.parallel.lora`),
@@ -39,7 +40,8 @@ from .families import family_of
 
 _ATTN = ("attn.qkv", "attn.q", "attn.k", "attn.v")
 SUFFIXES = {"qkv": _ATTN, "q": ("attn.q",), "k": ("attn.k",), "v": ("attn.v",), "o": ("attn.proj",),
-            "attn": _ATTN + ("attn.proj",), "mlp": ("mlp.fc", "mlp.gate", "mlp.up", "mlp.proj")}
+            "attn": _ATTN + ("attn.proj",), "mlp": ("mlp.fc", "mlp.gate", "mlp.up", "mlp.proj"),
+            "gate": ("mlp.gate",), "up": ("mlp.up", "mlp.fc"), "down": ("mlp.proj",)}
 
 
 def _spec(model: nn.Module):

@@ -31,6 +31,12 @@ _LLAMA_BLOCK = {
     "blocks.*.mlp.proj": "row",
     "blocks.*.ln1": "norm",
     "blocks.*.ln2": "norm",
+    "blocks.*.post_ln1": "norm",  # Gemma 3: the norms after attention and MLP
+    "blocks.*.post_ln2": "norm",
+    # Qwen3, Gemma 3: a norm over each head's features after the head-split q/k projections, whole on every rank;
+    # its gradient is a sum over the heads, which a mode that splits heads must sum over its ranks
+    "blocks.*.attn.q_norm": "head_norm",
+    "blocks.*.attn.k_norm": "head_norm",
 }
 
 SPECS = {

@@ -32,6 +32,22 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 llama_config = _decoder(T.LlamaConfig, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
 qwen2_config = _decoder(T.Qwen2Config, num_key_value_heads=1, tie_word_embeddings=True)  # biases, MQA, tied
 mistral_config = _decoder(T.MistralConfig, num_key_value_heads=4, sliding_window=None)
+# the 2026 families and the windows: head_dim apart from hidden / heads, windows shorter than the test sequences
+qwen3_config = _decoder(T.Qwen3Config, num_key_value_heads=2, head_dim=16)
+mistral_window_config = _decoder(T.MistralConfig, num_key_value_heads=2, sliding_window=4)
+qwen2_window_config = _decoder(T.Qwen2Config, num_key_value_heads=2, use_sliding_window=True, sliding_window=3,
+                               max_window_layers=1)  # layer 0 global, layer 1 sliding
+GEMMA3_ROPE = {"rope_type": "linear", "factor": 4.0}  # on the global layers only
+
+
+def gemma3_config(**kw):
+    """Sliding, global, sliding layers (window 4), linear RoPE scaling on the global one, a query scale apart
+    from head_dim, a local RoPE base apart from the global one."""
+    return T.Gemma3TextConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                              query_pre_attn_scalar=20, rope_scaling=GEMMA3_ROPE, rope_theta=50000.0,
+                              rope_local_base_freq=1000.0, **kw)
 
 
 # name -> (HF class, config factory, task)
@@ -53,6 +69,17 @@ CASES = {
                                        _decoder(T.Qwen2Config, num_key_value_heads=2, num_labels=3, pad_token_id=0),
                                        "seqcls"),
     "LlamaModel": (T.LlamaModel, llama_config, "base-text"),
+    "Qwen3ForCausalLM": (T.Qwen3ForCausalLM, qwen3_config, "causal"),
+    "Qwen3ForSequenceClassification": (T.Qwen3ForSequenceClassification,
+                                       _decoder(T.Qwen3Config, num_key_value_heads=2, head_dim=16, num_labels=3,
+                                                pad_token_id=0), "seqcls"),
+    "Qwen3Model": (T.Qwen3Model, qwen3_config, "base-text"),
+    "Gemma3ForCausalLM": (T.Gemma3ForCausalLM, lambda: gemma3_config(final_logit_softcapping=3.0), "causal"),
+    "Gemma3TextForSequenceClassification": (T.Gemma3TextForSequenceClassification,
+                                            lambda: gemma3_config(num_labels=3, pad_token_id=0), "seqcls"),
+    "Gemma3TextModel": (T.Gemma3TextModel, gemma3_config, "base-text"),
+    "MistralForCausalLM+window": (T.MistralForCausalLM, mistral_window_config, "causal"),
+    "Qwen2ForCausalLM+window": (T.Qwen2ForCausalLM, qwen2_window_config, "causal"),
 }
 
 

@@ -1,28 +1,41 @@
-"""Llama family <-> Hugging Face Llama / Qwen2 / Mistral (causal LM, sequence classification, base model)."""
+"""Llama family <-> Hugging Face Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 (text) (causal LM, sequence
+classification, base model)."""
 from __future__ import annotations
+
+from typing import Optional
 
 from cuboid.zoo.hf_io import Family, TensorMap
 
-from .config import LlamaConfig
+from .config import FULL, SLIDING, LlamaConfig, gemma3_layers
 from .model import Llama
 
 _HEADS = {"ForCausalLM": "lm", "ForSequenceClassification": "cls", "Model": "none"}
-_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}
 ARCHITECTURES = {f"{name}{suffix}": {"head": head, "arch": arch, **({"prefixed": False} if head == "none" else {})}
                  for arch, name in _NAMES.items() for suffix, head in _HEADS.items()}
+# Gemma 3's text-only classes (Gemma3ForSequenceClassification and Gemma3Model are the multimodal ones)
+GEMMA3 = {"Gemma3ForCausalLM": "lm", "Gemma3TextForSequenceClassification": "cls", "Gemma3TextModel": "none"}
+ARCHITECTURES.update({name: {"head": head, "arch": "gemma3", **({"prefixed": False} if head == "none" else {})}
+                      for name, head in GEMMA3.items()})
 
 
-def _rope_scaling(d: dict):
-    scaling = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None)
+def rope_scaling_of(scaling, where: str = "rope_scaling"):
+    """HF's rope scaling dict as the zoo keeps it: None for default RoPE; llama3 and linear kept."""
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling of type {kind!r} is not supported (llama3 or none)")
-    keep = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    return {"rope_type": "llama3", **{k: scaling[k] for k in keep[1:]}}
+    keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "linear": ("factor",)}
+    if kind not in keys:
+        raise ValueError(f"{where} of type {kind!r} is not supported (llama3, linear or none)")
+    return {"rope_type": kind, **{k: scaling[k] for k in keys[kind]}}
+
+
+def _rope_scaling(d: dict):
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None
+    return rope_scaling_of(d.get("rope_scaling") or params)
 
 
 def _rope_theta(d: dict) -> float:
@@ -30,34 +43,52 @@ def _rope_theta(d: dict) -> float:
     return float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 
+def _layer_types(d: dict, arch: str, window) -> Optional[tuple]:
+    """Which layers slide: HF's layer_types where the file has them, else Qwen's ``max_window_layers`` (layers
+    from that index on slide); None (every layer) for Mistral."""
+    if window is None or arch == "mistral":
+        return None
+    if d.get("layer_types"):
+        return tuple(d["layer_types"])
+    first = d.get("max_window_layers", 28)
+    return tuple(SLIDING if i >= first else FULL for i in range(d["num_hidden_layers"]))
+
+
 def config_from_hf(d: dict, arch_name: str) -> LlamaConfig:
     spec = ARCHITECTURES[arch_name]
     arch = spec["arch"]
+    if arch == "gemma3":
+        return config_from_gemma3(d, arch_name, spec["head"])
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
-    positions = d.get("max_position_embeddings", 4096)
     window = d.get("sliding_window")
-    uses_window = window is not None and (arch == "mistral" or d.get("use_sliding_window", False))
-    if uses_window and window < positions:
-        raise ValueError(f"{arch_name} with sliding-window attention (sliding_window={window} < "
-                         f"max_position_embeddings={positions}) is not supported: cuboid's attention is full")
-    if spec["head"] == "cls" and d.get("problem_type") not in (None, "single_label_classification"):
+    if arch != "mistral" and not d.get("use_sliding_window", False):
+        window = None
+    bias = d.get("attention_bias", arch == "qwen2")
+    return LlamaConfig(**_common(d, arch_name, spec["head"]), rope_theta=_rope_theta(d), rope_scaling=_rope_scaling(d),
+                       attention_bias=bool(bias), mlp_bias=bool(d.get("mlp_bias", False)), arch=arch,
+                       qk_norm=arch == "qwen3", sliding_window=window, layer_types=_layer_types(d, arch, window))
+
+
+def _common(d: dict, arch_name: str, head: str) -> dict:
+    """The LlamaConfig fields every architecture reads alike."""
+    if head == "cls" and d.get("problem_type") not in (None, "single_label_classification"):
         raise ValueError(f"{arch_name} problem_type {d['problem_type']!r} is not supported (single-label)")
     heads = d["num_attention_heads"]
-    bias = d.get("attention_bias", arch == "qwen2")
-    return LlamaConfig(
-        vocab_size=d["vocab_size"], n_positions=positions, dim=d["hidden_size"], n_layers=d["num_hidden_layers"],
-        n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads, mlp_hidden=d["intermediate_size"],
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads, eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(d), rope_scaling=_rope_scaling(d), attention_bias=bool(bias),
-        mlp_bias=bool(d.get("mlp_bias", False)), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        head=spec["head"], num_labels=len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2),
-        pad_token_id=d.get("pad_token_id"), arch=arch, init_std=d.get("initializer_range", 0.02),
-    )
+    return dict(
+        vocab_size=d["vocab_size"], n_positions=d.get("max_position_embeddings", 4096), dim=d["hidden_size"],
+        n_layers=d["num_hidden_layers"], n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads,
+        mlp_hidden=d["intermediate_size"], head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=bool(d.get("tie_word_embeddings", False)), head=head,
+        num_labels=len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2),
+        pad_token_id=d.get("pad_token_id"), init_std=d.get("initializer_range", 0.02),
+        dropout=float(d.get("attention_dropout") or 0.0))
 
 
 def config_to_hf(c: LlamaConfig) -> dict:
+    if c.arch == "gemma3":
+        return config_to_gemma3(c)
     d = {
         "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
         "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
@@ -66,23 +97,98 @@ def config_to_hf(c: LlamaConfig) -> dict:
         "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
         "pad_token_id": c.pad_token_id,
     }
+    if c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None or c.logit_softcap is not None \
+            or c.rope_local_theta is not None or c.qk_norm != (c.arch == "qwen3"):
+        raise ValueError(f"a {_NAMES[c.arch]} export has no Gemma options, and q/k norms only for Qwen3")
     if c.arch == "llama":
+        if c.sliding_window is not None:
+            raise ValueError("a Llama export has no sliding window (Mistral, Qwen2 and Qwen3 have one)")
         d.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
-    elif c.arch == "qwen2":  # Qwen2 always has q/k/v biases
-        if not c.attention_bias or c.mlp_bias:
-            raise ValueError("a Qwen2 export needs attention_bias=True and mlp_bias=False")
-        d.update(use_sliding_window=False, sliding_window=None)
+    elif c.arch in ("qwen2", "qwen3"):
+        if c.mlp_bias or c.attention_bias != (c.arch == "qwen2"):
+            raise ValueError("a Qwen2 export needs attention_bias=True and a Qwen3 one False; neither has mlp_bias")
+        d.update(_qwen_window(c))
+        if c.arch == "qwen3":
+            d.update(attention_bias=False)
     else:
         if c.attention_bias or c.mlp_bias:
             raise ValueError("a Mistral export has no biases (attention_bias and mlp_bias must be False)")
-        d.update(sliding_window=None)
+        if c.layer_types is not None and set(c.layer_types) != {SLIDING}:
+            raise ValueError("a Mistral export slides every layer or none (its config has no layer_types)")
+        d.update(sliding_window=c.sliding_window)
+    return _with_labels(d, c)
+
+
+def _qwen_window(c: LlamaConfig) -> dict:
+    """Qwen2/Qwen3's window fields: layers from ``max_window_layers`` on slide."""
+    if c.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": c.n_layers}
+    types = c.layer_types or (SLIDING,) * c.n_layers
+    first = types.index(SLIDING) if SLIDING in types else c.n_layers
+    if any(t != (SLIDING if i >= first else FULL) for i, t in enumerate(types)):
+        raise ValueError(f"a {_NAMES[c.arch]} export slides the layers from one index on, got layer_types {types}")
+    return {"use_sliding_window": True, "sliding_window": c.sliding_window, "max_window_layers": first,
+            "layer_types": list(types)}
+
+
+def _with_labels(d: dict, c: LlamaConfig) -> dict:
     if c.head == "cls":
         d.update(id2label={str(i): f"LABEL_{i}" for i in range(c.num_labels)},
                  label2id={f"LABEL_{i}": i for i in range(c.num_labels)})
     return d
 
 
+def config_from_gemma3(d: dict, arch_name: str, head: str) -> LlamaConfig:
+    """Gemma3TextConfig: rope_theta (scaled) on global layers and rope_local_base_freq on sliding ones, in the
+    old keys or transformers 5's per-layer-type ``rope_parameters``."""
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"{arch_name} hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key):
+            raise ValueError(f"{arch_name} with {key}={d[key]!r} is not supported")
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+    if rope_scaling_of(local, "rope_parameters.sliding_attention") is not None:
+        raise ValueError(f"{arch_name}: scaled RoPE on sliding layers is not supported")
+    layers = d["num_hidden_layers"]
+    types = d.get("layer_types") or gemma3_layers(layers, d.get("sliding_window_pattern", 6))
+    return LlamaConfig(
+        **_common(d, arch_name, head), arch="gemma3", qk_norm=True, act="gelu_tanh", gemma_norms=True,
+        embed_scale=True, attention_bias=bool(d.get("attention_bias", False)),
+        rope_theta=float(d.get("rope_theta", full.get("rope_theta", 1000000.0))),
+        rope_scaling=rope_scaling_of(d.get("rope_scaling") or full),
+        rope_local_theta=float(d.get("rope_local_base_freq", local.get("rope_theta", 10000.0))),
+        query_scale=float(d.get("query_pre_attn_scalar", 256)), sliding_window=d.get("sliding_window"),
+        layer_types=tuple(types), logit_softcap=d.get("final_logit_softcapping"))
+
+
+def _int_if_whole(x: float):
+    """transformers' Gemma3TextConfig types query_pre_attn_scalar as an int."""
+    return int(x) if float(x).is_integer() else x
+
+
+def config_to_gemma3(c: LlamaConfig) -> dict:
+    if not (c.qk_norm and c.gemma_norms and c.embed_scale and c.act == "gelu_tanh") or c.mlp_bias:
+        raise ValueError("a Gemma 3 export needs qk_norm, gemma_norms, embed_scale, act='gelu_tanh' and no mlp_bias")
+    d = {
+        "model_type": "gemma3_text", "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
+        "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": c.eps, "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope, "rope_local_base_freq": c.rope_local_theta if c.rope_local_theta is not None
+        else c.rope_theta, "query_pre_attn_scalar": _int_if_whole(c.query_scale or c.head_dim),
+        "sliding_window": c.sliding_window, "layer_types": list(c.layer_types or (SLIDING,) * c.n_layers),
+        "final_logit_softcapping": c.logit_softcap, "attn_logit_softcapping": None,
+        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
+        "attention_bias": c.attention_bias, "pad_token_id": c.pad_token_id,
+    }
+    return _with_labels(d, c)
+
+
 def architecture_of(c: LlamaConfig) -> str:
+    if c.arch == "gemma3":
+        return {v: k for k, v in GEMMA3.items()}[c.head]
     return _NAMES[c.arch] + {v: k for k, v in _HEADS.items()}[c.head]
 
 
@@ -94,8 +200,14 @@ def tensor_maps(c: LlamaConfig) -> list[TensorMap]:
     rows = [TensorMap("tok_emb.weight", ("embed_tokens.weight",)), TensorMap("ln_f.weight", ("norm.weight",))]
     for i in range(c.n_layers):
         z, h = f"blocks.{i}.", f"layers.{i}."
-        rows += [TensorMap(z + "ln1.weight", (h + "input_layernorm.weight",)),
-                 TensorMap(z + "ln2.weight", (h + "post_attention_layernorm.weight",))]
+        if c.gemma_norms:  # a norm before and after both attention and MLP
+            norms = (("ln1", "input_layernorm"), ("post_ln1", "post_attention_layernorm"),
+                     ("ln2", "pre_feedforward_layernorm"), ("post_ln2", "post_feedforward_layernorm"))
+        else:
+            norms = (("ln1", "input_layernorm"), ("ln2", "post_attention_layernorm"))
+        if c.qk_norm:
+            norms += (("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm"))
+        rows += [TensorMap(f"{z}{zn}.weight", (f"{h}{hn}.weight",)) for zn, hn in norms]
         for zn in ("q", "k", "v"):
             rows += _linear(z + f"attn.{zn}", h + f"self_attn.{zn}_proj", c.attention_bias)
         rows += _linear(z + "attn.proj", h + "self_attn.o_proj", False)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral): RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3): RoPE, RMSNorm, a gated MLP, grouped-query
+attention, and the options Qwen3 and Gemma 3 add (q/k norms, sliding-window layers, sandwich norms)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -13,36 +14,59 @@ from cuboid.parallel.mask import Mask
 from cuboid.zoo.common import Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, pre_norm
 
 from .config import LlamaConfig
+from .parts import GemmaRMSNorm, rotary
+
+
+def norm_class(c: LlamaConfig) -> type:
+    return GemmaRMSNorm if c.gemma_norms else L.RMSNorm
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention: q (H heads), k and v (Hkv heads, each shared by H / Hkv query heads),
-    rotated by RoPE in the attention core. Head counts are read off the (possibly sharded) projections."""
+    rotated by RoPE in the attention core. Head counts are read off the (possibly sharded) projections.
 
-    def __init__(self, c: LlamaConfig) -> None:
+    Layer ``layer``'s options: ``q_norm``/``k_norm`` over each head's features before RoPE (Qwen3, Gemma 3),
+    the sliding window of its core, and a sliding layer's own RoPE base (Gemma 3's local layers)."""
+
+    def __init__(self, c: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim = d = c.head_dim
         self.q = L.Linear(c.dim, c.n_heads * d, bias=c.attention_bias)
         self.k = L.Linear(c.dim, c.n_kv_heads * d, bias=c.attention_bias)
         self.v = L.Linear(c.dim, c.n_kv_heads * d, bias=c.attention_bias)
-        self.rope = L.Rotary(d, c.rope_theta, c.rope)
-        self.core = L.Attention()
+        if c.qk_norm:
+            self.q_norm = norm_class(c)(d, c.eps)
+            self.k_norm = norm_class(c)(d, c.eps)
+        window = c.window_of(layer)
+        if window is not None and c.rope_local_theta is not None:  # a local layer: its own base, unscaled
+            self.rope = L.Rotary(d, c.rope_local_theta)
+        else:
+            self.rope = rotary(d, c.rope_theta, c.rope)
+        self.core = L.Attention(window=window)
         self.proj = L.Linear(c.n_heads * d, c.dim, bias=False)
         self.dropout = L.Dropout(c.dropout)
+        # the kernel scales scores by head_dim ** -0.5; Gemma's query_pre_attn_scalar asks for another scale
+        self.q_scale = None if c.query_scale is None or c.query_scale == d else (d / c.query_scale) ** 0.5
 
     def forward(self, x: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
         q, k, v = linears(x, (self.q, self.k, self.v))  # (B, T, H * D), (B, T, Hkv * D) twice
         B, T, _ = q.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))  # (B, T, heads, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
         y = self.core(q, k, v, causal=True, mask=mask, rope=self.rope)  # (B, H, T, D)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
-class SwiGLU(nn.Module):
-    """proj(silu(gate(x)) * up(x)), (B, T, C) -> (B, T, C)."""
+class GatedMLP(nn.Module):
+    """proj(act(gate(x)) * up(x)), (B, T, C) -> (B, T, C): SwiGLU (silu) or GeGLU (tanh GELU, Gemma)."""
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
+        self.act = c.act
         self.gate = L.Linear(c.dim, c.mlp_hidden, bias=c.mlp_bias)
         self.up = L.Linear(c.dim, c.mlp_hidden, bias=c.mlp_bias)
         self.proj = L.Linear(c.mlp_hidden, c.dim, bias=c.mlp_bias)
@@ -51,22 +75,39 @@ class SwiGLU(nn.Module):
         # two matmuls, not one over the stacked weights (zoo.common.linears): the halves of a stacked output are
         # strided views, slower to read, and their gradients are concatenated in backward (the CPU training
         # step of bench/train_step.py's Llama shapes is faster so: bench/RESULTS.md)
-        return self.proj(kernels.swiglu(self.gate(x), self.up(x)))
+        if self.act == "silu":
+            return self.proj(kernels.swiglu(self.gate(x), self.up(x)))
+        return self.proj(L.gelu(self.gate(x), "tanh") * self.up(x))
+
+
+SwiGLU = GatedMLP  # the name of Llama's MLP
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: ``forward(x, residual) -> (x', residual')``, the hidden state being ``x' + residual'``."""
+    """Pre-norm block: ``forward(x, residual) -> (x', residual')``, the hidden state being ``x' + residual'``.
 
-    def __init__(self, c: LlamaConfig) -> None:
+    With Gemma's norms, ``post_ln1`` and ``post_ln2`` also normalise the attention's and the MLP's outputs
+    before they join the residual stream (HF's post_attention_layernorm and post_feedforward_layernorm;
+    ``ln2`` is then HF's pre_feedforward_layernorm)."""
+
+    def __init__(self, c: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.ln1 = L.RMSNorm(c.dim, c.eps)
-        self.attn = Attention(c)
-        self.ln2 = L.RMSNorm(c.dim, c.eps)
-        self.mlp = SwiGLU(c)
+        norm = norm_class(c)
+        self.ln1 = norm(c.dim, c.eps)
+        self.attn = Attention(c, layer)
+        self.ln2 = norm(c.dim, c.eps)
+        self.mlp = GatedMLP(c)
+        if c.gemma_norms:
+            self.post_ln1 = norm(c.dim, c.eps)
+            self.post_ln2 = norm(c.dim, c.eps)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                 mask: Optional[Mask] = None):
-        return pre_norm(self, x, residual, mask)
+        if not hasattr(self, "post_ln1"):
+            return pre_norm(self, x, residual, mask)
+        h, residual = (self.ln1(x), x) if residual is None else self.ln1(x, residual)
+        h, residual = self.ln2(self.post_ln1(self.attn(h, mask)), residual)
+        return self.post_ln2(self.mlp(h)), residual
 
 
 class Llama(Decoder):
@@ -74,8 +115,8 @@ class Llama(Decoder):
         super().__init__()
         self.config = c = config
         self.tok_emb = L.Embedding(c.vocab_size, c.dim)
-        self.blocks = nn.ModuleList(LlamaBlock(c) for _ in range(c.n_layers))
-        self.ln_f = L.RMSNorm(c.dim, c.eps)
+        self.blocks = nn.ModuleList(LlamaBlock(c, i) for i in range(c.n_layers))
+        self.ln_f = norm_class(c)(c.dim, c.eps)
         if c.head == "lm" and not c.tie_embeddings:
             self.lm_head = L.Embedding(c.vocab_size, c.dim)  # (V, C), used as the head's weight only
         elif c.head == "cls":
@@ -86,14 +127,17 @@ class Llama(Decoder):
         return count_targets(batch.get("labels"), shift=self.config.head == "lm")
 
     def init_weights(self, seed: int = 0) -> None:
-        """HF Llama init: N(0, init_std) for linear and embedding weights, zero biases, norms 1."""
+        """HF Llama init: N(0, init_std) for linear and embedding weights, zero biases, norms 1 (Gemma's norms,
+        which scale by 1 + weight: 0)."""
         std = self.config.init_std
+        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, L.RMSNorm)}
+        norm_init = "zeros" if self.config.gemma_norms else "ones"
 
         def rule(name: str, shape: torch.Size):
             if name.endswith("bias"):
                 return "zeros", 0.0
-            if ".ln" in name or name.startswith("ln"):
-                return "ones", 0.0
+            if name in norms:
+                return norm_init, 0.0
             return "normal", std
 
         init_parameters(self, rule, seed)
@@ -113,7 +157,10 @@ class Llama(Decoder):
         """Token embeddings: (B, T) ids -> (B, T, C); positions enter as rotations inside attention."""
         if input_ids.shape[1] > self.config.n_positions:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds n_positions {self.config.n_positions}")
-        return self.tok_emb(input_ids)
+        x = self.tok_emb(input_ids)
+        if self.config.embed_scale:  # Gemma: the scale rounded to the table's dtype first, as transformers does
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        return x
 
     def last_tokens(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """(B,) index of each row's last token that is not padding, which a classification head reads (as HF:
@@ -143,7 +190,20 @@ class Llama(Decoder):
             loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
             return Output(logits=lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h)
         table = self.tok_emb if c.tie_embeddings else self.lm_head
+        if c.logit_softcap is not None:
+            return self._capped_lm(table, h, labels)
         # with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel under tp, and
         # the (B, T, V) logits made only when read
         loss, logits = table.lm_outputs(h, labels, shift=True)
         return Output(logits=logits, loss=loss, last_hidden_state=h)
+
+    def _capped_lm(self, table, h: torch.Tensor, labels: Optional[torch.Tensor]) -> Output:
+        """The LM head with final logit softcapping (``cap * tanh(logits / cap)``): whole logits, then the loss
+        on them (the fused linear cross-entropy has no cap)."""
+        cap = self.config.logit_softcap
+        local = table.lm_logits(h, gather=False)  # (B, T, V) or this rank's vocab slice
+        local = torch.tanh(local / cap) * cap
+        loss = None
+        if labels is not None:
+            loss = table.loss_from_logits(local[:, :-1], labels[:, 1:].to(torch.long))
+        return Output(logits=lazy(table.gather_logits, local), loss=loss, last_hidden_state=h)
