@@ -38,7 +38,7 @@ from typing import Optional
 from cuboid.data import DataError
 
 TASKS = ("sft", "clm", "causal")
-DEFAULT_MAX_LENGTH = 128  # finetune's --seq-len default
+DEFAULT_MAX_LENGTH = {"sft": 1024, "causal": 128}  # finetune's --seq-len defaults
 WIDTH_MULTIPLE = 8        # finetune's batch width multiple on one device, dp, and tp or sp up to 4
 REPORT = "prepare_report.json"
 MARK = ("[[", "]]")
@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the folder to write (cuboid finetune --data reads it)")
     p.add_argument("--task", default="sft", help="sft (default) | clm")
     p.add_argument("--max-length", "--seq-len", dest="max_length", type=int,
-                   help=f"tokens per example, or per packed row (default {DEFAULT_MAX_LENGTH}, at most the model's)")
+                   help="tokens per example, or per packed row (default: sft 1024, clm 128; at most the model's)")
     p.add_argument("--packing", action="store_true", help="pack the examples into rows of --max-length")
     p.add_argument("--train-on-prompt", action="store_true", help="sft: train on every token, not only the answers")
     p.add_argument("--template", help="sft: the prompt template of instruction data (alpaca)")
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.task not in TASKS:
         raise ValueError(f"unknown task {args.task!r} for prepare; tasks: sft, clm")
     tokenizer, positions = _tokenizer_and_positions(args)
-    max_length = min(args.max_length or DEFAULT_MAX_LENGTH, positions or math.inf)
+    max_length = min(args.max_length or DEFAULT_MAX_LENGTH[_task(args.task)], positions or math.inf)
     splits = train_eval_split(load_source(args.data), args.eval_fraction, args.seed)
     prepared, stats = {}, {}
     for name, ds in zip(("train", "validation"), splits):
@@ -135,16 +135,14 @@ def model_positions(folder: Optional[str]) -> Optional[int]:
 
 
 def sft_options(args: argparse.Namespace, max_length: int):
-    from cuboid.sft import SFTOptions
+    from cuboid.sft import FORMATS, TEMPLATES, SFTOptions
 
-    template = None
-    if args.chat_template:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            raise ValueError(f"--chat-template {path}: no such file")
-        template = path.read_text()
+    if args.template is not None and args.template not in TEMPLATES:
+        raise ValueError(f"unknown --template {args.template!r}; templates: {', '.join(TEMPLATES)}")
+    if args.data_format is not None and args.data_format not in FORMATS:
+        raise ValueError(f"unknown --data-format {args.data_format!r}; formats: {', '.join(FORMATS)}")
     return SFTOptions(format=args.data_format, template=args.template, train_on_prompt=args.train_on_prompt,
-                      max_length=max_length, text_column=args.text_column, chat_template=template)
+                      max_length=max_length, text_column=args.text_column, chat_template=args.chat_template)
 
 
 def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int):
@@ -154,12 +152,14 @@ def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int):
     if _task(args.task) == "sft":
         from cuboid import sft
 
-        rows, counts = sft.tokenize_dataset(ds, tokenizer, sft_options(args, max_length))
-        counts = counts.as_dict()
-        counts = {"format": counts.get("format"), "examples": counts["examples"], "dropped": counts["dropped"],
-                  "truncated": counts["truncated"]}
-        rows = rows.select_columns(["input_ids", "labels"])
-        if args.packing:
+        opts = sft_options(args, max_length)
+        rows, stats = sft.tokenize_dataset(ds, tokenizer, opts)
+        if len(rows) == 0:
+            raise DataError(f"no example has anything to learn ({stats.dropped} of {stats.examples} dropped): "
+                            "check the data format and --max-length")
+        counts = {"format": sft.detect_format(ds.column_names, opts, ds.features), "examples": stats.examples,
+                  "dropped": stats.dropped, "truncated": stats.truncated}
+        if args.packing:  # as finetune packs them (cuboid.sft.prepared_tensors)
             from cuboid.packing import pack_dataset
 
             rows = pack_dataset(rows, max_length, labels_column="labels", pad_id=_pad_id(tokenizer))
@@ -176,7 +176,7 @@ def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int):
 
 
 def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 def row_counts(rows, batch_size: int, seed: int) -> dict:
@@ -204,7 +204,7 @@ def row_counts(rows, batch_size: int, seed: int) -> dict:
 def padding_fraction(lengths, batch_size: int, seed: int, width_multiple: int = WIDTH_MULTIPLE) -> float:
     """The padding of rows of ``lengths`` tokens over one epoch of finetune's batches: ``batch_size`` rows drawn
     in :class:`cuboid.data.GlobalBatches`' seeded order, each batch as wide as its longest row rounded up to
-    ``width_multiple`` (at most the longest row of all). A split smaller than a batch is one batch."""
+    ``width_multiple`` (:func:`cuboid.data.trim_padding`). A split smaller than a batch is one batch."""
     import numpy as np
     import torch
 
@@ -214,10 +214,10 @@ def padding_fraction(lengths, batch_size: int, seed: int, width_multiple: int = 
     if lengths.size == 0:
         return 0.0
     batches = GlobalBatches({"length": torch.from_numpy(lengths)}, min(batch_size, lengths.size), seed)
-    longest, real, cells = int(lengths.max()), 0, 0
+    real = cells = 0
     for position in range(batches.per_epoch):
         part = lengths[batches.indices(position).numpy()]
-        width = min(-(-int(part.max()) // width_multiple) * width_multiple, longest)
+        width = -(-int(part.max()) // width_multiple) * width_multiple
         real, cells = real + int(part.sum()), cells + width * part.size
     return 1.0 - real / cells
 
