@@ -23,10 +23,15 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from cuboid.data import DataError
-
-__all__ = ["template_of", "require_template", "has_generation_markers", "encode_conversation",
+__all__ = ["DataError", "template_of", "require_template", "has_generation_markers", "encode_conversation",
            "render_prompt", "prompt_ids", "stop_token_ids", "NO_TEMPLATE"]
+
+
+class DataError(ValueError):
+    """Bad data or a bad column: one line that says what is wrong. Defined in this, the lowest of the data
+    modules, so that :mod:`cuboid.data`, :mod:`cuboid.sft` and this one raise the same class;
+    :mod:`cuboid.data` is its public home."""
+
 
 _MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 NO_TEMPLATE = ("the data holds chat messages but the tokenizer has no chat template: pass --chat-template FILE "

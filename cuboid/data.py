@@ -42,13 +42,13 @@ from typing import Any, Optional, Union
 
 import torch
 
+from cuboid.chat import DataError  # defined below the data modules (sft and chat raise it too); public here
+
 TASKS = ("causal", "sft", "mlm", "seqcls", "imgcls")
 DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
-class DataError(ValueError):
-    """Bad data or a bad column: one line that says what is wrong."""
 
 
 # ---------------------------------------------------------------- sources
@@ -366,13 +366,14 @@ def trim_padding(batch: dict, multiple: int = 1) -> dict:
     return out
 
 
-def eval_batches(tensors: dict, batch_size: int, rank: int = 0, world: int = 1):
-    """Deterministic eval batches, this rank's strided share of the examples."""
+def eval_batches(tensors: dict, batch_size: int, rank: int = 0, world: int = 1, width_multiple: int = 1):
+    """Deterministic eval batches, this rank's strided share of the examples (padded rows cut as
+    :class:`GlobalBatches` cuts them)."""
     n = len(next(iter(tensors.values())))
     idx = torch.arange(rank, n, world)
     for s in range(0, len(idx), batch_size):
         part = idx[s:s + batch_size]
-        yield {k: v[part] for k, v in tensors.items()}
+        yield trim_padding({k: v[part] for k, v in tensors.items()}, width_multiple)
 
 
 def load_tokenizer(path: Union[str, os.PathLike, None]):

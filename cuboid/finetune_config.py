@@ -82,7 +82,8 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     if cfg.task is not None and cfg.task not in TASKS:
         raise ValueError(f"unknown task {cfg.task!r}; tasks: {', '.join(TASKS)} (clm: causal)")
     if cfg.packing and cfg.task not in (None, "causal", "sft"):
-        raise ValueError(f"--packing packs documents for language modelling (--task clm or sft), not {cfg.task}")
+        raise ValueError(f"--packing packs documents for causal language modelling or sft (--task clm or sft), "
+                         f"not {cfg.task}")
     _check_sft(cfg)
     return cfg
 

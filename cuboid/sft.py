@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cuboid.data import DataError
+from cuboid.chat import DataError
 
 __all__ = ["FORMATS", "TEMPLATES", "SFTOptions", "SFTStats", "detect_format", "format_columns",
            "tokenize_example", "tokenize_dataset", "resolve_options", "alpaca_prompt", "sft_tensors",

@@ -245,3 +245,23 @@ def test_render_prompt_and_stop_tokens(tokenizers):
     ids = prompt_ids("hi", llama)
     assert ids[0] == llama.bos_token_id and ids.count(llama.bos_token_id) == 1
     assert stop_token_ids(llama) == [llama.convert_tokens_to_ids("<|eot_id|>")]
+
+
+def test_finetune_config_checks_and_data_options():
+    from cuboid.data import eval_batches
+    from cuboid.finetune_config import FinetuneConfig, checked, data_options, task_fits_head
+
+    with pytest.raises(ValueError, match="unknown --template 'vicuna'; templates: alpaca"):
+        checked(FinetuneConfig(task="sft", template="vicuna"))
+    with pytest.raises(ValueError, match="--train-on-prompt apply to --task sft, not causal"):
+        checked(FinetuneConfig(task="clm", train_on_prompt=True))
+    with pytest.raises(ValueError, match="unknown --data-format 'chat'"):
+        checked(FinetuneConfig(task="sft", data_format="chat"))
+    cfg = checked(FinetuneConfig(task="sft", packing=True, seq_len=4096, template="alpaca", text_column="body"))
+    opts = data_options(cfg, CONFIG, tokenizer=None)
+    assert opts["packing"] and opts["sft"] == SFTOptions(template="alpaca", max_length=256, text_column="body")
+    assert "sft" not in data_options(checked(FinetuneConfig(task="clm")), CONFIG)
+    assert task_fits_head("sft", "causal") and not task_fits_head("sft", "seqcls")
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
+    batch = next(eval_batches({"input_ids": mask * 7, "attention_mask": mask}, 2, width_multiple=2))
+    assert batch["input_ids"].tolist() == [[7, 7, 0, 0], [7, 7, 7, 0]]
