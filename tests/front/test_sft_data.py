@@ -149,7 +149,8 @@ def test_truncation_keeps_the_start_and_drops_rows_with_nothing_to_learn(tokeniz
     cut, stats = tokenize_dataset(ds, tok, SFTOptions(max_length=max_length))
     kept = [(ids[:max_length], labels[:max_length]) for ids, labels in _rows(full)
             if any(x != -100 for x in labels[1:max_length])]
-    truncated = sum(len(ids) > max_length for ids, labels in _rows(full) if any(x != -100 for x in labels[1:max_length]))
+    truncated = sum(len(ids) > max_length for ids, labels in _rows(full)
+                    if any(x != -100 for x in labels[1:max_length]))
     assert _rows(cut) == kept
     assert (stats.examples, stats.dropped, stats.truncated) == (24, 24 - len(kept), truncated)
     assert stats.dropped > 0 and truncated > 0 and len(kept) > truncated  # all three kinds of row occur
@@ -172,7 +173,7 @@ def test_formats_from_the_columns():
     assert detect_format(["instruction", "input", "output"], opts) == "alpaca"
     assert detect_format(["text", "meta"], opts) == "text"
     assert detect_format(["body"], SFTOptions(text_column="body")) == "text"
-    with pytest.raises(DataError, match="no SFT data format fits the columns \\(question, answer\\); formats: messages"):
+    with pytest.raises(DataError, match=r"no SFT data format fits the columns \(question, answer\); formats: mess"):
         detect_format(["question", "answer"], opts)
     with pytest.raises(DataError, match="unknown template 'vicuna'; templates: alpaca"):
         detect_format(["instruction", "output"], SFTOptions(template="vicuna"))
