@@ -18,7 +18,6 @@ end), and :func:`stop_token_ids` names the tokens that end an assistant turn.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -191,8 +190,3 @@ def stop_token_ids(tokenizer, chat_template: Optional[str] = None) -> list:
         if ids and ids[0] in special and ids[0] not in stops:
             stops.append(int(ids[0]))
     return stops
-
-
-def folder_has_template(folder: Union[str, os.PathLike]) -> bool:
-    """Whether a model folder carries a chat template."""
-    return _template_in_folder(Path(folder)) is not None
