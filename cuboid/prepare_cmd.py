@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     splits = train_eval_split(load_source(args.data), args.eval_fraction, args.seed)
     prepared, stats = {}, {}
     for name, ds in zip(("train", "validation"), splits):
-        prepared[name], stats[name] = prepare_split(ds, args, tokenizer, max_length)
+        prepared[name], stats[name] = prepare_split(ds, args, tokenizer, max_length, training=name == "train")
     report = {"data": str(args.data), "tokenizer": str(args.tokenizer or args.model), "task": _task(args.task),
               "max_length": max_length, "packing": args.packing, "train_on_prompt": args.train_on_prompt,
               "template": args.template, "data_format": stats["train"].pop("format", None),
@@ -145,8 +145,9 @@ def sft_options(args: argparse.Namespace, max_length: int):
                       max_length=max_length, text_column=args.text_column, chat_template=args.chat_template)
 
 
-def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int):
-    """(the split's rows as a ``datasets.Dataset``, its numbers for the report)."""
+def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int, training: bool = True):
+    """(the split's rows as a ``datasets.Dataset``, its numbers for the report; the padding of a training
+    split as finetune's training batches cut it, of another as evaluation pads it: to the longest row)."""
     import datasets
 
     if _task(args.task) == "sft":
@@ -172,16 +173,18 @@ def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int):
                           seq_len=max_length, text_column=args.text_column or "text", packing=args.packing)
         rows = datasets.Dataset.from_dict({k: v.numpy() for k, v in tensors.items()})
         counts = {"examples": len(ds), "dropped": None, "truncated": None}
-    return rows, {**counts, **row_counts(rows, args.batch_size, args.seed)}
+    batch_size = args.batch_size if training else None
+    return rows, {**counts, **row_counts(rows, batch_size, args.seed)}
 
 
 def _pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
-def row_counts(rows, batch_size: int, seed: int) -> dict:
+def row_counts(rows, batch_size: Optional[int], seed: int) -> dict:
     """Rows, tokens (not padding), trained tokens (labels the shifted loss predicts: a row's first label never
-    is) and the padding fraction (:func:`padding_fraction`) of a split's rows."""
+    is) and the padding fraction of a split's rows: packed rows' own, else that of training batches of
+    ``batch_size`` (:func:`padding_fraction`), or with no ``batch_size`` of rows padded to the longest."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -197,7 +200,8 @@ def row_counts(rows, batch_size: int, seed: int) -> dict:
     else:
         lengths = np.asarray(pc.list_value_length(table.column("input_ids")), dtype=np.int64)
         tokens = int(lengths.sum())
-        padding = padding_fraction(lengths, batch_size, seed)
+        padding = padding_fraction(lengths, batch_size, seed) if batch_size else \
+            1.0 - tokens / (len(lengths) * int(lengths.max()))
     return {"rows": len(rows), "tokens": tokens, "trained_tokens": trained, "padding_fraction": padding}
 
 
@@ -272,8 +276,8 @@ def format_report(report: dict, output: Path) -> str:
     text = table(rows, ("split", "examples", "dropped", "truncated", "rows", "tokens", "trained", "trained %",
                         "padding"))
     how = ("of the packed rows" if report["packing"] else
-           f"of the rows as finetune batches them ({report['batch_size']} a batch, each cut to its longest row "
-           f"rounded up to {WIDTH_MULTIPLE})")
+           f"of the rows as finetune batches them (train: {report['batch_size']} a batch, each cut to its "
+           f"longest row rounded up to {WIDTH_MULTIPLE}; validation: padded to its longest row)")
     return f"{head}\n\n{text}\n\ndropped: nothing left to train after truncation; padding: {how}"
 
 
