@@ -8,12 +8,17 @@
                                                  (--base FOLDER, else the adapter config's)
 
 Streams tensor by tensor (peak: one tensor and its cast copy), with a progress
-bar. Errors are one line on stderr and exit code 2.
+bar. Errors are one line on stderr and exit code 2. --overwrite replaces DST
+only when it holds nothing but model files or is a folder cuboid wrote; a
+companion file (tokenizer, card) that is a link out of SRC is skipped with a
+warning line.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 
@@ -46,6 +51,18 @@ def _fail(msg: str) -> int:
     return 2
 
 
+@contextmanager
+def _warning_lines():
+    """Warnings raised inside (a skipped companion link) printed as one ``cuboid convert: warning:`` line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                print(f"cuboid convert: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from cuboid.zoo import checkpoint
 
@@ -68,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     if size is not None and size.isdigit():
         size = int(size)
     try:
-        out = checkpoint.convert(args.src, args.dst, max_shard_size=size, dtype=args.dtype,
-                                 progress=not args.quiet, overwrite=args.overwrite)
+        with _warning_lines():
+            out = checkpoint.convert(args.src, args.dst, max_shard_size=size, dtype=args.dtype,
+                                     progress=not args.quiet, overwrite=args.overwrite)
     except (ValueError, OSError) as e:
         return _fail(e)
     print(f"wrote {out}")
@@ -79,34 +97,39 @@ def run(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     """``--merge-lora``: the base with the adapters folded in, with the tokenizer and generation config of the
     adapter folder or else the base (what ``cuboid generate`` needs), then (for shards or a dtype) converted."""
-    import os
-    import tempfile
     from pathlib import Path
-
-    from cuboid.zoo import checkpoint
-    from cuboid.zoo.checkpoint.convert import copy_companions
-    from cuboid.zoo.lora import merge_to_hf, read_config
 
     dst = Path(args.dst)
     if dst.exists() and any(dst.iterdir()) and not args.overwrite:
         return _fail(f"{dst} exists and is not empty (--overwrite replaces it)")
     try:
-        base = args.base or read_config(args.src)[2].get("base_model_name_or_path")
-        if args.max_shard_size is None and args.dtype is None:
-            out = merge_to_hf(args.src, dst, base=args.base)
-            copy_companions(out, args.src, base)
-        else:
-            with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists()
-                                             else None) as tmp:
-                copy_companions(merge_to_hf(args.src, tmp, base=args.base), args.src, base)
-                size = args.max_shard_size
-                size = int(size) if size is not None and size.isdigit() else size
-                out = checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,
-                                         progress=not args.quiet, overwrite=args.overwrite)
+        with _warning_lines():
+            out = _merge_into(args, dst)
     except (ValueError, OSError, KeyError) as e:
         return _fail(e)
-    print(f"wrote {os.fspath(out)}")
+    print(f"wrote {out}")
     return 0
+
+
+def _merge_into(args: argparse.Namespace, dst) -> str:
+    import os
+    import tempfile
+
+    from cuboid.zoo import checkpoint
+    from cuboid.zoo.checkpoint.convert import copy_companions
+    from cuboid.zoo.lora import merge_to_hf, read_config
+
+    base = args.base or read_config(args.src)[2].get("base_model_name_or_path")
+    if args.max_shard_size is None and args.dtype is None:
+        out = merge_to_hf(args.src, dst, base=args.base)
+        copy_companions(out, args.src, base)
+        return os.fspath(out)
+    with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists() else None) as tmp:
+        copy_companions(merge_to_hf(args.src, tmp, base=args.base), args.src, base)
+        size = args.max_shard_size
+        size = int(size) if size is not None and size.isdigit() else size
+        return os.fspath(checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,
+                                            progress=not args.quiet, overwrite=args.overwrite))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -8,6 +8,7 @@ load stops before allocating and carries its plan in its parallel state
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from torch import nn
@@ -19,6 +20,41 @@ from cuboid.parallel import Mesh, Plan, prepare
 from cuboid.parallel.state import ParallelState, attach
 
 _PLAN_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}  # torch dtype names -> the plan's names
+
+
+LOCAL_PROCESSES_ENV = "CUBOID_MAX_LOCAL_PROCESSES"
+PROCESSES_PER_DEVICE = 8  # a few ranks per GPU or core is a test or a small run; more is a mistyped plan
+
+
+def local_process_limit() -> int:
+    """How many processes one machine may start for a plan: ``PROCESSES_PER_DEVICE`` x the CUDA devices (or
+    the CPU cores without CUDA), or the whole number in ``$CUBOID_MAX_LOCAL_PROCESSES`` (the override)."""
+    raw = os.environ.get(LOCAL_PROCESSES_ENV)
+    if raw is not None:
+        if not raw.strip().isdigit() or int(raw) < 1:
+            raise ValueError(f"{LOCAL_PROCESSES_ENV}={raw!r}: give a whole number of processes >= 1")
+        return int(raw)
+    import torch
+
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+    return PROCESSES_PER_DEVICE * max(1, devices)
+
+
+def check_local_processes(n: int, plan: Optional[Plan] = None) -> None:
+    """Refuse, before any process starts, to launch ``n`` local processes past :func:`local_process_limit`
+    (``cuboid finetune --plan dp=100000`` would otherwise start 100,000 of them)."""
+    limit = local_process_limit()
+    if n > limit:
+        what = f"plan {plan.describe()} needs" if plan is not None else "the run needs"
+        raise ValueError(f"{what} {n} processes, more than this machine's limit of {limit} ({PROCESSES_PER_DEVICE} "
+                         f"per {'GPU' if _has_cuda() else 'CPU core'}): check the plan, or set "
+                         f"{LOCAL_PROCESSES_ENV}={n} to start them anyway")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def plan_of(spec: Any, model: Any = None, *, dtype=None, **search) -> Plan:
@@ -92,6 +128,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     (:mod:`cuboid.zoo.lora`; save them with ``cuboid.zoo.lora.save_adapters``).
     """
     device = device or "cpu"
+    if is_folder(name_or_path):  # the config against the weights' names, before anything is built from it
+        from cuboid.zoo.checkpoint.precheck import check_folder
+
+        check_folder(name_or_path)
     fit = _Fit(plan_of(plan, ModelBuilder(name_or_path, overrides=overrides), dtype=dtype), mesh)
     if str(device) == "meta":
         return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides)

@@ -12,18 +12,27 @@ recorded), written atomically like :func:`save`; ``config.json`` and the
 other small files (tokenizer, generation config) are copied, ``torch_dtype``
 updated on a cast; optimizer and training state are not (they belong to the
 original dtype).
+
+Companion files are data the output records with checksums, so they are
+copied only from inside the source folder (:func:`companion_inside`): a
+symbolic link that resolves elsewhere (to a key, a password file) is skipped
+with a warning (``config.json`` so linked is refused), except the links of a
+Hugging Face cache snapshot into its own ``blobs/``. Shards may be links
+anywhere (the HF cache links them; they are read as tensors, not copied).
 """
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from . import folder as folder_mod
-from .format import CheckpointError, FileRecord, fsync_file, sha256_file, write_bytes
+from .folder import is_tokenizer_file
+from .format import CheckpointError, FileRecord, fsync_file, parse_json, sha256_file, write_bytes
 from .shards import Size, Source, meta, plan_shards
 from .reader import TensorFolder
 from .writer import Job, finish, write_model_files
@@ -35,15 +44,30 @@ _COPY_SUFFIXES = (".json", ".txt", ".model", ".md", ".py", ".jinja")  # configs,
 
 
 GENERATION_CONFIG = "generation_config.json"
-# what a tokenizer's save_pretrained writes beside files named tokenizer* and *.model (sentencepiece)
-_TOKENIZER_NAMES = {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-                    "chat_template.jinja", "chat_template.json"}
+
+
+def companion_inside(p: Path, root: Path) -> bool:
+    """Whether the file ``p`` of the folder ``root`` may be copied: not a link, or a link that resolves inside
+    ``root``, or a Hugging Face cache link (``snapshots/<rev>/name`` -> ``../../blobs/<hash>``)."""
+    if not p.is_symlink():
+        return True
+    target, home = p.resolve(), Path(root).resolve()
+    return target.is_relative_to(home) or (home.parent.name == "snapshots"
+                                           and target.parent == home.parent.parent / "blobs")
+
+
+def _outside(p: Path) -> str:
+    return f"skipped {p.name}: a link to {p.resolve()}, outside the source folder {p.parent}"
 
 
 def tokenizer_files(folder) -> list:
-    """The tokenizer files of a model folder (none: the folder has no tokenizer of its own)."""
-    return sorted(p for p in Path(folder).iterdir() if p.is_file() and (
-        p.name.startswith("tokenizer") or p.name in _TOKENIZER_NAMES or p.suffix == ".model"))
+    """The tokenizer files of a model folder (none: the folder has no tokenizer of its own); links that leave
+    the folder are skipped with a warning (module docstring)."""
+    found = sorted(p for p in Path(folder).iterdir() if p.is_file() and is_tokenizer_file(p.name))
+    for p in found:
+        if not companion_inside(p, folder):
+            warnings.warn(_outside(p), RuntimeWarning, stacklevel=2)
+    return [p for p in found if companion_inside(p, folder)]
 
 
 def copy_companions(dst, *folders) -> list:
@@ -52,16 +76,23 @@ def copy_companions(dst, *folders) -> list:
     base's, as the fine-tune's ``final/`` holds them). Returns the names copied."""
     dst, folders = Path(dst), [Path(f) for f in folders if f is not None and Path(f).is_dir()]
     chosen = next((files for files in map(tokenizer_files, folders) if files), [])
-    chosen += [f / GENERATION_CONFIG for f in folders if (f / GENERATION_CONFIG).is_file()][:1]
+    chosen += [f / GENERATION_CONFIG for f in folders if (f / GENERATION_CONFIG).is_file()
+               and companion_inside(f / GENERATION_CONFIG, f)][:1]
     for p in chosen:
         shutil.copyfile(p, dst / p.name)
     return [p.name for p in chosen]
 
 
-def _copied(p: Path) -> bool:
-    """Small companion files that travel with the weights (not weights, not training state)."""
-    return (p.is_file() and p.suffix in _COPY_SUFFIXES and p.name != "config.json" and not p.name.startswith(".")
-            and not p.name.endswith(".index.json") and p.name != "trainer_state.json")
+def _copied(p: Path, root: Path) -> bool:
+    """Small companion files that travel with the weights (not weights, not training state), from inside
+    ``root`` (a link elsewhere: skipped with a warning)."""
+    if not (p.is_file() and p.suffix in _COPY_SUFFIXES and p.name != "config.json" and not p.name.startswith(".")
+            and not p.name.endswith(".index.json") and p.name != "trainer_state.json"):
+        return False
+    if not companion_inside(p, root):
+        warnings.warn(_outside(p), RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def parse_dtype(dtype) -> Optional[torch.dtype]:
@@ -92,9 +123,14 @@ def _config(src: Path, dtype: Optional[torch.dtype]) -> Optional[bytes]:
     path = src / "config.json"
     if not path.is_file():
         return None
+    if not companion_inside(path, src):
+        raise CheckpointError(f"{path} is a link to {path.resolve()}, outside the source folder: copy the config "
+                              "into the folder to convert it")
     if dtype is None:
         return path.read_bytes()
-    cfg = json.loads(path.read_text())
+    cfg = parse_json(path.read_bytes(), path)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: not a config (a JSON {type(cfg).__name__}, not an object)")
     name = str(dtype).replace("torch.", "")
     cfg["torch_dtype"] = name
     if "dtype" in cfg:  # transformers >= 5 writes "dtype"
@@ -112,7 +148,7 @@ def convert(src, dst, *, max_shard_size: Size = None, dtype=None, progress: bool
     unless ``overwrite``. Memory: see the module docstring. Returns ``dst``.
     """
     src_root = folder_mod.resolve(src)
-    dst = Path(dst).absolute()
+    dst = folder_mod.real(dst)
     cast = parse_dtype(dtype)
     if dst.resolve() == src_root.resolve():
         raise CheckpointError(f"{dst}: source and destination are the same folder")
@@ -141,7 +177,7 @@ def convert(src, dst, *, max_shard_size: Size = None, dtype=None, progress: bool
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"convert {src_root.name}", leave=False)
     job = Job(True)
     try:
-        job.tmp = job.call(folder_mod.begin, dst)
+        job.tmp = folder_mod.begin(dst)  # one process: a refusal is raised here, before anything is written
         extra = {}
         cfg = _config(src_root, cast)
         if cfg is not None:
@@ -149,7 +185,7 @@ def convert(src, dst, *, max_shard_size: Size = None, dtype=None, progress: bool
             if rec is not None:
                 extra["config.json"] = rec
         for p in sorted(src_root.iterdir()):
-            if _copied(p):
+            if _copied(p, src_root):
                 rec = job.file(p.name, lambda p=p: _copy(p, job.tmp / p.name))
                 if rec is not None:
                     extra[p.name] = rec

@@ -215,6 +215,22 @@ def _no_duplicates(pairs):
     return seen
 
 
+def parse_json(raw, where, object_pairs_hook=None, what: str = "not valid JSON"):
+    """``raw`` (bytes or text) parsed as JSON, or a one-line :class:`CheckpointError` "``where``: ``what``
+    (why)".
+
+    Undecodable bytes, bad syntax, a duplicate key (with ``_no_duplicates``) and nesting too deep for
+    Python's parser (a ``RecursionError``, not a ``ValueError``) are all refused the same way.
+    """
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError, as is a duplicate key
+        raise CheckpointError(f"{where}: {what} ({' '.join(str(e).split())})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: {what} (nested too deeply to read)") from None
+
+
 def _count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
@@ -263,10 +279,7 @@ def read_header(path: Path, sha256: Optional[str] = None) -> Tuple[int, dict]:
     if sha256 is not None and hashlib.sha256(head + raw).hexdigest() != sha256:
         raise CheckpointError(f"{path}: safetensors header SHA-256 mismatch (corrupted): the index recorded "
                               f"{sha256}")
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError, as is a duplicate key
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    header = parse_json(raw, path, _no_duplicates, "corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.get("__metadata__", {})

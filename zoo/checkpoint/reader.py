@@ -29,7 +29,6 @@ a new model, adopting what was read without copying it).
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import struct
 from collections import Counter
@@ -46,7 +45,8 @@ from ..common import sharded_parameters
 from .. import hf_io
 from ..families import family_of
 from .folder import resolve
-from .format import COMMIT_KEY, CheckpointError, DTYPE_OF_NAME, data_end, masked_header, read_header, sha256_file
+from .format import (COMMIT_KEY, CheckpointError, DTYPE_OF_NAME, data_end, masked_header, parse_json, read_header,
+                     sha256_file)
 from .shards import hf_prefix, meta
 from .stages import elsewhere
 
@@ -88,6 +88,10 @@ class TensorFolder:
         self._handles: Dict[str, object] = {}
         self._checked: set = set()
         self.single = not self.index_path.is_file()
+        if self.index_path.is_file() and (self.path / single).is_file():
+            raise CheckpointError(f"{self.path}: holds both {single} and {self.index_path.name}, so which "
+                                  "weights it holds is unclear (one is left over from an earlier save): remove "
+                                  "the stale one, or save into an empty folder")
         if self.index_path.is_file():
             self._read_index()
             if self.recorded:
@@ -96,11 +100,8 @@ class TensorFolder:
             self._check_file(single)
             self.weight_map = {k: single for k in self._headers[single] if k != "__metadata__"}
             record = self._headers[single].get("__metadata__", {}).get(COMMIT_KEY)
-            try:
-                self.metadata = json.loads(record) if record else {}
-            except ValueError as e:
-                raise CheckpointError(f"{self.path / single}: corrupt {COMMIT_KEY!r} record in the header "
-                                      f"metadata ({e})") from None
+            self.metadata = parse_json(record, self.path / single, what=f"corrupt {COMMIT_KEY!r} record in the "
+                                       "header metadata") if record else {}
             if not isinstance(self.metadata, dict):
                 raise CheckpointError(f"{self.path / single}: corrupt {COMMIT_KEY!r} record in the header "
                                       "metadata (not a JSON object)")
@@ -114,10 +115,7 @@ class TensorFolder:
     def _read_index(self) -> None:
         """Parse and check the index: an object, a weight_map of plain file names, well-formed records."""
         ix = self.index_path
-        try:
-            index = json.loads(ix.read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CheckpointError(f"{ix}: not valid JSON ({e})") from None
+        index = parse_json(ix.read_bytes(), ix)
         if not isinstance(index, dict):
             raise CheckpointError(f"{ix}: not an index (a JSON {type(index).__name__}, not an object)")
         wm = index.get("weight_map")
@@ -317,10 +315,7 @@ def verify(path, *, require_checksums: bool = True) -> dict:
             check(file, rec)
     for name in ("config.json", "trainer_state.json"):
         if (root / name).is_file():
-            try:
-                json.loads((root / name).read_text())
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{root / name}: not valid JSON ({e})") from None
+            parse_json((root / name).read_bytes(), root / name)
     return {"path": str(root), "files": len(hashed), "tensors": tensors, "bytes": sum(hashed.values())}
 
 

@@ -12,7 +12,6 @@ Its own module so that the writer, which needs only the recording side
 """
 from __future__ import annotations
 
-import json
 import warnings
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from cuboid.parallel import zero
 
 from .folder import resolve
-from .format import TRAINER_STATE, CheckpointError
+from .format import TRAINER_STATE, CheckpointError, parse_json
 from .reader import TensorFolder
 from .stages import elsewhere
 from .state import FORMAT, dist_info, jsonable, parameters_by_id, set_rng_state
@@ -112,11 +111,8 @@ def load_training_state(path, model: torch.nn.Module, optimizer=None, scheduler=
     file = root / TRAINER_STATE
     if not file.is_file():
         raise CheckpointError(f"{root}: no {TRAINER_STATE} (saved without optimizer/state?)")
-    try:
-        rec = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    if rec.get("format") != FORMAT:
+    rec = parse_json(file.read_bytes(), file)
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a cuboid training state")
     config = model.config.to_dict() if hasattr(model.config, "to_dict") else None
     if config is not None and jsonable(config, "config") != rec.get("config"):

@@ -35,7 +35,7 @@ from ..families import family_of
 from . import folder as folder_mod
 from .adapters import save_adapters
 from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
-                     CheckpointError, FileRecord, StreamWriter, layout, write_json)
+                     CheckpointError, FileRecord, StreamWriter, fsync_file, layout, sha256_file, write_json)
 from .shards import ShardPlan, Size, Source, model_sources, plan_shards
 from .stages import StageLayout, describe, merge_optimizer_info, plan_stages, stage_layout, stage_part
 from .state import dist_info, optimizer_sources, training_record
@@ -125,6 +125,29 @@ def write_model_files(plan: ShardPlan, sources: Sequence[Source], job: Job,
         write_shards(plan, sources, job, lambda f: {"format": "pt", COMMIT_KEY: record}, progress)
 
 
+def write_tokenizer(job: Job, tokenizer, extra: Dict[str, FileRecord]) -> None:
+    """``tokenizer.save_pretrained`` into ``job.tmp`` (still empty of other files), each file it wrote fsync'd
+    and recorded in ``extra``: inside the commit, so :func:`~.reader.verify` checks the tokenizer too."""
+    if tokenizer is None or not job.ok:
+        return
+
+    def run() -> Dict[str, FileRecord]:
+        before = set(os.listdir(job.tmp))
+        tokenizer.save_pretrained(str(job.tmp))
+        out = {}
+        for name in sorted(set(os.listdir(job.tmp)) - before):
+            p = job.tmp / name
+            if p.is_file() and not p.is_symlink():
+                with open(p, "rb+") as f:
+                    fsync_file(f)
+                out[name] = FileRecord(p.stat().st_size, sha256_file(p))
+        return out
+
+    for name, rec in (job.call(run) or {}).items():
+        job.call(folder_mod.hook, f"file:{name}")
+        extra[name] = rec
+
+
 def finish(job: Job, world: int, path: Path) -> None:
     """Clean up after a failure, and raise rank 0's outcome on every rank (the barrier)."""
     if job.error is not None and job.tmp is not None:
@@ -158,12 +181,16 @@ def export(model: torch.nn.Module, path) -> Path:
     """Write ``model`` into the folder ``path`` as ``config.json`` + one ``model.safetensors`` (``zoo.to_hf``).
 
     The same sources, config and dtype rules as :func:`save`, without its
-    folder replacement: ``path`` is created if need be and its other files
-    (a tokenizer, a model card) are kept. Each file is written under a temporary
-    folder inside ``path`` and renamed into place, ``config.json`` last. Call
-    it on every rank of a sharded model (every rank gathers, rank 0 writes).
+    folder replacement: ``path`` is created if need be (a link: the folder it
+    points to) and its other files (a tokenizer, a model card) are kept. Each
+    file is written under a temporary folder inside ``path`` and renamed into
+    place, ``config.json`` last. What an earlier save left that the new
+    weights replace goes (:func:`~.folder.stale_files`): the old model index
+    before the new files move in (so a crash leaves no index to win over the
+    new ``model.safetensors``), its shards and the old training state after.
+    Call it on every rank of a sharded model (every rank gathers, rank 0 writes).
     """
-    path = Path(path).absolute()
+    path = folder_mod.real(path)
     rank, world = dist_info()
     if stage_layout(model, rank).stages > 1:
         raise CheckpointError("writing a Hugging Face folder from pipeline stages: use "
@@ -177,8 +204,14 @@ def export(model: torch.nn.Module, path) -> Path:
         return Path(tempfile.mkdtemp(prefix=".cuboid-export-", dir=path))
 
     def move_in() -> None:
+        stale = folder_mod.stale_files(path)
+        for p in stale[:1] if stale and stale[0].name == INDEX else []:  # the old commit file first
+            p.unlink()
+            folder_mod.fsync_dir(path)
         for name in ("model.safetensors", "config.json"):
             os.replace(job.tmp / name, path / name)
+        for p in stale:
+            p.unlink(missing_ok=True)
         folder_mod.fsync_dir(path)
 
     job = Job(rank == 0)
@@ -195,7 +228,7 @@ def export(model: torch.nn.Module, path) -> Path:
 
 
 def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimizer=None, scheduler=None,
-         state: Optional[dict] = None) -> Path:
+         state: Optional[dict] = None, tokenizer=None) -> Path:
     """Save ``model`` (and optionally its training state) as a sharded safetensors folder.
 
     Layout (Hugging Face's, so ``transformers.AutoModel*.from_pretrained(path)``
@@ -208,7 +241,14 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     names; tied weights are stored once.
 
     ``optimizer`` / ``scheduler`` / ``state`` (a dict of JSON values: the data
-    position, ``step``) add the training state of :mod:`.state`.
+    position, ``step``) add the training state of :mod:`.state`. ``tokenizer``
+    (anything with ``save_pretrained(folder)``, on the writing rank) is written
+    into the folder before its commit file and recorded with its checksums, as
+    the trainer's ``final/`` holds it.
+
+    ``path`` is resolved (a link: the folder it points to, the link kept) and
+    replaced only when it is empty, cuboid's own or nothing but model files
+    (:mod:`.folder`): otherwise a :class:`CheckpointError` names the file in the way.
 
     Call it on every rank of an initialised process group with the same
     arguments: every rank gathers every tensor in the same order, rank 0
@@ -225,7 +265,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     fine-tune's ``final/`` holds); its base is the folder it was loaded from.
     Its training state goes through ``cuboid.zoo.lora.save_checkpoint``.
     """
-    path = Path(path).absolute()
+    path = folder_mod.real(path)
     if plora.adapted(model):
         if optimizer is not None or scheduler is not None or state is not None:
             raise CheckpointError("a LoRA model's optimizer, scheduler and state are saved by "
@@ -234,7 +274,8 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     rank, world = dist_info()
     where = stage_layout(model, rank)
     if where.stages > 1:
-        return _save_stages(model, path, where, rank, world, max_shard_size, optimizer, scheduler, state)
+        return _save_stages(model, path, where, rank, world, max_shard_size, optimizer, scheduler, state,
+                            tokenizer)
     zero.reshard(model)  # ZeRO-3 after an evaluation forward: the sharded parameters back on the modules
     msources = model_sources(model)
     mplan = plan_shards(msources, "model", max_shard_size)
@@ -250,6 +291,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     try:
         job.tmp = job.call(folder_mod.begin, path)
         extra: Dict[str, FileRecord] = {}
+        write_tokenizer(job, tokenizer, extra)
         write_record(job, "config.json", cfg, extra)
         if oplan is not None:
             shards = write_shards(oplan, osources, job, lambda f: {"format": "pt"})
@@ -277,7 +319,7 @@ def _first_failure(outcomes: Sequence[tuple]) -> Optional[Tuple[int, str]]:
 
 
 def _save_stages(model: torch.nn.Module, path: Path, where: StageLayout, rank: int, world: int,
-                 max_shard_size: Size, optimizer, scheduler, state: Optional[dict]) -> Path:
+                 max_shard_size: Size, optimizer, scheduler, state: Optional[dict], tokenizer=None) -> Path:
     """:func:`save` of a pipeline stage model: each stage writes its own files, rank 0 the index last.
 
     The collectives, the same on every rank and in this order: one
@@ -354,6 +396,7 @@ def _save_stages(model: torch.nn.Module, path: Path, where: StageLayout, rank: i
     def complete() -> None:  # rank 0: the small files, the model index last, then the commit
         files: Dict[str, FileRecord] = {f: r for recs, _ in written for f, r in recs.items()}
         extra: Dict[str, FileRecord] = {}
+        write_tokenizer(job, tokenizer, extra)
         write_record(job, "config.json", hf_config(model), extra)
         if oplan is not None:
             shards = {f: files[f] for f in oplan.files}
