@@ -151,13 +151,13 @@ def test_an_existing_output_is_kept_unless_overwrite(qwen, chat_file, tmp_path, 
     assert main(args) == 0
     before = (out / "prepare_report.json").read_text()
     capsys.readouterr()
-    assert main([*args[:-1], "32"]) == 2
+    assert main([*args[:-1], "96"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (f"cuboid prepare: error: --output {out} exists: choose another folder or pass "
                            "--overwrite to replace it")
     assert (out / "prepare_report.json").read_text() == before
-    assert main([*args[:-1], "32", "--overwrite"]) == 0
-    assert json.loads((out / "prepare_report.json").read_text())["max_length"] == 32
+    assert main([*args[:-1], "96", "--overwrite"]) == 0
+    assert json.loads((out / "prepare_report.json").read_text())["max_length"] == 96
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]  # no temporary folder left beside it
     capsys.readouterr()
     assert main(["prepare", "--model", str(qwen), "--data", str(chat_file), "--output", str(tmp_path / "x"),
