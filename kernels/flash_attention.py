@@ -29,6 +29,18 @@ from a query tile's first row's range to its last row's (the dK/dV kernel over
 the mirror range of queries per key tile), so a packed row costs the sum of its
 documents' squares, not the row's.
 
+Sliding windows (Mistral, Qwen2, Gemma 3's local layers): ``window`` W drops
+the keys more than W - 1 before a query's end-aligned diagonal, a left bound
+per query ``j >= i + WIN_LO`` (:func:`~.attention_torch.check_window`;
+``window_shift`` moves it for ring attention's chunk pairs). The kernels take
+it as a runtime int under the constexpr ``HAS_WINDOW`` (off when the window
+drops nothing, so those launches are the plain ones): the forward and dQ
+kernels start their key loop at the tile of the first row's bound, the dK/dV
+kernel ends its query loop at the last key's, so a causal row costs its
+window, not its length (bench/attention_window.py). Inside a packed document
+index differences are position differences, so windows and document ids
+combine by masking alone.
+
 Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward runs
 an online softmax over key blocks, one program per (query block, batch*head),
 never materializing the (Sq x Sk) matrix; the backward recomputes P from the
