@@ -17,34 +17,40 @@ The pipeline of one rank, each stage pulling from the one before:
 2. :class:`Shuffled`: rows tokenized (:func:`cuboid.sft.tokenize_example` for
    ``sft``; text + EOS for ``causal``) and shuffled in blocks of
    ``shuffle_buffer`` rows, each block in an order drawn from (seed, rank,
-   epoch, the block's first row);
-3. :class:`Packed` (``--packing``): windows of documents packed into rows by
+   epoch, the block's first row); an epoch's end closes a block, so each
+   epoch gives every row of the rank once;
+3. :class:`Packed` (``--packing``): windows of documents (at least two steps'
+   rows, and 16, worth of tokens) packed into rows by
    :func:`cuboid.packing.pack` (best-fit-decreasing); without packing each
    example is a row and a batch is padded to its longest row, rounded up to
    ``width_multiple``.
 
 Exact resume. ``datasets``' own buffered shuffle loses its buffer on resume
-(its docs say so; huggingface/datasets#7901, and #8308 for the state that
-stopped advancing after a first resume), so it is not used. Here every
-stage's position is where its current piece of work began plus how far into
-it the stage is: the source's ``IterableDataset.state_dict()`` at a block's
-first row, the number of examples taken from that block, and (packing) the
-example position at a window's first document and the rows taken from that
+(its docs say so; huggingface/datasets#7901), so it is not used, and neither
+are saved buffers of token ids (up to ``shuffle_buffer`` examples of up to
+``max_length`` tokens per dp rank in every checkpoint). Instead each stage's
+position is where its current piece of work began plus how far into it the
+stage is (:class:`_Pieces`): the source's ``IterableDataset.state_dict()`` at
+a block's first row and the examples given from that block; with packing, the
+examples' position at a window's first document and the rows given from that
 window. A resume opens the source at the block's start, reads and tokenizes
 that one block again (at most ``shuffle_buffer`` rows, plus one packing
-window), draws the same order and skips what was taken. So the checkpoint
-holds a few small JSON values per dp rank and no token ids, a resumed run
-sees exactly the batches the uninterrupted one does, however often it is
-resumed, and a resume costs one block's reading, not the stream's. The price
-against a sliding buffer: rows mix within a block only (a sliding buffer lets
-a few rows drift further); data sorted on disk wants files shuffled first or
-a larger buffer. (The second resume, #8308, is fine in datasets >= 4.x with
-the fix; :func:`cuboid.trainer` tests resume twice.)
+window), draws the same order and skips what was given. So the checkpoint
+holds a few small JSON values per dp rank, a resumed run sees exactly the
+batches the uninterrupted one does, and a resume costs one block's reading,
+not the stream's. The price against a sliding buffer: rows mix within a block
+only (a sliding buffer lets a few rows drift further); data sorted on disk
+wants its files shuffled first, or a larger buffer. A stream resumed from a
+resumed stream's position (where huggingface/datasets#8308 saw the state stop
+advancing) is tested with the installed ``datasets`` (5.2) in
+tests/front/test_streaming.py, in one process and through two kills of a
+dp=2 run.
 
 Eval: the data's own eval file when a folder has one (a file whose name has
 a word ``validation``, ``valid``, ``val``, ``eval``, ``dev`` or ``test``), else
-the stream's first ``eval_examples`` rows (in file order, before any
-shuffling), which training then skips in every epoch. The eval rows are read
+the stream's first ``eval_examples`` rows (:data:`EVAL_EXAMPLES`, in file
+order, before any shuffling), which training then skips in every epoch; of an
+eval file, its first ``eval_examples`` rows. The eval rows are read
 once and prepared as tensors, as the non-streaming path's eval split is.
 """
 from __future__ import annotations
@@ -119,7 +125,8 @@ class Source:
     def position(self) -> dict:
         return {"epoch": self.epoch, "read": self.read, "dataset": self.ds.state_dict()}
 
-    def next(self) -> dict:
+    def next(self) -> Optional[dict]:
+        """The next row; None at an epoch's end (the next call reads the next epoch's first row)."""
         try:
             row = next(self.it)
         except StopIteration:
@@ -129,32 +136,51 @@ class Source:
             self.epoch, self.read = self.epoch + 1, 0
             self.ds = self.make()
             self.it = iter(self.ds)
-            return self.next()
+            return None
         self.read += 1
         return row
 
 
-class Shuffled:
-    """Tokenized examples, shuffled in blocks of ``buffer`` rows (module docstring). ``position()``:
-    {"block": the source's position at the block's first row, "taken": examples given from the block}."""
+class _Pieces:
+    """A stage that gives items from pieces of work (a block, a window), each made whole from where it
+    began. ``position()``: {"start": the stage before's position at the piece's start, "given": items given
+    from the piece}; restoring makes that piece again and skips what was given."""
+
+    items: list
+    start: dict
+    given: int
+
+    def _fill(self) -> None:  # sets start and items, given = 0
+        raise NotImplementedError
+
+    def _restore(self, position: Optional[dict]) -> None:
+        self._fill()
+        if position is not None:
+            self.given = int(position["given"])
+            if self.given > len(self.items):
+                raise DataError("the checkpoint's stream position does not fit the data: was the data changed?")
+
+    def position(self) -> dict:
+        return {"start": self.start, "given": self.given}
+
+    def next(self) -> dict:
+        if self.given == len(self.items):
+            self._fill()
+        self.given += 1
+        return self.items[self.given - 1]
+
+
+class Shuffled(_Pieces):
+    """Tokenized examples, shuffled in blocks of ``buffer`` rows, an epoch's end closing a block (so an
+    epoch gives each row once); a piece is a block, its start the :class:`Source`'s position."""
 
     def __init__(self, make: Callable[[], Any], tokenize: Callable[[dict], Optional[dict]], buffer: int,
                  seed: int, rank: int, position: Optional[dict] = None) -> None:
         if buffer < 1:
             raise DataError(f"--shuffle-buffer {buffer}: give 1 or more examples")
         self.tokenize, self.buffer, self.seed, self.rank = tokenize, buffer, seed, rank
-        self.source = Source(make, None if position is None else position["block"])
-        self.block: list = []
-        self.start: dict = {}
-        self.taken = 0
-        self._fill()
-        if position is not None:
-            self.taken = int(position["taken"])
-            if self.taken > len(self.block):
-                raise DataError("the checkpoint's stream position does not fit the data: was the data changed?")
-
-    def position(self) -> dict:
-        return {"block": self.start, "taken": self.taken}
+        self.source = Source(make, None if position is None else position["start"])
+        self._restore(position)
 
     def _fill(self) -> None:
         """The next block: at least one example (a block whose rows all drop is skipped; a whole epoch
@@ -162,41 +188,30 @@ class Shuffled:
         first_epoch = self.source.epoch
         while True:
             self.start = self.source.position()
-            raw = [self.source.next() for _ in range(self.buffer)]
+            raw = []
+            while len(raw) < self.buffer:
+                row = self.source.next()
+                if row is None:
+                    break
+                raw.append(row)
             examples = [e for e in map(self.tokenize, raw) if e is not None]
             if examples:
                 break
             if self.source.epoch - first_epoch >= 2:
                 raise DataError("no example of the stream has a token to learn from after truncation")
         g = torch.Generator().manual_seed(hash_seed(self.seed, self.rank, self.start["epoch"], self.start["read"]))
-        self.block = [examples[i] for i in torch.randperm(len(examples), generator=g).tolist()]
-        self.taken = 0
-
-    def next(self) -> dict:
-        if self.taken == len(self.block):
-            self._fill()
-        self.taken += 1
-        return self.block[self.taken - 1]
+        self.items = [examples[i] for i in torch.randperm(len(examples), generator=g).tolist()]
+        self.given = 0
 
 
-class Packed:
-    """Packed rows from windows of documents (module docstring). ``position()``: {"window": the examples'
-    position at the window's first document, "rows": rows given from the window}."""
+class Packed(_Pieces):
+    """Packed rows; a piece is a window of documents (at least ``window_rows`` rows' worth of tokens) packed
+    by best-fit-decreasing, its start the :class:`Shuffled` examples' position at its first document."""
 
     def __init__(self, examples: Shuffled, row_length: int, window_rows: int, pad_id: int,
                  position: Optional[dict] = None) -> None:
         self.examples, self.row_length, self.window_rows, self.pad_id = examples, row_length, window_rows, pad_id
-        self.rows: list = []
-        self.start: dict = {}
-        self.given = 0
-        self._fill()
-        if position is not None:
-            self.given = int(position["rows"])
-            if self.given > len(self.rows):
-                raise DataError("the checkpoint's stream position does not fit the data: was the data changed?")
-
-    def position(self) -> dict:
-        return {"window": self.start, "rows": self.given}
+        self._restore(position)
 
     def _fill(self) -> None:
         from cuboid.packing import pack
@@ -209,14 +224,8 @@ class Packed:
             tokens += len(doc["input_ids"])
         rows = pack([d["input_ids"] for d in docs], self.row_length, labels=[d["labels"] for d in docs],
                     pad_id=self.pad_id)
-        self.rows = [{k: v[i] for k, v in rows.items()} for i in range(rows["input_ids"].shape[0])]
+        self.items = [{k: v[i] for k, v in rows.items()} for i in range(rows["input_ids"].shape[0])]
         self.given = 0
-
-    def next(self) -> dict:
-        if self.given == len(self.rows):
-            self._fill()
-        self.given += 1
-        return self.rows[self.given - 1]
 
 
 def hash_seed(*parts: int) -> int:
@@ -287,7 +296,7 @@ class StreamBatches:
         if position is not None and ("packed" in position) != d.packing:
             raise DataError("the checkpoint's stream was " + ("" if "packed" in position else "not ")
                             + "packed: resume with --packing as the run was started")
-        at = None if position is None else position["packed"]["window"] if d.packing else position["examples"]
+        at = None if position is None else position["packed"]["start"] if d.packing else position["examples"]
         self.examples = Shuffled(self._make, d.tokenize, d.shuffle_buffer, d.seed, self.rank, at)
         self.packed = None
         if d.packing:  # a window of at least two steps' rows, so few rows are a window's half-filled tail

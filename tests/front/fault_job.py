@@ -13,7 +13,11 @@ the fault test sees RNG restore as well as model, optimizer, scheduler and data 
 that the Python API under ``torchrun --max-restarts`` resumes like ``cuboid finetune --max-restarts``.
 
 The second form is ``cuboid finetune`` with the callback installed: it passes this module to
-:func:`cuboid.cli.main`, so the workers its launcher starts (and restarts) run it too.
+:func:`cuboid.cli.main`, so the workers its launcher starts (and restarts) run it too. Any flags go
+through, so one job shows any run surviving kills: tests/front/test_faults.py kills a dp=2 ViT run three
+times, tests/front/test_streaming.py a dp=2 ``--streaming`` SFT run twice (``1:3:step,0:5:step``: mid-step
+on attempt 0, and on attempt 1 again after it resumed the stream, which is where a stream's second resume
+would show).
 """
 from __future__ import annotations
 
