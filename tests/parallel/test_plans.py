@@ -21,8 +21,10 @@ steps on fixed global batches, alternating the two public ways to train:
 - ``cuboid.train_step(model, opt, batch, max_grad_norm=1.0)`` (on a batch
   whose shares hold different label counts); step 1's is packed
   (:func:`packed_batch`: ``position_ids`` restarting at each of two or three
-  documents a row, as Hugging Face packs), so every plan trains on packed
-  rows once (ViT has no packing: its batch stays as it is).
+  documents a row, as Hugging Face packs, and a causal LM's labels -100 but
+  answer spans, rows holding 0 to 9 trained tokens: :func:`sft_labels`), so
+  every plan trains on packed SFT rows once (ViT has no packing: its batch
+  stays as it is).
 
 A pipeline plan trains through ``train_step`` only (its forward with
 gradients is refused, as the contract says). Checked: initial parameters
@@ -111,7 +113,8 @@ def even_batch(name, model, size=8):
 def packed_batch(name, model, size=8):
     """:func:`global_batch` with its rows packed (Hugging Face's convention): ``position_ids`` restart at 0 where
     a document starts (two or three documents a row, boundaries turned by the row), a causal LM's label of a
-    document's first token -100; the rows keep their right padding. ViT's batch is returned as it is."""
+    document's first token -100; the rows keep their right padding. A causal LM's labels carry SFT masks
+    (:func:`sft_labels`). ViT's batch is returned as it is."""
     batch = global_batch(name, model, size)
     if name.startswith("vit"):
         return batch
@@ -122,8 +125,20 @@ def packed_batch(name, model, size=8):
         positions[row] = torch.cat([torch.arange(b - a) for a, b in zip(starts, starts[1:] + [T])])
     labels = batch["labels"]
     if labels.dim() == 2 and not name.startswith("bert"):  # a document's first token is never a target
-        labels = labels.masked_fill(positions == 0, -100)
+        labels = sft_labels(labels.masked_fill(positions == 0, -100), batch["attention_mask"])
     return dict(batch, position_ids=positions, labels=labels)
+
+
+def sft_labels(labels, attention_mask):
+    """SFT masks on packed causal-LM labels, rows of very different trained counts: the first half of the rows
+    train every document's answer (all but its first token), the second half one answer token each (the row's
+    last real token; the rest -100). So dp shares and micro-batches hold from 0 or 1 to 30 trained tokens, and a
+    step weighted per share or per micro-batch instead of per trained token fails every plan."""
+    size = labels.shape[0]
+    last = attention_mask.sum(1, keepdim=True) - 1  # each row's last real token
+    answer = torch.arange(labels.shape[1]).unsqueeze(0) == last
+    answer[: size // 2] = True
+    return labels.masked_fill(~answer, -100)
 
 
 SP_PACKED = True  # sequence-parallel plans train on packed rows too (False: their train_step batch stays padded)
