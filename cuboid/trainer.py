@@ -482,10 +482,10 @@ def finish(r: Run) -> dict:
 
         save_adapters(r.model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
                       and os.path.isdir(cfg.model) else None)
-    else:
-        ckpt.save(r.model, final)  # every rank takes part (gathers); one writes; replaced atomically
-    if r.mesh.is_main and r.tokenizer is not None:
-        r.tokenizer.save_pretrained(str(final))
+        if r.mesh.is_main and r.tokenizer is not None:
+            r.tokenizer.save_pretrained(str(final))
+    else:  # every rank takes part (gathers); one writes, the tokenizer inside the commit; replaced atomically
+        ckpt.save(r.model, final, tokenizer=r.tokenizer)
     r.mesh.barrier()
     summary = {"step": r.steps, "task": r.task, **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
                "model": str(final.resolve())}
