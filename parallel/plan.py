@@ -79,6 +79,9 @@ class Plan:
             except ValueError:
                 raise ValueError(f"plan field stage_blocks takes block counts per stage like 2/1/1, "
                                  f"got {self.stage_blocks!r}") from None
+        if not isinstance(blocks, (tuple, list)):
+            raise ValueError(f"plan field stage_blocks takes block counts per stage like 2/1/1 or [2, 1, 1], "
+                             f"got {self.stage_blocks!r}")
         blocks = tuple(blocks)
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
             raise ValueError(f"plan field stage_blocks must be whole numbers >= 0, got {self.stage_blocks!r}")
@@ -89,9 +92,9 @@ class Plan:
                 raise ValueError(f"plan field {name} must be a whole number >= 1, got {value!r}")
         for name, allowed in (("tp_mode", TP_MODES), ("sp_mode", SP_MODES), ("schedule", SCHEDULES),
                               ("dtype", DTYPES)):
-            if getattr(self, name) not in allowed:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ValueError(f"plan field {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"plan field zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.tp_sequence, bool):
             raise ValueError(f"plan field tp_sequence must be true or false, got {self.tp_sequence!r}")
@@ -222,9 +225,12 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """A plan from its fields; ``activation_checkpoint`` is read as ``checkpoint`` (module docstring)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a plan is a table of fields ({', '.join(f.name for f in fields(cls))}), "
+                             f"not a {_kind(data)}")
         data = _checkpoint_spelled(dict(data))
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) or "''" for k in set(data) - known)
         if unknown:
             raise ValueError(f"unknown plan field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**data)
@@ -234,7 +240,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+        """A plan from a JSON object of fields; any other JSON, or text that is not JSON, is a one-line error."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ValueError("not valid JSON (nested too deeply to read)") from None
+        return cls.from_dict(data)
 
     def to_toml(self) -> str:
         lines = []
@@ -248,10 +261,24 @@ class Plan:
 
     @classmethod
     def from_toml(cls, text: str) -> "Plan":
+        """A plan from TOML: the fields at the top level, or in a ``[plan]`` table (nothing else beside it)."""
         import tomllib
 
-        data = tomllib.loads(text)
-        return cls.from_dict(data.get("plan", data))
+        try:
+            data = tomllib.loads(text)
+        except ValueError as e:  # tomllib.TOMLDecodeError
+            raise ValueError(f"not valid TOML ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ValueError("not valid TOML (nested too deeply to read)") from None
+        if "plan" in data:
+            if not isinstance(data["plan"], dict):
+                raise ValueError(f"'plan' must be a [plan] table of fields, not a {_kind(data['plan'])} "
+                                 f"({_FILE_KEYS})")
+            if len(data) > 1:
+                raise ValueError(f"keys {', '.join(sorted(k for k in data if k != 'plan'))} beside the [plan] "
+                                 f"table ({_FILE_KEYS})")
+            data = data["plan"]
+        return cls.from_dict(data)
 
     @classmethod
     def parse(cls, spec: Union[str, "Plan", Mapping, None], ready: Optional[Mapping[str, "Plan"]] = None) -> "Plan":
@@ -268,11 +295,7 @@ class Plan:
         if text == "single":
             return cls()
         if text.endswith((".json", ".toml")):
-            path = Path(text)
-            if not path.is_file():
-                raise ValueError(f"plan file {text} does not exist")
-            body = path.read_text()
-            return cls.from_json(body) if text.endswith(".json") else cls.from_toml(body)
+            return cls.read(text)
         if "=" not in text:
             names = ", ".join(sorted(ready)) if ready else "single"
             raise ValueError(f"unknown plan {text!r}: give a ready plan ({names}), a .json/.toml file, "
@@ -284,6 +307,24 @@ class Plan:
             key, raw = (s.strip() for s in part.split("=", 1))
             values[key] = _parse_value(raw)
         return cls.from_dict(values)
+
+    @classmethod
+    def read(cls, path) -> "Plan":
+        """A plan from a .json or .toml file (:data:`_FILE_KEYS`); every problem is one ``ValueError`` line
+        that names the file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"plan file {path} does not exist")
+        size = path.stat().st_size
+        if size > MAX_PLAN_FILE:
+            raise ValueError(f"plan file {path} is {size} bytes, not a plan ({_FILE_KEYS})")
+        try:
+            body = path.read_bytes().decode("utf-8")
+            return cls.from_json(body) if path.suffix == ".json" else cls.from_toml(body)
+        except UnicodeDecodeError:
+            raise ValueError(f"plan file {path}: not UTF-8 text ({_FILE_KEYS})") from None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"plan file {path}: {' '.join(str(e).split())}") from None
 
     def replace(self, **changes) -> "Plan":
         """A copy with ``changes``; ``activation_checkpoint=True`` / ``False`` sets ``checkpoint`` to full / none
@@ -309,6 +350,17 @@ def _checkpoint_spelled(values: dict) -> dict:
     else:
         values.setdefault("checkpoint", "none")
     return values
+
+
+MAX_PLAN_FILE = 1 << 20  # a plan file is a few lines; anything larger is not one
+_FILE_KEYS = ("a plan file holds plan fields (" + ", ".join(f.name for f in fields(Plan)) + "): a JSON object, or "
+              "TOML keys at the top level or in a [plan] table, e.g. dp = 2")
+
+
+def _kind(value: Any) -> str:
+    """What a JSON / TOML value is, in words: "list", "string", "number"..."""
+    return {str: "string", list: "list", tuple: "list", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _inline(value: Any) -> str:
