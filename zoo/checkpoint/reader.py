@@ -88,7 +88,7 @@ class TensorFolder:
         self._handles: Dict[str, object] = {}
         self._checked: set = set()
         self.single = not self.index_path.is_file()
-        if self.index_path.is_file() and (self.path / single).is_file():
+        if self.index_path.is_file() and (self.path / single).is_file() and not self._index_names(single):
             raise CheckpointError(f"{self.path}: holds both {single} and {self.index_path.name}, so which "
                                   "weights it holds is unclear (one is left over from an earlier save): remove "
                                   "the stale one, or save into an empty folder")
@@ -111,6 +111,16 @@ class TensorFolder:
             extra = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
                 self.path.glob("*.bin")) else ""
             raise NoWeightsError(f"{self.path}: no {single} or {self.index_path.name}{extra}")
+
+    def _index_names(self, name: str) -> bool:
+        """Whether this file set's index maps some tensor to ``name`` (a one-shard index beside its shard,
+        as the optimizer's state is written, is not a leftover)."""
+        try:
+            index = parse_json(self.index_path.read_bytes(), self.index_path)
+        except CheckpointError:
+            return False  # the index itself is refused when it is read
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        return isinstance(weight_map, dict) and name in weight_map.values()
 
     def _read_index(self) -> None:
         """Parse and check the index: an object, a weight_map of plain file names, well-formed records."""
