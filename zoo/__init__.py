@@ -1,4 +1,5 @@
-"""cuboid.zoo: GPT, BERT, ViT and the Llama family (Llama, Qwen2, Mistral), their presets, and Hugging Face interop.
+"""cuboid.zoo: GPT, BERT, ViT and the Llama family (Llama, Qwen2, Mistral, Qwen3, Gemma 3), their presets, and
+Hugging Face interop.
 
 - :func:`build` makes a model from a preset name or a config, on the meta
   device by default (no memory, exact parameter counts);

@@ -119,22 +119,36 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 def test_llama_family_configs_refused_in_one_sentence(tmp_path):
-    """A sliding window shorter than the positions, another rope type, another activation: refused by name."""
+    """Another rope type, another activation, Gemma's attention softcap or bidirectional attention: refused by
+    name; a sliding window of any length is read (every layer's for Mistral, Qwen's from max_window_layers)."""
     base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 97, "hidden_size": 48,
             "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64}
-    cases = [({"sliding_window": 16}, "sliding-window attention .* is not supported"),
-             ({"sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 16}
+    cases = [({"sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
               "rope_scaling of type 'yarn' is not supported"),
-             ({"sliding_window": None, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported")]
+             ({"sliding_window": None, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+             ({**gemma, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+             ({**gemma, "use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),
+             ({**gemma, "hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported")]
     for extra, message in cases:
         (tmp_path / "config.json").write_text(json.dumps({**base, **extra}))
         with pytest.raises(ValueError, match=message):
             cuboid.load(tmp_path)
-    # a window as long as the positions changes nothing: accepted (checked on meta, no weights needed)
     from cuboid.zoo.llama.hf import config_from_hf
 
-    assert config_from_hf({**base, "sliding_window": 64}, "MistralForCausalLM").n_kv_heads == 2
+    mistral = config_from_hf({**base, "sliding_window": 16}, "MistralForCausalLM")  # checked on meta
+    assert [mistral.window_of(i) for i in range(2)] == [16, 16]
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "sliding_window": 8}
+    assert config_from_hf(qwen, "Qwen2ForCausalLM").window_of(2) is None  # use_sliding_window off
+    on = config_from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 1}, "Qwen2ForCausalLM")
+    assert [on.window_of(i) for i in range(3)] == [None, 8, 8]
+    old_gemma = config_from_hf({**gemma, "num_hidden_layers": 7, "sliding_window": 4, "rope_theta": 1e6,
+                                "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+                               "Gemma3ForCausalLM")  # the Hub's config keys: a pattern of 6, no layer_types
+    assert [old_gemma.window_of(i) for i in range(7)] == [4] * 5 + [None, 4]
+    assert (old_gemma.rope_theta, old_gemma.rope_local_theta, old_gemma.rope) == (1e6, 1e4, {"rope_type": "linear",
+                                                                                             "factor": 8.0})
 
 
 def test_mismatched_weights_name_key_and_shapes(tmp_path):

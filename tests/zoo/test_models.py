@@ -10,8 +10,10 @@ HF_CLASSES = {
     "gpt": (T.GPT2Config, {"lm": T.GPT2LMHeadModel, "none": T.GPT2Model}),
     "bert": (T.BertConfig, {"mlm": T.BertForMaskedLM, "cls": T.BertForSequenceClassification, "none": T.BertModel}),
     "vit": (T.ViTConfig, {"cls": T.ViTForImageClassification, "none": T.ViTModel}),
-    "llama": ({"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig},
-              {"lm": {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM}}),
+    "llama": ({"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig, "qwen3": T.Qwen3Config,
+               "gemma3": T.Gemma3TextConfig},
+              {"lm": {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM,
+                      "qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM}}),
 }
 
 
@@ -22,7 +24,7 @@ def test_preset_builds_on_meta_with_hf_parameter_count(preset):
     fam = zoo.family_of(model)
     cfg_cls, classes = HF_CLASSES[fam.name]
     cls = classes[model.config.head]
-    if fam.name == "llama":  # one zoo family, three HF architectures
+    if fam.name == "llama":  # one zoo family, five HF architectures
         cfg_cls, cls = cfg_cls[model.config.arch], cls[model.config.arch]
     hf_cfg = cfg_cls(**fam.config_to_hf(model.config))
     with torch.device("meta"):
@@ -38,7 +40,9 @@ def test_gpt2_xl_parameter_count():
 
 @pytest.mark.parametrize("preset,count", [("llama3.1-8b", 8_030_261_248), ("llama3.1-70b", 70_553_706_496),
                                           ("llama3.2-1b", 1_235_814_400), ("qwen2.5-0.5b", 494_032_768),
-                                          ("qwen2.5-7b", 7_615_616_512), ("mistral-7b", 7_248_023_552)])
+                                          ("qwen2.5-7b", 7_615_616_512), ("mistral-7b", 7_248_023_552),
+                                          ("qwen3-0.6b", 596_049_920), ("qwen3-8b", 8_190_735_360),
+                                          ("gemma-3-1b", 999_885_952)])
 def test_llama_family_parameter_counts(preset, count):
     """The published sizes (the model cards' counts), on meta."""
     model = cuboid.load(preset, device="meta")
@@ -66,7 +70,8 @@ def batch_for(name, model):
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize("name", ["gpt-debug", "bert-debug", "vit-debug", "llama-debug"])
+@pytest.mark.parametrize("name", ["gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug",
+                                  "gemma3-debug"])
 def test_tiny_model_trains(name):
     """20 AdamW steps on one fixed batch: the loss falls to under half its start."""
     model = cuboid.load(name, seed=1).train()
