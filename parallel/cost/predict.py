@@ -106,7 +106,7 @@ def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch:
     per_rank = plan.dp * plan.tp * plan.sp
     h, f, q, kv = shape.dim, shape.hidden, shape.q_dim, shape.kv_dim
     linear = (2 * q + 2 * kv) * h + shape.mlp_matrices * h * f
-    attention = 2 * seq * q
+    attention = 2 * shape.attention_span(seq) * q
     m = plan.microbatches
     tokens = batch / plan.dp / m * seq / plan.sp / (plan.batch_parts or 1)
     width = plan.tp if plan.tp_mode == "1d" else plan.tp ** 0.5

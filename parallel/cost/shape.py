@@ -31,6 +31,8 @@ class Shape:
     gated_mlp: bool = False     # a gated MLP (SwiGLU: gate, up, down) with q, k, v apart and RMSNorm (Llama's block)
     first_token_tensors: int = 0  # (B, 1, dim) tensors the head takes from the first token's sequence rank
                                   # (BERT 1; ViT 2: its pre-norm residual too)
+    window: int = 0             # sliding-window attention's window (Mistral, Qwen2, Gemma 3); 0: none
+    window_layers: int = 0      # how many of the n_layers blocks attend through that window
 
     @classmethod
     def of(cls, model: Any) -> "Shape":
@@ -52,6 +54,16 @@ class Shape:
     def q_dim(self) -> int:
         """Width of the queries (and of the attention output): heads x head_dim."""
         return self.n_heads * (self.head_dim or self.dim // self.n_heads)
+
+    def attention_span(self, seq: int) -> float:
+        """Keys per query in the ``4 B s^2 q`` attention term (``seq`` for a global layer), averaged over the
+        layers: a windowed layer scores ``W (W + 1) / 2 + (s - W) W`` causal pairs against a global layer's
+        ``s (s + 1) / 2``, so its span is ``2 W - W^2 / s`` keys (``s`` when the window covers the sequence)."""
+        if not self.window or not self.window_layers or self.window >= seq:
+            return float(seq)
+        local = 2 * self.window - self.window ** 2 / seq
+        n = max(self.n_layers, 1)
+        return ((n - self.window_layers) * seq + self.window_layers * local) / n
 
     @property
     def kv_dim(self) -> int:
@@ -129,10 +141,12 @@ def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False, *, p
     per block forward ``2 B s (4 h^2 + 2 h f) + 4 B s^2 h``, the logits ``2 B s h V``; backward
     twice forward, recompute (whole blocks) one forward of the blocks more. Grouped-query attention
     and a gated MLP (Llama): ``2 B s ((2 q + 2 kv) h + 3 h f) + 4 B s^2 q`` with ``q``, ``kv`` the
-    query and key widths. ``parts``: (all blocks, head) apart."""
+    query and key widths; sliding-window layers put their span in place of one ``s``
+    (:meth:`Shape.attention_span`). ``parts``: (all blocks, head) apart."""
     h, f = shape.dim, shape.hidden
     q, kv = shape.q_dim, shape.kv_dim
-    block = 2 * batch * seq * ((2 * q + 2 * kv) * h + shape.mlp_matrices * h * f) + 4 * batch * seq * seq * q
+    attention = 4 * batch * seq * q * (seq if not shape.window_layers else shape.attention_span(seq))
+    block = 2 * batch * seq * ((2 * q + 2 * kv) * h + shape.mlp_matrices * h * f) + attention
     blocks = (3 + (1 if recompute else 0)) * shape.n_layers * block
     head = 3 * 2 * batch * seq * h * shape.vocab_size
     return (blocks, head) if parts else blocks + head

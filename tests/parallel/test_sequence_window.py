@@ -7,6 +7,7 @@ chunks of c = 12: the windows (1, 12, 13, 30) leave chunk pairs wholly outside t
 partly inside and wholly inside (called without a window). The op reference is ``cuboid.kernels.attention``
 in float64 on the whole sequence (its window checked against a float64 softmax in tests/kernels).
 """
+import pytest
 import torch
 
 from .launch import run_world
@@ -168,3 +169,19 @@ def test_sliding_window_under_sequence_parallelism_matches_one_device():
     assert triton in (0, 8)
     # op cases of 4 entries (ring, all-to-all, multi-query and non-causal), the two call counts, the model's
     assert len(reports[0]) - triton == 4 * (2 * len(WINDOWS) + 4 + 1 + 2) + 2 + 2 * (1 + 2 * 2) + 2
+
+
+def test_cost_model_counts_windowed_layers_by_their_span():
+    """The FLOP count's attention term: a windowed layer's causal pairs (counted here) in place of a global
+    layer's, through Shape.window / window_layers; nothing changes where the window covers the sequence."""
+    from cuboid.parallel.cost import Shape, step_flops
+
+    base = dict(n_layers=6, dim=64, n_heads=4, hidden=128, vocab_size=0, n_positions=8192, tied_head=False)
+    plain, local = Shape(**base), Shape(**base, window=512, window_layers=5)
+    W, s = 512, 4096
+    pairs = sum(min(i + 1, W) for i in range(s)) / (s * (s + 1) / 2)  # windowed / global causal pairs
+    want = (1 + 5 * pairs) / 6 * s  # keys per query in the 4 B s^2 q convention, layers averaged
+    assert local.attention_span(s) == pytest.approx(want, rel=2e-3)
+    attention = 4 * s * plain.q_dim * 3 * 6  # forward + backward of the s^2 term over 6 layers, batch 1
+    assert step_flops(plain, 1, s) - step_flops(local, 1, s) == pytest.approx(attention * (s - want), rel=2e-3)
+    assert step_flops(local, 1, W) == step_flops(plain, 1, W)
