@@ -49,3 +49,36 @@ def test_sft_packed_run_then_chat(name, qwen, chat_file, tmp_path):
     assert out.strip() and "<|im_start|>" not in out and "red cat?" not in out, out
     if not lora:  # the whole model learned the answer's first word
         assert out.startswith("sun"), out
+
+
+def test_sft_flags_and_config_keys(tmp_path, capsys):
+    """The SFT flags reach FinetuneConfig by their names, from the command line and from a --config file
+    (max_length is seq_len's other spelling there too), and --help shows the data formats."""
+    from cuboid.cli import build_parser
+    from cuboid.finetune_cli import resolve
+    from cuboid.finetune_config import FinetuneConfig
+
+    parser = build_parser()
+    args = parser.parse_args(["finetune", "--model", "m", "--task", "sft", "--max-length", "512", "--train-on-prompt",
+                              "--template", "alpaca", "--data-format", "alpaca", "--streaming", "--shuffle-buffer",
+                              "64", "--chat-template", "t.jinja"])
+    values = resolve(args)
+    assert {k: values[k] for k in ("seq_len", "train_on_prompt", "template", "data_format", "streaming",
+                                   "shuffle_buffer", "chat_template")} == dict(
+        seq_len=512, train_on_prompt=True, template="alpaca", data_format="alpaca", streaming=True,
+        shuffle_buffer=64, chat_template="t.jinja")
+    FinetuneConfig(**values)  # every key is a field
+    (tmp_path / "run.toml").write_text('model = "m"\ntask = "sft"\nmax-length = 300\ntrain_on_prompt = true\n'
+                                       'data_format = "messages"\n')
+    values = resolve(parser.parse_args(["finetune", "--config", str(tmp_path / "run.toml"), "--seq-len", "200"]))
+    assert values["seq_len"] == 200 and values["train_on_prompt"] is True and values["data_format"] == "messages"
+    assert "max_length" not in values
+    (tmp_path / "both.toml").write_text("seq_len = 1\nmax_length = 2\n")
+    with pytest.raises(ValueError, match="give seq_len or max_length, not both"):
+        resolve(parser.parse_args(["finetune", "--config", str(tmp_path / "both.toml")]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["finetune", "--help"])
+    shown = capsys.readouterr().out
+    for line in ("messages           messages: [{role, content}, ...]", "prompt_completion  prompt, completion",
+                 "alpaca             instruction, input, output", '{"messages": [{"role": "user"'):
+        assert line in shown, line
