@@ -1,6 +1,6 @@
 """Sharded safetensors checkpoints in the Hugging Face layout, from and into any plan.
 
-    save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None) -> Path
+    save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None) -> Path
     load(model, path, *, strict=True, verify=False) -> {"missing", "unexpected", "mismatched"}
     load_training_state(path, model, optimizer=None, scheduler=None, *, rng=True) -> dict
     verify(path, *, require_checksums=True) -> {"path", "files", "tensors", "bytes"}
@@ -35,7 +35,8 @@ other stages' layers), :mod:`.folder` (the atomic replace protocol and what a cr
 only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
 (optimizer, RNG, training state as a save records them), :mod:`.resume`
 (reading them back), :mod:`.convert`, :mod:`.adapters` (a LoRA model's adapters in
-``peft``'s layout: what ``save`` writes for one). The reader and the writer never import
+``peft``'s layout: what ``save`` writes for one), :mod:`.precheck` (a folder's config.json against
+its weight map, before ``cuboid.load(folder)`` builds anything). The reader and the writer never import
 each other: what both need (file names, records, errors) is in :mod:`.format`,
 the shard plan in :mod:`.shards`, the stage rule in :mod:`.stages`.
 
