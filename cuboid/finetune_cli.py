@@ -61,8 +61,8 @@ FLAGS = [
                     "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
-    ("--seq-len", int, "tokens per example for text tasks (default 128, sft 1024; at most the model's); sft: longer examples are cut, keeping the start; with --packing the length "
-                       "of a packed row"),
+    ("--seq-len", int, "tokens per example for text tasks (default 128, sft 1024; at most the model's); sft: "
+                       "longer examples are cut, keeping the start; with --packing the length of a packed row"),
     ("--packing", bool, "causal LM and sft: each record is a document; documents are packed into rows of --seq-len "
                         "(best-fit-decreasing) and attend only to themselves"),
     ("--train-on-prompt", bool, "sft: train on every token (system, user, template text), not only the answers"),

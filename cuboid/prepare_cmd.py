@@ -16,9 +16,9 @@ existing one is replaced only with ``--overwrite``.
 The report gives, per split, the examples read, those dropped (nothing left
 to learn after truncation) and truncated, the rows, the tokens, the trained
 tokens (the labels the shifted loss predicts) and the padding fraction: of
-the rows as finetune batches them (``--batch-size`` rows in finetune's seeded
-order, each batch cut to its longest row rounded up to a multiple of 8), or
-of the packed rows. Then two training rows are printed with their trained
+the rows as finetune batches them (training: ``--batch-size`` rows in
+finetune's seeded order, each batch cut to its longest row rounded up to a
+multiple of 8; validation: padded to its longest row), or of the packed rows. Then two training rows are printed with their trained
 tokens inside ``[[ ]]`` (in colour on a terminal), so the masks can be
 checked before any GPU time is spent.
 """
@@ -49,8 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``prepare`` on an ``add_subparsers()`` object; the handler is ``args.func``."""
     p = subparsers.add_parser("prepare", help="tokenize (and pack) a dataset as finetune would, write it, report "
                                               "tokens, trained tokens and padding, and show the trained tokens",
-                              description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+                              description=__doc__.split("\n\n")[0], epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a local model folder: its tokenizer, chat template and positions")
     p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--data", required=True, help="a jsonl/json/csv/parquet/txt file or a datasets folder")

@@ -92,7 +92,8 @@ def test_the_report_counts_what_finetune_trains(qwen, chat_file, tmp_path, capsy
         dropped += counts["dropped"]
         assert got["rows"] == len(rows) == len(saved[name])
         assert saved[name]["input_ids"] == [ids for ids, _ in rows] and saved[name]["labels"] == [y for _, y in rows]
-        assert got["padding_fraction"] == pytest.approx(finetune_padding(rows, 4 if name == "train" else None, 0), abs=1e-12)
+        padding = finetune_padding(rows, 4 if name == "train" else None, 0)
+        assert got["padding_fraction"] == pytest.approx(padding, abs=1e-12)
         line = next(x for x in printed.splitlines() if x.startswith(name + " "))
         assert line.split()[1:7] == [f"{counts[k]:,}" for k in ("examples", "dropped", "truncated")] + [
             f"{len(rows):,}", f"{counts['tokens']:,}", f"{counts['trained_tokens']:,}"]
