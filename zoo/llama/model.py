@@ -21,6 +21,14 @@ def norm_class(c: LlamaConfig) -> type:
     return GemmaRMSNorm if c.gemma_norms else L.RMSNorm
 
 
+NORM_NAMES = ("ln1", "ln2", "ln_f", "post_ln1", "post_ln2", "q_norm", "k_norm")
+
+
+def _is_norm_weight(name: str) -> bool:
+    """Whether parameter ``name`` is a norm's weight (``blocks.3.post_ln1.weight``, ``ln_f.weight``)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in NORM_NAMES
+
 class Attention(nn.Module):
     """Grouped-query self-attention: q (H heads), k and v (Hkv heads, each shared by H / Hkv query heads),
     rotated by RoPE in the attention core. Head counts are read off the (possibly sharded) projections.
@@ -130,13 +138,12 @@ class Llama(Decoder):
         """HF Llama init: N(0, init_std) for linear and embedding weights, zero biases, norms 1 (Gemma's norms,
         which scale by 1 + weight: 0)."""
         std = self.config.init_std
-        norms = {f"{n}.weight" for n, m in self.named_modules() if isinstance(m, L.RMSNorm)}
         norm_init = "zeros" if self.config.gemma_norms else "ones"
 
         def rule(name: str, shape: torch.Size):
             if name.endswith("bias"):
                 return "zeros", 0.0
-            if name in norms:
+            if _is_norm_weight(name):  # by name: a tensor mode swaps the norm modules for its own
                 return norm_init, 0.0
             return "normal", std
 
