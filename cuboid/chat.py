@@ -187,6 +187,8 @@ def stop_token_ids(tokenizer, chat_template: Optional[str] = None) -> list:
         after = text[text.rfind(mark) + len(mark):] if mark in text else ""
         ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
         special = set(getattr(tokenizer, "all_special_ids", []))
+        special |= {int(i) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                    if getattr(t, "special", False)}  # an end-of-turn token only in the added tokens
         if ids and ids[0] in special and ids[0] not in stops:
             stops.append(int(ids[0]))
     return stops

@@ -110,10 +110,11 @@ def run(args: argparse.Namespace) -> int:
     single = len(prompts) == 1
     if single and printing and not args.chat:
         sys.stdout.write(prompts[0])
-    # generation stops on one id: the turn's end (the last of the stops); an eos before it ends the answer too
+    # a row stops at the first of its stop ids: the eos, or (--chat) the turn's end
     out = model.generate(input_ids, attention_mask, max_new_tokens=args.max_new_tokens,
                          do_sample=sample, temperature=args.temperature or 1.0, top_k=args.top_k, top_p=args.top_p,
-                         eos_token_id=stops[-1], pad_token_id=tok.pad_token_id, seed=args.seed,
+                         eos_token_id=[s for s in stops if s is not None] or None, pad_token_id=tok.pad_token_id,
+                         seed=args.seed,
                          streamer=stream if single else None)
     if printing:
         if single:

@@ -14,7 +14,8 @@ cache does.
 
 Prompts of different lengths are left-padded (as transformers does); each
 row's positions count only its kept tokens (``attention_mask.cumsum - 1``),
-and a row that produced ``eos_token_id`` keeps producing it. Under a plan the
+and a row that produced one of its stop ids (``eos_token_id``: one id or a list) repeats the pad token
+after it. Under a plan the
 cores hold what the blocks give them (1D: this rank's heads; 2D/3D: this
 rank's rows), every rank of a tensor group samples with the same generator, so
 the tokens agree, and each data-parallel rank generates for its own prompts.
@@ -29,7 +30,7 @@ Sequence parallelism is refused in one sentence.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -147,11 +148,13 @@ def _over_dp(value: float, model: nn.Module, op: str) -> float:
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
-             seed: Optional[int] = None, streamer=None) -> torch.Tensor:
+             top_p: float = 1.0, eos_token_id: Union[int, Sequence[int], None] = None,
+             pad_token_id: Optional[int] = None, seed: Optional[int] = None, streamer=None) -> torch.Tensor:
     """``input_ids`` (B, T) left-padded prompts (``attention_mask`` 0 on the padding) followed by up to
     ``max_new_tokens`` generated tokens each: (B, T + n). Greedy unless ``do_sample``; ``seed`` fixes the
-    draws (the same tokens under every plan). ``streamer(tokens)`` is called with each step's (B,) tokens."""
+    draws (the same tokens under every plan). ``eos_token_id`` may be a list (transformers' convention: a chat
+    model's end-of-turn token beside its eos); a row stops at the first of them and then repeats the pad.
+    ``streamer(tokens)`` is called with each step's (B,) tokens."""
     config = model.config
     if getattr(config, "head", None) != "lm":
         raise ValueError(f"generation needs a causal LM head, got head {getattr(config, 'head', None)!r}")
@@ -169,7 +172,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
         raise ValueError(f"{longest} prompt tokens{where} + {max_new_tokens} new exceed the model's "
                          f"{config.n_positions} positions")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+    stops = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else \
+        [int(t) for t in eos_token_id]
+    pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+    stop_ids = torch.tensor(stops, dtype=ids.dtype, device=device)
     swapped = _swap_cores(model, ids.shape[1] + max_new_tokens - 1)  # the last new token is never fed back
     state = state_of(model)
     pipeline = state.pipeline
@@ -195,15 +201,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
                 token = pipeline.forward_only(inputs, last=sample).logits.to(ids.dtype)
             else:  # reading the logits is a collective under tp: every rank reads them
                 token = sample(model(**inputs).logits).to(ids.dtype)
-            if eos_token_id is not None:
+            if stops:
                 token = torch.where(done, torch.full_like(token, pad), token)
-                done |= token == eos_token_id
+                done |= torch.isin(token, stop_ids)
             ids = torch.cat([ids, token[:, None]], 1)
             mask = torch.cat([mask, torch.ones_like(token[:, None])], 1)
             new = token[:, None]
             if streamer is not None:
                 streamer(token)
-            if eos_token_id is not None and _over_dp(bool(done.all()), model, "min"):  # all dp ranks stop together
+            if stops and _over_dp(bool(done.all()), model, "min"):  # all dp ranks stop together
                 break
     finally:
         for mod, name, core in swapped:

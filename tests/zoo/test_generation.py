@@ -70,6 +70,19 @@ def test_eos_stops_each_row_and_pads_after_it(pair):
     assert (got[0, 7 + 4:] == 0).all()
 
 
+@pytest.mark.parametrize("pair", DECODERS[:1], indirect=True)
+def test_a_list_of_stop_ids_stops_each_row_at_the_first_as_transformers(pair):
+    name, hf, ours = pair
+    ids, mask = prompts()
+    free = ours.generate(ids, mask, max_new_tokens=12)
+    stops = [int(free[1, 7 + 2]), int(free[0, 7 + 5])]  # row 1 stops at its third new token, row 0 by its sixth
+    want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                       eos_token_id=stops)
+    got = ours.generate(ids, mask, max_new_tokens=12, eos_token_id=stops, pad_token_id=0)
+    assert torch.equal(got, want), (name, (got != want).sum().item())
+    assert (got[1, 7 + 3:] == 0).all()
+
+
 @pytest.mark.parametrize("pair", DECODERS, indirect=True)
 def test_sampling_is_seeded_and_respects_top_k(pair):
     _, _, ours = pair
