@@ -154,9 +154,22 @@ def num_classes(ds, label_column: str) -> int:
     labels = ds[label_column]
     if not labels:
         raise DataError("the dataset is empty")
-    if not all(isinstance(x, int) for x in labels):
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in labels):
         raise DataError(f"column {label_column!r} must hold integer class ids")
-    return max(labels) + 1
+    return dense_classes(set(labels), label_column)
+
+
+def dense_classes(ids: set, label_column: str) -> int:
+    """K for class ids that are exactly 0..K-1 (every class present), checked before a head of K rows is
+    built: a stray id (10^9, -1) would size the head, or index past it."""
+    k = len(ids)
+    if min(ids) < 0 or max(ids) >= k:
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        missing = sorted(set(range(min(k, 1 << 20))) - ids)[:3]
+        raise DataError(f"column {label_column!r} holds class id {bad}, but its {k} distinct ids must be 0..{k - 1}"
+                        + (f" (missing {', '.join(map(str, missing))})" if missing else "")
+                        + ": renumber the classes 0..K-1, or give the column a ClassLabel feature naming them")
+    return k
 
 
 def _check_labels(labels: torch.Tensor, n: int, column: str) -> None:

@@ -56,6 +56,8 @@ FLAGS = [
     ("--output-dir", str, "where checkpoints, metrics.jsonl, curves.png and final/ go"),
     ("--resume", str, "continue from a checkpoint (its checksums verified first): bare --resume or 'latest' takes "
                       "the newest complete one in --output-dir"),
+    ("--overwrite-output-dir", bool, "start a fresh run in an --output-dir an earlier run left checkpoints, "
+                                     "final/ or metrics in (kept; this run prunes and resumes only its own)"),
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
     ("--lora", str, "train LoRA adapters only: r=16,alpha=32[,dropout=0.05][,targets=attn+mlp] (targets: attn, "
                     "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
@@ -226,7 +228,7 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
 def cmd_finetune(args: argparse.Namespace) -> int:
     """The plan is read here, once (an ``auto`` one searched for the processes about to start), and passed
     on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
-    from cuboid.loading import plan_of
+    from cuboid.loading import check_local_processes
     from cuboid.planner import is_auto
     from cuboid.trainer import run
 
@@ -244,6 +246,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                              f"which needs {plan.world_size} processes")
         if plan.world_size > 1 or restarts:
             plan.validate()  # what needs no model is said before any process starts
+            check_local_processes(plan.world_size, plan)
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]

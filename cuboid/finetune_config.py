@@ -45,6 +45,7 @@ class FinetuneConfig:
     keep: int = 2                         # checkpoints kept
     output_dir: str = "runs/finetune"
     resume: Optional[str] = None          # "latest", a checkpoint folder, or None
+    overwrite_output_dir: bool = False    # a fresh run into an output_dir an earlier run left files in
     lora: Any = None                      # LoRA adapters only: "r=16,alpha=32[,dropout=0.05][,targets=attn+mlp]"
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)

@@ -1,19 +1,28 @@
-"""Which checkpoint a fine-tune resumes from, agreed by every rank.
+"""Which checkpoint a fine-tune resumes from, agreed by every rank, and which files in its output folder
+are its own.
 
 Saves go to a hidden temporary folder renamed into place when complete
 (:mod:`cuboid.zoo.checkpoint.folder`), so an interrupted save never matches ``checkpoint-*``;
 :func:`complete` also skips folders a crash left half-deleted. Under torch's elastic launcher a
 restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, :func:`restart_count`) resumes from the newest
-complete checkpoint by itself. Rank 0 decides and reads (:func:`decided_on_rank0`), so no two ranks
-resume differently and the checksums are read once.
+complete checkpoint of its own run by itself. Every run has an id, recorded in each checkpoint's
+trainer state and in the output folder's :data:`RUN_FILE` when it starts (a resumed run keeps the
+checkpoint's): ``--resume latest``, restarts and ``--keep``'s pruning touch only that run's
+checkpoints, never another run's (an older run, a Hugging Face Trainer's) in the same folder, and a
+fresh run refuses a folder an earlier run left files in (:func:`check_output_dir`). Rank 0 decides and
+reads (:func:`decided_on_rank0`), so no two ranks resume differently and the checksums are read once.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
 
 from cuboid.parallel import Mesh, comm
+
+RUN_FILE = "cuboid-run.json"  # the id of the run that last started in an output folder
+RUN_OUTPUTS = frozenset({RUN_FILE, "final", "metrics.jsonl", "curves.png"})
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -31,12 +40,61 @@ def complete(path: Path) -> bool:
                                                  or lora.is_checkpoint(path))
 
 
-def resolve_resume(resume: Optional[str], out: Path) -> Optional[Path]:
-    """The folder to resume from. 'latest' is the newest complete ``checkpoint-<step>`` (None if none)."""
+def run_id_of(path: Path) -> Optional[str]:
+    """The run id a checkpoint's trainer state records (None: none, or unreadable; read as data only)."""
+    from cuboid.zoo.checkpoint.format import TRAINER_STATE, CheckpointError, parse_json
+
+    try:
+        rec = parse_json((path / TRAINER_STATE).read_bytes(), path / TRAINER_STATE)
+    except (OSError, CheckpointError):
+        return None
+    state = rec.get("state") if isinstance(rec, dict) else None
+    run = state.get("run_id") if isinstance(state, dict) else None
+    return run if isinstance(run, str) else None
+
+
+def folder_run_id(out: Path) -> Optional[str]:
+    """The id of the run that last started in ``out`` (its :data:`RUN_FILE`), or None."""
+    from cuboid.zoo.checkpoint.format import CheckpointError, parse_json
+
+    try:
+        rec = parse_json((out / RUN_FILE).read_bytes(), out / RUN_FILE)
+    except (OSError, CheckpointError):
+        return None
+    run = rec.get("run_id") if isinstance(rec, dict) else None
+    return run if isinstance(run, str) else None
+
+
+def write_run_file(out: Path, run_id: str) -> None:
+    """Record ``run_id`` as ``out``'s current run (rank 0, before its first checkpoint)."""
+    tmp = out / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
+    os.replace(tmp, out / RUN_FILE)
+
+
+def own_checkpoints(out: Path, run_id: Optional[str]) -> list[Path]:
+    """The ``checkpoint-<step>`` folders of the run ``run_id`` in ``out``, oldest first (every one when None)."""
+    return [p for p in checkpoints(out) if run_id is None or run_id_of(p) == run_id]
+
+
+def occupant(out: Path) -> Optional[str]:
+    """The first entry of ``out`` that an earlier run left (checkpoints, ``final/``, metrics, its run file), or
+    None: what a fresh run would mix its own files with."""
+    if not out.is_dir():
+        return None
+    for entry in sorted(out.iterdir()):
+        if entry.name in RUN_OUTPUTS or (entry.name.startswith("checkpoint-") and entry.is_dir()):
+            return entry.name + ("/" if entry.is_dir() else "")
+    return None
+
+
+def resolve_resume(resume: Optional[str], out: Path, run_id: Optional[str] = None) -> Optional[Path]:
+    """The folder to resume from. 'latest' is the newest complete ``checkpoint-<step>`` of the run ``run_id``
+    (of any run when None; None if there is none)."""
     if resume in (None, "", "none"):
         return None
     if resume == "latest":
-        found = [p for p in checkpoints(out) if complete(p)]
+        found = [p for p in own_checkpoints(out, run_id) if complete(p)]
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
@@ -74,26 +132,47 @@ def decided_on_rank0(mesh: Mesh, decide, errors=(ValueError,)):
     return answer[1]
 
 
-def agreed_resume(resume: Optional[str], out: Path, mesh: Mesh) -> Optional[Path]:
+def agreed_resume(resume: Optional[str], out: Path, mesh: Mesh, run_id: Optional[str] = None) -> Optional[Path]:
     """:func:`resolve_resume` decided on rank 0 and sent to every rank."""
-    found = decided_on_rank0(mesh, lambda: resolve_resume(resume, out))
+    found = decided_on_rank0(mesh, lambda: resolve_resume(resume, out, run_id))
     return None if found is None else Path(found)
 
 
 def resume_folder(resume: Optional[str], out: Path, mesh: Mesh, restart: int) -> Optional[Path]:
-    """The checkpoint this attempt resumes from: ``resume`` on the first attempt; a restart takes the newest
-    complete one in ``out`` (``resume`` when there is none)."""
+    """The checkpoint this attempt resumes from: ``resume`` on the first attempt ('latest': of the run that
+    last started in ``out``; a one-line error when there is none); a restart takes the newest complete one
+    of its own run (``resume`` when there is none, else None: step 0)."""
+    run_id = decided_on_rank0(mesh, lambda: folder_run_id(out))
     if restart == 0:
-        return agreed_resume(resume, out, mesh)
-    return agreed_resume("latest", out, mesh) or agreed_resume(resume, out, mesh)
+        found = agreed_resume(resume, out, mesh, run_id)
+        if found is None and resume == "latest":
+            raise ValueError(f"--resume latest: no complete checkpoint in {out} to resume from; "
+                             "leave out --resume to start a fresh run")
+        return found
+    return agreed_resume("latest", out, mesh, run_id) or agreed_resume(resume, out, mesh, run_id)
 
 
-def verify_once(ckpt, path: Path, mesh: Mesh) -> None:
-    """``ckpt.verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
+def check_output_dir(out: Path, resume: Optional[str], overwrite: bool, mesh: Mesh, restart: int) -> None:
+    """A fresh run (no ``resume``, first attempt) refuses an output folder an earlier run left files in,
+    unless ``overwrite`` (``--overwrite-output-dir``: its files stay, this run prunes and resumes only its own
+    checkpoints, and replaces ``final/`` and the metrics)."""
+    if restart or overwrite or resume not in (None, "", "none"):
+        return
+    found = decided_on_rank0(mesh, lambda: occupant(out))
+    if found is not None:
+        raise ValueError(f"--output-dir {out} already holds {found} of an earlier run: resume it with --resume "
+                         "latest, pick another --output-dir, or pass --overwrite-output-dir to train a new run "
+                         "beside it")
+
+
+def verify_once(verify, path: Path, mesh: Mesh) -> None:
+    """``verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
+    from cuboid.zoo.checkpoint import CheckpointError
+
     try:
-        decided_on_rank0(mesh, lambda: ckpt.verify(path) and None, errors=(ValueError, OSError))
+        decided_on_rank0(mesh, lambda: verify(path) and None, errors=(ValueError, OSError))
     except ValueError as e:  # CheckpointError is a ValueError; the other ranks hear of it too
-        raise ckpt.CheckpointError(e.args[0]) from None
+        raise CheckpointError(e.args[0]) from None
 
 
 def restart_count(mesh: Mesh) -> int:
@@ -115,13 +194,16 @@ def restart_count(mesh: Mesh) -> int:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, mesh: Mesh, lora: bool) -> dict:
     """Read ``path`` into the model, optimizer and scheduler (and the RNG); the saved training state.
-    A full checkpoint has every file checked against its SHA-256 first; ``lora``: the adapters only."""
+    Every file is checked against its SHA-256 first (on rank 0, before any value is used); ``lora``: a LoRA
+    run's checkpoint (:mod:`cuboid.zoo.checkpoint.lora_state`), read into any plan as a full one is."""
     if lora:
+        from cuboid.zoo.checkpoint.lora_state import verify_lora
         from cuboid.zoo.lora import load_checkpoint as load_adapters
 
-        return load_adapters(model, path, optimizer=optimizer, scheduler=scheduler)
+        verify_once(verify_lora, path, mesh)
+        return load_adapters(model, path, optimizer=optimizer, scheduler=scheduler, verify=False)
     from cuboid.zoo import checkpoint as ckpt
 
-    verify_once(ckpt, path, mesh)  # before any value is used
+    verify_once(ckpt.verify, path, mesh)  # before any value is used
     ckpt.load(model, path)
     return ckpt.load_training_state(path, model, optimizer=optimizer, scheduler=scheduler)["state"]

@@ -34,6 +34,7 @@ import random
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -49,7 +50,8 @@ from cuboid.finetune_config import (HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, Fine
                                      task_fits_head)
 from cuboid.loading import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
-from cuboid.resume import checkpoints, interrupted, load_checkpoint, restart_count, resume_folder
+from cuboid.resume import (check_output_dir, decided_on_rank0, interrupted, load_checkpoint, own_checkpoints,
+                           restart_count, resume_folder, run_id_of, write_run_file)
 from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
@@ -113,6 +115,7 @@ class Run:
     scaler: Any = None
     start: int = 0                        # the step training starts after (resumed runs: the checkpoint's)
     resumed_from: Optional[Path] = None
+    run_id: Optional[str] = None          # this run's id (a resumed run keeps its checkpoint's; cuboid.resume)
     last_eval: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
 
@@ -173,6 +176,7 @@ def start(cfg: FinetuneConfig) -> Run:
         init_distributed(timeout_s=cfg.timeout_s)  # before the mesh: every group it makes gets this timeout
     mesh = Mesh.build(plan)
     restart = restart_count(mesh)
+    check_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, mesh, restart)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
@@ -307,6 +311,9 @@ def resume(r: Run) -> None:
     if r.resumed_from is not None:
         saved = load_checkpoint(r.resumed_from, r.model, r.optimizer, r.scheduler, r.mesh, r.cfg.lora is not None)
         r.start = int(saved["step"])
+        if r.start > r.steps:
+            raise ValueError(f"--steps {r.steps} is below step {r.start} of {r.resumed_from}, which this run "
+                             f"resumes from: nothing is left to train; give --steps above {r.start}")
         if r.streaming:
             from cuboid.streaming import saved_position
 
@@ -318,6 +325,9 @@ def resume(r: Run) -> None:
         log(f"resumed from {r.resumed_from} at step {r.start}" + (f" (restart {restart})" if restart else ""))
     elif restart:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
+    r.run_id = decided_on_rank0(r.mesh, lambda: run_of(r, restart))
+    if r.mesh.is_main:
+        write_run_file(r.output_dir, r.run_id)
     skipped = interrupted(r.output_dir) if restart and r.mesh.is_main else []
     if skipped:
         log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
@@ -325,6 +335,15 @@ def resume(r: Run) -> None:
         kept = [line for line in r.metrics_path.read_text().splitlines()
                 if r.resumed_from is not None and line.strip() and json.loads(line)["step"] <= r.start]
         r.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+
+def run_of(r: Run, restart: int) -> str:
+    """This run's id: the resumed checkpoint's; a restart's that found no checkpoint, the one its first
+    attempt recorded in the output folder; else a new one."""
+    from cuboid.resume import folder_run_id
+
+    found = run_id_of(r.resumed_from) if r.resumed_from is not None else None
+    return found or (folder_run_id(r.output_dir) if restart else None) or uuid.uuid4().hex
 
 
 def announce(r: Run) -> None:
@@ -452,7 +471,7 @@ def save(r: Run, step: int) -> Path:
         data = {"stream": gather_positions(r.batches, r.mesh)}
     else:
         data = {"position": r.batches.position}
-    state = {"step": step, "data": data, "plan": r.plan.to_dict()}
+    state = {"step": step, "data": data, "plan": r.plan.to_dict(), "run_id": r.run_id}
     r.callbacks.fire("on_save_begin", r, step, path)
     with r.callbacks.save_files(r, step):
         if r.cfg.lora is not None:
@@ -462,7 +481,7 @@ def save(r: Run, step: int) -> Path:
         else:
             ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state)
     if r.mesh.is_main:
-        for old in checkpoints(path.parent)[:-max(r.cfg.keep, 1)]:
+        for old in own_checkpoints(path.parent, r.run_id)[:-max(r.cfg.keep, 1)]:  # never another run's
             shutil.rmtree(old, ignore_errors=True)
     r.mesh.barrier()
     r.callbacks.fire("on_save", r, step, path)

@@ -21,7 +21,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -78,7 +77,11 @@ def read_config(folder) -> tuple:
     path = Path(folder) / ADAPTER_CONFIG
     if not path.is_file():
         raise FileNotFoundError(f"{folder} is not a LoRA adapter folder: no {ADAPTER_CONFIG}")
-    cfg = json.loads(path.read_text())
+    from .checkpoint.format import parse_json
+
+    cfg = parse_json(path.read_bytes(), path)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object (a peft adapter config)")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     for key in ("use_dora", "use_rslora"):
@@ -89,9 +92,30 @@ def read_config(folder) -> tuple:
     modules = cfg.get("target_modules")
     if not isinstance(modules, list):
         raise ValueError(f"{path}: target_modules must be a list of module names (as cuboid writes them)")
+    if isinstance(cfg.get("r"), bool) or not isinstance(cfg.get("r"), int):
+        raise ValueError(f"{path}: 'r' must be a whole number (the adapters' rank)")
     conf = LoraConfig(r=int(cfg["r"]), alpha=float(cfg.get("lora_alpha", cfg["r"])),
                       dropout=float(cfg.get("lora_dropout", 0.0)), targets=("from-folder",))
     return conf, modules, cfg
+
+
+def check_ranks(folder, r: int) -> None:
+    """The config's rank ``r`` against the shapes in the weights file's header (read without loading a
+    tensor), so a wrong or hostile ``r`` is refused before any adapter is allocated."""
+    from .checkpoint.format import read_header
+
+    file = Path(folder) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder}: no {ADAPTER_WEIGHTS}")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: r={r!r} is not a positive rank")
+    _, header = read_header(file)
+    for name, entry in header.items():
+        dim = {".lora_A.weight": 0, ".lora_B.weight": -1}.get(name[name.rfind(".lora_"):], None)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if dim is not None and (not shape or len(shape) != 2 or shape[dim] != r):
+            raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: r={r} does not match {name} of shape {shape} in "
+                             f"{ADAPTER_WEIGHTS}: the config and the weights are not one adapter")
 
 
 def attach(model: nn.Module, lora, *, seed: int = 0) -> nn.Module:
@@ -100,6 +124,7 @@ def attach(model: nn.Module, lora, *, seed: int = 0) -> nn.Module:
     string, or a peft adapter folder (its config and weights). Returns ``model``."""
     if _is_folder(lora):
         conf, modules, _ = read_config(lora)
+        check_ranks(lora, conf.r)
         wanted = set(modules)
         paths = [z[:-len(".weight")] for z, hf in _rows(model).items() if hf and set(hf) <= wanted
                  and z.endswith(".weight") and z.startswith(_spec(model).blocks + ".")]
@@ -175,80 +200,35 @@ def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:
 # ---------------------------------------------------------------- training checkpoints
 
 
-RANK_STATE = "lora-rank{:05d}.pt"
-
-
 def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
-    """A LoRA run's training checkpoint: the adapters only, in peft's layout (peft loads the folder), the
-    model's ``config.json``, ``trainer_state.json`` (``state``) and each rank's optimizer, scheduler and RNG
-    state (``lora-rank<r>.pt``: the adapters' optimizer state is small; resume takes the same plan).
+    """A LoRA run's training checkpoint: the adapters in peft's layout (peft loads the folder), the model's
+    ``config.json``, the optimizer state as full tensors by parameter name, ``trainer_state.json``
+    (``state``, the scheduler, every rank's RNG) and the commit file recording every file's SHA-256
+    (:mod:`cuboid.zoo.checkpoint.lora_state`). Every rank calls it; the folder is renamed into place when
+    complete, so an interrupted save never looks like a checkpoint."""
+    from .checkpoint.lora_state import save_lora_checkpoint
 
-    Every rank calls it; the folder is written under a temporary name and renamed into place when complete
-    (:mod:`cuboid.zoo.checkpoint.folder`), so an interrupted save never looks like a checkpoint."""
-    import torch.distributed as dist
-
-    from .checkpoint import folder as folder_mod
-    from .checkpoint.format import TRAINER_STATE
-    from .checkpoint.state import rng_state
-    from .checkpoint.writer import hf_config
-
-    path = Path(path).absolute()
-    dist_on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if dist_on else 0
-    box = [None, None]
-    if rank == 0:
-        try:
-            box = [str(folder_mod.begin(path)), None]
-        except Exception as e:  # noqa: BLE001 - told to every rank
-            box = [None, f"{type(e).__name__}: {e}"]
-    if dist_on:
-        dist.broadcast_object_list(box, src=0)
-    if box[1] is not None:
-        raise ValueError(f"cannot save {path}: {box[1]}")
-    tmp = Path(box[0])
-    save_adapters(model, tmp)
-    mine = {"optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None, "rng": rng_state(),
-            "world": dist.get_world_size() if dist_on else 1}
-    torch.save(mine, tmp / RANK_STATE.format(rank))
-    if dist_on:
-        dist.barrier()
-    if rank == 0:
-        (tmp / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
-        (tmp / TRAINER_STATE).write_text(json.dumps({"state": state or {}, "lora": True}, indent=2) + "\n")
-        folder_mod.commit(tmp, path)
-    if dist_on:
-        dist.barrier()
-    return path
+    return save_lora_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
 
 
 def is_checkpoint(path) -> bool:
-    """A complete LoRA training checkpoint (what :func:`save_checkpoint` commits)."""
-    from .checkpoint.format import TRAINER_STATE
+    """A committed LoRA training checkpoint (what :func:`save_checkpoint` writes)."""
+    from .checkpoint.lora_state import is_lora_checkpoint
 
-    path = Path(path)
-    return all((path / f).is_file() for f in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE, RANK_STATE.format(0)))
+    return is_lora_checkpoint(path)
 
 
-def load_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None) -> dict:
-    """Restore the adapters, this rank's optimizer, scheduler and RNG state from :func:`save_checkpoint`'s
-    folder; returns the saved ``state``. The plan's world size must be the one that saved it."""
-    import torch.distributed as dist
+def load_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, verify: bool = True) -> dict:
+    """Restore the adapters, the optimizer (resharded by parameter name: any plan or world size), the
+    scheduler and (same world size) every rank's RNG from :func:`save_checkpoint`'s folder; returns the saved
+    ``state``. Every recorded file is checked against its SHA-256 first (``verify=False``: the caller did,
+    as :mod:`cuboid.resume` does once on rank 0); nothing in the folder is unpickled."""
+    from .checkpoint.folder import resolve
+    from .checkpoint.lora_state import verify_lora
+    from .checkpoint.resume import load_training_state
 
-    from .checkpoint.format import TRAINER_STATE
-    from .checkpoint.state import set_rng_state
-
-    path = Path(path)
-    load_adapters(model, path)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    rank = dist.get_rank() if world > 1 else 0
-    mine = torch.load(path / RANK_STATE.format(rank), weights_only=False)
-    if mine["world"] != world:
-        raise ValueError(f"{path} was saved by {mine['world']} processes; a LoRA run resumes under the same plan "
-                         f"(this one has {world})")
-    if optimizer is not None and mine["optimizer"] is not None:
-        optimizer.load_state_dict(mine["optimizer"])
-    if scheduler is not None and mine["scheduler"] is not None:
-        scheduler.load_state_dict(mine["scheduler"])
-    set_rng_state(mine["rng"])
-    return json.loads((path / TRAINER_STATE).read_text())["state"]
+    root = resolve(path)
+    if verify:
+        verify_lora(root)
+    load_adapters(model, root)
+    return load_training_state(root, model, optimizer=optimizer, scheduler=scheduler)["state"]

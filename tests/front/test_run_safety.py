@@ -1,0 +1,104 @@
+"""A run touches only its own files and refuses bad input before it builds anything (issue 39, case 2, the
+labels of case 5 and the process bound of case 7): a run id in every checkpoint, pruning and ``--resume
+latest`` limited to it, a fresh run refusing a used output folder without ``--overwrite-output-dir``,
+one sentence for ``--resume latest`` with nothing to resume and for ``--steps`` below the resumed step."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import cuboid
+from cuboid.cli import main
+from cuboid.resume import RUN_FILE, run_id_of
+
+from . import fixtures as F
+
+OPTS = dict(batch_size=4, save_every=1, keep=2, progress=False, plot=False)
+
+
+@pytest.fixture(autouse=True)
+def torch_kernels():
+    from cuboid.kernels import use_backend
+
+    with use_backend("torch"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return F.image_folder(tmp_path_factory.mktemp("img"), per_class=4)
+
+
+def _steps(out):
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+
+
+def test_a_fresh_run_refuses_a_used_output_folder_and_keeps_other_runs_checkpoints(images, tmp_path):
+    out = tmp_path / "out"
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=4, **OPTS)
+    first = run_id_of(out / "checkpoint-4")
+    assert first and json.loads((out / RUN_FILE).read_text())["run_id"] == first
+    assert _steps(out) == [3, 4]
+    with pytest.raises(ValueError, match="already holds checkpoint-3/ of an earlier run.*--overwrite-output-dir"):
+        cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, **OPTS)
+
+    # a new run beside it: its own id; --keep prunes only its checkpoints; the older run's 3 and 4 stay
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, overwrite_output_dir=True,
+                    **{**OPTS, "keep": 1})
+    assert _steps(out) == [2, 3, 4]
+    second = run_id_of(out / "checkpoint-2")
+    assert second and second != first and run_id_of(out / "checkpoint-4") == first
+    # --resume latest takes this run's newest (2), not the older run's 4; the resumed run keeps its id
+    result = cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=3, resume="latest",
+                             **{**OPTS, "keep": 1})
+    assert result["step"] == 3 and run_id_of(out / "checkpoint-3") == second
+    assert _steps(out) == [3, 4] and run_id_of(out / "checkpoint-4") == first
+
+
+def test_resume_latest_with_nothing_and_steps_below_the_checkpoint_say_so(images, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="--resume latest: no complete checkpoint in .* to resume from"):
+        cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, resume="latest", **OPTS)
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, **OPTS)
+    final = (out / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="--steps 1 is below step 2 of .*checkpoint-2.*nothing is left to train"):
+        cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=1, resume="latest", **OPTS)
+    assert (out / "final" / "model.safetensors").read_bytes() == final
+    capsys.readouterr()
+    assert main(["finetune", "--model", "vit-debug", "--data", str(images), "--output-dir", str(out),
+                 "--steps", "2", "--no-progress", "--no-plot"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds" in err[0], err
+
+
+def test_an_elastic_restart_with_no_checkpoint_starts_from_step_0(images, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    out = tmp_path / "out"
+    result = cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=1, resume="latest", **OPTS)
+    assert result["step"] == 1 and run_id_of(out / "checkpoint-1")
+
+
+def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
+    import datasets
+
+    from cuboid.data import DataError
+
+    rows = F.sentences(16)
+    labels = [y for _, y in rows]
+    labels[3] = 10 ** 9
+    data = datasets.Dataset.from_dict({"text": [t for t, _ in rows], "label": labels})
+    t0 = time.perf_counter()
+    with pytest.raises(DataError, match="class id 1000000000.*0..2.*ClassLabel"):
+        cuboid.finetune("bert-debug", data, task="seqcls", output_dir=str(tmp_path / "out"), steps=1, **OPTS)
+    assert time.perf_counter() - t0 < 10 and not (tmp_path / "out").exists()
+
+
+def test_a_plan_past_the_machine_s_processes_starts_nothing(tmp_path, capsys):
+    t0 = time.perf_counter()
+    rc = main(["finetune", "--model", "vit-debug", "--plan", "dp=100000", "--steps", "1",
+               "--output-dir", str(tmp_path / "out"), "--no-progress", "--no-plot"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "100000 processes" in err[0] and "CUBOID_MAX_LOCAL_PROCESSES" in err[0]
+    assert time.perf_counter() - t0 < 30 and not (tmp_path / "out").exists()

@@ -1,0 +1,171 @@
+"""A LoRA run's training checkpoint, kept as carefully as a full one: safetensors and JSON, checksummed.
+
+A LoRA fine-tune's ``checkpoint-<step>/`` holds::
+
+    adapter_config.json                peft's config (peft loads the folder as adapters)
+    adapter_model.safetensors          every adapter as a full tensor under its peft name
+    config.json                        the model's HF config
+    optimizer.safetensors              the adapters' optimizer state as full tensors by zoo parameter name
+    optimizer.safetensors.index.json   + class, param groups and per-parameter steps (as a full checkpoint's)
+    trainer_state.json                 step, scheduler, every rank's RNG, the caller's state, plan, world size
+    lora-checkpoint.json               the commit file, written last: size and SHA-256 of every file above
+
+Every file is fsync'd, the folder is written under a temporary name and
+renamed into place (:mod:`.folder`). Nothing is pickled: the optimizer state
+is stored by parameter name as full tensors (gathered as :func:`~.writer.save`
+gathers them), so :func:`cuboid.zoo.lora.load_checkpoint` reads it into any
+plan or world size through :func:`~.resume.load_training_state`, after
+:func:`verify_lora` has checked every recorded file. Any other file in the
+folder (a ``lora-rank00000.pt`` of an older layout) is never read.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from . import folder as folder_mod
+from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config, adapter_state
+from .format import OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord, parse_json, read_header, write_json
+from .shards import Source, meta, plan_shards
+from .stages import merge_optimizer_info, stage_layout
+from .state import dist_info, optimizer_sources, training_record
+
+LORA_COMMIT = "lora-checkpoint.json"
+LORA_FORMAT = "cuboid-lora-checkpoint"
+OLD_RANK_STATE = "lora-rank00000.pt"  # an older layout's pickled state: recognised to refuse it, never read
+REQUIRED = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "config.json", TRAINER_STATE)
+
+
+def is_lora_checkpoint(path) -> bool:
+    """A committed LoRA training checkpoint (its commit file is there; :func:`verify_lora` checks the rest)."""
+    return (Path(path) / LORA_COMMIT).is_file()
+
+
+def _gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sources(tensors: Dict[str, torch.Tensor]) -> list:
+    return [Source((n,), (meta(t.shape, t.dtype),), (lambda t=t: [t])) for n, t in sorted(tensors.items())]
+
+
+def _optimizer_tensors(model, optimizer, rank: int, world: int):
+    """({zoo name/state key: full tensor}, optimizer record) of the whole model, on rank 0.
+
+    Every rank fetches its sources in the same order (a collective over each layer's shard group); under
+    pipeline parallelism each stage's tensors and record travel to rank 0 (the adapters' state is small)."""
+    if optimizer is None:
+        return {}, None
+    sources, info = optimizer_sources(model, optimizer)
+    where = stage_layout(model, rank)
+    mine = {n: t for src in sources for n, t in zip(src.names, src.fetch())} if where.fetches else None
+    if where.stages == 1:
+        return mine, info
+    parts = _gather((where.stage, mine, info), world)
+    by_stage: dict = {}
+    for stage, tensors, stage_info in parts:
+        if tensors is not None:
+            by_stage.setdefault(stage, (tensors, stage_info))
+    ordered = [by_stage[s] for s in range(where.stages)]
+    return {n: t for tensors, _ in ordered for n, t in tensors.items()}, merge_optimizer_info(
+        [i for _, i in ordered])
+
+
+def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+    """Write a LoRA run's training checkpoint (module docstring) to ``path``, atomically. Every rank calls it
+    with the same arguments (the gathers are collectives); rank 0 writes; every rank raises rank 0's error."""
+    from .writer import Job, finish, hf_config, write_record, write_shards
+
+    path = folder_mod.real(path)
+    rank, world = dist_info()
+    adapters = adapter_state(model)
+    adapters = {k: v for part in _gather(adapters, world) for k, v in part.items()}  # pipeline stages' too
+    otensors, oinfo = _optimizer_tensors(model, optimizer, rank, world)
+    trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
+    modules = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+
+    job = Job(rank == 0)
+    try:
+        if job.active:
+            job.tmp = job.call(folder_mod.begin, path)
+            files: Dict[str, FileRecord] = {}
+            aplan = plan_shards(_sources(adapters), ADAPTER_WEIGHTS[:-len(".safetensors")], None)
+            files.update(write_shards(aplan, _sources(adapters), job, lambda f: {"format": "pt"}))
+            write_record(job, ADAPTER_CONFIG, adapter_config(model, modules), files)
+            write_record(job, "config.json", hf_config(model), files)
+            if oinfo is not None:
+                oplan = plan_shards(_sources(otensors), "optimizer", None)
+                shards = write_shards(oplan, _sources(otensors), job, lambda f: {"format": "pt"})
+                files.update(shards)
+                from .writer import index_json
+
+                write_record(job, OPTIMIZER_INDEX, index_json(oplan, shards, optimizer=oinfo), files)
+            write_record(job, TRAINER_STATE, trainer, files)
+            commit = {"format": LORA_FORMAT, "version": 1, "files": {f: r.to_json() for f, r in sorted(files.items())}}
+            job.file(LORA_COMMIT, lambda: write_json(job.tmp / LORA_COMMIT, commit))
+            job.call(folder_mod.commit, job.tmp, path)
+    except BaseException:
+        if job.tmp is not None:
+            folder_mod.abort(job.tmp)
+        raise
+    finish(job, world, path)
+    return path
+
+
+def _commit_files(root: Path) -> dict:
+    """The commit file's records, checked for shape (names inside the folder, sizes, SHA-256s, the required
+    files present)."""
+    from .reader import _record_problem, check_name
+
+    file = root / LORA_COMMIT
+    if not file.is_file():
+        old = " (an older cuboid's LoRA checkpoint with pickled state, which cuboid no longer reads: " \
+              "restart the run)" if (root / OLD_RANK_STATE).exists() else ""
+        raise CheckpointError(f"{root}: not a LoRA training checkpoint: no {LORA_COMMIT}{old}")
+    rec = parse_json(file.read_bytes(), file)
+    if not isinstance(rec, dict) or rec.get("format") != LORA_FORMAT or not isinstance(rec.get("files"), dict):
+        raise CheckpointError(f"{file}: not a cuboid LoRA checkpoint record (corrupted)")
+    for name, r in rec["files"].items():
+        check_name(file, name, "a recorded file")
+        problem = _record_problem(r)
+        if problem is not None:
+            raise CheckpointError(f"{file}: the record of {name} is corrupt ({problem})")
+    missing = [f for f in REQUIRED if f not in rec["files"]]
+    if missing:
+        raise CheckpointError(f"{file}: records no {', '.join(missing)} (corrupted)")
+    return rec["files"]
+
+
+def verify_lora(path) -> dict:
+    """Check every file of a LoRA training checkpoint against its recorded size and SHA-256, the safetensors
+    headers, the optimizer index against its shards and the JSON files; the same answer as
+    :func:`~.reader.verify` ({"path", "files", "tensors", "bytes"}), or a :class:`CheckpointError` naming the
+    first bad file. Reads every byte once; no tensor is built."""
+    from .reader import TensorFolder, _check_record
+
+    root = folder_mod.resolve(path)
+    files = _commit_files(root)
+    total = 0
+    for name, rec in sorted(files.items()):
+        total += _check_record(root, name, rec)
+    n, header = read_header(root / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS].get("header_sha256"))
+    tensors = sum(1 for k in header if k != "__metadata__")
+    if OPTIMIZER_INDEX in files:
+        ts = TensorFolder(root, "optimizer")
+        for shard in ts.files:
+            if shard not in files:
+                raise CheckpointError(f"{root / OPTIMIZER_INDEX}: names {shard}, which the commit does not record")
+            ts._open(shard)
+            tensors += sum(1 for k in ts._headers[shard] if k != "__metadata__")
+    for name in (ADAPTER_CONFIG, "config.json", TRAINER_STATE):
+        if not isinstance(parse_json((root / name).read_bytes(), root / name), dict):
+            raise CheckpointError(f"{root / name}: not a JSON object (corrupted)")
+    return {"path": str(root), "files": len(files) + 1, "tensors": tensors, "bytes": total}
