@@ -40,29 +40,29 @@ def complete(path: Path) -> bool:
                                                  or lora.is_checkpoint(path))
 
 
-def run_id_of(path: Path) -> Optional[str]:
-    """The run id a checkpoint's trainer state records (None: none, or unreadable; read as data only)."""
-    from cuboid.zoo.checkpoint.format import TRAINER_STATE, CheckpointError, parse_json
+def _run_id(file: Path, *keys: str) -> Optional[str]:
+    """The string at ``keys`` in the JSON ``file``, read leniently as data (None: absent or unreadable)."""
+    from cuboid.zoo.checkpoint.format import CheckpointError, parse_json
 
     try:
-        rec = parse_json((path / TRAINER_STATE).read_bytes(), path / TRAINER_STATE)
+        value = parse_json(file.read_bytes(), file)
     except (OSError, CheckpointError):
         return None
-    state = rec.get("state") if isinstance(rec, dict) else None
-    run = state.get("run_id") if isinstance(state, dict) else None
-    return run if isinstance(run, str) else None
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def run_id_of(path: Path) -> Optional[str]:
+    """The run id a checkpoint's trainer state records (None: none, or unreadable)."""
+    from cuboid.zoo.checkpoint.format import TRAINER_STATE
+
+    return _run_id(path / TRAINER_STATE, "state", "run_id")
 
 
 def folder_run_id(out: Path) -> Optional[str]:
     """The id of the run that last started in ``out`` (its :data:`RUN_FILE`), or None."""
-    from cuboid.zoo.checkpoint.format import CheckpointError, parse_json
-
-    try:
-        rec = parse_json((out / RUN_FILE).read_bytes(), out / RUN_FILE)
-    except (OSError, CheckpointError):
-        return None
-    run = rec.get("run_id") if isinstance(rec, dict) else None
-    return run if isinstance(run, str) else None
+    return _run_id(out / RUN_FILE, "run_id")
 
 
 def write_run_file(out: Path, run_id: str) -> None:

@@ -153,3 +153,87 @@ def test_files_written_before_header_hashes_still_load(pristine, tmp_path):
     f.write_bytes(fuzz.join(header, data, n))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: the 'cuboid' record .* has no header SHA-256"):
         checkpoint.load(cuboid.load("gpt-debug", seed=1), old["single"])
+
+
+# ------------------------------------------------------------------ LoRA training checkpoints
+
+N_LORA_CASES = 40
+LORA_DAMAGES = ("flip", "flip", "truncate", "remove", "flip-commit", "append")
+
+
+@pytest.fixture(scope="module")
+def lora_pristine(tmp_path_factory):
+    """A gpt-debug LoRA run's checkpoint after one optimizer step (so the optimizer state holds tensors)."""
+    from cuboid.kernels import use_backend
+    from cuboid.zoo import lora
+
+    model = cuboid.load("gpt-debug", seed=1, lora="r=4,alpha=8")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with use_backend("torch"):
+        model(input_ids=torch.arange(16).reshape(2, 8)).logits.float().pow(2).mean().backward()
+    opt.step()
+    path = tmp_path_factory.mktemp("lora") / "checkpoint-1"
+    lora.save_checkpoint(model, path, optimizer=opt, state={"step": 1})
+    return path
+
+
+def _lora_child(conn, case, path, model, expected):
+    """Resume the damaged LoRA checkpoint as the trainer does (verified, then read): its outcome."""
+    from cuboid.zoo import lora
+
+    torch.set_num_threads(1)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    try:
+        lora.load_checkpoint(model, path, optimizer=opt)
+        out = ("loaded", "")
+    except CheckpointError as e:
+        out = ("refused", str(e))
+    except BaseException as e:  # noqa: BLE001 - anything else is a finding
+        out = ("error", f"{type(e).__name__}: {e}")
+    conn.send({"lora": out})
+    conn.close()
+
+
+def _damage_lora(path, rng, kind):
+    """One seeded damage to a copy of the checkpoint; the file it hit."""
+    from cuboid.zoo.checkpoint.lora_state import LORA_COMMIT
+
+    files = sorted(p.name for p in path.iterdir())
+    name = LORA_COMMIT if kind == "flip-commit" else rng.choice(files)
+    file = path / name
+    raw = bytearray(file.read_bytes())
+    if kind in ("flip", "flip-commit"):
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    elif kind == "truncate":
+        raw = raw[:rng.randrange(len(raw))]
+    elif kind == "append":
+        raw += b"\0"
+    if kind == "remove":
+        file.unlink()
+    else:
+        file.write_bytes(bytes(raw))
+    return name
+
+
+def test_every_damaged_lora_checkpoint_is_refused(lora_pristine, tmp_path):
+    """Seeded flips, cuts, removals and appended bytes in every file of a LoRA checkpoint (the commit record
+    too): each resume is refused with a CheckpointError in a forked child, none loads, crashes or hangs."""
+    import random
+
+    model = cuboid.load("gpt-debug", seed=1, lora="r=4,alpha=8")
+    control = fuzz.run_case(fuzz.Case(0, "lora", "none"), lora_pristine, model, None, child=_lora_child)
+    assert control.status == "" and control.outcomes["lora"][0] == "loaded", control.outcomes
+    rng = random.Random(39)
+    hit = Counter()
+    for i in range(N_LORA_CASES):
+        root = tmp_path / f"case{i}"
+        shutil.copytree(lora_pristine, root)
+        kind = LORA_DAMAGES[i % len(LORA_DAMAGES)]
+        name = _damage_lora(root, rng, kind)
+        hit[name] += 1
+        case = fuzz.run_case(fuzz.Case(i, "lora", kind), root, model, None, child=_lora_child)
+        assert case.status == "", (kind, name, case.status, case.detail)
+        outcome, message = case.outcomes["lora"]
+        assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
+        shutil.rmtree(root)
+    assert len(hit) >= 5, hit  # the damage reached most of the checkpoint's files

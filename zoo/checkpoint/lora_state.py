@@ -92,7 +92,7 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
     trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
     modules = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
 
-    job = Job(rank == 0)
+    job, written = Job(rank == 0), False
     try:
         if job.active:
             job.tmp = job.call(folder_mod.begin, path)
@@ -112,10 +112,10 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
             commit = {"format": LORA_FORMAT, "version": 1, "files": {f: r.to_json() for f, r in sorted(files.items())}}
             job.file(LORA_COMMIT, lambda: write_json(job.tmp / LORA_COMMIT, commit))
             job.call(folder_mod.commit, job.tmp, path)
-    except BaseException:
-        if job.tmp is not None:
+        written = True
+    finally:  # an interrupt (KeyboardInterrupt) mid-write: no temporary folder stays behind
+        if not written and job.tmp is not None:
             folder_mod.abort(job.tmp)
-        raise
     finish(job, world, path)
     return path
 
@@ -131,11 +131,14 @@ def _commit_files(root: Path) -> dict:
               "restart the run)" if (root / OLD_RANK_STATE).exists() else ""
         raise CheckpointError(f"{root}: not a LoRA training checkpoint: no {LORA_COMMIT}{old}")
     rec = parse_json(file.read_bytes(), file)
-    if not isinstance(rec, dict) or rec.get("format") != LORA_FORMAT or not isinstance(rec.get("files"), dict):
+    if not isinstance(rec, dict) or set(rec) != {"format", "version", "files"} or rec["format"] != LORA_FORMAT \
+            or rec["version"] != 1 or not isinstance(rec["files"], dict):
         raise CheckpointError(f"{file}: not a cuboid LoRA checkpoint record (corrupted)")
     for name, r in rec["files"].items():
         check_name(file, name, "a recorded file")
-        problem = _record_problem(r)
+        keys = set(r) if isinstance(r, dict) else set()
+        problem = _record_problem(r) or (None if {"size", "sha256"} <= keys <= {"size", "sha256", "header_sha256"}
+                                         else f"fields {sorted(keys)}")
         if problem is not None:
             raise CheckpointError(f"{file}: the record of {name} is corrupt ({problem})")
     missing = [f for f in REQUIRED if f not in rec["files"]]
