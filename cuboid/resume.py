@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Optional
 
 from cuboid.parallel import Mesh, comm
 
 RUN_FILE = "cuboid-run.json"  # the id of the run that last started in an output folder
-RUN_OUTPUTS = frozenset({RUN_FILE, "final", "metrics.jsonl", "curves.png"})
+RUN_OUTPUTS = frozenset({"final", "metrics.jsonl", "curves.png"})  # (the run file alone: a run that failed early)
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -78,8 +79,8 @@ def own_checkpoints(out: Path, run_id: Optional[str]) -> list[Path]:
 
 
 def occupant(out: Path) -> Optional[str]:
-    """The first entry of ``out`` that an earlier run left (checkpoints, ``final/``, metrics, its run file), or
-    None: what a fresh run would mix its own files with."""
+    """The first entry of ``out`` that an earlier run left (checkpoints, ``final/``, metrics), or None: what a
+    fresh run would mix its own files with."""
     if not out.is_dir():
         return None
     for entry in sorted(out.iterdir()):
@@ -152,17 +153,26 @@ def resume_folder(resume: Optional[str], out: Path, mesh: Mesh, restart: int) ->
     return agreed_resume("latest", out, mesh, run_id) or agreed_resume(resume, out, mesh, run_id)
 
 
-def check_output_dir(out: Path, resume: Optional[str], overwrite: bool, mesh: Mesh, restart: int) -> None:
+def check_output_dir(out: Path, resume: Optional[str], overwrite: bool, mesh: Mesh, restart: int) -> Optional[str]:
     """A fresh run (no ``resume``, first attempt) refuses an output folder an earlier run left files in,
     unless ``overwrite`` (``--overwrite-output-dir``: its files stay, this run prunes and resumes only its own
-    checkpoints, and replaces ``final/`` and the metrics)."""
-    if restart or overwrite or resume not in (None, "", "none"):
-        return
-    found = decided_on_rank0(mesh, lambda: occupant(out))
+    checkpoints, and replaces ``final/`` and the metrics); then it records a new run id there at once (so a
+    restart after an early crash takes this run's id, not an earlier run's) and returns it. None otherwise."""
+    if restart or resume not in (None, "", "none"):
+        return None
+    found = None if overwrite else decided_on_rank0(mesh, lambda: occupant(out))
     if found is not None:
         raise ValueError(f"--output-dir {out} already holds {found} of an earlier run: resume it with --resume "
                          "latest, pick another --output-dir, or pass --overwrite-output-dir to train a new run "
                          "beside it")
+
+    def claim() -> str:
+        run_id = uuid.uuid4().hex
+        out.mkdir(parents=True, exist_ok=True)
+        write_run_file(out, run_id)
+        return run_id
+
+    return decided_on_rank0(mesh, claim, errors=(OSError,))
 
 
 def verify_once(verify, path: Path, mesh: Mesh) -> None:

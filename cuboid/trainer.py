@@ -5,7 +5,12 @@
 prints, logs and draws. Outputs in ``output_dir``:
 
 - ``checkpoint-<step>/``: sharded safetensors + optimizer + training state
-  (the last ``keep`` are kept), written through ``cuboid.zoo.checkpoint``;
+  (the last ``keep`` of this run are kept), written through ``cuboid.zoo.checkpoint``
+  (a LoRA run's: the adapters and their state, :mod:`cuboid.zoo.checkpoint.lora_state`);
+  every one records the run's id, so pruning and ``--resume latest`` leave other runs'
+  checkpoints alone, and a fresh run refuses a folder an earlier run used unless
+  ``overwrite_output_dir`` (:mod:`cuboid.resume`);
+- ``cuboid-run.json``: the id of the run that last started here;
 - ``final/``: the trained model as a Hugging Face folder (config.json +
   safetensors [+ tokenizer]) that ``transformers`` loads;
 - ``metrics.jsonl``: one JSON object per logged step and per eval;
@@ -19,7 +24,7 @@ save (:func:`finish`). The run's state is one :class:`Run`, which callbacks
 
 Surviving faults: under torch's elastic launcher with ``--max-restarts`` a
 dead rank makes the agent restart every worker; a restarted worker resumes
-from the newest *complete* checkpoint in ``output_dir`` (model, optimizer,
+from the newest *complete* checkpoint of its run in ``output_dir`` (model, optimizer,
 scheduler, RNG, data position; checksums verified; :mod:`cuboid.resume`),
 so the run ends with the parameters of an uninterrupted one. ``timeout_s``
 bounds every collective, so a hang becomes an error, and so a restart.
@@ -176,13 +181,13 @@ def start(cfg: FinetuneConfig) -> Run:
         init_distributed(timeout_s=cfg.timeout_s)  # before the mesh: every group it makes gets this timeout
     mesh = Mesh.build(plan)
     restart = restart_count(mesh)
-    check_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, mesh, restart)
+    run_id = check_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, mesh, restart)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     return Run(cfg=cfg, plan=plan, mesh=mesh, restart=restart, device=device, callbacks=Callbacks(cfg.callbacks),
-               output_dir=Path(cfg.output_dir), peak_lr=peak_lr)
+               output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id)
 
 
 def load_data_and_model(r: Run) -> None:
@@ -338,12 +343,12 @@ def resume(r: Run) -> None:
 
 
 def run_of(r: Run, restart: int) -> str:
-    """This run's id: the resumed checkpoint's; a restart's that found no checkpoint, the one its first
-    attempt recorded in the output folder; else a new one."""
+    """This run's id: the resumed checkpoint's; a fresh run's, the one :func:`start` recorded; a restart's
+    that found no checkpoint, the one its first attempt recorded in the output folder; else a new one."""
     from cuboid.resume import folder_run_id
 
     found = run_id_of(r.resumed_from) if r.resumed_from is not None else None
-    return found or (folder_run_id(r.output_dir) if restart else None) or uuid.uuid4().hex
+    return found or r.run_id or (folder_run_id(r.output_dir) if restart else None) or uuid.uuid4().hex
 
 
 def announce(r: Run) -> None:

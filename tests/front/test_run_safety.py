@@ -74,10 +74,22 @@ def test_resume_latest_with_nothing_and_steps_below_the_checkpoint_say_so(images
 
 
 def test_an_elastic_restart_with_no_checkpoint_starts_from_step_0(images, tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     out = tmp_path / "out"
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, **OPTS)
+    older = run_id_of(out / "checkpoint-2")
+    # a new run beside it dies before its first checkpoint; its restart starts at step 0 as that run (its id
+    # was recorded at the start), not from the older run's checkpoint-2
+    with pytest.raises(Exception):
+        cuboid.finetune("vit-debug", str(tmp_path / "no-such-data"), output_dir=str(out), steps=3,
+                        overwrite_output_dir=True, **OPTS)
+    new = json.loads((out / RUN_FILE).read_text())["run_id"]
+    assert new != older
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     result = cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=1, resume="latest", **OPTS)
-    assert result["step"] == 1 and run_id_of(out / "checkpoint-1")
+    assert result["step"] == 1 and run_id_of(out / "checkpoint-1") == new
+    assert run_id_of(out / "checkpoint-2") == older
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
 
 
 def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
@@ -92,7 +104,7 @@ def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(DataError, match="class id 1000000000.*0..2.*ClassLabel"):
         cuboid.finetune("bert-debug", data, task="seqcls", output_dir=str(tmp_path / "out"), steps=1, **OPTS)
-    assert time.perf_counter() - t0 < 10 and not (tmp_path / "out").exists()
+    assert time.perf_counter() - t0 < 10 and not (tmp_path / "out" / "final").exists()
 
 
 def test_a_plan_past_the_machine_s_processes_starts_nothing(tmp_path, capsys):
