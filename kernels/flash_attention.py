@@ -34,7 +34,8 @@ the keys more than W - 1 before a query's end-aligned diagonal, a left bound
 per query ``j >= i + WIN_LO`` (:func:`~.attention_torch.check_window`;
 ``window_shift`` moves it for ring attention's chunk pairs). The kernels take
 it as a runtime int under the constexpr ``HAS_WINDOW`` (off when the window
-drops nothing, so those launches are the plain ones): the forward and dQ
+drops nothing, so those launches are the plain ones; with document ids the
+bound folds into the rows' ranges instead, :func:`doc_ranges`): the forward and dQ
 kernels start their key loop at the tile of the first row's bound, the dK/dV
 kernel ends its query loop at the last key's, so a causal row costs its
 window, not its length (bench/attention_window.py). Inside a packed document
@@ -443,15 +444,16 @@ _GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ 
         (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
 }
-# With document ids the forward keeps each row's key range live as well: in half precision at d <= 128 the
-# 128x64 tile spills on sm_80 then, so packed rows take this row's other entries.
+# With document ids (or a window's bound) the forward keeps each row's key range live as well: in half precision
+# at d <= 128 the 128x64 tile spills on sm_80 then, so packed rows and windows take this row's other entries.
 _GPU_FWD_DOCS = {(2, 128): ((64, 64, 8, 3), (128, 32, 8, 3))}
 # op -> number of autotune entries (cuboid.kernels._backend.autotune_pick("attention", i))
 AUTOTUNE = {"attention": max(len(c) for t in (_GPU_FWD, _GPU_BWD) for rows in t.values() for _, c in rows)}
 
 
 def _config(head_dim: int, dtype: torch.dtype, backward: bool, docs: bool = False) -> dict:
-    """Fixed block sizes and launch options: a table, no autotuning.
+    """Fixed block sizes and launch options: a table, no autotuning (``docs``: the forward keeps per-row key
+    bounds, document ids or a window's).
 
     The interpreter runs programs one after another in numpy and pays per op,
     so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
@@ -501,7 +503,7 @@ def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
     return mask, mask.stride(0), mask.stride(1)
 
 
-def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> tuple:
+def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool, win_lo: Optional[int] = None) -> tuple:
     """Per-token ranges for the kernels: ((key_lo, key_hi) (B, Sq), (query_lo, query_hi) (B, Sk)), int32.
 
     Query ``i`` sees keys ``[key_lo[i], key_hi[i])`` (the keys of its document,
@@ -511,7 +513,10 @@ def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> tuple:
     non-decreasing along each row: one document's keys are then one run,
     found by binary search, and every bound is non-decreasing along the row,
     which lets a tile take its loop from its first and last rows. Torch ops on
-    the ids' device, no host sync, so the launch can be traced.
+    the ids' device, no host sync, so the launch can be traced. A window's
+    bound (``win_lo``: query i keeps keys j >= i + win_lo) folds in the same
+    way, the bounds staying non-decreasing, so packed rows with a window are
+    the documents' kernels with narrower ranges (no HAS_WINDOW variant).
     """
     Sq, Sk = doc_q.shape[1], doc_k.shape[1]
     key_lo = torch.searchsorted(doc_k, doc_q, out_int32=True)
@@ -523,6 +528,11 @@ def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool) -> tuple:
         j = torch.arange(Sk, dtype=torch.int32, device=doc_q.device)
         key_hi = torch.minimum(key_hi, i + (Sk - Sq + 1))
         query_lo = torch.maximum(query_lo, j - (Sk - Sq))
+    if win_lo is not None:
+        i = torch.arange(Sq, dtype=torch.int32, device=doc_q.device)
+        j = torch.arange(Sk, dtype=torch.int32, device=doc_q.device)
+        key_lo = torch.maximum(key_lo, i + win_lo)
+        query_hi = torch.minimum(query_hi, j - win_lo + 1)
     return (key_lo, key_hi), (query_lo, query_hi)
 
 
@@ -538,9 +548,10 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = _config(D, q.dtype, backward=False, docs=docs is not None)
+    cfg = _config(D, q.dtype, backward=False, docs=docs is not None or win_lo is not None)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
-    keys = (q, q) if docs is None else doc_ranges(*docs, causal)[0]
+    keys = (q, q) if docs is None else doc_ranges(*docs, causal, win_lo)[0]
+    win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
     _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, out, lse, m_ptr, *keys,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
@@ -560,6 +571,8 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     cfg = _config(D, q.dtype, backward=True)
+    keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal, win_lo)
+    win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
     launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
@@ -576,7 +589,6 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
                  HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype), **cfg, **launch)
-    keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal)
     _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags)
     _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
