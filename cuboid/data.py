@@ -146,12 +146,14 @@ def class_names(ds, label_column: str) -> Optional[list]:
     return list(feat.names) if getattr(feat, "names", None) else None
 
 
-def num_classes(ds, label_column: str) -> int:
+def num_classes(ds, label_column: str, *others) -> int:
+    """K of a classification dataset: its ClassLabel's names, or integer ids 0..K-1 over ``ds`` and the
+    ``others`` splits (each class present in one of them)."""
     _need_column(ds, label_column, "--label-column")
     names = class_names(ds, label_column)
     if names:
         return len(names)
-    labels = ds[label_column]
+    labels = list(ds[label_column]) + [x for o in others if label_column in o.column_names for x in o[label_column]]
     if not labels:
         raise DataError("the dataset is empty")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in labels):

@@ -105,6 +105,14 @@ def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
     with pytest.raises(DataError, match="class id 1000000000.*0..2.*ClassLabel"):
         cuboid.finetune("bert-debug", data, task="seqcls", output_dir=str(tmp_path / "out"), steps=1, **OPTS)
     assert time.perf_counter() - t0 < 10 and not (tmp_path / "out" / "final").exists()
+    from cuboid.data import num_classes
+
+    split = datasets.Dataset.from_dict
+    assert num_classes(split({"label": [0, 1, 1]}), "label", split({"label": [2]})) == 3  # over both splits
+    for bad, message in (([0, 2], "class id 2, but its 2 distinct ids must be 0..1 .missing 1."),
+                         ([0, -1], "class id -1")):
+        with pytest.raises(DataError, match=message):
+            num_classes(split({"label": bad}), "label")
 
 
 def test_a_plan_past_the_machine_s_processes_starts_nothing(tmp_path, capsys):
