@@ -185,25 +185,28 @@ def _pick(gate: Gate, full, subset):
 def drive_flash_attention(gate: Gate, mod) -> None:
     # Head dims select every row of _GPU_FWD / _GPU_BWD: 2-byte rows d <= 64, 128, 256; fp32 rows d <= 32, 64,
     # 128, 256 (d32 and d16 share the d64 row in half precision: compiled under --full). Seq 1024 (a multiple of
-    # 16, as training lengths are). Flags: the fullest kernel (causal + key padding mask + grouped K/V heads) and
-    # the same with packed rows' document ids, for every dtype and row; the plain one (MHA: GROUP specialised to
-    # 1) for bf16 (CI) or every dtype (--full). Autotune passes: the half-precision rows only (fp32 rows have
-    # one entry), bf16 in CI.
-    fullest, packed, plain = (True, True, 2, False), (True, True, 2, True), (False, False, 4, False)
+    # 16, as training lengths are). Flags: the fullest kernel (causal + key padding mask + grouped K/V heads),
+    # the same with packed rows' document ids, and the same with a sliding window on packed rows (every flag
+    # at once), for every dtype and row; the window without documents and the plain one (MHA: GROUP
+    # specialised to 1) for bf16 (CI) or every dtype (--full). Autotune passes: the half-precision rows only
+    # (fp32 rows have one entry), bf16 in CI.
+    fullest, packed, plain = (True, True, 2, False, None), (True, True, 2, True, None), (False, False, 4, False, None)
+    windowed, windowed_docs = (True, True, 2, False, 256), (True, True, 2, True, 256)
     dtypes = (BF16, F16) if gate.tuning else DTYPES
     for dtype in dtypes:
         dims = (64, 128, 256) if dtype != F32 else (32, 64, 128, 256)
         if gate.full and dtype != F32:
             dims = (32,) + dims
         for d in dims:
-            flags = [fullest, packed] + ([plain] if gate.full or dtype == BF16 else [])
+            every = gate.full or dtype == BF16
+            flags = [fullest, packed, windowed_docs] + ([plain, windowed] if every else [])
             if gate.tuning and not gate.full:
-                flags = [fullest, packed] if dtype == BF16 else []
-            for causal, masked, hkv, docs in flags:
+                flags = [fullest, packed, windowed_docs] if dtype == BF16 else []
+            for causal, masked, hkv, docs, window in flags:
                 label = f"attention {_dn(dtype)} d{d}{' causal' if causal else ''}{' mask' if masked else ''}" \
-                        f"{' gqa' if hkv != 4 else ''}{' docs' if docs else ''}"
+                        f"{' gqa' if hkv != 4 else ''}{' docs' if docs else ''}{' window' if window else ''}"
                 with gate.case(label):
-                    _attention(mod, 2, 4, hkv, 1024, d, dtype, causal, masked, docs)
+                    _attention(mod, 2, 4, hkv, 1024, d, dtype, causal, masked, docs, window)
     if gate.tuning:
         return
     # grids: B * H = 2^17 (ViT inference at batch 8192 x 16 heads), one 4M-token sequence, many short ones
@@ -212,15 +215,18 @@ def drive_flash_attention(gate: Gate, mod) -> None:
             _attention(mod, b, h, h, s, 64, BF16, True, False)
     with gate.case("attention grid b1 h1 s4194304 docs"):  # the document spans of a 4M-token packed row
         _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, True)
+    with gate.case("attention grid b1 h1 s4194304 window"):  # a 4M-token row at a 4096-token window
+        _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, False, 4096)
 
 
-def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False):
+def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False, window=None):
     import torch
     q = _meta(b, h, s, d, dtype=dtype)
     k, v = _meta(b, hkv, s, d, dtype=dtype), _meta(b, hkv, s, d, dtype=dtype)
     mask = torch.empty(b, s, dtype=torch.bool, device="meta") if masked else None
     ids = torch.empty(b, s, dtype=torch.int32, device="meta") if docs else None
-    out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True, doc_ids=ids)
+    out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True, doc_ids=ids,
+                             window=window)
     _backward([out, lse])
 
 
