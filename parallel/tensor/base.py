@@ -9,6 +9,10 @@ pieces lie is said by two small objects, the same in every mode:
   names the axes (major first) whose ranks together hold every distinct
   piece, and ``shard_group`` is their joint group (1D: ``tp``; 2D / 2.5D: the
   q x q plane of this depth; 3D: the whole cube).
+  ``tensor_group`` is the group of every tensor rank (each holds a distinct
+  piece of a block's activations: batch rows, heads; 2.5D: the plane and the
+  depth together), over which a whole parameter used on those pieces sums
+  its gradient (:class:`HeadNorm`).
 - :class:`Cut`: one dim of a parameter cut over one or more axes (piece index
   = the axes' indices read as digits, major first), optionally made of
   ``parts`` packed segments cut alike (fused QKV), optionally padded.
@@ -29,7 +33,9 @@ shard group and the number of its ranks holding each piece; None for whole
 parameters). Every mode's layers are thin users of it: they declare their
 cuts in ``__init__`` and write ``forward``.
 
-Also here, for every mode's forward: :func:`to_compute` (under autocast a
+Also here, for every mode's table: :class:`HeadNorm` (the ``head_norm``
+role) and :func:`rms_offset` (the ``c`` of a norm scaling by ``c + weight``:
+Gemma's), and for every mode's forward: :func:`to_compute` (under autocast a
 tensor bound for a matmul is cast to the autocast dtype *before* it is
 gathered, so bf16 runs move 2-byte tensors), the vocab-parallel
 cross-entropy and the :class:`VocabParallel` table (lookup and tied head).
@@ -49,7 +55,7 @@ from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import flat_rows, mean_of
 
-__all__ = ["Axes", "Cut", "Sharded", "VocabParallel", "to_compute", "compute_dtype", "check_ids",
+__all__ = ["Axes", "Cut", "Sharded", "VocabParallel", "HeadNorm", "rms_offset", "to_compute", "compute_dtype", "check_ids",
            "vocab_parallel_cross_entropy", "vocab_parallel_ce_sum"]
 
 
@@ -63,9 +69,10 @@ class Axes:
     sharded shapes. Unknown axes have size 1, index 0 and no group.
     """
 
-    def __init__(self, axes: dict, shard: tuple, shard_group=None) -> None:
+    def __init__(self, axes: dict, shard: tuple, shard_group=None, tensor_group=None) -> None:
         self.axes = {a: tuple(v) for a, v in axes.items()}
         self.shard, self.shard_group = tuple(shard), shard_group
+        self.tensor_group = shard_group if tensor_group is None else tensor_group
 
     @classmethod
     def of_mesh(cls, mesh, names: tuple, shard: Optional[tuple] = None, shard_group=None) -> "Axes":
@@ -335,6 +342,63 @@ class Sharded(L.ShardedModule):
                 new.load_full(name, p.detach())
         new.role = kwargs.get("role", old.role)
         return new.train(old.training)
+
+
+# ---------------------------------------------------------------- norms
+
+
+class HeadNorm:
+    """The layer of a ``head_norm`` in every mode: a norm over each attention head's features (Qwen3's and
+    Gemma 3's q/k norms), applied after the head-split q/k projections.
+
+    Every mode splits the heads (1D), or the heads and the batch rows (2D, 2.5D, 3D), over its tensor ranks, so
+    each rank normalises a distinct piece of q and k with the whole (head_dim,) weight. The module stays itself,
+    whole on every rank (an :class:`~L.RMSNorm` or a subclass such as Gemma's), with its ``seq_group`` (the
+    group its forward enters with ``comm.copy_to``) set to the axes' ``tensor_group``: its weight's gradient is
+    summed over every piece, as one device's is, and every copy takes the same step. Megatron's sequence split
+    sets the same group on it (1D), so the sum is taken once.
+    """
+
+    @staticmethod
+    def from_full(old: nn.Module, where: Axes) -> nn.Module:
+        if where.tensor_group is None and any(where.group(a) is not None and where.size(a) > 1 for a in where.axes):
+            raise ValueError("a head_norm sums its gradient over every tensor rank: build the layers on the mesh, "
+                             "or give the Grid its tp group")
+        old.seq_group = where.tensor_group
+        return old
+
+
+_OFFSETS: dict = {}  # RMSNorm subclass -> its offset
+
+
+def rms_offset(norm: nn.Module) -> float:
+    """The constant ``c`` of an RMS norm computing ``normed(x) * (c + weight)``: 0 for :class:`~L.RMSNorm`, 1
+    for Gemma's (whose stored weight 0 scales by 1). The 2D, 2.5D and 3D norms compute it so (their ``offset``).
+
+    A subclass's ``c`` is read off a fresh 4-wide copy of it on the CPU run with weights 0, 1 and -2 (once
+    per class); a subclass whose output is not of that form is a ``TypeError``: no mode can shard it.
+    """
+    cls = type(norm)
+    if cls is L.RMSNorm:
+        return 0.0
+    if cls not in _OFFSETS:
+        x = torch.tensor([[1.0, -2.0, 3.0, 0.5]])
+        unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+        try:
+            probe = cls(4, norm.eps)
+            ys = []
+            with torch.no_grad():
+                for w in (0.0, 1.0, -2.0):
+                    probe.weight.fill_(w)
+                    ys.append(probe(x))
+        except (TypeError, RuntimeError, ValueError) as e:
+            raise TypeError(f"{cls.__name__} is not an RMS norm the tensor modes can shard ({e})") from None
+        c = float(ys[0][0, 0] / unit[0, 0])
+        if not all(torch.allclose(y, (c + w) * unit, atol=1e-6) for y, w in zip(ys, (0.0, 1.0, -2.0))):
+            raise TypeError(f"{cls.__name__} is not an RMS norm of the form normed(x) * (c + weight): "
+                            "the tensor modes cannot shard it")
+        _OFFSETS[cls] = c
+    return _OFFSETS[cls]
 
 
 # ---------------------------------------------------------------- vocabulary

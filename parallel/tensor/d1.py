@@ -17,12 +17,16 @@ RowLinear           (out, in/p); bias whole      (.., in/p) -> (.., out) replica
 VocabEmbedding      (Vp/p, H): vocab rows r      ids (..) -> (.., H) replicated
 lm_logits / lm_loss same table, tied             (.., H) -> (.., Vp/p) local logits
 norms, pos. emb.    whole (replicated)           replicated -> replicated
+head_norm           whole; gradient summed       (.., heads/p, D) -> same
+                    over tp
 ==================  ===========================  ====================================
 
 Every cut is one :class:`~.base.Cut` over the ``tp`` axis (see :mod:`.base`);
 gradients of replicated parameters come out whole and identical on every rank
 (their inputs and output grads are replicated), so no extra reduction is
-needed. Split parameters carry ``Placement(tp)``.
+needed; a ``head_norm`` (q/k norms over each head's features) sees only this
+rank's heads, so its gradient is summed over ``tp`` (:class:`~.base.HeadNorm`).
+Split parameters carry ``Placement(tp)``.
 
 **Communication** (exact bytes: :class:`Costs`, in :mod:`cuboid.parallel.comm`'s
 convention). With ``A`` one all-reduce of a (B, T, H) activation:
@@ -62,8 +66,9 @@ import torch.nn.functional as F
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.tensor import engine
-from cuboid.parallel.tensor.base import Axes, Cut, Sharded, VocabParallel, to_compute, vocab_parallel_cross_entropy
-from cuboid.parallel.tensor.engine import ANY, Mode, Style, no_row_sibling, parallelize_module, step_bytes
+from cuboid.parallel.tensor.base import (Axes, Cut, HeadNorm, Sharded, VocabParallel, to_compute,
+                                         vocab_parallel_cross_entropy)
+from cuboid.parallel.tensor.engine import ANY, Mode, Style, no_row_sibling, parallelize_module, rms, step_bytes
 
 __all__ = ["ColumnLinear", "ReplicatedKVLinear", "KVColumn", "RowLinear", "VocabEmbedding", "VocabTensor", "vocab_parallel_cross_entropy",
            "shard_1d", "tp_axes", "Costs", "bytes_per_step", "STYLES", "MODE"]
@@ -311,6 +316,7 @@ STYLES = (
     Style(("vocab",), L.Embedding, VocabEmbedding),
     Style(("vocab",), L.LearnedTensor, VocabTensor),
     Style(("norm", "embedding", "replicate"), ANY, None),  # whole on every rank
+    Style(("head_norm",), ANY, HeadNorm, when=rms),  # whole, its gradient summed over tp (the ranks' heads)
 )
 MODE = Mode("1D", STYLES, tp_axes, Costs.of)
 

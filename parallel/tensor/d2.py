@@ -26,11 +26,15 @@ Embedding2D         (n, H): (n, H/q^2) piece jq+i   ids (any) -> (.., H/q) block
 LearnedTensor2D     (.., H): (.., H/q^2) piece      () -> (.., H/q) block j
 Head2D              W (C, H): (C, H/q^2) piece      (.., H/q) -> (.., C) whole, replicated
                     j q + i; b (C,) whole           over the row
+head_norm (q/k      (D,) whole; gradient summed     (B/q, T, heads/q, D) -> same
+norms)              over the grid (and depth)
 ==================  ==============================  ======================================
 
 Every split parameter is cut over *both* grid axes (its q^2 pieces lie on the
 ``tp`` group, so a norm or an optimizer state sums over ``tp``:
-``Placement(plane)``); only Head2D's small bias is replicated. A parameter
+``Placement(plane)``); only Head2D's small bias and the head norms
+(:class:`~.base.HeadNorm`: each rank normalises its batch block's heads) are
+replicated. A parameter
 whose last dim is hidden is stored as 1/q^2 pieces and all-gathered over
 ``tp_col`` where it is used (its gradient reduce-scattered back), as
 Colossal-AI does for biases and norms.
@@ -142,16 +146,17 @@ class LayerNorm2D(GridSharded, L.LayerNorm):
     :class:`cuboid.parallel.layers.LayerNorm`. Mean and variance are two
     all-reduces over ``tp_row`` (two-pass, as one device computes them).
     ``rms=True`` is the RMS norm of :class:`cuboid.parallel.layers.RMSNorm`: no
-    mean, no bias, one all-reduce.
+    mean, no bias, one all-reduce; ``offset``: the output scales by
+    ``offset + weight`` (Gemma's norms: 1; :func:`~.base.rms_offset`).
     """
 
     role = "norm"
 
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, grid=None, rms: bool = False,
-                 device=None, dtype=None) -> None:
+                 offset: float = 0.0, device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_grid(grid)
-        self.dim, self.eps, self.rms = dim, eps, rms
+        self.dim, self.eps, self.rms, self.offset = dim, eps, rms, offset
         s = self._cut("weight", (dim,), Cut(0, _BOTH))
         if bias:
             self._cut("bias", (dim,), Cut(0, _BOTH))
@@ -165,14 +170,15 @@ class LayerNorm2D(GridSharded, L.LayerNorm):
         if not self.rms:  # RMS norm (Llama): no centring
             h = h - _row_sum(h.sum(-1, keepdim=True), row) / self.dim
         var = _row_sum((h * h).sum(-1, keepdim=True), row) / self.dim
-        h = h * torch.rsqrt(var + self.eps) * self._vec(self.weight).float()
+        w = self._vec(self.weight).float()
+        h = h * torch.rsqrt(var + self.eps) * (w + self.offset if self.offset else w)
         if self.bias is not None:
             h = h + self._vec(self.bias).float()
         y = h.to(x.dtype)
         return y if residual is None else (y, x)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}, rms={self.rms}, {self.grid}"
+        return f"{self.dim}, eps={self.eps}, rms={self.rms}, offset={self.offset}, {self.grid}"
 
 
 class VocabEmbedding2D(VocabParallel, GridSharded, L.Embedding):

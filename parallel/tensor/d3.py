@@ -55,7 +55,9 @@ reduce-scatters its (N/q^2, H) rows over ``tp_col``, the head all-gathers
 tensor ever moves: a step's traffic has no B T V term, only the table's
 ``Vp H / q`` and the loss's fp32 statistics over ``tp_col`` and (sum, count)
 pair over ``tp_row`` and ``tp_dep``. Hidden-split tables and tensors move nothing forward and
-all-reduce their gradients over the two axes they are replicated on. Under
+all-reduce their gradients over the two axes they are replicated on. A ``head_norm`` (q/k
+norms over each head's features, in the inner layout) is whole on every rank and
+all-reduces its (D,) gradient over the cube (:class:`~.base.HeadNorm`). Under
 bf16 autocast every matmul operand (inputs, weights) is gathered in bf16.
 
 **Parameters.** Every layer is a thin user of :class:`~.base.Sharded`: its
@@ -80,8 +82,8 @@ from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import mean_of
 from cuboid.parallel.tensor import engine
-from cuboid.parallel.tensor.base import Axes, Cut, Sharded, VocabParallel, check_ids, to_compute
-from cuboid.parallel.tensor.engine import (ANY, Mode, Style, hidden_last, no_row_sibling, parallelize_module,
+from cuboid.parallel.tensor.base import Axes, Cut, HeadNorm, Sharded, VocabParallel, check_ids, rms_offset, to_compute
+from cuboid.parallel.tensor.engine import (ANY, Mode, Style, hidden_last, no_row_sibling, parallelize_module, rms,
                                            step_bytes, takes_hidden)
 
 __all__ = ["Linear3D", "LayerNorm3D", "VocabEmbedding3D", "VocabTensor3D", "Embedding3D", "LearnedTensor3D", "Head3D",
@@ -213,16 +215,17 @@ class LayerNorm3D(Sharded3D, L.LayerNorm):
     ``forward(x)`` -> ``norm(x)``; ``forward(x, residual)`` -> ``(norm(x + residual), x + residual)``.
     Statistics are fp32 sums all-reduced over ``tp_col``; weight and bias (H/q
     each) are replicated over ``tp_dep`` and ``tp_row``. ``rms=True``: the RMS
-    norm (no mean, no bias).
+    norm (no mean, no bias); ``offset``: the output scales by ``offset + weight``
+    (Gemma's norms: 1; :func:`~.base.rms_offset`).
     """
 
     role = "norm"
 
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, mesh, rms: bool = False, device=None,
-                 dtype=None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, mesh, rms: bool = False,
+                 offset: float = 0.0, device=None, dtype=None) -> None:
         L.ShardedModule.__init__(self)
         self._set_mesh(mesh)
-        self.dim, self.eps, self.rms = dim, eps, rms
+        self.dim, self.eps, self.rms, self.offset = dim, eps, rms, offset
         w = self._cut("weight", (dim,), Cut(0, ("tp_col",)))
         b = self._cut("bias", (dim,), Cut(0, ("tp_col",))) if bias else None
         self._init_params({"weight": (w, "ones"), "bias": (b, "zeros")}, device, dtype)
@@ -239,12 +242,12 @@ class LayerNorm3D(Sharded3D, L.LayerNorm):
         y = (h32 - mean) * torch.rsqrt((sq - mean * mean).clamp_min(0.0) + self.eps)
         params = torch.stack([self.weight] + ([self.bias] if self.bias is not None else []))
         params = self._rep(params, "tp_dep", "tp_row").float()
-        y = y * params[0] + (params[1] if self.bias is not None else 0.0)
+        y = y * (params[0] + self.offset if self.offset else params[0]) + (params[1] if self.bias is not None else 0.0)
         y = y.to(x.dtype)
         return y if residual is None else (y, h)
 
     def extra_repr(self) -> str:
-        return f"{self.dim} (local {self.weight.shape[0]}), eps={self.eps}, q={self.q}"
+        return f"{self.dim} (local {self.weight.shape[0]}), eps={self.eps}, offset={self.offset}, q={self.q}"
 
 
 # ---------------------------------------------------------------- vocabulary
@@ -513,7 +516,8 @@ STYLES = (
     Style(("vocab",), L.LearnedTensor, VocabTensor3D),
     Style(("embedding",), L.Embedding, Embedding3D),
     Style(("norm",), L.LayerNorm, LayerNorm3D),
-    Style(("norm",), L.RMSNorm, LayerNorm3D, lambda s: {"rms": True}),
+    Style(("norm",), ANY, LayerNorm3D, lambda s: {"rms": True, "offset": rms_offset(s.module)}, rms),
+    Style(("head_norm",), ANY, HeadNorm, when=rms),  # whole, its gradient summed over the cube
     Style(("replicate",), L.Linear, Head3D, _head_out, takes_hidden),
     Style(("replicate",), L.LearnedTensor, LearnedTensor3D, when=hidden_last),
     Style(("replicate",), ANY, None),  # other replicated layers stay whole

@@ -2,8 +2,8 @@
 
 torch's ``parallelize_module`` with ``ParallelStyle``s and torchtitan's
 per-block plans are the models: a model's :class:`~cuboid.parallel.ShardingSpec`
-says what each layer *is* (``column``, ``column_qkv``, ``row``, ``vocab``,
-``embedding``, ``norm``, ``replicate``), and each mode says what that means on
+says what each layer *is* (``column``, ``column_qkv``, ``column_kv``, ``row``,
+``vocab``, ``embedding``, ``norm``, ``head_norm``, ``replicate``), and each mode says what that means on
 its grid with a table of :class:`Style` rows:
 
     role(s) + single-device layer type [+ a predicate on the site] -> sharded layer (+ its options)
@@ -17,8 +17,8 @@ role and type. :func:`shard_model` picks the table from ``mesh.plan.tp_mode``
 (:data:`MODES`: each mode module exports ``MODE``, a :class:`Mode`).
 
 Predicates (:func:`row_sibling`, :func:`no_row_sibling`, :func:`square`,
-:func:`takes_hidden`, :func:`hidden_last`) see a :class:`Site`: the model,
-spec, path, module and role.
+:func:`rms`, :func:`takes_hidden`, :func:`hidden_last`) see a :class:`Site`:
+the model, spec, path, module and role.
 
 :func:`step_bytes` is the communication of one training step of a GPT-shaped
 model (token lookup, learned positions, pre-LN blocks of qkv / proj / fc /
@@ -39,7 +39,8 @@ from cuboid.parallel import layers as L
 from cuboid.parallel.tensor.base import Sharded
 
 __all__ = ["Site", "Style", "Mode", "MODES", "mode_of", "parallelize_module", "shard_model", "step_bytes", "step_parts",
-           "bytes_per_step", "Costs", "row_sibling", "no_row_sibling", "square", "takes_hidden", "hidden_last", "ANY"]
+           "bytes_per_step", "Costs", "row_sibling", "no_row_sibling", "square", "rms", "takes_hidden", "hidden_last",
+           "ANY"]
 
 MODES = {"1d": "d1", "2d": "d2", "2.5d": "d2p5", "3d": "d3"}  # tp_mode -> module of cuboid.parallel.tensor
 ANY = L.ShardedModule  # as a Style's source: any cuboid layer
@@ -77,6 +78,11 @@ def no_row_sibling(s: Site) -> bool:
 def square(s: Site) -> bool:
     """A linear with in == out (pooler, MLM transform): its output stays in the hidden layout."""
     return s.module.in_features == s.module.out_features
+
+
+def rms(s: Site) -> bool:
+    """An RMS norm: :class:`~cuboid.parallel.layers.RMSNorm` or a subclass (Gemma's ``1 + weight``)."""
+    return isinstance(s.module, L.RMSNorm)
 
 
 def takes_hidden(s: Site) -> bool:

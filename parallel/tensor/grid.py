@@ -5,7 +5,9 @@
   (``tp_col``, same j, indexed by i) and ``dep`` (``tp_dep``, same (i, j),
   indexed by the depth k; ``None`` in 2D), plus ``plane`` (the q^2 ranks with
   the same k, over which a split parameter's pieces lie: the mesh's ``tp``
-  group in 2D), the ``shard_group`` of the grid's cuts.
+  group in 2D), the ``shard_group`` of the grid's cuts, and ``tp`` (every
+  rank of the grid, the plane and the depth: the ``tensor_group``; given by
+  ``tp=``, the plane when the depth is 1).
 - :class:`GridSharded`: the base of the 2D / 2.5D layers (a thin user of
   :class:`~.base.Sharded`) with the depth and vector-gather helpers.
 - :func:`styles`: the role -> layer table both modes apply, over a mode's
@@ -27,8 +29,8 @@ from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import mean_of
 from cuboid.parallel.tensor import engine
-from cuboid.parallel.tensor.base import Axes, Sharded, to_compute
-from cuboid.parallel.tensor.engine import Style, no_row_sibling, row_sibling, square
+from cuboid.parallel.tensor.base import Axes, HeadNorm, Sharded, rms_offset, to_compute
+from cuboid.parallel.tensor.engine import ANY, Style, no_row_sibling, rms, row_sibling, square
 
 __all__ = ["Grid", "GridSharded", "split_input", "gather_output", "batch_mean", "cross_entropy", "styles", "Costs"]
 
@@ -43,7 +45,7 @@ class Grid(Axes):
 
     def __init__(self, row=None, col=None, dep=None, plane=None, *, q: Optional[int] = None,
                  i: Optional[int] = None, j: Optional[int] = None, d: Optional[int] = None,
-                 k: Optional[int] = None) -> None:
+                 k: Optional[int] = None, tp=None) -> None:
         self.row, self.col, self.dep, self.plane = row, col, dep, plane
         self.q = comm.group_size(row) if q is None else q
         self.j = comm.group_rank(row) if j is None else j
@@ -55,6 +57,7 @@ class Grid(Axes):
         # the plane's rank is i q + j: its pieces are numbered over (col, row)
         super().__init__({"tp_row": (row, self.q, self.j), "tp_col": (col, self.q, self.i),
                           "tp_dep": (dep, self.d, self.k)}, ("tp_col", "tp_row"), plane)
+        self.tensor_group = tp if tp is not None or self.d > 1 else plane  # None: unknown (HeadNorm refuses)
 
     @classmethod
     def from_mesh(cls, mesh) -> "Grid":
@@ -69,7 +72,8 @@ class Grid(Axes):
         plane = _plane_group(mesh) if deep else mesh.group("tp")
         grid = cls(mesh.group("tp_row"), mesh.group("tp_col"), mesh.group("tp_dep") if deep else None, plane,
                    q=mesh.size("tp_row"), j=mesh.coords.get("tp_row", 0), i=mesh.coords.get("tp_col", 0),
-                   d=mesh.size("tp_dep") if deep else 1, k=mesh.coords.get("tp_dep", 0) if deep else 0)
+                   d=mesh.size("tp_dep") if deep else 1, k=mesh.coords.get("tp_dep", 0) if deep else 0,
+                   tp=mesh.group("tp"))
         mesh.__dict__["_cuboid_grid"] = grid
         return grid
 
@@ -216,7 +220,9 @@ def styles(classes: dict) -> tuple:
         Style(("vocab",), L.LearnedTensor, classes["vocab_tensor"]),
         Style(("embedding",), L.Embedding, classes["embedding"]),
         Style(("norm",), L.LayerNorm, classes["norm"]),
-        Style(("norm",), L.RMSNorm, classes["norm"], lambda s: {"rms": True}),
+        Style(("norm",), ANY, classes["norm"], lambda s: {"rms": True, "offset": rms_offset(s.module)}, rms),
+        # whole on every rank, its gradient summed over the grid (batch blocks and heads)
+        Style(("head_norm",), ANY, HeadNorm, when=rms),
         Style(("replicate",), L.Linear, classes["linear"], when=square),  # hidden -> hidden stays in the layout
         Style(("replicate",), L.Linear, classes["head"]),
         Style(("replicate",), L.LearnedTensor, classes["tensor"]),
