@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 
 from ._backend import interpreter_active, picked, resolve_backend
-from .attention_torch import (attention_ref, check_docs, check_window, doc_ids_from_positions,  # noqa: F401 (re-exported)
-                              sdpa_attention, validate)
+from .attention_torch import (  # noqa: F401 (re-exported)
+    attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 _LN2 = 0.6931471805599453  # ln(2)
