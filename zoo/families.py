@@ -56,11 +56,13 @@ def _vit_shape(c: ViTConfig) -> Shape:
 
 def _llama_shape(c: LlamaConfig) -> Shape:
     """Llama, Qwen2, Mistral, Qwen3, Gemma 3: grouped-query attention (head_dim apart from dim / heads), a gated MLP,
-    an LM head tied only when the config says. Per-head q/k norms and Gemma's extra norms are vectors the
+    an LM head tied only when the config says; sliding-window layers counted with their window. Per-head q/k norms and Gemma's extra norms are vectors the
     formulas leave out (under 0.01% of the parameters)."""
+    windows = [c.window_of(i) for i in range(c.n_layers)]
+    windowed = [w for w in windows if w]
     return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
                  tied_head=c.head == "lm" and c.tie_embeddings, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                 gated_mlp=True)
+                 gated_mlp=True, window=max(windowed, default=0), window_layers=len(windowed))
 
 
 SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape}
