@@ -55,9 +55,9 @@ def _vit_shape(c: ViTConfig) -> Shape:
 
 
 def _llama_shape(c: LlamaConfig) -> Shape:
-    """Llama, Qwen2, Mistral, Qwen3, Gemma 3: grouped-query attention (head_dim apart from dim / heads), a gated MLP,
-    an LM head tied only when the config says; sliding-window layers counted with their window. Per-head q/k norms and Gemma's extra norms are vectors the
-    formulas leave out (under 0.01% of the parameters)."""
+    """Llama, Qwen2, Mistral, Qwen3, Gemma 3: grouped-query attention (head_dim apart from dim / heads), a gated
+    MLP, an LM head tied only when the config says; sliding-window layers counted with their window. Per-head q/k
+    norms and Gemma's extra norms are vectors the formulas leave out (under 0.01% of the parameters)."""
     windows = [c.window_of(i) for i in range(c.n_layers)]
     windowed = [w for w in windows if w]
     return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
