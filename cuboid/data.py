@@ -146,9 +146,10 @@ def class_names(ds, label_column: str) -> Optional[list]:
     return list(feat.names) if getattr(feat, "names", None) else None
 
 
-def num_classes(ds, label_column: str, *others) -> int:
+def num_classes(ds, label_column: str, *others, dense: bool = True) -> int:
     """K of a classification dataset: its ClassLabel's names, or integer ids 0..K-1 over ``ds`` and the
-    ``others`` splits (each class present in one of them)."""
+    ``others`` splits (each class present in one of them; ``dense=False``: the largest id + 1, for a model
+    whose head is already sized, against which :func:`prepare` checks the ids)."""
     _need_column(ds, label_column, "--label-column")
     names = class_names(ds, label_column)
     if names:
@@ -158,7 +159,7 @@ def num_classes(ds, label_column: str, *others) -> int:
         raise DataError("the dataset is empty")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in labels):
         raise DataError(f"column {label_column!r} must hold integer class ids")
-    return dense_classes(set(labels), label_column)
+    return dense_classes(set(labels), label_column) if dense else max(labels) + 1
 
 
 def dense_classes(ids: set, label_column: str) -> int:

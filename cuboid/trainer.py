@@ -199,7 +199,9 @@ def load_data_and_model(r: Run) -> None:
     train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
     num_labels = None
     if cfg.task in ("seqcls", "imgcls") or (cfg.task is None and cfg.label_column in train_ds.column_names):
-        num_labels = num_classes(train_ds, cfg.label_column, eval_ds)  # ids 0..K-1 over both splits
+        # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
+        preset = isinstance(cfg.model, str) and not os.path.isdir(cfg.model)
+        num_labels = num_classes(train_ds, cfg.label_column, eval_ds, dense=preset)
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = prepare_data(train_ds, r.task, **prep)
