@@ -74,6 +74,20 @@ def test_the_checkpoint_is_safetensors_and_json_with_checksums(run):
         assert any(k.endswith(".lora_A.weight/exp_avg") for k in f.keys())
 
 
+def test_convert_verify_reads_a_lora_checkpoint_and_refuses_a_flipped_byte(run, tmp_path):
+    _, _, out = run
+    rc, stdout, stderr = cli("convert", "--verify", str(out / "checkpoint-2"))
+    assert rc == 0, stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(out / "checkpoint-2", bad)
+    weights = bad / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-1] ^= 0xFF
+    weights.write_bytes(bytes(raw))
+    rc, _, stderr = cli("convert", "--verify", str(bad))
+    assert rc != 0 and "adapter_model.safetensors" in stderr, stderr
+
+
 def test_a_planted_pickle_is_never_unpickled(run, tmp_path):
     model, data, out = run
     marker = tmp_path / "marker"

@@ -36,7 +36,9 @@ only each rank's ``shard_slices`` from the memory-mapped files), :mod:`.state`
 (optimizer, RNG, training state as a save records them), :mod:`.resume`
 (reading them back), :mod:`.convert`, :mod:`.adapters` (a LoRA model's adapters in
 ``peft``'s layout: what ``save`` writes for one), :mod:`.precheck` (a folder's config.json against
-its weight map, before ``cuboid.load(folder)`` builds anything). The reader and the writer never import
+its weight map, before ``cuboid.load(folder)`` builds anything), :mod:`.lora_state` (a LoRA run's
+checkpoint: adapters, optimizer state by name and training state as safetensors + JSON under their own commit
+file, ``lora-checkpoint.json``, which ``verify`` reads). The reader and the writer never import
 each other: what both need (file names, records, errors) is in :mod:`.format`,
 the shard plan in :mod:`.shards`, the stage rule in :mod:`.stages`.
 

@@ -298,9 +298,14 @@ def verify(path, *, require_checksums: bool = True) -> dict:
     headers agree). ``require_checksums=False`` accepts files without a record
     (folders written by ``transformers``) after the structural checks.
     Returns {"path", "files", "tensors", "bytes"}; raises
-    :class:`CheckpointError` naming the first bad file.
+    :class:`CheckpointError` naming the first bad file. A LoRA checkpoint is checked against its own commit
+    file (:func:`zoo.checkpoint.lora_state.verify_lora`).
     """
     root = resolve(path)
+    if (root / "lora-checkpoint.json").is_file():
+        from .lora_state import verify_lora
+
+        return verify_lora(root)
     hashed: Dict[str, int] = {}
     tensors = 0
 
