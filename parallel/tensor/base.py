@@ -55,8 +55,8 @@ from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import flat_rows, mean_of
 
-__all__ = ["Axes", "Cut", "Sharded", "VocabParallel", "HeadNorm", "rms_offset", "to_compute", "compute_dtype", "check_ids",
-           "vocab_parallel_cross_entropy", "vocab_parallel_ce_sum"]
+__all__ = ["Axes", "Cut", "Sharded", "VocabParallel", "HeadNorm", "rms_offset", "to_compute", "compute_dtype",
+           "check_ids", "vocab_parallel_cross_entropy", "vocab_parallel_ce_sum"]
 
 
 class Axes:

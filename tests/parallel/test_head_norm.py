@@ -60,7 +60,8 @@ def head_norm_worker():
             grads = {n: mod.full_tensor_like(local, p.grad) for n, mod, local, p in sharded_parameters(model)}
             out[key + " grads"] = max(rel(grads[n], refs[n].grad) for n in grads)
             norms = [n for n in grads if "q_norm" in n or "k_norm" in n]
-            out[key + " q/k norm grads"] = max(rel(grads[n], refs[n].grad) for n in norms) if len(norms) == 2 * ref.config.n_layers else 1.0
+            assert len(norms) == 2 * ref.config.n_layers, norms
+            out[key + " q/k norm grads"] = max(rel(grads[n], refs[n].grad) for n in norms)
     return out
 
 
