@@ -47,8 +47,9 @@ def test_sft_lora_then_peft(arch, chat_file, tmp_path):
     base = _folder(tmp_path / arch, arch)
     run = tmp_path / "run"
     rc, _, err = cli("finetune", "--model", str(base), "--data", str(chat_file), "--task", "sft", "--packing",
-                     "--lora", "r=4,alpha=8", "--max-length", "128", "--steps", "8", "--batch-size", "4", "--lr", "2e-2",
-                     "--log-every", "1", "--eval-every", "8", "--no-progress", "--no-plot", "--output-dir", str(run))
+                     "--lora", "r=4,alpha=8", "--max-length", "128", "--steps", "8", "--batch-size", "4", "--lr",
+                     "2e-2", "--log-every", "1", "--eval-every", "8", "--no-progress", "--no-plot", "--output-dir",
+                     str(run))
     assert rc == 0, err
     assert "task sft" in err and "packed:" in err, err
     losses = [m["loss"] for m in metrics(run)]
