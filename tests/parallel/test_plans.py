@@ -2,8 +2,9 @@
 
 One world per size (2, 4, 8 ranks) runs every plan
 :func:`cuboid.parallel.plan_space.enumerate_plans` yields for that world (the
-same set for gpt-debug, bert-debug with its MLM head, vit-debug and llama-debug
-with as many key/value heads as query heads: asserted),
+same set for gpt-debug, bert-debug with its MLM head, vit-debug and the Llama
+family's llama-debug, qwen3-debug and gemma3-debug with as many key/value heads
+as query heads: asserted),
 then the ready plans of that size the enumeration does not hold (a toggle
 on, such as ``dp2-ckpt``) and EXTRA. A plan the enumeration gains (a
 composition built, a clause gone from ``Plan.unimplemented``) is tested here
@@ -43,23 +44,29 @@ eps=1e-3 for the same reason (see test_data_parallel.py).
 
 Budget: each world writes its count and per-run seconds to
 ``/tmp/cuboid-plan-parity/world{N}.json`` and prints them (``pytest -s``).
-When a world's enumeration times the 4 families passes RUN_BUDGET runs, each
-enumerated plan runs on the Llama family and one other, turned by its index
-(the CI machine has 2 cores; the suite must stay under 30 minutes). The
-Llama family runs with 1, 2 or 4 key/value heads for its 4 query heads,
-turned by the plan's index (:func:`family_options`): multi-query, grouped
-(under tp=4 1D each rank then holds a copy of one key/value head) and plain.
+When a world's enumeration times the 6 families passes RUN_BUDGET runs, each
+enumerated plan runs on one Llama-family preset (llama-debug, qwen3-debug,
+gemma3-debug) and one other family, each turned by its index
+(:func:`families_of`; the CI machine has 2 cores; the suite must stay under
+30 minutes); the ready and EXTRA plans run on all six. The Llama family runs
+with 1, 2 or 4 key/value heads for its 4 query heads, turned by the plan's
+index (:func:`family_options`): multi-query, grouped (under tp=4 1D each rank
+then holds a copy of one key/value head) and plain.
 The 8-rank world also runs test_cost's 2.5D/3D cost check and the
 groups-made-once check (200 loads, threads and groups unchanged).
 """
 import torch
 
 from .launch import run_world
-from .test_data_parallel import global_batch
+from .test_data_parallel import global_batch as dp_batch
 
 STEPS = 3
-FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug")
-KV_HEADS = (1, 2, 4)  # llama-debug's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
+FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug")
+# the Llama family's presets (Llama, Qwen3 with q/k norms and head_dim apart from dim / heads, Gemma 3 with
+# sliding-window layers, sandwich norms and Gemma's norms); the others: FAMILIES less these
+LLAMA = ("llama-debug", "qwen3-debug", "gemma3-debug")
+OTHERS = tuple(f for f in FAMILIES if f not in LLAMA)
+KV_HEADS = (1, 2, 4)  # the Llama family's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
 
 
 def family_options(name, plan, index):
@@ -71,7 +78,7 @@ def family_options(name, plan, index):
 
     if name == "vit-debug":
         return {}
-    if not name.startswith("llama"):
+    if name not in LLAMA:
         return {"vocab_size": 510}
     # every other run of three and every 2D/3D grid (rows cut over ranks), a plan whose forward passes input_ids
     # to the head takes the classification head
@@ -87,11 +94,19 @@ def family_options(name, plan, index):
 
 
 def families_of(index, one_family):
-    """The families plan number ``index`` runs on: all, or (``one_family``) the Llama family and one of the
-    others turned by the index."""
+    """The families plan number ``index`` runs on: all, or (``one_family``) one of OTHERS turned by the index and
+    one Llama-family preset turned by ``index // 3``, so over 9 plans each preset meets each key/value head
+    count of :func:`family_options` (turned by ``index % 3``) and over 18 each with and without its
+    classification head."""
     if not one_family:
         return FAMILIES
-    return (FAMILIES[index % 3], "llama-debug")
+    return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
+
+
+def global_batch(name, model, size=8):
+    """test_data_parallel's global batch of family ``name`` (a Llama-family preset's as llama-debug's: a label per
+    row for the classification head)."""
+    return dp_batch("llama-debug" if name in LLAMA else name, model, size)
 
 
 def even_batch(name, model, size=8):
@@ -380,10 +395,11 @@ def generated(world: int):
     from cuboid import zoo
     from cuboid.parallel.cost.space import enumerate_plans
 
-    per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in FAMILIES if f != "llama-debug"]
+    per_family = [enumerate_plans(zoo.config_of(f), world, batch=8) for f in OTHERS]
     assert all(p == per_family[0] for p in per_family), "the families' enumerations differ"
-    # with as many key/value heads as query heads, the Llama family takes the same plans
-    assert enumerate_plans(zoo.config_of("llama-debug", n_kv_heads=4), world, batch=8) == per_family[0]
+    # with as many key/value heads as query heads, the Llama family's presets take the same plans
+    for name in LLAMA:
+        assert enumerate_plans(zoo.config_of(name, n_kv_heads=4), world, batch=8) == per_family[0], name
     plans = per_family[0]
     ready = [name for name, p in zoo.READY_PLANS.items() if p.world_size == world and p not in plans]
     ready = [n for i, n in enumerate(ready) if zoo.READY_PLANS[n] not in [zoo.READY_PLANS[m] for m in ready[:i]]]
@@ -408,10 +424,11 @@ def with_fields(plans: list) -> list:
     return [dataclasses.replace(Plan.parse(p, READY_PLANS), **fields) for p in plans]
 
 
-# runs (plan x family) a world may take on CI's 2 cores: above it, each enumerated plan runs on the Llama family
-# and one other, turned by its index. Measured on this 2-core machine, quiet: about 1.05 s a run at 8 ranks,
-# 0.55 s at 4, 0.2 s at 2. With four families, 61 plans at 4 ranks (244 runs) and 177 at 8 (708) pass the
-# budget: 122 and 354 runs, which keeps the suite near its 30-minute bound with the kernels' compile gate in it
+# runs (plan x family) a world may take on CI's 2 cores: above it, each enumerated plan runs on one Llama-family
+# preset and one other family, turned by its index. Measured on this 2-core machine, quiet: about 1.05 s a run at
+# 8 ranks, 0.55 s at 4, 0.2 s at 2. With six families, 12 plans at 2 ranks run on all (72 runs), 61 at 4 ranks
+# (366) and 177 at 8 (1062) pass the budget: 122 and 354 runs, which keeps the suite near its 30-minute bound
+# with the kernels' compile gate in it
 RUN_BUDGET = {2: 120, 4: 200, 8: 600}
 
 
