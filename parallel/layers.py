@@ -317,26 +317,32 @@ class Rotary(nn.Module):
     sequence (one device: ``0 .. T-1``; a sequence-parallel rank: its zigzag
     chunks). The cos/sin tables are computed in fp32 (``scaling``: HF's
     ``rope_scaling`` dict, type ``llama3``) and cast to q's dtype, as
-    ``transformers`` does; the last tables are kept (one entry for all layers) when the core names its positions.
+    ``transformers`` does; when the core names its positions the tables are kept, shared by all layers, one entry
+    per key (a few at most: Gemma 3's local and global bases alternate, and a recomputed block must find
+    the tables its forward found).
     """
 
     def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
-    _cached: tuple = (None, None)  # (key, tables), shared by every layer: the blocks of a model reuse one table
+    _cached: dict = {}  # key -> tables, shared by every layer: the blocks of a model reuse them
+    CACHED = 8  # entries kept; the oldest goes first
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, key: Optional[tuple] = None) -> tuple:
         """(cos, sin) of ``positions`` in ``dtype``; ``key`` names the positions (e.g. ``("range", T)``), so the
         next layer with the same key reuses them."""
         if key is not None:
             key = (positions.device, dtype, self.head_dim, self.theta, str(self.scaling), *key)
-            if Rotary._cached[0] == key:
-                return Rotary._cached[1]
+            hit = Rotary._cached.get(key)
+            if hit is not None:
+                return hit
         cos, sin = kernels.rope_tables(positions, self.head_dim, self.theta, self.scaling)
         out = (cos.to(dtype), sin.to(dtype))
-        if key is not None:  # unnamed positions (a cache's step, a mask's) leave the shared entry as it was
-            Rotary._cached = (key, out)
+        if key is not None:  # unnamed positions (a cache's step, a mask's) leave the shared entries as they were
+            while len(Rotary._cached) >= Rotary.CACHED:
+                Rotary._cached.pop(next(iter(Rotary._cached)))
+            Rotary._cached[key] = out
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, key: Optional[tuple] = None) -> tuple:
