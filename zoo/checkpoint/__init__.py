@@ -51,9 +51,19 @@ in without changes here; pipeline stages only add who writes which file
 from .convert import convert
 from .folder import resolve
 from .format import CheckpointError
-from .reader import TensorFolder, load, verify
+from .reader import TensorFolder, load, verify as verify_folder
 from .resume import load_training_state
 from .writer import save
 
 __all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve", "CheckpointError",
            "TensorFolder"]
+
+
+def verify(path, *, require_checksums: bool = True) -> dict:
+    """Check every file of a checkpoint against its recorded size and SHA-256 (:func:`.reader.verify`); a LoRA
+    training checkpoint against its own commit file (:func:`.lora_state.verify_lora`)."""
+    from .lora_state import LORA_COMMIT, verify_lora
+
+    if (resolve(path) / LORA_COMMIT).is_file():
+        return verify_lora(path)
+    return verify_folder(path, require_checksums=require_checksums)

@@ -123,7 +123,7 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
 def _commit_files(root: Path) -> dict:
     """The commit file's records, checked for shape (names inside the folder, sizes, SHA-256s, the required
     files present)."""
-    from .reader import _record_problem, check_name
+    from .reader import record_problem, check_name
 
     file = root / LORA_COMMIT
     if not file.is_file():
@@ -137,7 +137,7 @@ def _commit_files(root: Path) -> dict:
     for name, r in rec["files"].items():
         check_name(file, name, "a recorded file")
         keys = set(r) if isinstance(r, dict) else set()
-        problem = _record_problem(r) or (None if {"size", "sha256"} <= keys <= {"size", "sha256", "header_sha256"}
+        problem = record_problem(r) or (None if {"size", "sha256"} <= keys <= {"size", "sha256", "header_sha256"}
                                          else f"fields {sorted(keys)}")
         if problem is not None:
             raise CheckpointError(f"{file}: the record of {name} is corrupt ({problem})")
@@ -152,13 +152,13 @@ def verify_lora(path) -> dict:
     headers, the optimizer index against its shards and the JSON files; the same answer as
     :func:`~.reader.verify` ({"path", "files", "tensors", "bytes"}), or a :class:`CheckpointError` naming the
     first bad file. Reads every byte once; no tensor is built."""
-    from .reader import TensorFolder, _check_record
+    from .reader import TensorFolder, check_record
 
     root = folder_mod.resolve(path)
     files = _commit_files(root)
     total = 0
     for name, rec in sorted(files.items()):
-        total += _check_record(root, name, rec)
+        total += check_record(root, name, rec)
     n, header = read_header(root / ADAPTER_WEIGHTS, files[ADAPTER_WEIGHTS].get("header_sha256"))
     tensors = sum(1 for k in header if k != "__metadata__")
     if OPTIMIZER_INDEX in files:

@@ -58,7 +58,7 @@ def check_name(where: Path, file: str, what: str) -> None:
         raise CheckpointError(f"{where}: shard name {file!r} for {what} escapes the folder")
 
 
-def _record_problem(rec) -> Optional[str]:
+def record_problem(rec) -> Optional[str]:
     if not isinstance(rec, dict):
         return "not an object"
     size = rec.get("size")
@@ -146,7 +146,7 @@ class TensorFolder:
             raise CheckpointError(f"{where}: metadata.files is not a map of file -> record")
         for file, rec in (files or {}).items():
             check_name(where, file, "a recorded file")
-            problem = _record_problem(rec)
+            problem = record_problem(rec)
             if problem is not None:
                 raise CheckpointError(f"{where}: the record of {file} is corrupt ({problem})")
 
@@ -271,7 +271,7 @@ class TensorFolder:
 # ------------------------------------------------------------------------ verify
 
 
-def _check_record(path: Path, file: str, rec: Optional[dict], data_hash: bool = False) -> int:
+def check_record(path: Path, file: str, rec: Optional[dict], data_hash: bool = False) -> int:
     full = path / file
     if rec is None:
         raise CheckpointError(f"{full}: no SHA-256 recorded (not written by cuboid; "
@@ -298,20 +298,15 @@ def verify(path, *, require_checksums: bool = True) -> dict:
     headers agree). ``require_checksums=False`` accepts files without a record
     (folders written by ``transformers``) after the structural checks.
     Returns {"path", "files", "tensors", "bytes"}; raises
-    :class:`CheckpointError` naming the first bad file. A LoRA checkpoint is checked against its own commit
-    file (:func:`zoo.checkpoint.lora_state.verify_lora`).
+    :class:`CheckpointError` naming the first bad file.
     """
     root = resolve(path)
-    if (root / "lora-checkpoint.json").is_file():
-        from .lora_state import verify_lora
-
-        return verify_lora(root)
     hashed: Dict[str, int] = {}
     tensors = 0
 
     def check(file: str, rec: Optional[dict], data_hash: bool = False) -> None:
         if file not in hashed and (rec is not None or require_checksums):
-            hashed[file] = _check_record(root, file, rec, data_hash)
+            hashed[file] = check_record(root, file, rec, data_hash)
 
     sets = [TensorFolder(root, "model")]
     if (root / "optimizer.safetensors.index.json").is_file():
