@@ -275,7 +275,7 @@ def _params_err(model, want) -> float:
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
 
 
-def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=False):
+def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=False, families=FAMILIES):
     """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
 
     ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
@@ -300,7 +300,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
         mesh = Mesh.build(plan)
         dp, pipelined = mesh.size("dp"), plan.pp > 1
         size = _batch_size(dp)
-        for f, name in enumerate(FAMILIES):
+        for f, name in enumerate(families):
             if name not in families_of(index, one_family):
                 continue
             extra = family_options(name, plan, index)

@@ -27,7 +27,9 @@ import torch
 from .launch import run_world
 from .test_data_parallel import global_batch
 from .test_plans import check as check_parity
-from .test_plans import FAMILIES, gathered, make_optimizer, plan_parity_worker, rel_norm
+from .test_plans import gathered, make_optimizer, plan_parity_worker, rel_norm
+
+ZERO_FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug")
 
 PARITY_PLANS = ["zero1", "zero2", "zero3", "dp2-tp2-zero3", "dp=4,zero=2,activation_checkpoint=true"]
 
@@ -163,7 +165,8 @@ def _logits_stay_deferred():
 def zero_worker(folder):
     import torch.distributed as dist
 
-    report = {"parity": plan_parity_worker(PARITY_PLANS, ("adamw", "lamb"))}
+    # the four families this test has always run; Qwen3 and Gemma 3 meet ZeRO in the generated plan test
+    report = {"parity": plan_parity_worker(PARITY_PLANS, ("adamw", "lamb"), families=ZERO_FAMILIES)}
     report["bf16"] = {f"{p}/{n}": _bf16_parity(n, p) for p in ("zero1", "zero3") for n in ("gpt-debug", "vit-debug")}
     report["bytes"] = {s: _bytes_and_traffic(s) for s in (0, 1, 2, 3)}
     # traffic of stage 3 where the blocks hold nearly all parameters (the root unit goes once)
@@ -179,7 +182,7 @@ def test_zero_stages_on_4_ranks(tmp_path):
     reports = run_world(zero_worker, 4, str(tmp_path), timeout=900)
     check_parity([r["parity"] for r in reports])
     for rank, r in enumerate(reports):
-        assert len(r["parity"]) == len(PARITY_PLANS) * len(FAMILIES) * 2
+        assert len(r["parity"]) == len(PARITY_PLANS) * len(ZERO_FAMILIES) * 2
         for key, v in r["bf16"].items():
             assert v["loss"] < 2e-2 and v["params"] < 2e-2, (rank, key, v)
             assert v["masters"] > 0 and v["master_dtypes"] == {"torch.float32"}, (rank, key, v)
