@@ -214,6 +214,7 @@ class RMSNorm(ShardedModule):
 
     role = "norm"
     seq_group = None  # as LayerNorm's: set under Megatron sequence parallelism
+    offset = 0.0  # the output is normed(x) * (offset + weight); a subclass with another offset states it
 
     def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()

@@ -86,7 +86,7 @@ def test_rms_offset():
         def forward(self, x, residual=None):
             return super().forward(x) * self.weight
 
-    with pytest.raises(TypeError, match="Squared is not an RMS norm"):
+    with pytest.raises(TypeError, match="Squared is not an RMS norm the tensor modes can shard"):
         rms_offset(Squared(8))
 
 

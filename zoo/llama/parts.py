@@ -15,6 +15,8 @@ class GemmaRMSNorm(L.RMSNorm):
     input's dtype (``transformers``' Gemma3RMSNorm); the residual add fused as :class:`~L.RMSNorm`'s. The
     stored weight is Gemma's (0 scales by 1), so checkpoints map as they are."""
 
+    offset = 1.0
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None and residual.dtype != x.dtype:
             x = x.to(residual.dtype)
