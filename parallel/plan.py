@@ -30,7 +30,14 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
   ``none`` that :meth:`Plan.parse`, :meth:`Plan.from_dict` and
   :meth:`Plan.replace` accept (plan strings and saved plans use it); it is
   not a field, and :meth:`Plan.describe` writes ``checkpoint=full``;
-- ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast).
+- ``dtype``: ``fp32 | bf16 | fp16`` for training (autocast);
+- ``ep``: expert-parallel ranks of a mixture-of-experts model, taken from the
+  ``dp x sp`` ranks (torchtitan's layout: it does not change the world size):
+  each holds ``n_experts / ep`` experts, tokens reach them by all-to-all, and
+  an expert's gradients are averaged over the ``dp x sp / ep`` ranks holding
+  the same experts, see :mod:`cuboid.parallel.experts`;
+- ``compile``: ``torch.compile`` each block (torchtitan's per-block compile),
+  where the plan composes with it (:meth:`Plan.unimplemented` says where not).
 """
 from __future__ import annotations
 
@@ -70,6 +77,8 @@ class Plan:
     stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
     tp_sequence: bool = False           # 1D tp: norms, dropout and residuals sharded along the sequence (Megatron)
     checkpoint: str = "none"            # recompute per block: none | full | selective
+    ep: int = 1                         # expert-parallel ranks, taken from dp x sp (mixture-of-experts models)
+    compile: bool = False               # torch.compile each block
 
     def __post_init__(self) -> None:
         blocks = self.stage_blocks
@@ -86,7 +95,7 @@ class Plan:
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
             raise ValueError(f"plan field stage_blocks must be whole numbers >= 0, got {self.stage_blocks!r}")
         object.__setattr__(self, "stage_blocks", blocks)
-        for name in ("dp", "pp", "tp", "sp", "depth", "microbatches"):
+        for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"plan field {name} must be a whole number >= 1, got {value!r}")
@@ -96,8 +105,12 @@ class Plan:
                 raise ValueError(f"plan field {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if not isinstance(self.zero, int) or isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"plan field zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if not isinstance(self.tp_sequence, bool):
-            raise ValueError(f"plan field tp_sequence must be true or false, got {self.tp_sequence!r}")
+        for name in ("tp_sequence", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"plan field {name} must be true or false, got {getattr(self, name)!r}")
+        if (self.dp * self.sp) % self.ep:
+            raise ValueError(f"ep={self.ep} expert-parallel ranks are taken from the dp x sp = {self.dp * self.sp} "
+                             f"data ranks, which they must divide")
         if self.tp_sequence and (self.tp == 1 or self.tp_mode != "1d"):
             raise ValueError(f"tp_sequence shards the sequence inside a 1D tensor-parallel group: it needs "
                              f"tp > 1 and tp_mode 1d, got tp={self.tp}, tp_mode={self.tp_mode}")
@@ -186,6 +199,11 @@ class Plan:
             if heads is not None and self.sp > 1 and self.sp_mode == "all_to_all" and heads % (self.sp * split):
                 raise ValueError(f"all_to_all sequence parallelism needs the {heads} attention heads to divide over "
                                  f"sp x the tensor split of heads = {self.sp} x {split}")
+            experts = getattr(model_config, "n_experts", 0) or 0
+            if self.ep > 1 and not experts:
+                raise ValueError(f"ep={self.ep} shards a mixture-of-experts model's experts, and this model has none")
+            if experts and experts % self.ep:
+                raise ValueError(f"{experts} experts do not divide over ep={self.ep} expert-parallel ranks")
             stages = self.pp * (2 if self.schedule in ("interleaved", "zbv") else 1)
             if self.stage_blocks and (len(self.stage_blocks) != stages
                                       or (layers is not None and sum(self.stage_blocks) != layers)):
