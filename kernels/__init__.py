@@ -67,6 +67,8 @@ _EXPORTS = {
     "swiglu_ref": "swiglu",
     "linear_cross_entropy": "linear_cross_entropy",
     "linear_cross_entropy_ref": "linear_cross_entropy",
+    "grouped_mm": "grouped_gemm",
+    "grouped_mm_ref": "grouped_gemm",
 }
 
 # op name -> what `cuboid info` reports backends for
