@@ -1,15 +1,18 @@
-"""Llama-family configuration (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3) and presets with the published shapes.
+"""Llama-family configuration (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE) and presets
+with the published shapes.
 
 Qwen3 and Gemma 3 are options of the same decoder: per-head q/k norms, sliding-window layers with their own
 RoPE base, Gemma's sandwich norms (RMSNorm scaling by ``1 + weight``), scaled embeddings, a GeGLU MLP, a
-query scale apart from ``head_dim`` and a final logit softcap.
+query scale apart from ``head_dim`` and a final logit softcap. The mixture-of-experts families are too: a layer
+is sparse (a router and ``n_experts`` gated MLPs, ``experts_per_token`` of them per token) where
+:meth:`LlamaConfig.is_sparse` says, and OLMoE's q/k norms span every head's features (``qk_norm_width="full"``).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3")  # the HF family an export writes
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe")  # the HF family written
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types entries
 ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (gelu_pytorch_tanh)
 
@@ -45,6 +48,16 @@ class LlamaConfig:
     embed_scale: bool = False    # token embeddings times sqrt(dim), rounded to their dtype (Gemma)
     query_scale: Optional[float] = None  # attention scores scaled by query_scale ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim
     logit_softcap: Optional[float] = None  # LM logits cap * tanh(logits / cap) (HF final_logit_softcapping)
+    # mixture of experts (HF num_experts / num_local_experts, num_experts_per_tok, moe_intermediate_size, ...)
+    n_experts: int = 0           # experts of a sparse layer; 0: every layer dense
+    experts_per_token: int = 2   # top-k experts each token is sent to
+    moe_hidden: int = 0          # each expert's gated-MLP width; 0: mlp_hidden (Mixtral)
+    norm_topk_prob: bool = True  # the k routing weights divided by their sum
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in `loss`
+    output_router_logits: bool = False   # as HF: the load-balancing loss joins `loss` only when true
+    sparse_step: int = 1         # every sparse_step-th layer is sparse (HF decoder_sparse_step)
+    mlp_only_layers: tuple = ()  # layers kept dense whatever sparse_step says
+    qk_norm_width: str = "head"  # q/k norm over each head ("head": Qwen3) or over all heads' features ("full": OLMoE)
 
     def __post_init__(self) -> None:
         if not self.n_kv_heads:
@@ -80,6 +93,45 @@ class LlamaConfig:
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
         if self.act not in ACTS:
             raise ValueError(f"act must be one of {', '.join(ACTS)}, got {self.act!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: a top-k within the experts, a positive step, known layers."""
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(self.mlp_only_layers)))
+        if self.qk_norm_width not in ("head", "full"):
+            raise ValueError(f"qk_norm_width must be 'head' or 'full', got {self.qk_norm_width!r}")
+        if not self.n_experts:
+            return
+        if self.n_experts < 0 or not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"experts_per_token must be between 1 and n_experts {self.n_experts}, got "
+                             f"{self.experts_per_token}")
+        if self.sparse_step < 1:
+            raise ValueError(f"sparse_step must be a positive int, got {self.sparse_step}")
+        if any(not 0 <= i < self.n_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers must be layer indices below n_layers {self.n_layers}, got "
+                             f"{self.mlp_only_layers}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (HF Qwen3-MoE's rule, every layer for Mixtral
+        and OLMoE, whose sparse_step is 1)."""
+        return bool(self.n_experts) and layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+    @property
+    def sparse_layers(self) -> tuple:
+        """Indices of the sparse layers."""
+        return tuple(i for i in range(self.n_layers) if self.is_sparse(i))
+
+    @property
+    def expert_hidden(self) -> int:
+        """Each expert's gated-MLP width."""
+        return self.moe_hidden or self.mlp_hidden
+
+    @property
+    def inactive_parameters(self) -> int:
+        """Expert parameters a token does not use: ``(n_experts - experts_per_token)`` experts of every sparse
+        layer (active parameters = total - this)."""
+        per_expert = 3 * self.dim * self.expert_hidden + (3 * self.expert_hidden + self.dim if self.mlp_bias else 0)
+        return len(self.sparse_layers) * (self.n_experts - self.experts_per_token) * per_expert
 
     def window_of(self, layer: int) -> Optional[int]:
         """The window of layer ``layer``'s attention: ``sliding_window`` on a sliding layer, else None."""
@@ -100,6 +152,7 @@ class LlamaConfig:
         d = asdict(self)
         d["rope_scaling"] = self.rope
         d["layer_types"] = list(self.layer_types) if self.layer_types is not None else None
+        d["mlp_only_layers"] = list(self.mlp_only_layers)
         return {"family": "llama", **d}
 
     def replace(self, **changes) -> "LlamaConfig":
@@ -120,6 +173,13 @@ def gemma3_layers(n_layers: int, every: int = 6) -> tuple:
     """Gemma 3's layer types: every ``every``-th layer global, the others sliding (HF's sliding_window_pattern)."""
     return tuple(FULL if (i + 1) % every == 0 else SLIDING for i in range(n_layers))
 
+
+_MOE_DEBUG = dict(vocab_size=512, n_positions=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=160,
+                  n_experts=8, experts_per_token=2, moe_hidden=32)
+_QWEN3_MOE = dict(arch="qwen3_moe", qk_norm=True, rope_theta=1000000.0, norm_topk_prob=True, router_aux_loss_coef=0.001)
+_MIXTRAL = dict(arch="mixtral", eps=1e-5, rope_theta=1000000.0, norm_topk_prob=True, router_aux_loss_coef=0.02)
+_OLMOE = dict(arch="olmoe", qk_norm=True, qk_norm_width="full", eps=1e-5, norm_topk_prob=False,
+              router_aux_loss_coef=0.01)
 
 PRESETS = {
     "llama-debug": LlamaConfig(vocab_size=512, n_positions=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -145,4 +205,16 @@ PRESETS = {
     # v0.3 shapes: no sliding window
     "mistral-7b": LlamaConfig(arch="mistral", vocab_size=32768, n_positions=32768, dim=4096, n_layers=32,
                               n_heads=32, n_kv_heads=8, mlp_hidden=14336, eps=1e-5, rope_theta=1000000.0),
+    # mixtures of experts (tiny ones for tests: 8 experts, top 2, width 32; the first Qwen3-MoE layer dense).
+    # Mixtral and OLMoE have no dense layer: their experts' width is HF's intermediate_size (mlp_hidden)
+    "qwen3-moe-debug": LlamaConfig(**_QWEN3_MOE, **_MOE_DEBUG, head_dim=24, mlp_only_layers=(0,)),
+    "mixtral-debug": LlamaConfig(**{**_MOE_DEBUG, "moe_hidden": 0, "mlp_hidden": 32}, **_MIXTRAL),
+    "olmoe-debug": LlamaConfig(**{**_MOE_DEBUG, "moe_hidden": 0, "mlp_hidden": 32}, **_OLMOE),
+    "qwen3-30b-a3b": LlamaConfig(**_QWEN3_MOE, vocab_size=151936, n_positions=40960, dim=2048, n_layers=48,
+                                 n_heads=32, n_kv_heads=4, head_dim=128, mlp_hidden=6144, n_experts=128,
+                                 experts_per_token=8, moe_hidden=768),
+    "mixtral-8x7b": LlamaConfig(**_MIXTRAL, vocab_size=32000, n_positions=32768, dim=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, mlp_hidden=14336, n_experts=8, experts_per_token=2),
+    "olmoe-1b-7b": LlamaConfig(**_OLMOE, vocab_size=50304, n_positions=4096, dim=2048, n_layers=16, n_heads=16,
+                               n_kv_heads=16, mlp_hidden=1024, n_experts=64, experts_per_token=8),
 }
