@@ -12,6 +12,9 @@ guesses a family itself.
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 
 from cuboid.parallel.cost.shape import Shape, register_shape
@@ -38,31 +41,68 @@ def family_of(model: nn.Module) -> Family:
 
 def _gpt_shape(c: GPTConfig) -> Shape:
     """GPT-2: fused qkv, a GELU MLP, the LM head tied to the token embedding."""
-    return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, c.vocab_size, c.n_positions, tied_head=c.head == "lm")
+    return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, c.vocab_size, c.n_positions, tied_head=c.head == "lm",
+                 **_counts(c))
 
 
 def _bert_shape(c: BertConfig) -> Shape:
     """BERT: GPT's block, an MLM head tied to the token embedding, the first token broadcast to a pooled head."""
     return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, c.vocab_size, c.n_positions, tied_head=c.head == "mlm",
-                 first_token_tensors=1)
+                 first_token_tensors=1, **_counts(c))
 
 
 def _vit_shape(c: ViTConfig) -> Shape:
     """ViT: no vocabulary; the patches and the class token are the sequence, whose first token (and its
     pre-norm residual) the classifier takes."""
     return Shape(c.n_layers, c.dim, c.n_heads, c.hidden, 0, c.n_patches + 1, tied_head=False,
-                 first_token_tensors=2)
+                 first_token_tensors=2, **_counts(c))
 
 
 def _llama_shape(c: LlamaConfig) -> Shape:
-    """Llama, Qwen2, Mistral, Qwen3, Gemma 3: grouped-query attention (head_dim apart from dim / heads), a gated
-    MLP, an LM head tied only when the config says; sliding-window layers counted with their window. Per-head q/k
-    norms and Gemma's extra norms are vectors the formulas leave out (under 0.01% of the parameters)."""
+    """Llama, Qwen2, Mistral, Qwen3, Gemma 3, and the mixture-of-experts Qwen3-MoE, Mixtral and OLMoE:
+    grouped-query attention (head_dim apart from dim / heads), a gated MLP (or, on a sparse layer, a router and
+    ``n_experts`` gated experts of ``moe_hidden`` of which each token takes ``experts_per_token``), an LM head
+    tied only when the config says; sliding-window layers counted with their window. Per-head q/k norms and
+    Gemma's extra norms are vectors the formulas leave out (under 0.01% of the parameters); the parameter
+    counts hold them."""
     windows = [c.window_of(i) for i in range(c.n_layers)]
     windowed = [w for w in windows if w]
+    experts = getattr(c, "n_experts", 0) or 0
+    sparse = sum(1 for i in range(c.n_layers) if c.is_sparse(i)) if experts else 0
     return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
                  tied_head=c.head == "lm" and c.tie_embeddings, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
-                 gated_mlp=True, window=max(windowed, default=0), window_layers=len(windowed))
+                 gated_mlp=True, window=max(windowed, default=0), window_layers=len(windowed),
+                 experts=experts, top_k=c.experts_per_token if experts else 0,
+                 expert_hidden=(c.moe_hidden or c.mlp_hidden) if experts else 0, sparse_layers=sparse, **_counts(c))
+
+
+EXPERTS = ".mlp.experts."  # the experts' parameters (moe.md: blocks.N.mlp.experts.gate_up / .down)
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(config) -> dict:
+    """``parameters`` and ``active_parameters`` of a config's model, counted on a meta build (exact by
+    construction: every parameter once, tied ones once). Active: a sparse layer's experts count ``k / E`` of
+    their parameters, the ``experts_per_token`` of ``n_experts`` a token goes to."""
+    from .common import count_parameters
+
+    model = _build_meta(config)
+    total = count_parameters(model)
+    experts = getattr(config, "n_experts", 0) or 0
+    idle = 0
+    if experts:
+        held = sum(p.numel() for n, p in model.named_parameters() if EXPERTS in f".{n}")
+        idle = held * (experts - config.experts_per_token) // experts
+    return {"parameters": total, "active_parameters": total - idle}
+
+
+def _build_meta(config) -> nn.Module:
+    fam = next(f for f in FAMILIES.values() if isinstance(config, _CONFIGS[f.name]))
+    with torch.device("meta"):
+        return fam.build(config)
+
+
+_CONFIGS = {"gpt": GPTConfig, "bert": BertConfig, "vit": ViTConfig, "llama": LlamaConfig}
 
 
 SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape}

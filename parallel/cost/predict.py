@@ -99,13 +99,16 @@ def tensor_axes(plan: Plan) -> tuple:
 
 
 def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch: int, seq: int) -> float:
-    """Seconds of a rank's FLOPs in a step: the blocks' linears, attention and the head, each at the profile's
-    rate times the efficiency of its smallest GEMM dimension (micro-batch tokens, tensor slice widths)."""
+    """Seconds of a rank's FLOPs in a step: the blocks' linears, the experts' grouped GEMMs, attention and the
+    head, each at the profile's rate times the efficiency of its smallest GEMM dimension (micro-batch tokens,
+    tensor slice widths; an expert's rows: the ``tokens x top_k x ep / experts`` the ``ep`` ranks send it)."""
     blocks, head = step_flops(shape, batch, seq, plan.checkpoint == "full", parts=True)
-    share = stage.blocks / max(shape.n_layers, 1)
+    layers = max(shape.n_layers, 1)
+    share = stage.blocks / layers
     per_rank = plan.dp * plan.tp * plan.sp
-    h, f, q, kv = shape.dim, shape.hidden, shape.q_dim, shape.kv_dim
-    linear = (2 * q + 2 * kv) * h + shape.mlp_matrices * h * f
+    h, f, q = shape.dim, shape.hidden, shape.q_dim
+    experts = shape.sparse_layers * shape.expert_macs() / layers  # per layer, averaged over the layers
+    linear = shape.linear_macs() / layers - experts
     attention = 2 * shape.attention_span(seq) * q
     m = plan.microbatches
     tokens = batch / plan.dp / m * seq / plan.sp / (plan.batch_parts or 1)
@@ -113,8 +116,12 @@ def compute_seconds(shape: Shape, plan: Plan, stage: Stage, hw: Hardware, batch:
     eff_linear = hw.efficiency(min(tokens, h / (1 if plan.tp_mode == "1d" else width), min(q, f) / width))
     eff_attention = hw.efficiency(seq / plan.sp)
     eff_head = hw.efficiency(min(tokens, h, shape.vocab_size / plan.tp)) if shape.vocab_size else 1.0
-    block_s = blocks * share / per_rank * (linear / (linear + attention) / eff_linear
-                                           + attention / (linear + attention) / eff_attention)
+    work = linear + experts + attention
+    block_share = linear / work / eff_linear + attention / work / eff_attention
+    if experts:
+        rows = tokens * shape.top_k * plan.ep / shape.experts
+        block_share += experts / work / hw.efficiency(min(rows, h, shape.expert_width))
+    block_s = blocks * share / per_rank * block_share
     head_s = head / per_rank / eff_head if stage.last else 0.0
     return (block_s + head_s) / hw.rate(plan.dtype)
 

@@ -33,6 +33,12 @@ class Shape:
                                   # (BERT 1; ViT 2: its pre-norm residual too)
     window: int = 0             # sliding-window attention's window (Mistral, Qwen2, Gemma 3); 0: none
     window_layers: int = 0      # how many of the n_layers blocks attend through that window
+    experts: int = 0            # experts of a sparse (mixture-of-experts) MLP; 0: every MLP dense
+    top_k: int = 0              # experts each token goes to
+    expert_hidden: int = 0      # one expert's gated-MLP width (0: hidden)
+    sparse_layers: int = 0      # how many of the n_layers blocks have the sparse MLP (the others ``hidden``'s dense one)
+    parameters: int = 0         # the model's parameters, exact (0: not given)
+    active_parameters: int = 0  # those one token uses: the router and top_k of each sparse layer's experts (0: not given)
 
     @classmethod
     def of(cls, model: Any) -> "Shape":
@@ -64,6 +70,51 @@ class Shape:
         local = 2 * self.window - self.window ** 2 / seq
         n = max(self.n_layers, 1)
         return ((n - self.window_layers) * seq + self.window_layers * local) / n
+
+    @property
+    def sparse(self) -> bool:
+        """Whether some blocks route tokens to experts (a mixture-of-experts model)."""
+        return self.experts > 0 and self.sparse_layers > 0
+
+    @property
+    def expert_width(self) -> int:
+        """One expert's MLP width."""
+        return self.expert_hidden or self.hidden
+
+    @property
+    def expert_matrices(self) -> int:
+        """Weight matrices of one expert: gate, up and down (the experts are gated MLPs)."""
+        return 3
+
+    def linear_macs(self) -> float:
+        """Multiply-adds per token of all blocks' linears: attention's q, k, v, o, and per layer the dense MLP or,
+        on a sparse layer, the router (``h E``) and the ``top_k`` experts a token goes to (``k 3 h I``: active
+        work, not all ``E`` experts')."""
+        h = self.dim
+        attention = (2 * self.q_dim + 2 * self.kv_dim) * h
+        sparse = self.sparse_layers if self.sparse else 0
+        dense_mlp = self.mlp_matrices * h * self.hidden
+        sparse_mlp = self.router_macs() + self.expert_macs()
+        return self.n_layers * attention + (self.n_layers - sparse) * dense_mlp + sparse * sparse_mlp
+
+    def router_macs(self) -> float:
+        """Multiply-adds per token of one sparse layer's router (``h E``); 0 for a dense model."""
+        return self.dim * self.experts if self.sparse else 0.0
+
+    def expert_macs(self) -> float:
+        """Multiply-adds per token of one sparse layer's experts: its ``top_k`` experts' gate, up and down."""
+        return self.top_k * self.expert_matrices * self.dim * self.expert_width if self.sparse else 0.0
+
+    def mlp_elements(self) -> float:
+        """Activation elements per token and hidden unit a block's MLP keeps for backward, averaged over the
+        layers, over a dense GELU MLP's ``9.5`` that Korthikanti et al.'s 17 count (``19 s b h`` bytes): a sparse
+        layer keeps its input and the ``top_k`` copies it sends (``(k + 1) h``), each copy's gate, up and
+        activation (``3 k I``), the experts' outputs before weighting (``k h``) and the router logits (``E``)."""
+        if not self.sparse:
+            return 0.0
+        h, k = self.dim, self.top_k
+        moe = ((2 * k + 1) * h + 3 * k * self.expert_width + self.experts) / h
+        return self.sparse_layers / max(self.n_layers, 1) * (moe - 9.5)
 
     @property
     def kv_dim(self) -> int:
@@ -142,11 +193,11 @@ def step_flops(shape: Shape, batch: int, seq: int, recompute: bool = False, *, p
     twice forward, recompute (whole blocks) one forward of the blocks more. Grouped-query attention
     and a gated MLP (Llama): ``2 B s ((2 q + 2 kv) h + 3 h f) + 4 B s^2 q`` with ``q``, ``kv`` the
     query and key widths; sliding-window layers put their span in place of one ``s``
-    (:meth:`Shape.attention_span`). ``parts``: (all blocks, head) apart."""
-    h, f = shape.dim, shape.hidden
-    q, kv = shape.q_dim, shape.kv_dim
+    (:meth:`Shape.attention_span`); a sparse layer's MLP is its router and the ``top_k`` experts each
+    token goes to, ``2 B s (h E + 3 k h I)`` (:meth:`Shape.linear_macs`). ``parts``: (all blocks, head) apart."""
+    h, q = shape.dim, shape.q_dim
     attention = 4 * batch * seq * q * (seq if not shape.window_layers else shape.attention_span(seq))
-    block = 2 * batch * seq * ((2 * q + 2 * kv) * h + shape.mlp_matrices * h * f) + attention
-    blocks = (3 + (1 if recompute else 0)) * shape.n_layers * block
+    forward = 2 * batch * seq * shape.linear_macs() + shape.n_layers * attention
+    blocks = (3 + (1 if recompute else 0)) * forward
     head = 3 * 2 * batch * seq * h * shape.vocab_size
     return (blocks, head) if parts else blocks + head
