@@ -1,0 +1,380 @@
+"""Grouped GEMM for mixture-of-experts: one matmul per group of rows, all groups in one launch.
+
+``y[rows of g] = x[rows of g] @ w[g].T`` for rows sorted by group: x (M, K),
+w (G, N, K) in ``nn.Linear`` layout (one expert's weight per group), and
+counts (G,) the number of rows of each group (zeros allowed: an expert with
+no token). Group g's rows are ``x[off[g]:off[g + 1]]`` with ``off`` the
+cumulative sum of counts, 0 first; ``sum(counts) == M``.
+
+Gradients: ``dx = grouped(dy, w)`` (the same product with each w[g] not
+transposed) and ``dw[g] = dy_g^T x_g`` (a reduction over the group's rows;
+zero for an empty group).
+
+**Triton path** (CUDA, or CPU under ``TRITON_INTERPRET=1``). Three launches'
+worth of work, two kernels:
+
+- ``_gmm_kernel`` computes ``out[rows of g] = a[rows of g] @ B_g`` where the
+  (R, C) operand ``B_g`` of group g is read through strides: ``w[g].T`` for
+  the forward, ``w[g]`` for dx. Programs own (BLOCK_M rows of one group) x
+  (BLOCK_N columns) tiles. Group g has ``cdiv(count_g, BLOCK_M)`` row tiles;
+  their prefix sum (a torch op on the device) gives each program its group by
+  counting the groups whose tiles end at or before its index, so the launch
+  needs no host sync: the grid is the upper bound ``cdiv(M, BLOCK_M) + G``
+  row tiles (each group wastes at most one partial tile), and programs past
+  the last tile return at once. This keeps the op traceable by torch.compile
+  (no ``.item()`` on counts).
+- ``_gmm_dw_kernel``: one program per (group, BLOCK_N x BLOCK_K tile of dw)
+  loops over the group's rows BLOCK_M at a time, ``acc += dy_tile^T x_tile``;
+  an empty group's loop runs zero times and stores zeros.
+
+Both accumulate in fp32 with ``tl.dot`` (tensor cores for fp16 / bf16;
+fp32 operands use ``input_precision="ieee"``, as torch's fp32 matmul does
+without TF32) and store in the inputs' dtype. Reads past ``M`` are masked, so
+counts summing past M cannot read out of bounds (the CPU path refuses them;
+the GPU path does not check, to stay free of host syncs).
+
+**Torch reference** (the CPU path, :func:`grouped_mm_ref`): no Python loop over
+groups. fp32 / fp16 / bf16 on CPU run ``torch._grouped_mm`` (one call each
+for forward, dx and dw), which wants 16-byte aligned strides: an operand whose
+row stride is not a multiple of 16 bytes is copied once into a buffer with a
+padded row (the op only reads the unpadded view). Other dtypes (float64) and
+devices scatter the rows into a zero-padded (G, max count, K) batch and run
+one ``torch.bmm`` (the padded-batch formulation; it reads ``max(counts)``, a
+host sync, acceptable for a reference).
+
+Launch configurations: one (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+per kernel and operand width (2-byte or fp32; fp32 tiles are halved in K to
+fit sm_80's shared memory); ``AUTOTUNE`` names a second entry per row that
+``bench/gpu.py`` can time and the compile gate compiles (nothing is tuned at
+import or launch time).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._backend import check_floating, check_same_dtype, interpreter_active, picked, resolve_backend
+
+Tensor = torch.Tensor
+_OP = "grouped_mm"
+_ALIGN = 16  # bytes: torch._grouped_mm's stride alignment
+MAX_GROUPS = 1024  # groups one launch takes (the group lookup holds every group's tile offset in registers)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); entry 0 is the launcher's, entry 1 the autotune alternative
+_MM_CFG = {2: ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3)), 4: ((64, 128, 32, 4, 3), (128, 128, 32, 8, 3))}
+_DW_CFG = {2: ((64, 128, 64, 4, 3), (64, 128, 128, 8, 3)), 4: ((32, 128, 32, 4, 3), (64, 128, 64, 8, 2))}
+# op -> number of GPU autotune entries (cuboid.kernels._backend.autotune_pick("grouped_mm", i))
+AUTOTUNE = {_OP: 2}
+
+
+# ----------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gmm_kernel(
+    A,  # (M, R) rows sorted by group, strides (stride_am, stride_ar)
+    B,  # group g's (R, C) operand at B + g * stride_bg, strides (stride_br, stride_bc)
+    OUT,  # (M, C) output, row stride stride_om, unit column stride
+    OFFS,  # (G + 1,) int64 row offsets: group g's rows are [OFFS[g], OFFS[g + 1])
+    TILE_OFFS,  # (G + 1,) int64 prefix sums of cdiv(count_g, BLOCK_M): group g's row tiles
+    M, R, C, G,
+    stride_am, stride_ar, stride_bg, stride_br, stride_bc, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs; bf16 in the interpreter)
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
+):
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    gs = tl.arange(0, BLOCK_G)
+    ends = tl.load(TILE_OFFS + 1 + gs, mask=gs < G, other=2 ** 62)  # tile end of each group
+    g = tl.sum((ends <= t).to(tl.int32), axis=0)  # groups that end at or before tile t: t's group
+    if g < G:
+        tile0 = tl.load(TILE_OFFS + g)
+        row_end = tl.minimum(tl.load(OFFS + g + 1), M)
+        rows = tl.load(OFFS + g) + (t - tile0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < C
+        ks0 = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows[:, None] * stride_am
+        b_ptrs = B + g.to(tl.int64) * stride_bg + cols[None, :] * stride_bc
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, R, BLOCK_K):
+            ks = k0 + ks0
+            k_ok = ks < R
+            a = tl.load(a_ptrs + ks[None, :] * stride_ar, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs + ks[:, None] * stride_br, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gmm_dw_kernel(
+    DY,  # (M, N) output gradient rows, strides (stride_dym, stride_dyn)
+    X,  # (M, K) input rows, strides (stride_xm, stride_xk)
+    DW,  # (G, N, K) weight gradient, contiguous
+    OFFS,  # (G + 1,) int64 row offsets
+    M, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    n_k = tl.cdiv(K, BLOCK_K)
+    ns = (pid // n_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = ns < N
+    k_ok = ks < K
+    start = tl.load(OFFS + g)
+    end = tl.minimum(tl.load(OFFS + g + 1), M)
+    rows0 = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_M):  # zero trips for an empty group: dw[g] = 0
+        rows = r0 + rows0
+        r_ok = rows < end
+        dy = tl.load(DY + rows[:, None] * stride_dym + ns[None, :] * stride_dyn, mask=r_ok[:, None] & n_ok[None, :],
+                     other=0.0)  # (BLOCK_M, BLOCK_N)
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # (BLOCK_M, BLOCK_K)
+        if UPCAST:
+            dy = dy.to(tl.float32)
+            x = x.to(tl.float32)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PRECISION)
+    dw_ptrs = DW + g.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+    tl.store(dw_ptrs, acc.to(DW.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+# ----------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------
+
+
+def _on_device(t: Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_active())
+    return dict(UPCAST=upcast, PRECISION="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _cfg(table: dict, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
+    return picked(_OP, table[4 if dtype == torch.float32 else 2])
+
+
+def _offsets(counts: Tensor, block_m: int = 1) -> Tensor:
+    """(G + 1,) int64: 0, then the prefix sums of ``cdiv(counts, block_m)`` (row offsets for block_m = 1)."""
+    c = counts.to(torch.int64)
+    if block_m > 1:
+        c = (c + (block_m - 1)) // block_m
+    return F.pad(torch.cumsum(c, 0), (1, 0))
+
+
+def _mm_triton(a: Tensor, b: Tensor, counts: Tensor, transpose_b: bool) -> Tensor:
+    """``out[rows of g] = a[rows of g] @ (b[g].T if transpose_b else b[g])`` for b (G, P, Q)."""
+    M, R = a.shape
+    G = b.shape[0]
+    C = b.shape[1] if transpose_b else b.shape[2]
+    out = torch.empty((M, C), dtype=a.dtype, device=a.device)
+    if M == 0 or C == 0:
+        return out
+    if R == 0:
+        return out.zero_()
+    block_m, block_n, block_k, warps, stages = _cfg(_MM_CFG, a.dtype)
+    stride_br, stride_bc = (b.stride(2), b.stride(1)) if transpose_b else (b.stride(1), b.stride(2))
+    grid = (triton.cdiv(M, block_m) + G, triton.cdiv(C, block_n))
+    with _on_device(a):
+        _gmm_kernel[grid](a, b, out, _offsets(counts), _offsets(counts, block_m), M, R, C, G,
+                          a.stride(0), a.stride(1), b.stride(0), stride_br, stride_bc, out.stride(0),
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          BLOCK_G=max(16, triton.next_power_of_2(G)), **_dot_flags(a.dtype),
+                          num_warps=warps, num_stages=stages)
+    return out
+
+
+def _dw_triton(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
+    """``dw[g] = dy_g^T x_g`` as (G, N, K) in x's dtype; zeros for empty groups."""
+    M, N = dy.shape
+    K = x.shape[1]
+    G = counts.shape[0]
+    if M == 0 or N * K == 0:
+        return torch.zeros((G, N, K), dtype=x.dtype, device=x.device)
+    dw = torch.empty((G, N, K), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = _cfg(_DW_CFG, x.dtype)
+    grid = (triton.cdiv(N, block_n) * triton.cdiv(K, block_k), G)
+    with _on_device(x):
+        _gmm_dw_kernel[grid](dy, x, dw, _offsets(counts), M, N, K, dy.stride(0), dy.stride(1), x.stride(0),
+                             x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                             **_dot_flags(x.dtype), num_warps=warps, num_stages=stages)
+    return dw
+
+
+# ----------------------------------------------------------------------------
+# Torch reference (also the CPU path)
+# ----------------------------------------------------------------------------
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t`` itself when torch._grouped_mm takes its strides (unit last stride, the others multiples of 16 bytes,
+    no stride 0), else a copy into a buffer whose rows are padded to 16 bytes, viewed back at t's shape."""
+    size = t.element_size()
+    if (t.stride(-1) == 1 and t.data_ptr() % _ALIGN == 0
+            and all(s * size % _ALIGN == 0 and s > 0 for s in t.stride()[:-1])):
+        return t
+    width = t.shape[-1]
+    padded = -(-max(width, 1) * size // _ALIGN) * _ALIGN // size
+    buf = t.new_empty((*t.shape[:-1], padded))
+    buf[..., :width] = t
+    return buf[..., :width]
+
+
+def _use_grouped_mm(t: Tensor) -> bool:
+    return (t.device.type == "cpu" and t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and hasattr(torch, "_grouped_mm"))
+
+
+def _gmm(a: Tensor, b: Tensor, offs32: Tensor) -> Tensor:
+    """torch._grouped_mm on aligned operands, returned contiguous."""
+    return torch._grouped_mm(a, b, offs=offs32).contiguous()
+
+
+class _GroupedMMTorchFunction(torch.autograd.Function):
+    """The CPU path: three torch._grouped_mm calls (forward, dx, dw); autograd's own backward of that op refuses
+    expanded (stride-0) gradients and unaligned widths."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        offs32 = torch.cumsum(counts, 0).to(torch.int32)
+        xa, wa = _aligned(x), _aligned(w)
+        ctx.save_for_backward(xa, wa, offs32)
+        return _gmm(xa, wa.transpose(1, 2), offs32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        xa, wa, offs32 = ctx.saved_tensors
+        dya = _aligned(dy.to(xa.dtype))
+        dx = _gmm(dya, wa, offs32) if ctx.needs_input_grad[0] else None
+        dw = _gmm(dya.t(), xa, offs32) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _padded_batch(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """Any dtype or device: rows scattered into a zero-padded (G, max count, K) batch, one bmm, rows gathered
+    back. Differentiable by autograd (index_put, bmm, indexing)."""
+    M, K = x.shape
+    G = w.shape[0]
+    c = counts.to(torch.int64)
+    group = torch.repeat_interleave(torch.arange(G, device=x.device), c, output_size=M)
+    pos = torch.arange(M, device=x.device) - (torch.cumsum(c, 0) - c)[group]
+    width = int(c.max())
+    batch = x.new_zeros((G, width, K)).index_put((group, pos), x)
+    return torch.bmm(batch, w.transpose(1, 2))[group, pos]
+
+
+def _ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    if _use_grouped_mm(x):
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _GroupedMMTorchFunction.apply(x, w, counts)
+        offs32 = torch.cumsum(counts, 0).to(torch.int32)
+        return _gmm(_aligned(x), _aligned(w).transpose(1, 2), offs32)
+    return _padded_batch(x, w, counts)
+
+
+# ----------------------------------------------------------------------------
+# Checks
+# ----------------------------------------------------------------------------
+
+
+def _check(x, w, counts, *, triton_path: bool) -> None:
+    for name, t in (("x", x), ("w", w), ("counts", counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) + (() if triton_path else (torch.float64,))
+    check_floating(_OP, "x", x, dtypes)
+    check_floating(_OP, "w", w, dtypes)
+    check_same_dtype(_OP, x=x, w=w)
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{_OP}: x must be (M, K) and w (G, N, K), got x {tuple(x.shape)} and w {tuple(w.shape)}")
+    if x.shape[1] != w.shape[2]:
+        raise ValueError(f"{_OP}: x has {x.shape[1]} columns but w's groups take K={w.shape[2]} (w is (G, N, K), "
+                         f"the nn.Linear layout)")
+    if counts.dim() != 1 or counts.shape[0] != w.shape[0] or counts.dtype.is_floating_point or counts.is_complex():
+        raise ValueError(f"{_OP}: counts must be a 1-D integer tensor of one count per group (G={w.shape[0]}), got "
+                         f"{str(counts.dtype).replace('torch.', '')} {tuple(counts.shape)}")
+    if counts.device != x.device:
+        raise ValueError(f"{_OP}: counts must be on x's device ({x.device}), got {counts.device}")
+    if w.shape[0] == 0:
+        raise ValueError(f"{_OP}: w has no groups (G=0); give at least one group")
+    if triton_path and w.shape[0] > MAX_GROUPS:
+        raise ValueError(f"{_OP}: {w.shape[0]} groups exceed the Triton path's {MAX_GROUPS}; split the call")
+    if x.device.type == "cpu":  # free on CPU; on the GPU this would be a host sync
+        total = int(counts.sum())
+        if total != x.shape[0] or bool((counts < 0).any()):
+            raise ValueError(f"{_OP}: counts must be >= 0 and sum to x's {x.shape[0]} rows, got sum {total} "
+                             f"(min {int(counts.min())})")
+
+
+# ----------------------------------------------------------------------------
+# Autograd Function and public functions
+# ----------------------------------------------------------------------------
+
+
+class _GroupedMMFunction(torch.autograd.Function):
+    """Triton forward, dx (the same kernel reading each w[g] untransposed) and dw (per-group reduction)."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts):
+        ctx.save_for_backward(x, w, counts)
+        return _mm_triton(x, w, counts, transpose_b=True)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w, counts = ctx.saved_tensors
+        dy = dy.to(x.dtype)
+        dx = _mm_triton(dy, w, counts, transpose_b=False) if ctx.needs_input_grad[0] else None
+        dw = _dw_triton(dy, x, counts) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def grouped_mm_ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """Plain-torch grouped matmul ``y[rows of g] = x[rows of g] @ w[g].T`` (no loop over groups; see the module
+    docstring). fp32 / fp16 / bf16 / float64; differentiable w.r.t. x and w."""
+    _check(x, w, counts, triton_path=False)
+    return _ref(x, w, counts)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] = None) -> Tensor:
+    """The experts' matmul: ``y[rows of g] = x[rows of g] @ w[g].T`` for rows sorted by group.
+
+    Args:
+        x: (M, K) rows sorted by group; group g's rows are ``x[off[g]:off[g + 1]]``, ``off`` the cumulative sum
+            of ``counts`` with 0 first.
+        w: (G, N, K), one ``nn.Linear`` weight per group, x's dtype (fp32 / fp16 / bf16).
+        counts: (G,) integer tensor on x's device, >= 0, summing to M (zeros: empty groups). The Triton path
+            reads it on the device only (no host sync), so the call traces under torch.compile.
+        backend: ``"triton"``, ``"torch"`` or None (automatic, see :func:`cuboid.kernels.resolve_backend`).
+
+    Returns (M, N) in x's dtype (fp32 accumulation), differentiable w.r.t. x and w: ``dx = dy_g @ w[g]``,
+    ``dw[g] = dy_g^T x_g`` (zero for an empty group).
+    """
+    for name, t in (("x", x), ("w", w), ("counts", counts)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    chosen = resolve_backend(_OP, [x, w, counts], backend)
+    _check(x, w, counts, triton_path=chosen == "triton")
+    if chosen == "torch":
+        return _ref(x, w, counts)
+    return _GroupedMMFunction.apply(x, w, counts)
