@@ -64,10 +64,38 @@ def backend_table() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def model_rows(model: str) -> list[tuple[str, str]]:
+    """(what, value) rows of a preset or model folder: its parameters, and for a mixture of experts the active
+    ones (what a token uses: the router and ``experts_per_token`` of each sparse layer's experts) and its
+    experts. Counted on the meta device: nothing is allocated or read but the config."""
+    from cuboid.parallel.cost import Shape
+    from cuboid.planner import config_of
+
+    shape = Shape.of(config_of(model))
+    rows = [("layers", str(shape.n_layers)), ("parameters", _count(shape.parameters))]
+    if shape.sparse:
+        share = shape.active_parameters / shape.parameters
+        rows += [("active parameters", f"{_count(shape.active_parameters)}, {share:.1%} of them (per token)"),
+                 ("experts", f"{shape.experts} per sparse layer, {shape.top_k} per token, width "
+                             f"{shape.expert_width}; {shape.sparse_layers} of {shape.n_layers} layers sparse")]
+    return rows
+
+
+def _count(n: int) -> str:
+    """``30,532,122,624 (30.5B)``."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n:,} ({n / size:.3g}{unit})"
+    return f"{n:,}"
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from cuboid.kernels import interpreter_active
     from cuboid.tables import table
 
+    if args.model:
+        print(table(model_rows(args.model), ("model", args.model)))
+        return 0
     print("cuboid environment\n")
     print(table(_versions(), ("package", "version")))
     print()
@@ -87,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(data and 1D/2D/2.5D/3D tensor parallelism) on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_finetune(sub)
-    p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here")
+    p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here; with "
+                                         "--model, a model's parameters (a mixture of experts': total and active)")
+    p_info.add_argument("--model", default=None, help="a preset name or a model folder: print its parameter "
+                                                      "counts (total, and active per token for experts) instead")
     p_info.set_defaults(func=cmd_info)
     from cuboid.plans_cmd import add_parser as add_plans
 

@@ -61,6 +61,20 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
     return out
 
 
+def expert_exchange_bytes(tokens: float, top_k: int, dim: int, elem: int, ep: int) -> float:
+    """Bytes one rank sends in one expert all-to-all of a sparse layer: ``tokens x top_k x dim x elem x
+    (ep - 1) / ep``.
+
+    Each of the rank's ``tokens`` goes to ``top_k`` experts as a row of ``dim`` elements of ``elem`` bytes; the
+    experts are split evenly over the ``ep`` ranks, so under even routing ``(ep - 1) / ep`` of those rows live
+    on another rank (the rest stay here and are not counted, as :mod:`cuboid.parallel.comm` counts an
+    all-to-all). The combine sends as many rows back. A sparse layer makes four such exchanges per micro-batch
+    (dispatch and combine in forward, their gradients in backward) and two more when its forward is
+    recomputed. Exact for a routing that sends each rank's choices evenly over the ranks; a skewed routing
+    sends more or less (``bench/moe.py`` measures it)."""
+    return tokens * top_k * dim * elem * (ep - 1) / ep if ep > 1 else 0.0
+
+
 def engine_config(shape: Shape) -> SimpleNamespace:
     """What :func:`cuboid.parallel.tensor.engine.step_parts` reads of a model, from ``shape``. It prices two
     block layouts, told apart by ``n_kv_heads``: GPT's (fused qkv, LayerNorm, fc and proj, a position table)
