@@ -148,6 +148,30 @@ class Reshaped:
         return rows.reshape(rows.shape[0], *self.shape[1:])[(slice(None), *rest)]
 
 
+class PerExpert:
+    """One stored tensor per expert and part (gate, up; or down) seen as the zoo's (E, rows, cols) experts
+    tensor: expert e is its ``per`` parts concatenated on their rows. A slice of dim 0 reads only those
+    experts' tensors (expert parallelism), a slice of dim 1 only the rows of the parts it covers."""
+
+    def __init__(self, parts: Sequence[Any], per: int) -> None:
+        if len(parts) % per:
+            raise ValueError(f"{len(parts)} stored tensors do not split into experts of {per} parts")
+        self.experts = [Stacked(parts[i:i + per]) for i in range(0, len(parts), per)]
+
+    def get_shape(self) -> list:
+        return [len(self.experts), *self.experts[0].get_shape()]
+
+    def get_dtype(self):
+        return self.experts[0].get_dtype()
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        first, *rest = _slices(idx, self.get_shape())
+        chosen = [e[tuple(rest)] for e in self.experts[first]]
+        if not chosen:
+            return self.experts[0][tuple(rest)][None][:0]
+        return torch.stack(chosen, 0)
+
+
 @dataclass(frozen=True)
 class TensorMap:
     """One zoo parameter <- HF tensors, with the transforms both ways.
@@ -178,6 +202,15 @@ def stacked(zoo: str, hf: Sequence[str]) -> TensorMap:
     """Separate q/k/v tensors stacked on dim 0 into the fused qkv."""
     n = len(hf)
     return TensorMap(zoo, tuple(hf), Stacked, lambda t: [c.contiguous() for c in t.chunk(n, 0)])
+
+
+def per_expert(zoo: str, hf: Sequence[str], per: int) -> TensorMap:
+    """An experts tensor (E, rows, cols) from one stored tensor per expert and part (``hf`` expert-major:
+    expert 0's ``per`` parts, then expert 1's, ...), each part a block of rows (gate then up)."""
+    def to_hf(t: torch.Tensor) -> Tensors:
+        return [c.contiguous() for e in t for c in e.chunk(per, 0)]
+
+    return TensorMap(zoo, tuple(hf), lambda s: PerExpert(s, per), to_hf)
 
 
 def reshaped(zoo: str, hf: str, zoo_shape: Sequence[int], hf_shape: Sequence[int]) -> TensorMap:

@@ -1,10 +1,15 @@
 """Llama family <-> Hugging Face Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 (text) (causal LM, sequence
-classification, base model)."""
+classification, base model) and Qwen3-MoE / Mixtral / OLMoE (causal LM).
+
+The experts are stored as published checkpoints store them and as transformers 5's ``save_pretrained`` writes
+them: one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down)), the router as ``mlp.gate.weight``
+(Mixtral: ``block_sparse_moe.gate.weight``)."""
 from __future__ import annotations
 
 from typing import Optional
 
-from cuboid.zoo.hf_io import Family, TensorMap
+from cuboid.zoo.hf_io import Family, TensorMap, per_expert
 
 from .config import FULL, SLIDING, LlamaConfig, gemma3_layers
 from .model import Llama
@@ -17,6 +22,8 @@ ARCHITECTURES = {f"{name}{suffix}": {"head": head, "arch": arch, **({"prefixed":
 GEMMA3 = {"Gemma3ForCausalLM": "lm", "Gemma3TextForSequenceClassification": "cls", "Gemma3TextModel": "none"}
 ARCHITECTURES.update({name: {"head": head, "arch": "gemma3", **({"prefixed": False} if head == "none" else {})}
                       for name, head in GEMMA3.items()})
+MOE = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+ARCHITECTURES.update({name: {"head": "lm", "arch": arch} for arch, name in MOE.items()})
 
 
 def rope_scaling_of(scaling, where: str = "rope_scaling"):
@@ -59,6 +66,8 @@ def config_from_hf(d: dict, arch_name: str) -> LlamaConfig:
     arch = spec["arch"]
     if arch == "gemma3":
         return config_from_gemma3(d, arch_name, spec["head"])
+    if arch in MOE:
+        return config_from_moe(d, arch_name, arch)
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
@@ -86,9 +95,72 @@ def _common(d: dict, arch_name: str, head: str) -> dict:
         dropout=float(d.get("attention_dropout") or 0.0))
 
 
+def config_from_moe(d: dict, arch_name: str, arch: str) -> LlamaConfig:
+    """Qwen3MoeConfig, MixtralConfig, OlmoeConfig: the experts' fields; a window on every layer (Qwen3-MoE with
+    use_sliding_window, Mixtral) or none (OLMoE)."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
+    for key in ("router_jitter_noise", "clip_qkv"):  # Mixtral's training noise, OLMoE's clipping
+        if d.get(key):
+            raise ValueError(f"{arch_name} with {key}={d[key]!r} is not supported (set it to 0 or null)")
+    window = d.get("sliding_window") if arch == "mixtral" or d.get("use_sliding_window", False) else None
+    experts = d.get("num_local_experts") if arch == "mixtral" else d.get("num_experts", d.get("num_local_experts"))
+    moe = dict(n_experts=experts, experts_per_token=d.get("num_experts_per_tok", 2),
+               norm_topk_prob=bool(d.get("norm_topk_prob", arch != "olmoe")),
+               router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+               output_router_logits=bool(d.get("output_router_logits", False)))
+    if arch == "qwen3_moe":
+        moe.update(moe_hidden=d["moe_intermediate_size"], sparse_step=d.get("decoder_sparse_step", 1),
+                   mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
+    return LlamaConfig(**_common(d, arch_name, "lm"), **moe, rope_theta=_rope_theta(d), rope_scaling=_rope_scaling(d),
+                       attention_bias=bool(d.get("attention_bias", False)), arch=arch, qk_norm=arch != "mixtral",
+                       qk_norm_width="full" if arch == "olmoe" else "head", sliding_window=window)
+
+
+def config_to_moe(c: LlamaConfig) -> dict:
+    """Qwen3MoeConfig, MixtralConfig or OlmoeConfig of a mixture-of-experts config."""
+    want_norm = {"qwen3_moe": (True, "head"), "mixtral": (False, "head"), "olmoe": (True, "full")}[c.arch]
+    if c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None or c.logit_softcap is not None \
+            or c.rope_local_theta is not None or c.mlp_bias or c.layer_types is not None \
+            or (c.qk_norm, c.qk_norm_width if c.qk_norm else "head") != want_norm:
+        raise ValueError(f"a {MOE[c.arch]} export has SwiGLU experts, no Gemma options, no mlp_bias, the same "
+                         f"window on every layer, and qk_norm/qk_norm_width {want_norm}")
+    d = {
+        "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
+        "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "head_dim": c.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": c.eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope,
+        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
+        "pad_token_id": c.pad_token_id, "num_experts_per_tok": c.experts_per_token,
+        "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": c.output_router_logits,
+    }
+    if c.arch == "qwen3_moe":
+        d.update(num_experts=c.n_experts, moe_intermediate_size=c.expert_hidden, norm_topk_prob=c.norm_topk_prob,
+                 decoder_sparse_step=c.sparse_step, mlp_only_layers=list(c.mlp_only_layers),
+                 attention_bias=c.attention_bias, use_sliding_window=c.sliding_window is not None,
+                 sliding_window=c.sliding_window)
+        return d
+    if c.sparse_layers != tuple(range(c.n_layers)) or c.moe_hidden not in (0, c.mlp_hidden):
+        raise ValueError(f"a {MOE[c.arch]} export has sparse layers only, experts as wide as mlp_hidden")
+    if c.arch == "mixtral":
+        if c.attention_bias or not c.norm_topk_prob:
+            raise ValueError("a Mixtral export has no attention bias and normalised top-k weights (norm_topk_prob)")
+        d.update(num_local_experts=c.n_experts, sliding_window=c.sliding_window, router_jitter_noise=0.0)
+        return d
+    if c.sliding_window is not None:
+        raise ValueError("an OLMoE export has no sliding window")
+    d.update(num_experts=c.n_experts, norm_topk_prob=c.norm_topk_prob, attention_bias=c.attention_bias, clip_qkv=None)
+    return d
+
+
 def config_to_hf(c: LlamaConfig) -> dict:
     if c.arch == "gemma3":
         return config_to_gemma3(c)
+    if c.arch in MOE:
+        if c.head != "lm":
+            raise ValueError(f"{MOE[c.arch]} exports a causal LM head only, got head {c.head!r}")
+        return config_to_moe(c)
     d = {
         "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
         "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
@@ -187,6 +259,8 @@ def config_to_gemma3(c: LlamaConfig) -> dict:
 
 
 def architecture_of(c: LlamaConfig) -> str:
+    if c.arch in MOE:
+        return MOE[c.arch]
     if c.arch == "gemma3":
         return {v: k for k, v in GEMMA3.items()}[c.head]
     return _NAMES[c.arch] + {v: k for k, v in _HEADS.items()}[c.head]
@@ -211,6 +285,9 @@ def tensor_maps(c: LlamaConfig) -> list[TensorMap]:
         for zn in ("q", "k", "v"):
             rows += _linear(z + f"attn.{zn}", h + f"self_attn.{zn}_proj", c.attention_bias)
         rows += _linear(z + "attn.proj", h + "self_attn.o_proj", False)
+        if c.is_sparse(i):
+            rows += _expert_maps(c, z + "mlp.", h)
+            continue
         for zn, hn in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
             rows += _linear(z + f"mlp.{zn}", h + f"mlp.{hn}", c.mlp_bias)
     if c.head == "lm" and not c.tie_embeddings:
@@ -218,6 +295,18 @@ def tensor_maps(c: LlamaConfig) -> list[TensorMap]:
     elif c.head == "cls":
         rows.append(TensorMap("classifier.weight", ("score.weight",), top=True))
     return rows
+
+
+def _expert_maps(c: LlamaConfig, z: str, h: str) -> list[TensorMap]:
+    """A sparse layer's router and experts (``z``: the zoo's ``blocks.N.mlp.``, ``h``: HF's ``layers.N.``)."""
+    if c.arch == "mixtral":
+        h, gate, up, down = h + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        h, gate, up, down = h + "mlp.", "gate_proj", "up_proj", "down_proj"
+    experts = range(c.n_experts)
+    return [TensorMap(z + "router.weight", (h + "gate.weight",)),
+            per_expert(z + "experts.gate_up", [f"{h}experts.{e}.{p}.weight" for e in experts for p in (gate, up)], 2),
+            per_expert(z + "experts.down", [f"{h}experts.{e}.{down}.weight" for e in experts], 1)]
 
 
 FAMILY = Family(

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3): RoPE, RMSNorm, a gated MLP, grouped-query
-attention, and the options Qwen3 and Gemma 3 add (q/k norms, sliding-window layers, sandwich norms)."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE): RoPE, RMSNorm, a
+gated MLP, grouped-query attention, and the options Qwen3 and Gemma 3 add (q/k norms, sliding-window layers,
+sandwich norms) and the mixtures of experts' sparse layers (zoo/llama/moe.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -11,9 +12,11 @@ import cuboid.kernels as kernels
 from cuboid.parallel import layers as L
 from cuboid.parallel.head import lazy
 from cuboid.parallel.mask import Mask
+from cuboid.parallel.moe import recording
 from cuboid.zoo.common import Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, pre_norm
 
 from .config import LlamaConfig
+from .moe import SparseMLP, recorder_for, with_router_outputs
 from .parts import GemmaRMSNorm, rotary
 
 
@@ -33,8 +36,9 @@ class Attention(nn.Module):
     """Grouped-query self-attention: q (H heads), k and v (Hkv heads, each shared by H / Hkv query heads),
     rotated by RoPE in the attention core. Head counts are read off the (possibly sharded) projections.
 
-    Layer ``layer``'s options: ``q_norm``/``k_norm`` over each head's features before RoPE (Qwen3, Gemma 3),
-    the sliding window of its core, and a sliding layer's own RoPE base (Gemma 3's local layers)."""
+    Layer ``layer``'s options: ``q_norm``/``k_norm`` over each head's features before RoPE (Qwen3, Gemma 3) or
+    over all heads' features before the split into heads (OLMoE: ``qk_norm_width="full"``), the sliding window
+    of its core, and a sliding layer's own RoPE base (Gemma 3's local layers)."""
 
     def __init__(self, c: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
@@ -42,9 +46,10 @@ class Attention(nn.Module):
         self.q = L.Linear(c.dim, c.n_heads * d, bias=c.attention_bias)
         self.k = L.Linear(c.dim, c.n_kv_heads * d, bias=c.attention_bias)
         self.v = L.Linear(c.dim, c.n_kv_heads * d, bias=c.attention_bias)
+        self.full_qk_norm = c.qk_norm and c.qk_norm_width == "full"
         if c.qk_norm:
-            self.q_norm = norm_class(c)(d, c.eps)
-            self.k_norm = norm_class(c)(d, c.eps)
+            self.q_norm = norm_class(c)(c.n_heads * d if self.full_qk_norm else d, c.eps)
+            self.k_norm = norm_class(c)(c.n_kv_heads * d if self.full_qk_norm else d, c.eps)
         window = c.window_of(layer)
         if window is not None and c.rope_local_theta is not None:  # a local layer: its own base, unscaled
             self.rope = L.Rotary(d, c.rope_local_theta)
@@ -59,8 +64,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, mask: Optional[Mask] = None) -> torch.Tensor:
         q, k, v = linears(x, (self.q, self.k, self.v))  # (B, T, H * D), (B, T, Hkv * D) twice
         B, T, _ = q.shape
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))  # (B, T, heads, D)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale is not None:
             q = q * self.q_scale
@@ -104,7 +111,7 @@ class LlamaBlock(nn.Module):
         self.ln1 = norm(c.dim, c.eps)
         self.attn = Attention(c, layer)
         self.ln2 = norm(c.dim, c.eps)
-        self.mlp = GatedMLP(c)
+        self.mlp = SparseMLP(c) if c.is_sparse(layer) else GatedMLP(c)
         if c.gemma_norms:
             self.post_ln1 = norm(c.dim, c.eps)
             self.post_ln2 = norm(c.dim, c.eps)
@@ -135,8 +142,8 @@ class Llama(Decoder):
         return count_targets(batch.get("labels"), shift=self.config.head == "lm")
 
     def init_weights(self, seed: int = 0) -> None:
-        """HF Llama init: N(0, init_std) for linear and embedding weights, zero biases, norms 1 (Gemma's norms,
-        which scale by 1 + weight: 0)."""
+        """HF Llama init: N(0, init_std) for linear and embedding weights, routers and experts, zero biases,
+        norms 1 (Gemma's norms, which scale by 1 + weight: 0)."""
         std = self.config.init_std
         norm_init = "zeros" if self.config.gemma_norms else "ones"
 
@@ -150,15 +157,31 @@ class Llama(Decoder):
         init_parameters(self, rule, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                output_router_logits: Optional[bool] = None) -> Output:
         """``position_ids`` (B, T) or (1, T): the rotary positions (HF's), restarting at 0 at each document of a
-        packed row (attention stays inside each document); 0 .. T-1 when not given."""
+        packed row (attention stays inside each document); 0 .. T-1 when not given.
+
+        With sparse layers the output also has ``aux_loss`` and, when ``output_router_logits`` (default: the
+        config's), ``router_logits``, and ``loss`` includes ``router_aux_loss_coef * aux_loss`` (transformers')."""
         x = self.embed(input_ids)  # (B, T, C)
         mask = attention_mask_of(input_ids, attention_mask, position_ids)
+        routed = self.config.output_router_logits if output_router_logits is None else output_router_logits
+        recorder = recorder_for(self.config, input_ids, attention_mask, keep_logits=routed)
+        if recorder is None:
+            x, residual = self.run_blocks(x, mask)
+            return self.head(x, residual, labels, last=self.last_tokens(input_ids))
+        with recording(recorder):
+            x, residual = self.run_blocks(x, mask)
+        out = self.head(x, residual, labels, last=self.last_tokens(input_ids))
+        return with_router_outputs(self.config, out, recorder, labels, add_loss=routed)
+
+    def run_blocks(self, x: torch.Tensor, mask: Optional[Mask]) -> tuple:
+        """The blocks on the embeddings: ``(x, residual)``, the hidden state being their sum."""
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)
-        return self.head(x, residual, labels, last=self.last_tokens(input_ids))
+        return x, residual
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: (B, T) ids -> (B, T, C); positions enter as rotations inside attention."""
