@@ -12,7 +12,8 @@ prints, logs and draws. Outputs in ``output_dir``:
   ``overwrite_output_dir`` (:mod:`cuboid.resume`);
 - ``cuboid-run.json``: the id of the run that last started here;
 - ``final/``: the trained model as a Hugging Face folder (config.json +
-  safetensors [+ tokenizer]) that ``transformers`` loads;
+  safetensors [+ tokenizer]) that ``transformers`` loads, or a LoRA run's adapters (+ tokenizer) that
+  ``peft`` loads; either written atomically under a commit record of every file's SHA-256;
 - ``metrics.jsonl``: one JSON object per logged step and per eval;
 - ``curves.png``: train/eval loss and the task metric (needs matplotlib, :mod:`cuboid.curves`).
 
@@ -503,14 +504,13 @@ def finish(r: Run) -> dict:
     cfg = r.cfg
     final_ckpt = save(r, r.steps)
     final = r.output_dir / "final"
+    # every rank takes part (gathers); one writes, the tokenizer inside the commit; replaced atomically
     if cfg.lora is not None:  # peft.PeftModel.from_pretrained(base, final) reads it
         from cuboid.zoo.lora import save_adapters
 
         save_adapters(r.model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
-                      and os.path.isdir(cfg.model) else None)
-        if r.mesh.is_main and r.tokenizer is not None:
-            r.tokenizer.save_pretrained(str(final))
-    else:  # every rank takes part (gathers); one writes, the tokenizer inside the commit; replaced atomically
+                      and os.path.isdir(cfg.model) else None, tokenizer=r.tokenizer)
+    else:
         ckpt.save(r.model, final, tokenizer=r.tokenizer)
     r.mesh.barrier()
     summary = {"step": r.steps, "task": r.task, **r.last_eval, "checkpoint": str(final_ckpt.resolve()),

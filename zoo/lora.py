@@ -11,8 +11,10 @@
 - :func:`save_adapters` / :func:`load_adapters`: ``adapter_config.json`` +
   ``adapter_model.safetensors`` under peft's names for the model's Hugging
   Face architecture (``base_model.model.<HF module>.lora_A.weight``), so
-  ``peft.PeftModel.from_pretrained(base, folder)`` loads them; loads under
-  any plan (each rank keeps its slices). A fused qkv (BERT, ViT, whose HF
+  ``peft.PeftModel.from_pretrained(base, folder)`` loads them, written
+  atomically under a commit file that a load verifies
+  (:mod:`cuboid.zoo.checkpoint.lora_state`); loads under any plan (each
+  rank keeps its slices). A fused qkv (BERT, ViT, whose HF
   layers are separate query/key/value) is saved as three peft adapters
   sharing A, B cut in three, which is the same update; GPT-2's Conv1D
   layers are saved with ``fan_in_fan_out`` as peft expects;
@@ -32,7 +34,8 @@ from cuboid.parallel import lora as plora
 from cuboid.parallel.lora import LoraConfig
 
 from .checkpoint.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config,  # noqa: F401
-                                  adapter_state, save_adapters)
+                                  adapter_state)
+from .checkpoint.lora_state import save_adapters  # noqa: F401
 from .checkpoint.adapters import hf_modules as _rows
 from .families import family_of
 
@@ -99,6 +102,16 @@ def read_config(folder) -> tuple:
     return conf, modules, cfg
 
 
+def check_record(folder) -> None:
+    """An adapter folder cuboid wrote (its commit file ``lora-adapters.json``) is checked against the SHA-256s
+    it records before anything is read; a peft folder from elsewhere has no record and is read as data."""
+    from .checkpoint.format import ADAPTERS_COMMIT
+    from .checkpoint.lora_state import verify_lora
+
+    if (Path(folder) / ADAPTERS_COMMIT).is_file():
+        verify_lora(folder)
+
+
 def check_ranks(folder, r: int) -> None:
     """The config's rank ``r`` against the shapes in the weights file's header (read without loading a
     tensor), so a wrong or hostile ``r`` is refused before any adapter is allocated."""
@@ -123,6 +136,7 @@ def attach(model: nn.Module, lora, *, seed: int = 0) -> nn.Module:
     freeze the rest. ``lora``: a :class:`~cuboid.parallel.lora.LoraConfig`, a dict, a ``"r=16,alpha=32"``
     string, or a peft adapter folder (its config and weights). Returns ``model``."""
     if _is_folder(lora):
+        check_record(lora)
         conf, modules, _ = read_config(lora)
         check_ranks(lora, conf.r)
         wanted = set(modules)

@@ -54,7 +54,7 @@ def test_peft_loads_cuboid_adapters(tmp_path, name, lora):
     out = tmp_path / "adapters"
     zlora.save_adapters(model, out, base=str(folder))
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+    assert files == ["adapter_config.json", "adapter_model.safetensors", "lora-adapters.json"]
     from safetensors import safe_open
 
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
@@ -150,7 +150,8 @@ def test_checkpoint_save_writes_a_lora_model_s_adapters_for_peft(tmp_path):
     folder = _hf_folder(tmp_path, "LlamaForCausalLM")
     model = _trained(folder, dict(r=4, alpha=8, targets=("qkv", "mlp")))
     out = checkpoint.save(model, tmp_path / "saved")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                     "lora-adapters.json"]
     ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ours = model(input_ids=ids).logits

@@ -53,17 +53,35 @@ from .folder import resolve
 from .format import CheckpointError
 from .reader import TensorFolder, load, verify as verify_folder
 from .resume import load_training_state
-from .writer import save
+from .writer import save as save_model
 
 __all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve", "CheckpointError",
            "TensorFolder"]
 
 
+def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None):
+    """:func:`.writer.save` (its docstring says what is written); a LoRA model's adapters (and ``tokenizer``)
+    as a peft folder under its commit file (:func:`.lora_state.save_adapters`)."""
+    from cuboid.parallel import lora as plora
+
+    if plora.adapted(model):
+        if optimizer is not None or scheduler is not None or state is not None:
+            raise CheckpointError("a LoRA model's optimizer, scheduler and state are saved by "
+                                  "cuboid.zoo.lora.save_checkpoint(model, path, optimizer=..., ...)")
+        from .lora_state import save_adapters
+
+        return save_adapters(model, path, tokenizer=tokenizer)
+    return save_model(model, path, max_shard_size=max_shard_size, optimizer=optimizer, scheduler=scheduler,
+                      state=state, tokenizer=tokenizer)
+
+
 def verify(path, *, require_checksums: bool = True) -> dict:
     """Check every file of a checkpoint against its recorded size and SHA-256 (:func:`.reader.verify`); a LoRA
-    training checkpoint against its own commit file (:func:`.lora_state.verify_lora`)."""
-    from .lora_state import LORA_COMMIT, verify_lora
+    training checkpoint or adapter folder against its own commit file (:func:`.lora_state.verify_lora`)."""
+    from .format import ADAPTERS_COMMIT, LORA_COMMIT
+    from .lora_state import verify_lora
 
-    if (resolve(path) / LORA_COMMIT).is_file():
+    root = resolve(path)
+    if (root / LORA_COMMIT).is_file() or (root / ADAPTERS_COMMIT).is_file():
         return verify_lora(path)
     return verify_folder(path, require_checksums=require_checksums)

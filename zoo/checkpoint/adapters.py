@@ -1,4 +1,4 @@
-"""LoRA adapters on disk in ``peft``'s layout: the writing side (``cuboid.zoo.lora`` reads them back).
+"""LoRA adapters in ``peft``'s layout: their names, tensors and config (``cuboid.zoo.lora`` reads them back).
 
 ``adapter_config.json`` + ``adapter_model.safetensors`` under peft's names for
 the model's Hugging Face architecture (``base_model.model.<HF module>.lora_A.weight``),
@@ -7,15 +7,13 @@ so ``peft.PeftModel.from_pretrained(base, folder)`` loads them. A fused qkv
 peft adapters sharing A, B cut in three, which is the same update; GPT-2's
 Conv1D layers are saved with ``fan_in_fan_out`` as peft expects.
 
-It sits under :mod:`cuboid.zoo.checkpoint` so that :func:`~.writer.save` writes
-a LoRA model's adapters here, while :mod:`cuboid.zoo.lora` (targets, attach,
-load, merge, training checkpoints) builds on it.
+:mod:`.lora_state` writes them (``save_adapters``: the folder peft loads, under a
+commit file, what ``checkpoint.save`` writes for a LoRA model), while
+:mod:`cuboid.zoo.lora` (targets, attach, load, merge, training checkpoints)
+builds on both.
 """
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Optional
 
 from torch import nn
@@ -66,34 +64,3 @@ def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dic
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
             "use_dora": False, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
             "alpha_pattern": {}, "revision": None}
-
-
-def save_adapters(model: nn.Module, path, *, base: Optional[str] = None) -> Path:
-    """Write ``model``'s adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``).
-
-    Call it on every rank: each gathers the adapters it holds (over tensor and ZeRO-3 shards), pipeline
-    stages send theirs to rank 0, which writes (each file through a temporary name, the config last)."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    state = adapter_state(model)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, state)
-        state = {k: v for part in parts for k, v in part.items()}
-        rank = dist.get_rank()
-    else:
-        rank = 0
-    path = Path(path)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        modules = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in state if k.endswith(".lora_A.weight")}
-        tmp = path / f".{ADAPTER_WEIGHTS}.tmp"
-        save_file(dict(sorted(state.items())), str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / ADAPTER_WEIGHTS)
-        tmp = path / f".{ADAPTER_CONFIG}.tmp"
-        tmp.write_text(json.dumps(adapter_config(model, modules, base), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path / ADAPTER_CONFIG)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-    return path

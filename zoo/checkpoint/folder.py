@@ -51,7 +51,8 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from .format import INDEX, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, read_header
+from .format import (ADAPTERS_COMMIT, INDEX, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError,
+                     read_header)
 
 # Fault-injection point for the crash tests: called with a stage name at every
 # step of a save on the writing rank ("begin", "file:<name>", "written",
@@ -102,8 +103,8 @@ def _json(path: Path):
 
 
 def commit_record(path: Path) -> dict:
-    """The records (file -> {size, sha256}) of the folder's cuboid commit, plus the commit file itself and the
-    shards its index names; empty for a folder cuboid did not write (read leniently: a damaged record is none)."""
+    """The records (file -> {size, sha256}) of the folder's cuboid commit (the model index, a LoRA commit file or
+    the single model file), plus the commit file itself and the shards its index names; empty for a folder cuboid did not write (read leniently: a damaged record is none)."""
     files: dict = {}
     index = _json(path / INDEX)
     if isinstance(index, dict) and isinstance(index.get("metadata"), dict) \
@@ -111,6 +112,11 @@ def commit_record(path: Path) -> dict:
         files = dict(index["metadata"]["files"], **{INDEX: {}})
         wm = index.get("weight_map")
         files.update({f: {} for f in (wm.values() if isinstance(wm, dict) else ()) if isinstance(f, str)})
+    elif (path / LORA_COMMIT).is_file() or (path / ADAPTERS_COMMIT).is_file():  # a LoRA checkpoint or adapters
+        name = LORA_COMMIT if (path / LORA_COMMIT).is_file() else ADAPTERS_COMMIT
+        record = _json(path / name)
+        if isinstance(record, dict) and isinstance(record.get("files"), dict):
+            files = dict(record["files"], **{name: {}})
     elif (path / "model.safetensors").is_file():
         try:
             record = json.loads(read_header(path / "model.safetensors")[1].get("__metadata__", {})["cuboid"])

@@ -50,6 +50,8 @@ COMMIT_KEY = "cuboid"  # safetensors header metadata key of a single-file checkp
 INDEX = "model.safetensors.index.json"
 OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
+LORA_COMMIT = "lora-checkpoint.json"  # a LoRA training checkpoint's commit file (.lora_state)
+ADAPTERS_COMMIT = "lora-adapters.json"  # a LoRA adapter folder's commit file (a fine-tune's final/; .lora_state)
 _CHUNK = 8 << 20
 
 

@@ -1,4 +1,4 @@
-"""A LoRA run's training checkpoint, kept as carefully as a full one: safetensors and JSON, checksummed.
+"""A LoRA run's folders, kept as carefully as a full checkpoint: safetensors and JSON, checksummed.
 
 A LoRA fine-tune's ``checkpoint-<step>/`` holds::
 
@@ -10,13 +10,20 @@ A LoRA fine-tune's ``checkpoint-<step>/`` holds::
     trainer_state.json                 step, scheduler, every rank's RNG, the caller's state, plan, world size
     lora-checkpoint.json               the commit file, written last: size and SHA-256 of every file above
 
+and its ``final/`` (:func:`save_adapters`, what ``checkpoint.save`` writes for
+a LoRA model) holds ``adapter_config.json``, ``adapter_model.safetensors``,
+the tokenizer's files when given, and ``lora-adapters.json``, the commit file
+recording them (peft ignores it).
+
 Every file is fsync'd, the folder is written under a temporary name and
-renamed into place (:mod:`.folder`). Nothing is pickled: the optimizer state
-is stored by parameter name as full tensors (gathered as :func:`~.writer.save`
-gathers them), so :func:`cuboid.zoo.lora.load_checkpoint` reads it into any
-plan or world size through :func:`~.resume.load_training_state`, after
-:func:`verify_lora` has checked every recorded file. Any other file in the
-folder (a ``lora-rank00000.pt`` of an older layout) is never read.
+renamed into place (:mod:`.folder`: a crash mid-write leaves the previous
+folder, and only a folder cuboid wrote or one of model files is replaced).
+Nothing is pickled: the optimizer state is stored by parameter name as full
+tensors (gathered as :func:`~.writer.save` gathers them), so
+:func:`cuboid.zoo.lora.load_checkpoint` reads it into any plan or world size
+through :func:`~.resume.load_training_state`, after :func:`verify_lora` has
+checked every recorded file. Any other file in the folder (a
+``lora-rank00000.pt`` of an older layout) is never read.
 """
 from __future__ import annotations
 
@@ -27,15 +34,17 @@ import torch
 
 from . import folder as folder_mod
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config, adapter_state
-from .format import OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord, parse_json, read_header, write_json
+from .format import (ADAPTERS_COMMIT, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord,
+                     parse_json, read_header, write_json)
 from .shards import Source, meta, plan_shards
 from .stages import merge_optimizer_info, stage_layout
 from .state import dist_info, optimizer_sources, training_record
 
-LORA_COMMIT = "lora-checkpoint.json"
-LORA_FORMAT = "cuboid-lora-checkpoint"
 OLD_RANK_STATE = "lora-rank00000.pt"  # an older layout's pickled state: recognised to refuse it, never read
-REQUIRED = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "config.json", TRAINER_STATE)
+# commit file -> (its format tag, the files it must record)
+COMMITS = {LORA_COMMIT: ("cuboid-lora-checkpoint", (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "config.json", TRAINER_STATE)),
+           ADAPTERS_COMMIT: ("cuboid-lora-adapters", (ADAPTER_CONFIG, ADAPTER_WEIGHTS))}
+LORA_FORMAT = COMMITS[LORA_COMMIT][0]
 
 
 def is_lora_checkpoint(path) -> bool:
@@ -79,38 +88,21 @@ def _optimizer_tensors(model, optimizer, rank: int, world: int):
         [i for _, i in ordered])
 
 
-def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
-    """Write a LoRA run's training checkpoint (module docstring) to ``path``, atomically. Every rank calls it
-    with the same arguments (the gathers are collectives); rank 0 writes; every rank raises rank 0's error."""
-    from .writer import Job, finish, hf_config, write_record, write_shards
-
-    path = folder_mod.real(path)
-    rank, world = dist_info()
-    adapters = adapter_state(model)
-    adapters = {k: v for part in _gather(adapters, world) for k, v in part.items()}  # pipeline stages' too
-    otensors, oinfo = _optimizer_tensors(model, optimizer, rank, world)
-    trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
-    modules = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+def _committed(path: Path, world: int, rank: int, commit_name: str, body) -> Path:
+    """Write a folder under ``commit_name``'s protocol: rank 0 opens the temporary folder, ``body(job, files)``
+    writes and records the files, the commit file records them last, and the folder is renamed into place;
+    every rank raises rank 0's error (:func:`~.writer.finish`)."""
+    from .writer import Job, finish
 
     job, written = Job(rank == 0), False
     try:
         if job.active:
             job.tmp = job.call(folder_mod.begin, path)
             files: Dict[str, FileRecord] = {}
-            aplan = plan_shards(_sources(adapters), ADAPTER_WEIGHTS[:-len(".safetensors")], None)
-            files.update(write_shards(aplan, _sources(adapters), job, lambda f: {"format": "pt"}))
-            write_record(job, ADAPTER_CONFIG, adapter_config(model, modules), files)
-            write_record(job, "config.json", hf_config(model), files)
-            if oinfo is not None:
-                oplan = plan_shards(_sources(otensors), "optimizer", None)
-                shards = write_shards(oplan, _sources(otensors), job, lambda f: {"format": "pt"})
-                files.update(shards)
-                from .writer import index_json
-
-                write_record(job, OPTIMIZER_INDEX, index_json(oplan, shards, optimizer=oinfo), files)
-            write_record(job, TRAINER_STATE, trainer, files)
-            commit = {"format": LORA_FORMAT, "version": 1, "files": {f: r.to_json() for f, r in sorted(files.items())}}
-            job.file(LORA_COMMIT, lambda: write_json(job.tmp / LORA_COMMIT, commit))
+            body(job, files)
+            commit = {"format": COMMITS[commit_name][0], "version": 1,
+                      "files": {f: r.to_json() for f, r in sorted(files.items())}}
+            job.file(commit_name, lambda: write_json(job.tmp / commit_name, commit))
             job.call(folder_mod.commit, job.tmp, path)
         written = True
     finally:  # an interrupt (KeyboardInterrupt) mid-write: no temporary folder stays behind
@@ -120,36 +112,106 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
     return path
 
 
+def _write_adapters(job, files: dict, adapters: dict) -> None:
+    from .writer import write_shards
+
+    aplan = plan_shards(_sources(adapters), ADAPTER_WEIGHTS[:-len(".safetensors")], None)
+    files.update(write_shards(aplan, _sources(adapters), job, lambda f: {"format": "pt"}))
+
+
+def _modules(adapters: dict) -> set:
+    return {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+
+
+def _all_adapters(model, world: int) -> dict:
+    """Every rank's adapters under their peft names (pipeline stages' too): a collective."""
+    return {k: v for part in _gather(adapter_state(model), world) for k, v in part.items()}
+
+
+def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None) -> Path:
+    """Write ``model``'s adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``, and
+    ``tokenizer``'s files when given) under the commit file ``lora-adapters.json``, atomically: a crash
+    mid-write leaves the folder that was there, and ``path`` is replaced only when it is empty, cuboid's own
+    or nothing but model files (:mod:`.folder`). ``base``: the base model folder peft's config names. Every
+    rank calls it (the adapters are gathered); rank 0 writes."""
+    from .writer import write_record, write_tokenizer
+
+    path = folder_mod.real(path)
+    rank, world = dist_info()
+    adapters = _all_adapters(model, world)
+
+    def body(job, files: dict) -> None:
+        write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
+        _write_adapters(job, files, adapters)
+        write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
+
+    return _committed(path, world, rank, ADAPTERS_COMMIT, body)
+
+
+def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+    """Write a LoRA run's training checkpoint (module docstring) to ``path``, atomically. Every rank calls it
+    with the same arguments (the gathers are collectives); rank 0 writes; every rank raises rank 0's error."""
+    from .writer import hf_config, index_json, write_record, write_shards
+
+    path = folder_mod.real(path)
+    rank, world = dist_info()
+    adapters = _all_adapters(model, world)
+    otensors, oinfo = _optimizer_tensors(model, optimizer, rank, world)
+    trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
+
+    def body(job, files: dict) -> None:
+        _write_adapters(job, files, adapters)
+        write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters)), files)
+        write_record(job, "config.json", hf_config(model), files)
+        if oinfo is not None:
+            oplan = plan_shards(_sources(otensors), "optimizer", None)
+            shards = write_shards(oplan, _sources(otensors), job, lambda f: {"format": "pt"})
+            files.update(shards)
+            write_record(job, OPTIMIZER_INDEX, index_json(oplan, shards, optimizer=oinfo), files)
+        write_record(job, TRAINER_STATE, trainer, files)
+
+    return _committed(path, world, rank, LORA_COMMIT, body)
+
+
+def commit_name(root: Path) -> str:
+    """The LoRA commit file of the folder ``root`` (a training checkpoint's, else an adapter folder's), or a
+    :class:`CheckpointError` when it has none."""
+    for name in COMMITS:
+        if (root / name).is_file():
+            return name
+    old = " (an older cuboid's LoRA checkpoint with pickled state, which cuboid no longer reads: " \
+          "restart the run)" if (root / OLD_RANK_STATE).exists() else ""
+    raise CheckpointError(f"{root}: not a LoRA training checkpoint: no {LORA_COMMIT}{old}")
+
+
 def _commit_files(root: Path) -> dict:
     """The commit file's records, checked for shape (names inside the folder, sizes, SHA-256s, the required
     files present)."""
-    from .reader import record_problem, check_name
+    from .reader import check_name, record_problem
 
-    file = root / LORA_COMMIT
-    if not file.is_file():
-        old = " (an older cuboid's LoRA checkpoint with pickled state, which cuboid no longer reads: " \
-              "restart the run)" if (root / OLD_RANK_STATE).exists() else ""
-        raise CheckpointError(f"{root}: not a LoRA training checkpoint: no {LORA_COMMIT}{old}")
+    name = commit_name(root)
+    fmt, required = COMMITS[name]
+    file = root / name
     rec = parse_json(file.read_bytes(), file)
-    if not isinstance(rec, dict) or set(rec) != {"format", "version", "files"} or rec["format"] != LORA_FORMAT \
+    if not isinstance(rec, dict) or set(rec) != {"format", "version", "files"} or rec["format"] != fmt \
             or rec["version"] != 1 or not isinstance(rec["files"], dict):
-        raise CheckpointError(f"{file}: not a cuboid LoRA checkpoint record (corrupted)")
-    for name, r in rec["files"].items():
-        check_name(file, name, "a recorded file")
+        raise CheckpointError(f"{file}: not a cuboid LoRA record (corrupted)")
+    for f, r in rec["files"].items():
+        check_name(file, f, "a recorded file")
         keys = set(r) if isinstance(r, dict) else set()
         problem = record_problem(r) or (None if {"size", "sha256"} <= keys <= {"size", "sha256", "header_sha256"}
                                          else f"fields {sorted(keys)}")
         if problem is not None:
-            raise CheckpointError(f"{file}: the record of {name} is corrupt ({problem})")
-    missing = [f for f in REQUIRED if f not in rec["files"]]
+            raise CheckpointError(f"{file}: the record of {f} is corrupt ({problem})")
+    missing = [f for f in required if f not in rec["files"]]
     if missing:
         raise CheckpointError(f"{file}: records no {', '.join(missing)} (corrupted)")
     return rec["files"]
 
 
 def verify_lora(path) -> dict:
-    """Check every file of a LoRA training checkpoint against its recorded size and SHA-256, the safetensors
-    headers, the optimizer index against its shards and the JSON files; the same answer as
+    """Check every file of a LoRA training checkpoint or adapter folder against its recorded size and SHA-256,
+    the safetensors headers, the optimizer index against its shards and the JSON files; the same answer as
     :func:`~.reader.verify` ({"path", "files", "tensors", "bytes"}), or a :class:`CheckpointError` naming the
     first bad file. Reads every byte once; no tensor is built."""
     from .reader import TensorFolder, check_record
@@ -169,6 +231,6 @@ def verify_lora(path) -> dict:
             ts._open(shard)
             tensors += sum(1 for k in ts._headers[shard] if k != "__metadata__")
     for name in (ADAPTER_CONFIG, "config.json", TRAINER_STATE):
-        if not isinstance(parse_json((root / name).read_bytes(), root / name), dict):
+        if name in files and not isinstance(parse_json((root / name).read_bytes(), root / name), dict):
             raise CheckpointError(f"{root / name}: not a JSON object (corrupted)")
     return {"path": str(root), "files": len(files) + 1, "tensors": tensors, "bytes": total}

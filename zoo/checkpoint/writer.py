@@ -33,7 +33,6 @@ from cuboid.parallel import zero
 
 from ..families import family_of
 from . import folder as folder_mod
-from .adapters import save_adapters
 from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
                      CheckpointError, FileRecord, StreamWriter, fsync_file, layout, sha256_file, write_json)
 from .shards import ShardPlan, Size, Source, model_sources, plan_shards
@@ -260,17 +259,15 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     tensors in files of their own, a tied tensor once, optimizer state per
     stage; no rank gathers the model.
 
-    A LoRA model (``cuboid.load(..., lora=...)``) is saved as its adapters in
-    ``peft``'s layout (:func:`~.adapters.save_adapters`, what a LoRA
-    fine-tune's ``final/`` holds); its base is the folder it was loaded from.
-    Its training state goes through ``cuboid.zoo.lora.save_checkpoint``.
+    A LoRA model (``cuboid.load(..., lora=...)``) is saved by the package's
+    ``checkpoint.save`` as its adapters in ``peft``'s layout
+    (:func:`~.lora_state.save_adapters`, what a LoRA fine-tune's ``final/``
+    holds); its training state goes through ``cuboid.zoo.lora.save_checkpoint``.
     """
     path = folder_mod.real(path)
     if plora.adapted(model):
-        if optimizer is not None or scheduler is not None or state is not None:
-            raise CheckpointError("a LoRA model's optimizer, scheduler and state are saved by "
-                                  "cuboid.zoo.lora.save_checkpoint(model, path, optimizer=..., ...)")
-        return save_adapters(model, path)
+        raise CheckpointError("a LoRA model is saved by cuboid.zoo.checkpoint.save (its adapters) or "
+                              "cuboid.zoo.lora.save_checkpoint (with its optimizer and state)")
     rank, world = dist_info()
     where = stage_layout(model, rank)
     if where.stages > 1:
