@@ -70,23 +70,16 @@ def model_rows(model: str) -> list[tuple[str, str]]:
     experts. Counted on the meta device: nothing is allocated or read but the config."""
     from cuboid.parallel.cost import Shape
     from cuboid.planner import config_of
+    from cuboid.tables import count
 
     shape = Shape.of(config_of(model))
-    rows = [("layers", str(shape.n_layers)), ("parameters", _count(shape.parameters))]
+    rows = [("layers", str(shape.n_layers)), ("parameters", count(shape.parameters))]
     if shape.sparse:
         share = shape.active_parameters / shape.parameters
-        rows += [("active parameters", f"{_count(shape.active_parameters)}, {share:.1%} of them (per token)"),
+        rows += [("active parameters", f"{count(shape.active_parameters)}, {share:.1%} of them (per token)"),
                  ("experts", f"{shape.experts} per sparse layer, {shape.top_k} per token, width "
                              f"{shape.expert_width}; {shape.sparse_layers} of {shape.n_layers} layers sparse")]
     return rows
-
-
-def _count(n: int) -> str:
-    """``30,532,122,624 (30.5B)``."""
-    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n:,} ({n / size:.3g}{unit})"
-    return f"{n:,}"
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -93,7 +93,8 @@ def builder_of(model: Any, dtype=None):
 
 class _Shards:
     """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO,
-    checkpointing and micro-batches do not change what a rank holds of the tensor and pipeline split).
+    checkpointing and micro-batches do not change what a rank holds of the tensor, pipeline and expert split:
+    each of ``ep`` ranks holds ``E / ep`` experts, the same shapes whichever they are).
     ``model``: a model builder, or what :func:`builder_of` turns into one (then built in ``dtype``)."""
 
     def __init__(self, model, dtype=None) -> None:
@@ -105,10 +106,10 @@ class _Shards:
         from cuboid.parallel import Mesh
 
         coords = Mesh.layout(plan, rank).coords
-        split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth,
+        split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth, dp=plan.ep, ep=plan.ep,
                      microbatches=max(plan.pp, 1) if plan.schedule != "gpipe" else 1,
                      schedule=plan.schedule, stage_blocks=plan.stage_blocks)
-        same = coords.get("pp", 0) * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
+        same = coords.get("pp", 0) * plan.ep * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
         if (split, same) not in self.cache:
             self.cache[split, same] = self.build(split, Mesh.layout(split, same))
         return self.cache[split, same]

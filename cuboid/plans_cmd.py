@@ -102,6 +102,10 @@ def cmd_plans(args: argparse.Namespace) -> int:
     biggest = max(max(e.memory, e.sent_total) for e in ests)
     _UNIT[:] = [1e9, "GB"] if biggest >= 1e9 else [1e6, "MB"]
     layout = cost.LAYOUT_NAMES[ests[0].layout]
+    shape = cost.Shape.of(config)
+    if shape.sparse:  # a mixture of experts: what it holds and what a token uses
+        print(f"{args.model}: {shape.parameters / 1e9:.3g}B parameters, {shape.active_parameters / 1e9:.3g}B active "
+              f"per token ({shape.experts} experts, {shape.top_k} per token, {shape.sparse_layers} sparse layers)")
     print(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each, {args.headroom:.0%} kept free), "
           f"batch {batch} x {seq} tokens, {args.dtype}, {layout}, AdamW; {_UNIT[1]} per rank, time per step")
     print("= exact (what a run holds and sends): params, grads, optim, sent; ~ estimated: peak (the fullest rank, "

@@ -58,7 +58,16 @@ def trainable(params) -> list:
     return out
 
 
-def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -> dict:
+def expert_parameters(named: dict, spec) -> list:
+    """The parameters among ``named`` (name -> parameter) of the modules ``spec`` gives the role ``experts``: a
+    mixture-of-experts layer's experts, sharded over ``ep`` and averaged (and ZeRO-sharded) over ``edp``, the
+    ``dp x sp / ep`` ranks holding the same experts (:mod:`cuboid.parallel.experts`). None without a spec."""
+    if spec is None:
+        return []
+    return [p for n, p in named.items() if "." in n and spec.role_of(n.rsplit(".", 1)[0]) == "experts"]
+
+
+def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *, experts=()) -> dict:
     """Bytes of parameters, gradients and AdamW state this rank holds, from its parameters ``params``
     (meta tensors do: the shapes of its shards and stages) under ``plan``'s ZeRO stage over ``dp`` (under
     sp over dp x sp: :func:`.zero.group_of`).
@@ -66,33 +75,49 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0) -
     What :func:`.zero.model_state_bytes` measures after a backward with the optimizer's state made:
     ``params`` (ZeRO-3: this rank's rows), ``grads`` (ZeRO-2: its bucket shards), ``optimizer``
     (moments of its pieces) and ``masters`` (fp32 copies of half-precision pieces). ``dp_rank``: which
-    rank of the ZeRO group (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most).
+    rank of the ZeRO group (ZeRO-3's last ranks may hold fewer rows; rank 0 holds the most). ``experts``:
+    those of ``params`` that are a mixture of experts' experts (:func:`expert_parameters`): this rank's
+    ``E / ep`` experts, whose ZeRO group is ``edp`` (``dp x sp / ep`` ranks) with buckets and units of their
+    own; ``dp_rank`` is the rank's index ``d`` among the ``dp x sp`` ranks, in ``edp`` ``d // ep`` (the
+    mesh's layout: runs of ``ep`` consecutive ranks hold every expert once).
     """
     ps = trainable(params)
-    n = plan.dp * plan.sp
-    pbytes = sum(p.numel() * p.element_size() for p in ps)
+    mine = {id(p) for p in experts}
+    groups = [([p for p in ps if id(p) not in mine], plan.dp * plan.sp, dp_rank),
+              ([p for p in ps if id(p) in mine], plan.dp * plan.sp // plan.ep, dp_rank // plan.ep)]
     frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)
-    if plan.zero == 0 or n == 1:
+    out = {"params": frozen, "grads": 0, "optimizer": 0, "masters": 0}
+    for group, n, rank in groups:
+        if group:
+            _add_states(out, group, plan.zero, n, rank)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _add_states(out: dict, ps: list, zero: int, n: int, dp_rank: int) -> None:
+    """Add to ``out`` the states of trainable ``ps`` under ZeRO stage ``zero`` over ``n`` ranks."""
+    pbytes = sum(p.numel() * p.element_size() for p in ps)
+    if zero == 0 or n == 1:
         pieces = [(p.numel(), p.element_size()) for p in ps]
-        out = {"params": pbytes + frozen, "grads": pbytes}
-    elif plan.zero in (1, 2):
-        pieces, grads = [], 0
+        out["params"] += pbytes
+        out["grads"] += pbytes
+    elif zero in (1, 2):
+        pieces = []
         for numel, size in gradient_buckets(ps):
             pieces.append((math.ceil(numel / n), size))
-            grads += (math.ceil(numel / n) if plan.zero == 2 else numel) * size
-        out = {"params": pbytes + frozen, "grads": grads}
+            out["grads"] += (math.ceil(numel / n) if zero == 2 else numel) * size
+        out["params"] += pbytes
     else:  # FSDP2 keeps rows [r ceil(R / n), (r + 1) ceil(R / n)) of every parameter on rank r
         pieces = []
         for p in ps:
             rows, chunk, per_row = fsdp_rows(p, n)
-            mine = min(chunk, max(0, rows - dp_rank * chunk))
-            pieces.append((mine * per_row, p.element_size()))
+            held = min(chunk, max(0, rows - dp_rank * chunk))
+            pieces.append((held * per_row, p.element_size()))
         held = sum(k * s for k, s in pieces)
-        out = {"params": held + frozen, "grads": held}
-    out["optimizer"] = sum(k * ADAMW_STATE_BYTES for k, _ in pieces)
-    out["masters"] = sum(k * 4 for k, s in pieces if s < 4)
-    out["total"] = sum(out.values())
-    return out
+        out["params"] += held
+        out["grads"] += held
+    out["optimizer"] += sum(k * ADAMW_STATE_BYTES for k, _ in pieces)
+    out["masters"] += sum(k * 4 for k, s in pieces if s < 4)
 
 
 def _activation_split(plan: Plan) -> tuple:
@@ -129,7 +154,14 @@ def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq
     adds and activations that are not matmuls."""
     tokens = batch / plan.dp * seq / plan.sp
     per, _ = _activation_split(plan)
-    return stage.blocks * tokens * shape.dim * per * (4 / 3 if plan.checkpoint == "full" else 1.0)
+    return stage.blocks * tokens * shape.dim * per * _moe_scale(shape) * (4 / 3 if plan.checkpoint == "full" else 1.0)
+
+
+def _moe_scale(shape: Shape) -> float:
+    """A block's activations over a dense one's (Korthikanti's 17 elements per token and hidden unit): 1, or a
+    mixture of experts' (:meth:`.Shape.mlp_elements`: a token's copies for its ``top_k`` experts and their
+    hidden activations)."""
+    return 1.0 + shape.mlp_elements() / 17
 
 
 def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
@@ -137,7 +169,7 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     """Estimated activations a rank holds at its peak (Korthikanti et al. with flash attention).
 
     Per block and token: 34 bytes per hidden unit in half precision (17
-    elements); 1D tensor parallelism splits 12 of them over ``tp`` (with
+    elements; a sparse layer's by :meth:`.Shape.mlp_elements`); 1D tensor parallelism splits 12 of them over ``tp`` (with
     ``tp_sequence`` all 17), 2D/2.5D/3D and sequence parallelism split all of
     them. With checkpointing a block keeps its input (1 element) and one
     block's activations are rebuilt at a time; with selective checkpointing
@@ -154,7 +186,7 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     tokens = micro_rows * seq / plan.sp
     h = shape.dim
     per, split_all = _activation_split(plan)
-    per_block = tokens * h * e * per
+    per_block = tokens * h * e * per * _moe_scale(shape)
     held_block = tokens * h * e / split_all if ckpt else per_block
     rebuilt = per_block if ckpt else 0.0  # one block's activations, made again in backward
     if mode == "selective":
@@ -201,7 +233,7 @@ def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     ``parts``: (kept after the forward, rebuilt in backward) apart."""
     tokens, h = micro_rows * seq / plan.sp, shape.dim
     per, split_all = _activation_split(plan)
-    none = tokens * h * BLOCK_BYTES["none"][layout] * per / 17
+    none = tokens * h * BLOCK_BYTES["none"][layout] * per / 17 * _moe_scale(shape)
     full = tokens * h * BLOCK_BYTES["full"][layout] / split_all
     mode = plan.checkpoint
     held, rebuilt = none, 0.0

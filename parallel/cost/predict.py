@@ -43,8 +43,8 @@ from typing import Optional, Sequence
 
 from ..plan import Plan
 from .hardware import Hardware
-from .memory import (ADAMW_TOUCHED_BYTES, SELECTIVE_KEPT, activation_bytes, elementwise_elements, layout_of,
-                     model_states, peak_bytes, trainable)
+from .memory import (ADAMW_TOUCHED_BYTES, SELECTIVE_KEPT, activation_bytes, elementwise_elements,
+                     expert_parameters, layout_of, model_states, peak_bytes, trainable)
 from .shape import Shape, Stage, bubble_fraction, dtype_bytes, stages_of, step_flops
 from .traffic import DDP_BUCKET_BYTES, traffic
 
@@ -205,7 +205,9 @@ def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks:
     # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
     idle = max(0.0, 2.0 - s.per_node / hw.cores) if hw.cores and s.per_node > hw.cores else 1.0
     bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
-    opt_bytes = sum(p.numel() for p in ps) / (plan.dp * plan.sp if plan.zero else 1) * ADAMW_TOUCHED_BYTES
+    experts = {id(p) for p in expert_parameters(params, s.spec)}
+    shards = (plan.dp * plan.sp if plan.zero else 1, plan.dp * plan.sp // plan.ep if plan.zero else 1)
+    opt_bytes = sum(p.numel() / shards[id(p) in experts] for p in ps) * ADAMW_TOUCHED_BYTES
     optimizer_s = opt_bytes / hw.memory_bytes_per_s * s.crowd
     return dict(compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, bubble_s=bubble_s,
                 step_s=compute_s + bubble_s + comm_s + optimizer_s, comm_total_s=sum(timed.values()),
@@ -282,7 +284,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         stage = stages[mesh.coords.get("pp", 0)]
         ps = trainable(params.values())
         lay = layout or layout_of(plan, ps[0].dtype if ps else None)
-        states = model_states(list(params.values()), plan)
+        states = model_states(list(params.values()), plan, experts=expert_parameters(params, spec))
         micro = batch // plan.dp // plan.microbatches
         peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type)
         if peak["total"] > fullest:

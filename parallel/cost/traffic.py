@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from ..plan import Plan
-from .memory import fsdp_rows, gradient_buckets, trainable
+from .memory import expert_parameters, fsdp_rows, gradient_buckets, trainable
 from .shape import Shape, Stage
 
 # collectives per block and step of each tensor mode (forward + backward), for the alpha term only:
@@ -51,8 +51,13 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         _add_tensor(out, shape, plan, stage, rows, seq, ps[0].dtype if ps else torch.float32)
     if plan.sp > 1:
         _add_sequence(out, shape, plan, rows, seq, masked)
+    experts = {id(p) for p in expert_parameters(params, spec)}
+    if plan.ep > 1:
+        _add_experts(out, shape, plan, stage, rows, seq, ps[0].element_size() if ps else 4)
     if plan.dp * plan.sp > 1:
-        _add_gradients(out, shape, plan, params, ps, spec)
+        _add_gradients(out, shape, plan, params, [p for p in ps if id(p) not in experts], spec)
+    if experts and plan.dp * plan.sp // plan.ep > 1:
+        _add_expert_gradients(out, plan, {n: p for n, p in params.items() if id(p) in experts}, ps, experts)
     if plan.pp > 1:
         _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
     # train_step's scalars: the label count and the loss summed over dp (float64 on CPU)
@@ -159,6 +164,47 @@ def _add_gradients(out: dict, shape: Shape, plan: Plan, named: dict, ps: list, s
         units = shape.n_layers + 1
         _add(out, ("all_gather", group), 0.0, 2 * units - 1)
         _add(out, ("reduce_scatter", group), 0.0, units)
+
+
+def _add_experts(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, seq: int, elem: int) -> None:
+    """Expert parallelism, per sparse layer of the stage and micro-batch: the counts exchange (an all-to-all of
+    ``E`` int64 counts, ``(ep - 1) / ep * 8 E`` bytes) and the four token exchanges of
+    :func:`expert_exchange_bytes` (dispatch and combine, forward and backward), the forward's three again when
+    a checkpointed block is recomputed. Rows travel in the parameters' dtype (``elem`` bytes)."""
+    if not shape.sparse:
+        return
+    m = plan.microbatches if plan.pp > 1 else 1
+    tokens = rows // m * seq / plan.sp
+    layers = round(shape.sparse_layers * stage.blocks / max(shape.n_layers, 1))
+    again = 1 if plan.checkpoint != "none" else 0
+    counts = (plan.ep - 1) / plan.ep * 8 * shape.experts
+    rows_bytes = expert_exchange_bytes(tokens, shape.top_k, shape.dim, elem, plan.ep)
+    _add(out, ("all_to_all", "ep"), m * layers * ((1 + again) * (counts + 2 * rows_bytes) + 2 * rows_bytes),
+         m * layers * (3 * (1 + again) + 2))
+
+
+def _add_expert_gradients(out: dict, plan: Plan, named: dict, ps: list, experts: set) -> None:
+    """The experts' gradients over ``edp`` (the ``dp x sp / ep`` ranks holding the same experts): one flat
+    all-reduce under plain data parallelism, ZeRO-1/2's buckets of their own, or FSDP2 units of their own (one
+    per expert layer)."""
+    n = plan.dp * plan.sp // plan.ep
+    mine = [p for p in ps if id(p) in experts]
+    if plan.zero == 0:
+        _add(out, ("all_reduce", "edp"), _all_reduce(n, sum(p.numel() * p.element_size() for p in mine)))
+    elif plan.zero in (1, 2):
+        for numel, size in gradient_buckets(mine):
+            padded = math.ceil(numel / n) * n * size
+            _add(out, ("reduce_scatter", "edp"), (n - 1) / n * padded)
+            _add(out, ("all_gather", "edp"), (n - 1) / n * padded)
+    else:
+        units = {name.rsplit(".", 1)[0] for name in named}
+        for p in named.values():
+            _, chunk, per_row = fsdp_rows(p, n)
+            padded = chunk * n * per_row * p.element_size()
+            _add(out, ("all_gather", "edp"), 2 * (n - 1) / n * padded, 0)
+            _add(out, ("reduce_scatter", "edp"), (n - 1) / n * padded, 0)
+        _add(out, ("all_gather", "edp"), 0.0, 2 * len(units))
+        _add(out, ("reduce_scatter", "edp"), 0.0, len(units))
 
 
 def _add_pipeline(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, seq: int, masked: bool,
