@@ -10,6 +10,7 @@ import shutil
 import time
 
 import pytest
+import torch
 
 import cuboid
 from cuboid.zoo.checkpoint import CheckpointError
@@ -142,9 +143,18 @@ def test_an_adapter_rank_beyond_the_weights_is_refused_before_allocation(run, tm
         cuboid.load(str(model), lora=str(folder))
 
 
+def _flat(folder):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    return torch.cat([tensors[k].flatten() for k in sorted(tensors)])
+
+
 def test_a_tp1d_lora_checkpoint_resumes_under_dp2_and_on_one_device(run, tmp_path):
-    """Saved under tp1d on 2 ranks at step 2 of 3; resumed under dp=2 and on one device, step 3's loss is the
-    uninterrupted run's (the optimizer state resharded by name)."""
+    """Saved under tp1d on 2 ranks at step 2 of 3; resumed under dp=2 and on one device, step 3 is the
+    uninterrupted run's: its loss (1e-5) and the adapters after it (the optimizer state resharded by name)."""
+    from tests.parallel.test_plans import rel_norm
+
     model, data, _ = run
     text = tmp_path / "data.jsonl"
     data.to_json(str(text))
@@ -156,6 +166,8 @@ def test_a_tp1d_lora_checkpoint_resumes_under_dp2_and_on_one_device(run, tmp_pat
     assert rc == 0, err[-3000:]
     want = metrics(straight)
     assert [r["step"] for r in want] == [1, 2, 3]
+    want_adapters = _flat(straight / "final")
+    assert rel_norm(_flat(straight / "checkpoint-2"), want_adapters) > 1e-3  # step 3 moves the adapters
     for plan in ("dp=2", "single"):
         out = tmp_path / plan.replace("=", "")
         rc, _, err = cli(*common, "--plan", plan, "--output-dir", str(out), "--resume",
@@ -164,4 +176,6 @@ def test_a_tp1d_lora_checkpoint_resumes_under_dp2_and_on_one_device(run, tmp_pat
         assert "resumed from" in err
         got = metrics(out)
         assert [r["step"] for r in got] == [3], plan
-        assert got[0]["loss"] == pytest.approx(want[2]["loss"], rel=1e-4, abs=1e-5), plan
+        assert got[0]["loss"] == pytest.approx(want[2]["loss"], rel=1e-5), plan
+        # Adam's moments restored by name under another plan: measured 1.3e-8 (dp=2) and 1.1e-8 (one device)
+        assert rel_norm(_flat(out / "final"), want_adapters) < 1e-6, plan
