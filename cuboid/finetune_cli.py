@@ -2,7 +2,11 @@
 
 Flags override a YAML/TOML ``--config`` file, which overrides the defaults.
 With no ``--model`` and no ``--data`` the embedded default runs: ``vit-debug``
-on scikit-learn's digits, plan ``dp=2``, 400 steps of 64 at lr 1e-2.
+on scikit-learn's digits, 400 steps of 64 at lr 1e-2, on the devices present
+(:func:`device_default`, one line says which): one process per GPU (plan
+``dp=G``; one GPU: a single process), or ``dp=2`` on CPU processes without a
+GPU. ``--plan`` or a ``--config`` plan overrides it; ``--nproc-per-node N``
+gives ``dp=N``.
 
 A plan with more than one process, run outside ``torchrun``, re-launches this
 command through torch's own elastic launcher (the code behind ``torchrun``)
@@ -23,9 +27,10 @@ from typing import Any
 
 from cuboid.finetune_config import PYTHON_ONLY, FinetuneConfig
 
-# the embedded default job (no --model, no --data)
-DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "plan": "dp=2", "steps": 400, "batch_size": 64,
-               "lr": 1e-2, "eval_every": 100, "output_dir": "runs/digits-vit"}
+# the embedded default job (no --model, no --data); its plan is chosen for the devices present (device_default)
+DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "steps": 400, "batch_size": 64, "lr": 1e-2,
+               "eval_every": 100, "output_dir": "runs/digits-vit"}
+CPU_PROCESSES = 2  # the default job's dp without a GPU: processes on the CPU cores (gloo)
 
 FLAGS = [
     # (flag, type, help)
@@ -127,6 +132,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 LAUNCHER_KEYS = ("nproc_per_node", "max_restarts")  # for the launcher, not the trainer
+DEVICE_DEFAULT = "device_default"  # resolve's mark of the default job with no plan given (device_default picks it)
 
 
 def read_config_file(path: str) -> dict:
@@ -176,7 +182,10 @@ def resolve(args: argparse.Namespace) -> dict:
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if "model" not in values and "data" not in values:
+        given_batch = "batch_size" in values
         values = {**DEFAULT_JOB, **values}
+        if "plan" not in values:
+            values[DEVICE_DEFAULT] = {"batch_given": given_batch}
     if values.get("max_grad_norm") == 0:
         values["max_grad_norm"] = None
     values["progress"] = not args.no_progress
@@ -238,6 +247,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if restarts is not None and restarts < 0:
         raise ValueError(f"--max-restarts {restarts}: give 0 or more restarts")
     under_launcher = "WORLD_SIZE" in os.environ
+    default = values.pop(DEVICE_DEFAULT, None)
+    if default is not None:
+        line = device_default(values, nproc, **default)
+        if os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr, flush=True)
     if not (is_auto(values.get("plan")) and under_launcher):  # under a launcher rank 0 searches, for every rank
         values["plan"] = plan = _door_plan(values, nproc)
     if not under_launcher:
@@ -253,6 +267,48 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
     run(FinetuneConfig(**values, callbacks=args.callbacks))
     return 0
+
+
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_default(values: dict, nproc, batch_given: bool = False) -> str:
+    """Give the default job (``values``, no plan yet) the plan for the devices present; returns the one
+    line that says which. Under a launcher: ``dp`` = its world size; ``--nproc-per-node N``: ``dp=N``;
+    G GPUs: ``dp=G``, one process per GPU (one GPU: a single process); none: ``dp=2`` on CPU processes.
+    The default batch, when ``dp`` does not divide it, is rounded up to a multiple of ``dp`` (a batch the
+    user gave is kept, and checked as ever). The plan and batch are written into ``sys.argv`` too: the
+    processes a launch starts run them."""
+    gpus = gpu_count()
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None:
+        dp, why = int(world), f"{world} process(es) under the launcher"
+    elif nproc is not None:
+        dp, why = nproc, f"--nproc-per-node {nproc}"
+    elif gpus:
+        dp, why = gpus, f"{gpus} GPU{'s' if gpus > 1 else ''} found"
+    else:
+        dp, why = CPU_PROCESSES, "no GPU found"
+    if dp < 1:
+        raise ValueError(f"--nproc-per-node {dp}: give 1 or more processes")
+    values["plan"] = plan = f"dp={dp}"
+    if gpus:
+        where = "a single process on cuda:0" if dp == 1 else f"{dp} processes, one per GPU (nccl)"
+    else:
+        where = "a single CPU process" if dp == 1 else f"{dp} CPU processes (gloo)"
+    argv = [*_strip_option(sys.argv, "--plan"), "--plan", plan]
+    note = ""
+    batch = values["batch_size"]
+    if batch % dp and not batch_given:
+        values["batch_size"] = -(-batch // dp) * dp
+        note = f"; global batch {values['batch_size']} ({batch} rounded up to a multiple of {dp})"
+        argv += ["--batch-size", str(values["batch_size"])]
+    sys.argv = argv
+    return f"cuboid finetune: {why}: the default job runs plan {plan} on {where}{note}"
 
 
 def _door_plan(values: dict, nproc):
