@@ -24,7 +24,9 @@ first. Two kinds of figure:
     gathers and reduce-scatters behind forward and backward (the first and
     last unit exposed), pipeline sends behind the other micro-batches (the
     fill and drain exposed); ZeRO-1's reduce-scatter and ZeRO-1/2's
-    all-gather after the step, tensor and sequence collectives and the tied
+    all-gather after the step, tensor and sequence collectives, the experts'
+    all-to-alls, their gradients' all-reduce after backward (ZeRO-2's and
+    FSDP2's over ``edp`` overlap as over dp) and the tied
     embedding's all-reduce are on the critical path. Under a pipeline the
     gradient traffic overlaps only the last micro-batch's backward;
   * the optimizer's memory traffic and the pipeline bubble.
@@ -145,10 +147,10 @@ def _exposed(plan: Plan, hw: Hardware, timed: dict, compute_s: float, grad_bytes
         if group in ("dp", "dpsp") and plan.zero == 0 and op == "all_reduce":
             pool += t
             last += t * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1.0))
-        elif group in ("dp", "dpsp") and plan.zero == 2 and op == "reduce_scatter":
+        elif group in ("dp", "dpsp", "edp") and plan.zero == 2 and op == "reduce_scatter":
             pool += t
             last += t * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1.0))
-        elif group in ("dp", "dpsp") and plan.zero == 3:
+        elif group in ("dp", "dpsp", "edp") and plan.zero == 3:
             pool += t
             last += t / 8                    # the first gather and the last reduce-scatter, about a unit each
         elif op == "send" and group == "pp":
