@@ -50,6 +50,26 @@ def gemma3_config(**kw):
                               rope_local_base_freq=1000.0, **kw)
 
 
+# mixtures of experts: 6 experts; Qwen3-MoE's layer 1 dense (mlp_only_layers) between sparse layers 0 and 2, top 2
+# normalised; Mixtral top 2; OLMoE top 3 unnormalised, q/k norms over all heads
+def _moe(cls, **kw):
+    return lambda: cls(vocab_size=97, hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=80, **kw)
+
+
+qwen3_moe_config = _moe(T.Qwen3MoeConfig, num_hidden_layers=3, head_dim=16, intermediate_size=80,
+                        moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+                        mlp_only_layers=[1], router_aux_loss_coef=0.05)
+mixtral_config = _moe(T.MixtralConfig, num_hidden_layers=2, intermediate_size=24, num_local_experts=6,
+                      num_experts_per_tok=2, router_aux_loss_coef=0.05)
+olmoe_config = _moe(T.OlmoeConfig, num_hidden_layers=2, intermediate_size=24, num_experts=6, num_experts_per_tok=3,
+                    norm_topk_prob=False, router_aux_loss_coef=0.05, pad_token_id=0, eos_token_id=None)
+MOE_CASES = {
+    "Qwen3MoeForCausalLM": (T.Qwen3MoeForCausalLM, qwen3_moe_config, "causal"),
+    "MixtralForCausalLM": (T.MixtralForCausalLM, mixtral_config, "causal"),
+    "OlmoeForCausalLM": (T.OlmoeForCausalLM, olmoe_config, "causal"),
+}
+
 # name -> (HF class, config factory, task)
 CASES = {
     "GPT2LMHeadModel": (T.GPT2LMHeadModel, gpt2_config, "causal"),
@@ -84,7 +104,7 @@ CASES = {
 
 
 def make_hf(name):
-    cls, cfg, _ = CASES[name]
+    cls, cfg, _ = CASES[name] if name in CASES else MOE_CASES[name]
     torch.manual_seed(SEED)
     model = cls(cfg()).eval()
     # HF zero-initialises biases and sets norms to 1/0: randomise everything so
