@@ -213,9 +213,13 @@ def _whole_rows_torch(x: Tensor, z: Tensor, idx: Tensor, valid: Tensor, here: Te
     if not grad:
         return torch.where(valid, torch.logsumexp(x, -1) - target, 0.0), None
     m, at = x.max(-1)
-    torch.ops.aten._softmax.out(x, -1, False, out=x)
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # traced: out-of-place (inductor fuses it), no host read of ``valid``
+        x = torch.softmax(x, -1)
+    else:
+        torch.ops.aten._softmax.out(x, -1, False, out=x)
     rows = torch.where(valid, m - x.gather(-1, at.unsqueeze(-1)).squeeze(-1).log() - target, 0.0)
-    if valid.is_meta or not bool(valid.all()):
+    if compiling or valid.is_meta or not bool(valid.all()):
         x.masked_fill_(~valid.unsqueeze(-1), 0.0)  # no gradient from ignored rows
     x.scatter_add_(-1, idx, -here.to(x.dtype).unsqueeze(-1))  # minus the one-hot target (here implies valid)
     if x is not z:
@@ -379,7 +383,9 @@ def _check(x, weight, bias, labels, *, triton_path: bool) -> None:
 
 
 def _check_labels(labels: Tensor, vocab_size: int, ignore_index: int) -> None:
-    if labels.is_meta or not labels.numel():
+    """An ``IndexError`` for a label outside [0, vocab_size); a host read, so a compiled graph skips it (the
+    gather of the target then fails on CPU, asserts on CUDA)."""
+    if labels.is_meta or not labels.numel() or torch.compiler.is_compiling():
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
     if bool(bad.any()):

@@ -258,6 +258,10 @@ def _rotate(x: Tensor, c: Tensor, s: Tensor, transpose: bool) -> Tensor:
     ``cat`` of :func:`_rotate_half`; c, s broadcast to x and in x's compute dtype."""
     h = x.shape[-1] // 2
     x1, x2, c1, c2, s1, s2 = x[..., :h], x[..., h:], c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+    if torch.compiler.is_compiling():  # traced: out-of-place halves (no out= into strided views), fused by inductor
+        if transpose:
+            return torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), -1)
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), -1)
     out = torch.empty(torch.broadcast_shapes(x.shape, c.shape), dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :h], out[..., h:]
     if transpose:  # dx1 = c1 dy1 + s2 dy2, dx2 = c2 dy2 - s1 dy1

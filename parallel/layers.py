@@ -170,7 +170,10 @@ class Embedding(TiedHead, ShardedModule):
             nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and not ids.is_meta and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        # the range check reads the ids on the host; a compiled graph leaves it to the lookup itself (an
+        # IndexError on CPU, a device assert on CUDA) rather than sync and break the graph
+        if (ids.numel() and not ids.is_meta and not torch.compiler.is_compiling()
+                and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings)):
             raise IndexError(
                 f"ids must lie in [0, {self.num_embeddings}), got min {int(ids.min())}, max {int(ids.max())}"
             )

@@ -19,6 +19,22 @@ from cuboid.parallel.head import Deferred
 from cuboid.parallel.mask import Mask
 
 
+def _field(name: str) -> property:
+    """An :class:`Output` field: stored raw in the instance's ``_raw`` dict, a Deferred value made on first read."""
+
+    def get(self):
+        value = self._raw[name]
+        if isinstance(value, Deferred):
+            value = value.resolve()
+            self._raw[name] = value
+        return value
+
+    def put(self, value) -> None:
+        self._raw[name] = value
+
+    return property(get, put, doc=f"the ``{name}`` field (made on first read where deferred)")
+
+
 class Output:
     """What every zoo model returns, with single-device shapes and values under every plan.
 
@@ -30,45 +46,52 @@ class Output:
     made on first read: under tensor parallelism the whole logits are gathered
     from vocab (or batch) shards only when someone reads ``out.logits``, so a
     training step that only uses ``out.loss`` never gathers them. Reading such
-    a field is a collective: every rank of the model reads it.
+    a field is a collective: every rank of the model reads it. ``raw(name)``
+    reads a field as stored (a Deferred stays one); ``FIELDS`` names them.
 
     Not a dataclass on purpose: hook machinery that walks dataclass fields
     (FSDP2's pre-backward hooks on a ZeRO-3 root) would read, and so gather,
-    the deferred fields on every forward.
+    the deferred fields on every forward. The fields are properties over a
+    dict, with the default attribute lookup, so that ``torch.compile`` traces
+    the model's construction of its Output (Dynamo refuses classes that
+    override ``__getattribute__``).
     """
 
-    __slots__ = ("logits", "loss", "last_hidden_state", "pooler_output")
+    FIELDS = ("logits", "loss", "last_hidden_state", "pooler_output")
+
+    logits = _field("logits")
+    loss = _field("loss")
+    last_hidden_state = _field("last_hidden_state")
+    pooler_output = _field("pooler_output")
 
     def __init__(self, logits: torch.Tensor, loss: Optional[torch.Tensor] = None,
                  last_hidden_state: Optional[torch.Tensor] = None, pooler_output: Optional[torch.Tensor] = None):
-        self.logits, self.loss = logits, loss
-        self.last_hidden_state, self.pooler_output = last_hidden_state, pooler_output
+        self._raw = {"logits": logits, "loss": loss, "last_hidden_state": last_hidden_state,
+                     "pooler_output": pooler_output}
 
     def __repr__(self) -> str:
         def show(name):
-            v = object.__getattribute__(self, name)
+            v = self._raw[name]
             return "deferred" if isinstance(v, Deferred) else (tuple(v.shape) if torch.is_tensor(v) else v)
 
-        return f"Output({', '.join(f'{n}={show(n)}' for n in self.__slots__)})"
+        return f"{type(self).__name__}({', '.join(f'{n}={show(n)}' for n in self.FIELDS)})"
 
-    def __getattribute__(self, name: str):
-        value = object.__getattribute__(self, name)
-        if isinstance(value, Deferred):
-            value = value.resolve()
-            object.__setattr__(self, name, value)
-        return value
+    def raw(self, name: str):
+        """Field ``name`` as stored: a :class:`~cuboid.parallel.head.Deferred` is returned unmade."""
+        if name not in self._raw:
+            raise KeyError(f"Output has no field {name!r}; its fields are {self.FIELDS}")
+        return self._raw[name]
 
     def is_deferred(self, name: str) -> bool:
         """Whether field ``name`` has not been made yet (reading it would gather)."""
-        return isinstance(object.__getattribute__(self, name), Deferred)
+        return isinstance(self.raw(name), Deferred)
 
     def defer(self, name: str, fn) -> None:
         """Replace field ``name`` by a deferred ``fn(value)`` (None stays None)."""
-        value = object.__getattribute__(self, name)
+        value = self.raw(name)
         if value is None:
             return
-        d = value.then(fn) if isinstance(value, Deferred) else Deferred(fn, value)
-        object.__setattr__(self, name, d)
+        self._raw[name] = value.then(fn) if isinstance(value, Deferred) else Deferred(fn, value)
 
 
 class Decoder(nn.Module):
