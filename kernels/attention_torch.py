@@ -225,13 +225,15 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
     Sq, Sk = q.shape[2], k.shape[2]
     if q.dtype == torch.float64 or (causal and Sq > Sk):
         return None
+    traced = torch.compiler.is_compiling()  # no host reads: rows without a key are handled in the graph
     if docs is not None and docs[0] is docs[1] and key_padding_mask is None and q.device.type == "cpu" \
-            and not q.is_meta:
+            and not q.is_meta and not traced:
         lengths = _document_lengths(docs[0])
         if lengths is not None:
             return _sdpa_per_document(q, k, v, lengths, causal, scale, window_lo)
         docs = None  # one document a row: the ids change nothing
-    if key_padding_mask is not None and not key_padding_mask.is_meta and not bool(key_padding_mask.any(dim=1).all()):
+    if key_padding_mask is not None and not key_padding_mask.is_meta and not traced \
+            and not bool(key_padding_mask.any(dim=1).all()):
         return None
     mask = None
     if key_padding_mask is not None:
@@ -250,9 +252,15 @@ def sdpa_attention(q, k, v, causal: bool, key_padding_mask: Optional[torch.Tenso
         keep = j <= i + (Sk - Sq)  # (Sq, Sk)
         mask = keep if mask is None else mask & keep
         causal = False
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
+    if traced and mask is not None:
+        # a row without a kept key attends every key instead (no NaN), and its output is set to 0: zero gradients
+        # flow back through it, as attention_ref gives
+        has = mask.any(dim=-1, keepdim=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~has, is_causal=causal, scale=scale, **gqa)
+        return torch.where(has, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if (docs is not None or window_lo is not None) and not mask.is_meta and not bool(mask.any(dim=-1).all()):
         return None
-    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}  # no K/V repeat on the fused kernels
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **gqa)
 
 

@@ -90,4 +90,6 @@ def keep_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if attention_mask is None:
         return None
     mask = attention_mask.to(torch.bool)
-    return mask if mask.is_meta or not bool(mask.all()) else None
+    if mask.is_meta or torch.compiler.is_compiling():  # traced: kept as given (no host read of its values)
+        return mask
+    return None if bool(mask.all()) else mask
