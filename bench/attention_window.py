@@ -6,7 +6,7 @@ Two parts:
 - ``tiles``: the (query tile, key tile) products the three Triton kernels (forward, dK/dV, dQ) compute
   for causal attention of one head, with and without a window, from the kernels' own loop bounds
   (:func:`tile_visits` follows ``_key_loop_bounds`` and the dK/dV kernel's query loop) at the GPU tiles the
-  launchers pick for bf16, head dim 128 (``flash_attention._GPU_FWD`` / ``_GPU_BWD``, entry 0). FLOPs are
+  launchers pick for bf16, head dim 128 (``flash_attention._GPU_FWD`` / ``_GPU_DKDV`` / ``_GPU_DQ``, entry 0). FLOPs are
   4 D per score in the forward and 10 D in the backward (dK/dV: S, dV, dP, dK; dQ: S, dP, dQ), counted
   over whole tiles, as the kernels compute them.
 - ``time``: the kernels forward + backward, windowed and plain causal at each length in the same run; the
@@ -34,8 +34,8 @@ HEAD_DIM = 128
 
 
 def gpu_tiles(window: bool, head_dim: int = HEAD_DIM) -> tuple:
-    """((BLOCK_M, BLOCK_N) of the forward, (BLOCK_M, BLOCK_N) of the backward) the launchers use for 2-byte
-    dtypes at ``head_dim`` (entry 0 of the row; a windowed forward takes ``_GPU_FWD_DOCS``'s where it has one)."""
+    """((BLOCK_M, BLOCK_N) of the forward, of the dK/dV kernel, of the dQ kernel) the launchers use for 2-byte
+    dtypes at ``head_dim`` (entry 0 of each row; a windowed forward takes ``_GPU_FWD_DOCS``'s where it has one)."""
     import importlib
 
     fa = importlib.import_module("cuboid.kernels.flash_attention")
@@ -43,11 +43,12 @@ def gpu_tiles(window: bool, head_dim: int = HEAD_DIM) -> tuple:
     limit, fwd = next((limit, c) for limit, c in fa._GPU_FWD[2] if block_d <= limit)
     if window:
         fwd = fa._GPU_FWD_DOCS.get((2, limit), fwd)
-    bwd = next(c for limit, c in fa._GPU_BWD[2] if block_d <= limit)
-    return fwd[0][:2], bwd[0][:2]
+    dkdv = next(c for limit, c in fa._GPU_DKDV[2] if block_d <= limit)
+    dq = next(c for limit, c in fa._GPU_DQ[2] if block_d <= limit)
+    return fwd[0][:2], dkdv[0][:2], dq[0][:2]
 
 
-def tile_visits(S: int, window, fwd: tuple, bwd: tuple) -> dict:
+def tile_visits(S: int, window, fwd: tuple, dkdv: tuple, dq: tuple) -> dict:
     """Tile products per kernel for causal self-attention of one head, sequence ``S``: the loop bounds of the
     kernels (no documents, no padding; ``window`` None or an int)."""
     win_lo = None if window is None or window >= S else 1 - window  # check_window's bound (Sq == Sk)
@@ -70,18 +71,19 @@ def tile_visits(S: int, window, fwd: tuple, bwd: tuple) -> dict:
             n += max(0, math.ceil((hi - lo) / bm))
         return n
 
-    f, dq, dkdv = key_loops(*fwd), key_loops(*bwd), query_loops(*bwd)
-    scores_f, scores_b = f * fwd[0] * fwd[1], (dq + dkdv) * bwd[0] * bwd[1]
-    return dict(fwd_tiles=f, dq_tiles=dq, dkdv_tiles=dkdv, fwd_scores=scores_f, bwd_scores=scores_b,
+    f, n_dq, n_dkdv = key_loops(*fwd), key_loops(*dq), query_loops(*dkdv)
+    scores_f, scores_b = f * fwd[0] * fwd[1], n_dq * dq[0] * dq[1] + n_dkdv * dkdv[0] * dkdv[1]
+    return dict(fwd_tiles=f, dq_tiles=n_dq, dkdv_tiles=n_dkdv, fwd_scores=scores_f, bwd_scores=scores_b,
                 flops=4 * HEAD_DIM * scores_f + 5 * HEAD_DIM * scores_b)
 
 
 def part_tiles(window: int) -> list:
-    (fwd_w, bwd), (fwd, _) = gpu_tiles(True), gpu_tiles(False)
+    (fwd_w, dkdv, dq), (fwd, _, _) = gpu_tiles(True), gpu_tiles(False)
     rows = []
     for S in TILE_LENGTHS:
-        w, c = tile_visits(S, window, fwd_w, bwd), tile_visits(S, None, fwd, bwd)
-        rows.append(dict(seq=S, window=window, fwd_block=fwd, fwd_block_window=fwd_w, bwd_block=bwd, windowed=w,
+        w, c = tile_visits(S, window, fwd_w, dkdv, dq), tile_visits(S, None, fwd, dkdv, dq)
+        rows.append(dict(seq=S, window=window, fwd_block=fwd, fwd_block_window=fwd_w, dkdv_block=dkdv,
+                         dq_block=dq, windowed=w,
                          causal=c,
                          ratio=w["flops"] / c["flops"]))
     for r in rows:
@@ -134,7 +136,8 @@ def print_tables(result: dict) -> None:
         r0 = result["tiles"][0]
         print(f"\nTiles the Triton kernels visit, causal, one head, d{HEAD_DIM}, window {r0['window']}, forward "
               f"{r0['fwd_block_window'][0]}x{r0['fwd_block_window'][1]} (window) / {r0['fwd_block'][0]}x"
-              f"{r0['fwd_block'][1]} (causal), backward {r0['bwd_block'][0]}x{r0['bwd_block'][1]}")
+              f"{r0['fwd_block'][1]} (causal), dK/dV {r0['dkdv_block'][0]}x{r0['dkdv_block'][1]}, dQ "
+              f"{r0['dq_block'][0]}x{r0['dq_block'][1]}")
         print("| seq | fwd tiles (window / causal) | dK/dV + dQ tiles (window / causal) | GFLOP window | "
               "GFLOP causal | window / causal | MFLOP per token, window | MFLOP per token, causal |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

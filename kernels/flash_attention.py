@@ -42,15 +42,17 @@ window, not its length (bench/attention_window.py). Inside a packed document
 index differences are position differences, so windows and document ids
 combine by masking alone.
 
-Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward runs
-an online softmax over key blocks, one program per (query block, batch*head),
-never materializing the (Sq x Sk) matrix; the backward recomputes P from the
-saved lse and is split into a dK/dV kernel (parallel over key blocks) and a dQ
-kernel (parallel over query blocks), so it needs no atomics and is
-deterministic. Under GQA a dK/dV program owns a key block of one K/V head and
-loops over the query heads of its group, summing into the same fp32 tiles.
-Tiles are loaded in the input dtype, and every dot product and softmax
-statistic is accumulated in fp32.
+Kernels follow FlashAttention-2 (Dao 2023, arXiv 2307.08691): the forward
+(:mod:`.flash_attention_fwd`) runs an online softmax over key blocks, one
+program per (query block, batch*head), never materializing the (Sq x Sk)
+matrix; the backward (:mod:`.flash_attention_bwd`) recomputes P from the saved
+lse and is split into a dK/dV kernel (parallel over key blocks) and a dQ
+kernel (parallel over query blocks), each with its own tile, so it needs no
+atomics and is deterministic. Under GQA a dK/dV program owns a key block of
+one K/V head and loops over the query heads of its group, summing into the
+same fp32 tiles. Tiles are loaded in the input dtype, and every dot product
+and softmax statistic is accumulated in fp32. This module holds the tile
+tables, the launchers and the public entry points.
 """
 from __future__ import annotations
 
@@ -58,11 +60,12 @@ from typing import Optional, Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from ._backend import interpreter_active, picked, resolve_backend
 from .attention_torch import (  # noqa: F401 (re-exported)
     attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
+from .flash_attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
+from .flash_attention_fwd import _attn_fwd_kernel
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 _LN2 = 0.6931471805599453  # ln(2)
@@ -70,407 +73,83 @@ _OP = "attention"
 
 
 # ----------------------------------------------------------------------------
-# Triton kernels
-# ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile_ids(SEQ, BLOCK: tl.constexpr):
-    """(block index along the sequence, batch * head index as int64) of this program.
-
-    The grid is flat, (cdiv(SEQ, BLOCK) * B * heads,) on grid x (see :func:`_grid`):
-    CUDA allows 2^31 - 1 programs there but only 65535 on y, which B * H passes
-    (ViT inference at batch 4096 x 16 heads). Sequence blocks vary fastest, so
-    neighbouring programs share one head's K/V in L2, as with a 2-D grid.
-    """
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(SEQ, BLOCK)
-    return pid % n_blocks, (pid // n_blocks).to(tl.int64)
-
-
-@triton.jit
-def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO, IS_CAUSAL: tl.constexpr,
-                     HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """(lo, hi, lo_m, hi_m): the key loop [lo, hi) of the query tile whose first row is ``start_m`` (lo a
-    multiple of BLOCK_N) and, with documents, each row's key range [lo_m, hi_m) (else placeholders).
-
-    Causal: key blocks wholly above the (end-aligned) diagonal are skipped.
-    Documents: the rows' key ranges are non-decreasing, so the tile visits
-    only the keys from its first row's ``lo`` to its last row's ``hi`` (causal
-    included): a packed row costs the sum of its documents' squares.
-    Window: row ``i`` keeps keys ``j >= i + WIN_LO``, so the loop starts at the
-    first row's bound: a windowed row costs its window, not its length.
-    """
-    lo = 0
-    hi = SEQ_K
-    lo_m = offs_m
-    hi_m = offs_m
-    if HAS_DOCS:
-        row0 = off_b * SEQ_Q + start_m
-        lo = (tl.load(RANGE_LO + row0) // BLOCK_N) * BLOCK_N
-        hi = tl.load(RANGE_HI + row0 + tl.minimum(BLOCK_M, SEQ_Q - start_m) - 1)
-        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-    elif IS_CAUSAL:
-        hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, (tl.maximum(start_m + WIN_LO, 0) // BLOCK_N) * BLOCK_N)
-    return lo, hi, lo_m, hi_m
-
-
-@triton.jit
-def _attn_fwd_kernel(
-    Q,  # (B, H, Sq, D) input, any strides
-    K,  # (B, Hkv, Sk, D) input, any strides; H % Hkv == 0
-    V,  # (B, Hkv, Sk, D) input, any strides
-    O,  # (B, H, Sq, D) output, q's dtype, any strides
-    LSE,  # (B, H, Sq) fp32 output, contiguous
-    MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
-    RANGE_LO, RANGE_HI,  # (B, Sq) int32: query i sees keys [lo, hi) (its document, causal); HAS_DOCS only
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
-    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
-    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
-):
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
-    off_b = pid_bh // H
-    off_h = pid_bh % H
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < SEQ_Q
-    d_ok = offs_d < HEAD_D
-
-    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    if UPCAST:
-        q = q.to(tl.float32)
-    off_hkv = off_h // GROUP  # the K/V head this query head shares
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 domain)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
-
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
-                                          IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < SEQ_K
-        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        if UPCAST:
-            kt = kt.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
-        keep = n_ok[None, :]
-        if HAS_MASK:
-            km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
-            keep = keep & (km != 0)[None, :]
-        if HAS_DOCS:  # the row's range holds the causal rule too
-            keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
-        elif IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
-        if HAS_WINDOW:
-            keep = keep & (offs_n[None, :] >= offs_m[:, None] + WIN_LO)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no (-inf) - (-inf) for empty rows
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
-
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=m_ok)
-
-
-@triton.jit
-def _attn_bwd_preprocess_kernel(
-    O,  # (B, H, Sq, D) forward output, any strides
-    DO,  # (B, H, Sq, D) gradient of the output, any strides
-    DLSE,  # (B, H, Sq) fp32 gradient of lse, contiguous; unused unless HAS_DLSE
-    DELTA,  # (B, H, Sq) fp32 output, contiguous: rowsum(dO * O) - dlse
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H, SEQ_Q, HEAD_D,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
-    off_b = pid_bh // H
-    off_h = pid_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < SEQ_Q
-    mask = m_ok[:, None] & (offs_d < HEAD_D)[None, :]
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)  # fp32
-    if HAS_DLSE:
-        delta = delta - tl.load(DLSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
-    tl.store(DELTA + pid_bh * SEQ_Q + offs_m, delta, mask=m_ok)
-
-
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
-    DO,  # (B, H, Sq, D) gradient of the output, any strides
-    LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
-    DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
-    DK, DV,  # (B, Hkv, Sk, D) outputs, input dtype, contiguous
-    MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
-    RANGE_LO, RANGE_HI,  # (B, Sk) int32: key j is seen by queries [lo, hi) (its document, causal); HAS_DOCS only
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
-    sm_scale, qk_scale,  # scale, and scale * log2(e)
-    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # One program owns a block of keys of one K/V head and loops over the query
-    # heads of its group and, per head, the query blocks that see the keys. The
-    # group sum of dK/dV happens in the program's fp32 tiles: no (B, H, Sk, D)
-    # per-query-head temporaries (H/Hkv times dK/dV's size, as FlashAttention-2's
-    # CUDA code allocates before summing), no atomics, still deterministic. The
-    # price is Hkv (not H) programs per key block; long sequences keep the grid full.
-    pid_n, pid_bkv = _tile_ids(SEQ_K, BLOCK_N)  # pid_bkv = b * Hkv + hkv
-    Hkv = H // GROUP
-    off_b = pid_bkv // Hkv
-    off_hkv = pid_bkv % Hkv
-    start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < SEQ_K
-    d_ok = offs_d < HEAD_D
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-
-    k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-    v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    keep_n = n_ok
-    if HAS_MASK:
-        km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
-        keep_n = keep_n & (km != 0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators, summed over the group
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    lo = 0
-    hi = SEQ_Q
-    if HAS_DOCS:  # the mirror of the forward's key loop: the queries from the first key's lo to the last key's hi
-        col0 = off_b * SEQ_K + start_n
-        lo = (tl.load(RANGE_LO + col0) // BLOCK_M) * BLOCK_M
-        hi = tl.load(RANGE_HI + col0 + tl.minimum(BLOCK_N, SEQ_K - start_n) - 1)
-        lo_n = tl.load(RANGE_LO + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
-        hi_n = tl.load(RANGE_HI + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
-    elif IS_CAUSAL:  # query blocks wholly before this key block's diagonal see none of it
-        lo = tl.maximum(start_n - (SEQ_K - SEQ_Q), 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:  # key j is seen by queries i <= j - WIN_LO: the tile's last key bounds the query loop
-        hi = tl.minimum(hi, tl.minimum(start_n + BLOCK_N, SEQ_K) - WIN_LO)
-    for g in range(0, GROUP):
-        off_h = off_hkv * GROUP + g  # a query head that reads this K/V head
-        row0 = (off_b * H + off_h) * SEQ_Q  # its first row in LSE / DELTA
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < SEQ_Q
-            qd_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=qd_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=qd_mask,
-                         other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=float("inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
-            delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2
-            keep = keep_n[:, None] & m_ok[None, :]
-            if HAS_DOCS:
-                keep = keep & (offs_m[None, :] >= lo_n[:, None]) & (offs_m[None, :] < hi_n[:, None])
-            elif IS_CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
-            if HAS_WINDOW:
-                keep = keep & (offs_n[:, None] >= offs_m[None, :] + WIN_LO)
-            pt = tl.where(keep, tl.exp2(st - lse[None, :]), 0.0)  # P^T, fp32
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
-            dst = pt * (dpt - delta[None, :])  # dS^T, w.r.t. the scaled scores
-            dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
-
-    dk = dk * sm_scale
-    out_offs = pid_bkv * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
-    tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def _attn_bwd_dq_kernel(
-    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
-    DO,  # (B, H, Sq, D) gradient of the output, any strides
-    LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
-    DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
-    DQ,  # (B, H, Sq, D) output, input dtype, contiguous
-    MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
-    RANGE_LO, RANGE_HI,  # (B, Sq) int32: query i sees keys [lo, hi) (its document, causal); HAS_DOCS only
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv
-    sm_scale, qk_scale,  # scale, and scale * log2(e)
-    WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
-    IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    # One program owns a block of queries and loops over the key blocks it sees.
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
-    off_b = pid_bh // H
-    off_h = pid_bh % H
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < SEQ_Q
-    d_ok = offs_d < HEAD_D
-    qd_mask = m_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
-    delta = tl.load(DELTA + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
-    off_hkv = off_h // GROUP  # the K/V head this query head shares
-    k_base = K + off_b * stride_kb + off_hkv * stride_kh
-    v_base = V + off_b * stride_vb + off_hkv * stride_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
-
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
-                                          IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < SEQ_K
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
-        keep = m_ok[:, None] & n_ok[None, :]
-        if HAS_MASK:
-            km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
-            keep = keep & (km != 0)[None, :]
-        if HAS_DOCS:
-            keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
-        elif IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
-        if HAS_WINDOW:
-            keep = keep & (offs_n[None, :] >= offs_m[:, None] + WIN_LO)
-        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)  # fp32
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-
-    dq = dq * sm_scale
-    tl.store(DQ + pid_bh * SEQ_Q * HEAD_D + offs_m[:, None] * HEAD_D + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=qd_mask)
-
-
-# ----------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------
 
 
-# GPU tiles, (BLOCK_M, BLOCK_N, num_warps, num_stages), by element size and padded head dim (BLOCK_D <= limit).
-# Entry 0 of each list is what the launcher uses; the others are the row's GPU autotune list (bench/gpu.py
-# --part tune times them all, see AUTOTUNE). Every entry compiles for sm_80 and sm_90 within shared memory, and
-# in half precision with tensor cores and without register spills, for the fullest kernels (causal + mask +
-# grouped K/V, with and without document ids) and the plain ones alike (tests/kernels/test_compile_gate.py;
-# fp32, whose "ieee" dots run on FMA units, may spill a few bytes). Tiles that reach 255 registers or spill are
-# left out: that is why the half-precision d <= 64 rows take 64 queries in the forward and 32 in the backward.
-# At d256 the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32 accumulators and spills.
-# Entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16 s4096 causal
-# bf16 (bench/RESULTS.md, "GPU kernels"); the d256 rows, the fp32 rows and every tile on sm_80 are chosen from
-# compiles alone.
+# GPU tiles, (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages), by element size and padded head dim
+# (BLOCK_D <= limit), one table per kernel. Entry 0 of each list is what the launcher uses; the others are the
+# row's GPU autotune list (bench/gpu.py --part tune times them all, see AUTOTUNE). Every entry compiles for sm_80
+# and sm_90 within shared memory, and in half precision with tensor cores and without register spills, for
+# every flag combination the launchers make, at sequence lengths that are and are not multiples of 16
+# (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, may spill a few bytes). Tiles
+# that reach 255 registers or spill are left out.
+# The backward's two passes take their own tiles: the dK/dV kernel owns BLOCK_N keys (its fp32 dK and dV
+# accumulators, 2 x BLOCK_N x BLOCK_D) and steps over BLOCK_M queries; the dQ kernel owns BLOCK_M queries (one
+# accumulator) and steps over BLOCK_N keys. A thin step keeps the (BLOCK_N x BLOCK_M) score tile small beside the
+# accumulators. At d256 the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32
+# accumulators and spills.
+# The forward's entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16
+# s4096 causal bf16 (bench/RESULTS.md, "GPU kernels"); the backward's tiles, the d256 rows, the fp32 rows and
+# every tile on sm_80 are chosen from compiles alone (no GPU has timed them yet).
 _GPU_FWD = {
     2: ((64, ((64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))),
         (128, ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3))),
         (256, ((64, 32, 8, 2), (64, 32, 8, 1), (32, 64, 4, 2)))),
     4: ((32, ((64, 32, 8, 2),)), (64, ((64, 32, 8, 2),)), (128, ((32, 32, 8, 1),)), (256, ((32, 32, 8, 1),))),
 }
-_GPU_BWD = {  # one tile for both backward kernels: dK/dV owns BLOCK_N keys, dQ owns BLOCK_M queries
-    2: ((64, ((32, 64, 4, 2), (32, 64, 8, 2), (64, 32, 8, 2))),  # entry 0 is the fastest on an H200 (above)
-        (128, ((64, 64, 8, 1), (32, 32, 4, 2))),
+_GPU_DKDV = {
+    2: ((64, ((32, 128, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2))),
+        (128, ((32, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 1))),
         (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
 }
+_GPU_DQ = {
+    2: ((64, ((128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2))),
+        (128, ((128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 1))),
+        (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
+    4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
+}
+_TABLES = {"fwd": _GPU_FWD, "dkdv": _GPU_DKDV, "dq": _GPU_DQ}
 # With document ids (or a window's bound) the forward keeps each row's key range live as well: in half precision
 # at d <= 128 the 128x64 tile spills on sm_80 then, so packed rows and windows take this row's other entries.
 _GPU_FWD_DOCS = {(2, 128): ((64, 64, 8, 3), (128, 32, 8, 3))}
 # op -> number of autotune entries (cuboid.kernels._backend.autotune_pick("attention", i))
-AUTOTUNE = {"attention": max(len(c) for t in (_GPU_FWD, _GPU_BWD) for rows in t.values() for _, c in rows)}
+AUTOTUNE = {"attention": max(len(c) for t in _TABLES.values() for rows in t.values() for _, c in rows)}
 
 
-def _config(head_dim: int, dtype: torch.dtype, backward: bool, docs: bool = False) -> dict:
-    """Fixed block sizes and launch options: a table, no autotuning (``docs``: the forward keeps per-row key
-    bounds, document ids or a window's).
+def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool = False) -> dict:
+    """Block sizes and launch options of one kernel, ``"fwd"``, ``"dkdv"`` or ``"dq"``: a table, entry
+    :func:`~._backend.picked` of the row (``docs``: the forward keeps per-row key bounds, document ids or a
+    window's).
 
     The interpreter runs programs one after another in numpy and pays per op,
     so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
     causal loop bounds honest in the CPU tests). On GPU the tiles come from
-    ``_GPU_FWD`` / ``_GPU_BWD``: they shrink as the head dim and element size
-    grow, to stay within shared memory and registers.
+    ``_GPU_FWD`` / ``_GPU_DKDV`` / ``_GPU_DQ``: they shrink as the head dim
+    and element size grow, to stay within shared memory and registers.
     """
+    if kernel not in _TABLES:
+        raise ValueError(f"{_OP}: kernel must be one of {sorted(_TABLES)}, got {kernel!r}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     if interpreter_active():
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
     size = 4 if dtype == torch.float32 else 2
-    table = (_GPU_BWD if backward else _GPU_FWD)[size]
-    limit, candidates = next((limit, c) for limit, c in table if block_d <= limit)
-    if docs and not backward:
+    limit, candidates = next((limit, c) for limit, c in _TABLES[kernel][size] if block_d <= limit)
+    if docs and kernel == "fwd":
         candidates = _GPU_FWD_DOCS.get((size, limit), candidates)
     bm, bn, warps, stages = picked(_OP, candidates)
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+
+
+def tile_summary(head_dim: int, dtype: torch.dtype) -> str:
+    """The tiles the launchers pick for ``head_dim`` and ``dtype`` under the current autotune pick, one line
+    (bench/gpu.py's tune table): forward, dK/dV and dQ as BLOCK_M x BLOCK_N, warps, stages."""
+    parts = []
+    for kernel in ("fwd", "dkdv", "dq"):
+        c = _config(head_dim, dtype, kernel)
+        parts.append(f"{kernel} {c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}")
+    return ", ".join(parts)
 
 
 GRID_X_MAX = 2 ** 31 - 1  # CUDA's limit on grid x (y and z stop at 65535)
@@ -548,7 +227,7 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     Hkv, Sk = k.shape[1], k.shape[2]
     out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = _config(D, q.dtype, backward=False, docs=docs is not None or win_lo is not None)
+    cfg = _config(D, q.dtype, "fwd", docs=docs is not None or win_lo is not None)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     keys = (q, q) if docs is None else doc_ranges(*docs, causal, win_lo)[0]
     win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
@@ -570,16 +249,16 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     """
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    cfg = _config(D, q.dtype, backward=True)
     keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal, win_lo)
     win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
-    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     dlse_arg = dlse.to(torch.float32).contiguous() if has_dlse else delta
-    _attn_bwd_preprocess_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
+    block_d = max(16, triton.next_power_of_2(D))
+    pre_m = 64 if block_d <= 128 else 32
+    _attn_bwd_preprocess_kernel[_grid(Sq, pre_m, B * H)](
         out, do, dlse_arg, delta, *out.stride(), *do.stride(), H, Sq, D,
-        HAS_DLSE=has_dlse, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+        HAS_DLSE=has_dlse, BLOCK_M=pre_m, BLOCK_D=block_d, num_warps=4,
     )
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
@@ -588,11 +267,13 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
-                 HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype), **cfg, **launch)
+                 HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype))
+    cfg = _config(D, q.dtype, "dkdv")
     _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags)
+        q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags, **cfg)
+    cfg = _config(D, q.dtype, "dq")
     _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
-        q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags)
+        q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags, **cfg)
     return dq, dk, dv
 
 

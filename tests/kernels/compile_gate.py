@@ -4,7 +4,7 @@ Run by ``tests/kernels/test_compile_gate.py`` in a subprocess (the test process
 has ``TRITON_INTERPRET=1``, under which ``@triton.jit`` makes interpreter
 objects that cannot be compiled), or by hand::
 
-    python tests/kernels/compile_gate.py [--json out.json] [--table | --summary] [--full] [--jobs N]
+    python tests/kernels/compile_gate.py [--json out.json] [--table | --summary] [--full] [--jobs N] [--only MOD..]
 
 How it works:
 
@@ -15,7 +15,7 @@ How it works:
    attributes) and records (kernel, signature, constexprs, attributes,
    num_warps, num_stages, grid) instead of running. An autotuned kernel
    records one launch per config in its list.
-2. A *driver* per kernel module calls the module's public functions (forward
+2. A *driver* per kernel module (tests/kernels/compile_gate_drivers.py) calls the module's public functions (forward
    and backward through autograd) on ``meta`` tensors, with the Triton
    backend forced, over the dtypes and shapes that select every row of the
    launcher's config table, every entry of the module's GPU autotune list
@@ -60,7 +60,24 @@ import tempfile
 import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
+
+try:  # run as a script, tests/kernels is on sys.path; imported, the package path holds
+    import compile_gate_drivers as drivers
+except ImportError:
+    from tests.kernels import compile_gate_drivers as drivers
+from_drivers = ("DRIVERS", "DRIVEN_BY", "_torch_names", "_dn", "_meta", "_backward", "_pick", "drive_flash_attention",
+                "drive_norm", "drive_rope", "drive_swiglu", "drive_optim", "drive_linear_cross_entropy")
+DRIVERS, DRIVEN_BY = drivers.DRIVERS, drivers.DRIVEN_BY  # the drivers' own dicts: an entry added here counts there
+_torch_names, _dn, _meta, _backward, _pick = (drivers._torch_names, drivers._dn, drivers._meta, drivers._backward,
+                                              drivers._pick)
+
+
+def __getattr__(name):
+    """The drivers' helpers and dtype names (F32, F16, BF16, DTYPES: set once :func:`_torch_names` ran)."""
+    if name in from_drivers or name in ("F32", "F16", "BF16", "DTYPES"):
+        return getattr(drivers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # arch -> max shared memory per block (bytes, opt-in)
 GRID_MAX = (2 ** 31 - 1, 65535, 65535)  # CUDA grid limits: x, y, z
@@ -146,214 +163,6 @@ def intercept(gate: Gate):
     finally:
         JITFunction.run, Autotuner.run = saved
 
-
-# ----------------------------------------------------------------------------------------------- drivers
-# One per module of cuboid.kernels: call the public functions over every dtype and every row of the launcher's
-# config table. Tensors are on the meta device (no data, any size).
-
-F32 = F16 = BF16 = None  # set by _torch_names()
-DTYPES = ()
-
-
-def _torch_names():
-    global F32, F16, BF16, DTYPES
-    import torch
-    F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-    DTYPES = (F32, F16, BF16)
-
-
-def _dn(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _meta(*shape, dtype, grad=True):
-    import torch
-    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
-
-
-def _backward(outs):
-    import torch
-    outs = [o for o in outs if o is not None and o.requires_grad]
-    torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
-
-
-def _pick(gate: Gate, full, subset):
-    """The full list under ``--full`` (CUBOID_GATE_FULL=1), else the CI subset."""
-    return full if gate.full else subset
-
-
-def drive_flash_attention(gate: Gate, mod) -> None:
-    # Head dims select every row of _GPU_FWD / _GPU_BWD: 2-byte rows d <= 64, 128, 256; fp32 rows d <= 32, 64,
-    # 128, 256 (d32 and d16 share the d64 row in half precision: compiled under --full). Seq 1024 (a multiple of
-    # 16, as training lengths are). Flags: the fullest kernel (causal + key padding mask + grouped K/V heads),
-    # the same with packed rows' document ids, and the same with a sliding window on packed rows (every flag
-    # at once), for every dtype and row; the window without documents and the plain one (MHA: GROUP
-    # specialised to 1) for bf16 (CI) or every dtype (--full). Autotune passes: the half-precision rows only
-    # (fp32 rows have one entry), bf16 in CI.
-    fullest, packed, plain = (True, True, 2, False, None), (True, True, 2, True, None), (False, False, 4, False, None)
-    windowed, windowed_docs = (True, True, 2, False, 256), (True, True, 2, True, 256)
-    dtypes = (BF16, F16) if gate.tuning else DTYPES
-    for dtype in dtypes:
-        dims = (64, 128, 256) if dtype != F32 else (32, 64, 128, 256)
-        if gate.full and dtype != F32:
-            dims = (32,) + dims
-        for d in dims:
-            every = gate.full or dtype == BF16
-            flags = [fullest, packed, windowed_docs] + ([plain, windowed] if every else [])
-            if gate.tuning and not gate.full:
-                flags = [fullest, packed, windowed_docs] if dtype == BF16 else []
-            for causal, masked, hkv, docs, window in flags:
-                label = f"attention {_dn(dtype)} d{d}{' causal' if causal else ''}{' mask' if masked else ''}" \
-                        f"{' gqa' if hkv != 4 else ''}{' docs' if docs else ''}{' window' if window else ''}"
-                with gate.case(label):
-                    _attention(mod, 2, 4, hkv, 1024, d, dtype, causal, masked, docs, window)
-    if gate.tuning:
-        return
-    # grids: B * H = 2^17 (ViT inference at batch 8192 x 16 heads), one 4M-token sequence, many short ones
-    for b, h, s in ((8192, 16, 256), (1, 1, 1 << 22), (1 << 16, 8, 16)):
-        with gate.case(f"attention grid b{b} h{h} s{s}"):
-            _attention(mod, b, h, h, s, 64, BF16, True, False)
-    with gate.case("attention grid b1 h1 s4194304 docs"):  # the document spans of a 4M-token packed row
-        _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, True)
-    with gate.case("attention grid b1 h1 s4194304 window"):  # a 4M-token row at a 4096-token window
-        _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, False, 4096)
-
-
-def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False, window=None):
-    import torch
-    q = _meta(b, h, s, d, dtype=dtype)
-    k, v = _meta(b, hkv, s, d, dtype=dtype), _meta(b, hkv, s, d, dtype=dtype)
-    mask = torch.empty(b, s, dtype=torch.bool, device="meta") if masked else None
-    ids = torch.empty(b, s, dtype=torch.int32, device="meta") if docs else None
-    out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True, doc_ids=ids,
-                             window=window)
-    _backward([out, lse])
-
-
-def drive_norm(gate: Gate, mod) -> None:
-    # Hidden sizes that select every row of _block_sizes (tile -> 4, 8, 16 warps; many rows packed: 4096 x 1000;
-    # one row: 1 x 1000) and the wide path (N > MAX_ONE_PASS: 16384, 65536). Flags: layer norm with residual and
-    # affine in x's dtype (every dtype), RMS norm with residual and an fp32 weight, layer norm without residual
-    # or affine (one dtype each in CI, every dtype under --full).
-    shapes = _pick(gate, ((4096, 64), (4096, 1000), (4096, 4096), (4096, 8192), (1024, 16384), (512, 32768),
-                          (256, 65536), (1, 64), (1, 1000)),
-                   ((4096, 1000), (4096, 8192), (1, 1000), (1024, 16384), (256, 65536)))
-    for dtype in (BF16,) if gate.tuning and not gate.full else DTYPES:
-        for rows, n in shapes:
-            with gate.case(f"layer_norm {_dn(dtype)} {rows}x{n} residual affine"):
-                x, r = _meta(rows, n, dtype=dtype), _meta(rows, n, dtype=dtype)
-                _backward(mod.layer_norm(x, _meta(n, dtype=dtype), _meta(n, dtype=dtype), residual=r))
-            if gate.full or dtype == BF16:
-                with gate.case(f"rms_norm {_dn(dtype)} {rows}x{n} residual fp32 weight"):
-                    x, r = _meta(rows, n, dtype=dtype), _meta(rows, n, dtype=dtype)
-                    _backward(mod.rms_norm(x, _meta(n, dtype=F32), residual=r))
-            if gate.full or dtype == F32:
-                with gate.case(f"layer_norm {_dn(dtype)} {rows}x{n} plain"):
-                    _backward([mod.layer_norm(_meta(rows, n, dtype=dtype), None, None)])
-    if not gate.tuning:
-        with gate.case("rms_norm grid 2^26 rows"):
-            _backward([mod.rms_norm(_meta(1 << 26, 64, dtype=BF16), _meta(64, dtype=BF16))])
-
-
-def drive_rope(gate: Gate, mod) -> None:
-    # head dims 64..256 and head counts that select each num_warps row (tile = heads x D/2, capped at TILE_ELEMS)
-    cases = _pick(gate, [(d, h, hkv) for d in (64, 128, 256) for h, hkv in ((32, 8), (4, 4), (128, 8))],
-                  [(128, 32, 8), (64, 4, 4), (256, 128, 8), (64, 1, 1)])
-    for dtype in (BF16,) if gate.tuning and not gate.full else DTYPES:
-        for d, h, hkv in cases:
-            with gate.case(f"rope {_dn(dtype)} d{d} h{h}/{hkv}"):
-                q, k = _meta(2, h, 512, d, dtype=dtype), _meta(2, hkv, 512, d, dtype=dtype)
-                cos, sin = _meta(512, d, dtype=F32, grad=False), _meta(512, d, dtype=F32, grad=False)
-                _backward(mod.rope(q, k, cos, sin))
-    if not gate.tuning:
-        with gate.case("rope grid 2^24 tokens"):
-            q, k = _meta(1 << 12, 32, 1 << 12, 128, dtype=BF16), _meta(1 << 12, 8, 1 << 12, 128, dtype=BF16)
-            cos, sin = _meta(1 << 12, 128, dtype=F32, grad=False), _meta(1 << 12, 128, dtype=F32, grad=False)
-            _backward(mod.rope(q, k, cos, sin))
-
-
-def drive_swiglu(gate: Gate, mod) -> None:
-    # widths below, at and above MAX_BLOCK_N: every num_warps row of _launch_cfg; one strided (chunked) pair
-    for dtype in (BF16,) if gate.tuning and not gate.full else DTYPES:
-        for n in (256, 1000, 4096, 14336):
-            with gate.case(f"swiglu {_dn(dtype)} 4096x{n}"):
-                _backward([mod.swiglu(_meta(4096, n, dtype=dtype), _meta(4096, n, dtype=dtype))])
-        with gate.case(f"swiglu {_dn(dtype)} 4096x11008 chunked"):
-            gate_, up = _meta(4096, 2 * 11008, dtype=dtype).chunk(2, dim=-1)
-            _backward([mod.swiglu(gate_, up)])
-    if not gate.tuning:
-        with gate.case("swiglu grid 2^24 rows"):
-            _backward([mod.swiglu(_meta(1 << 24, 256, dtype=BF16), _meta(1 << 24, 256, dtype=BF16))])
-
-
-def drive_optim(gate: Gate, mod) -> None:
-    # every (param dtype, grad dtype, master) launch group and every step kind; the segment sum with 1 and 2 rows
-    import torch
-    shapes = [(4096, 1024), (1000,), (7,)]
-    combos = _pick(gate, [(F32, F32, False), (F32, BF16, False), (BF16, BF16, True), (F16, F16, True),
-                          (BF16, BF16, False), (F16, F32, True)],
-                   [(F32, F32, False), (BF16, BF16, True), (F16, F32, True), (BF16, BF16, False)])
-    if gate.tuning and not gate.full:
-        combos = [(F32, F32, False), (BF16, BF16, True)]
-    for p_dt, g_dt, master in combos:
-        label = f"{_dn(p_dt)} params, {_dn(g_dt)} grads{', fp32 master' if master else ''}"
-
-        def lists(n_states):
-            ps = [torch.empty(s, dtype=p_dt, device="meta") for s in shapes]
-            gs = [torch.empty(s, dtype=g_dt, device="meta") for s in shapes]
-            states = [[torch.empty(s, dtype=F32, device="meta") for s in shapes] for _ in range(n_states)]
-            ms = [torch.empty(s, dtype=F32, device="meta") for s in shapes] if master else None
-            return ps, gs, states, ms
-
-        for maximize in (False, True) if gate.full else (False,):
-            tag = label + (" maximize" if maximize else "")
-            with gate.case(f"adamw {tag}"):
-                ps, gs, (m, v), ms = lists(2)
-                mod.adamw_step(ps, gs, m, v, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1,
-                               master_params=ms, maximize=maximize)
-            with gate.case(f"lamb {tag}"):
-                ps, gs, (m, v), ms = lists(2)
-                mod.lamb_step(ps, gs, m, v, lr=1e-3, step=1, master_params=ms, maximize=maximize)
-            with gate.case(f"lars {tag}"):
-                ps, gs, (b,), ms = lists(1)
-                mod.lars_step(ps, gs, b, lr=1e-3, master_params=ms, maximize=maximize)
-        with gate.case(f"grad_norm_sq {_dn(g_dt)}"):
-            mod.grad_norm_sq([torch.empty(s, dtype=g_dt, device="meta") for s in shapes], per_tensor=True)
-    if not gate.tuning:
-        with gate.case("adamw grid one 2^33-element tensor"):
-            big = [torch.empty(1 << 33, dtype=BF16, device="meta")]
-            st = [torch.empty(1 << 33, dtype=F32, device="meta") for _ in range(3)]
-            mod.adamw_step(big, big, st[:1], st[1:2], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
-                           step=1, master_params=st[2:])
-
-
-def drive_linear_cross_entropy(gate: Gate, mod) -> None:
-    # local vocab widths that select each row of _launch_cfg (BLOCK_V 4096 / 1024 / 128: 8, 4, 2 warps), the
-    # GPT-2 vocab with a bias, and the vocab-parallel form (a slice with padding, a reduce callable)
-    import torch
-    for dtype in (BF16,) if gate.tuning and not gate.full else DTYPES:
-        for vocab, bias in ((50257, True), (1000, False), (100, False)):
-            with gate.case(f"linear_cross_entropy {_dn(dtype)} 1024x256 vocab {vocab}{' bias' if bias else ''}"):
-                x, w = _meta(1024, 256, dtype=dtype), _meta(vocab, 256, dtype=dtype)
-                b = _meta(vocab, dtype=dtype) if bias else None
-                labels = torch.empty(1024, dtype=torch.int64, device="meta")
-                _backward([mod.linear_cross_entropy(x, w, labels, b)])
-        with gate.case(f"linear_cross_entropy {_dn(dtype)} vocab-parallel slice"):
-            x, w = _meta(1024, 256, dtype=dtype), _meta(12568, 256, dtype=dtype)
-            labels = torch.empty(1024, dtype=torch.int64, device="meta")
-            _backward([mod.linear_cross_entropy(x, w, labels, vocab_start=37704, vocab_size=50257,
-                                                reduce=lambda t, op: t)])
-
-
-# module (under cuboid.kernels) -> driver. A module with Triton kernels and no entry here fails the gate.
-DRIVERS: Dict[str, Callable[[Gate, object], None]] = {
-    "flash_attention": drive_flash_attention,
-    "linear_cross_entropy": drive_linear_cross_entropy,
-    "norm": drive_norm,
-    "optim": drive_optim,
-    "rope": drive_rope,
-    "swiglu": drive_swiglu,
-}
 
 # ----------------------------------------------------------------------------------------------- discovery
 
@@ -456,8 +265,9 @@ def _worker_init():
     os.environ["TRITON_INTERPRET"] = "0"
 
 
-def run_gate(jobs: Optional[int] = None, full: bool = False) -> dict:
-    """Drive every module, compile every variant for every target; the JSON-ready result."""
+def run_gate(jobs: Optional[int] = None, full: bool = False, only: Optional[List[str]] = None) -> dict:
+    """Drive every module (``only``: the drivers of these modules), compile every variant for every target; the
+    JSON-ready result."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("the compile gate needs TRITON_INTERPRET unset or 0 (it compiles, it does not interpret)")
     import multiprocessing
@@ -467,19 +277,20 @@ def run_gate(jobs: Optional[int] = None, full: bool = False) -> dict:
 
     t0 = time.perf_counter()
     modules = kernel_modules()
+    if only:
+        keep = set(only) | {m for m, by in DRIVEN_BY.items() if by in only}
+        modules = [(name, mod) for name, mod in modules if name in keep]
     gate = Gate(full)
     autotune = {}
-    missing_drivers = []
+    missing_drivers = [name for name, mod in modules
+                       if jit_functions(mod) and name not in DRIVERS and name not in DRIVEN_BY]
     saved_check = _backend._check_triton
     _backend._check_triton = lambda op, device: "triton"  # meta tensors take the Triton path: nothing executes
     try:
         with intercept(gate), _backend.use_backend("triton"):
             for name, mod in modules:
-                if not jit_functions(mod):
-                    continue
                 driver = DRIVERS.get(name)
                 if driver is None:
-                    missing_drivers.append(name)
                     continue
                 picks = autotune[name] = dict(getattr(mod, "AUTOTUNE", {}))
                 driver(gate, mod)
@@ -540,11 +351,11 @@ def violations(result: dict) -> Dict[str, List[str]]:
     out = {k: [] for k in ("coverage", "compile", "shared_memory", "registers", "tensor_cores", "spills", "grid")}
     for m in result["missing_drivers"]:
         out["coverage"].append(f"module cuboid.kernels.{m} has Triton kernels but no driver: add one to DRIVERS in "
-                               f"tests/kernels/compile_gate.py that calls its launchers over every dtype and "
+                               f"tests/kernels/compile_gate_drivers.py that calls its launchers over every dtype and "
                                f"config-table row")
     for k in result["unreached"]:
         out["coverage"].append(f"kernel {k} was never launched by the compile gate's drivers: add a case that "
-                               f"reaches it to its module's driver in tests/kernels/compile_gate.py")
+                               f"reaches it to its module's driver in tests/kernels/compile_gate_drivers.py")
     out["coverage"] += [f"driver failed: {e}" for e in result["driver_errors"]]
     for v in result["variants"]:
         what = f"{v['kernel']} [{v['cases'][0]}{' +%d more' % (len(v['cases']) - 1) if len(v['cases']) > 1 else ''}]" \
@@ -667,9 +478,12 @@ def main(argv=None) -> int:
     ap.add_argument("--summary", action="store_true", help="print the short table of bench/RESULTS.md")
     ap.add_argument("--full", action="store_true", default=os.environ.get("CUBOID_GATE_FULL") == "1",
                     help="every dtype x flag x shape (default: the CI subset; env CUBOID_GATE_FULL=1)")
+    ap.add_argument("--only", nargs="+", metavar="MODULE",
+                    help="drive these modules of cuboid.kernels only (e.g. flash_attention), and the modules whose "
+                         "kernels they launch")
     args = ap.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "0"
-    result = run_gate(args.jobs, args.full)
+    result = run_gate(args.jobs, args.full, args.only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f)
