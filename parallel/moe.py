@@ -17,7 +17,7 @@ checkpointing) runs outside it and adds nothing twice.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +32,16 @@ class Router(ShardedModule):
     """Linear router with top-k choice: ``forward(x (N, C)) -> (logits (N, E), weights (N, k), experts (N, k))``.
 
     Softmax in fp32, top-k of the probabilities, divided by their sum when ``norm_topk_prob``, cast to x's
-    dtype (transformers' Qwen3MoeTopKRouter; Mixtral is ``norm_topk_prob=True``). Logits are in x's dtype."""
+    dtype (transformers' Qwen3MoeTopKRouter and OlmoeTopKRouter); ``cast=False`` keeps the weights in fp32, so
+    the experts' outputs are weighed in fp32 (MixtralTopKRouter). Logits are in x's dtype."""
 
     role = "replicate"
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True) -> None:
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool = True, cast: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"experts_per_token must be between 1 and n_experts {n_experts}, got {top_k}")
-        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
+        self.n_experts, self.top_k, self.norm_topk_prob, self.cast = n_experts, top_k, norm_topk_prob, cast
         self.weight = torch.nn.Parameter(torch.empty(n_experts, dim))
         self.tag_placements()
 
@@ -50,7 +51,7 @@ class Router(ShardedModule):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return logits, weights.to(x.dtype), experts
+        return logits, weights.to(x.dtype) if self.cast else weights, experts
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
@@ -94,10 +95,15 @@ class Experts(ShardedModule):
 
     def compute(self, x_sorted: torch.Tensor, counts_local: torch.Tensor) -> torch.Tensor:
         """This layer's experts on rows sorted by (local) expert: (M, C) -> (M, C), ``counts_local`` (E_local,)."""
-        h = kernels.grouped_mm(x_sorted, self.gate_up, counts_local)  # (M, 2I)
+        h = self.project("gate_up", x_sorted, counts_local)  # (M, 2I)
         gate, up = h[:, :self.hidden], h[:, self.hidden:]
         a = kernels.swiglu(gate, up) if self.act == "silu" else gelu(gate, "tanh") * up
-        return kernels.grouped_mm(a, self.down, counts_local)
+        return self.project("down", a, counts_local)
+
+    def project(self, name: str, x: torch.Tensor, counts_local: torch.Tensor) -> torch.Tensor:
+        """One grouped projection of :meth:`compute` (``name``: ``"gate_up"`` or ``"down"``): the seam LoRA on
+        the experts overrides to add its low-rank term."""
+        return kernels.grouped_mm(x, getattr(self, name), counts_local)
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, first={self.first_expert}, hidden={self.hidden}, act={self.act}"
@@ -130,10 +136,13 @@ def balance_loss(counts: torch.Tensor, probsum: torch.Tensor, tokens: torch.Tens
 class Recorder:
     """The router statistics of one forward: ``counts``, ``probsum``, ``tokens`` summed over the sparse layers
     (see :func:`balance_stats`), and each layer's logits when ``keep_logits``. ``keep`` (N,): the token mask of
-    the tokens the layers see (None: every token counts)."""
+    the tokens the layers see (None: every token counts). ``reduce(counts, probsum, tokens, n_experts) -> loss``
+    replaces :func:`balance_loss` where a plan spreads one forward's tokens over ranks (it sums the statistics
+    over them)."""
 
-    def __init__(self, top_k: int, keep_logits: bool = False, keep: Optional[torch.Tensor] = None) -> None:
-        self.top_k, self.keep_logits, self.keep = top_k, keep_logits, keep
+    def __init__(self, top_k: int, keep_logits: bool = False, keep: Optional[torch.Tensor] = None,
+                 reduce: Optional[Callable] = None) -> None:
+        self.top_k, self.keep_logits, self.keep, self.reduce = top_k, keep_logits, keep, reduce
         self.logits: list = []
         self.counts = self.probsum = self.tokens = None
 
@@ -151,7 +160,7 @@ class Recorder:
         """The auxiliary loss of what was recorded (None when no sparse layer ran)."""
         if self.counts is None:
             return None
-        return balance_loss(self.counts, self.probsum, self.tokens, n_experts)
+        return (self.reduce or balance_loss)(self.counts, self.probsum, self.tokens, n_experts)
 
 
 _RECORDERS: list = []

@@ -167,7 +167,9 @@ class Llama(Decoder):
         x = self.embed(input_ids)  # (B, T, C)
         mask = attention_mask_of(input_ids, attention_mask, position_ids)
         routed = self.config.output_router_logits if output_router_logits is None else output_router_logits
-        recorder = recorder_for(self.config, input_ids, attention_mask, keep_logits=routed)
+        # a plan that spreads the forward's tokens over ranks sets balance_reduce (the statistics summed over them)
+        recorder = recorder_for(self.config, input_ids, attention_mask, keep_logits=routed,
+                                reduce=getattr(self, "balance_reduce", None))
         if recorder is None:
             x, residual = self.run_blocks(x, mask)
             return self.head(x, residual, labels, last=self.last_tokens(input_ids))

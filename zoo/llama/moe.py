@@ -10,7 +10,7 @@ what it holds into the output's ``router_logits`` and ``aux_loss`` and adds the 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -58,15 +58,16 @@ def _raw_fields(out: Output) -> dict:
 
 
 def recorder_for(c: LlamaConfig, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                 keep_logits: bool) -> Optional[Recorder]:
+                 keep_logits: bool, reduce: Optional[Callable] = None) -> Optional[Recorder]:
     """The recorder of one forward of a model with sparse layers (None for a dense one). Padding (0 in
-    ``attention_mask``, whose last T columns are the tokens of ``input_ids`` (B, T)) does not count."""
+    ``attention_mask``, whose last T columns are the tokens of ``input_ids`` (B, T)) does not count. ``reduce``:
+    the plan's loss from the statistics (see :class:`~cuboid.parallel.moe.Recorder`)."""
     if not c.sparse_layers:
         return None
     keep = None
     if attention_mask is not None:
         keep = attention_mask[:, -input_ids.shape[1]:].reshape(-1)
-    return Recorder(c.experts_per_token, keep_logits=keep_logits, keep=keep)
+    return Recorder(c.experts_per_token, keep_logits=keep_logits, keep=keep, reduce=reduce)
 
 
 def with_router_outputs(c: LlamaConfig, out: Output, recorder: Recorder, labels: Optional[torch.Tensor],
