@@ -42,6 +42,16 @@ input slice takes its slice of the mask one device draws for the whole
 input. Under the grids each rank's block draws its own mask (as the model's
 dropouts do there).
 
+**Experts.** A mixture of experts' stacked ``gate_up`` (E, 2I, C) and ``down``
+(E, C, I) take adapters per expert as peft's ``target_parameters`` does
+(``ParamWrapper``): ``W_e + s B_e A_e`` for each expert ``e``, with
+``lora_<name>_A`` (E, r, in) and ``lora_<name>_B`` (E, out, r) parameters of
+the experts layer itself, so expert parallelism shards, gathers, averages
+(over ``edp``) and checkpoints them as it does the experts. The layer's class
+gains :class:`LoraExperts`, whose ``project`` adds ``s (x A_e^T) B_e^T`` to
+each grouped GEMM: two more grouped GEMMs of rank ``r``, no ``E x out x in``
+update materialised. peft has no dropout there, so neither has cuboid.
+
 Initialisation is peft's: A uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (kaiming
 uniform with a = sqrt(5)), B zero, each full tensor drawn from a generator
 seeded by the model seed and the parameter's name, so every plan starts from
@@ -61,10 +71,12 @@ from torch import nn
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 
-__all__ = ["LoraConfig", "add_adapters", "init_adapters", "freeze_base", "adapted", "adapter_parameters",
-           "merged_weight", "merge_adapters", "ADAPTER_NAMES"]
+__all__ = ["LoraConfig", "add_adapters", "add_expert_adapters", "init_adapters", "freeze_base", "adapted",
+           "adapted_experts", "adapter_parameters", "merged_weight", "merge_adapters", "LoraExperts", "ADAPTER_NAMES",
+           "EXPERT_WEIGHTS"]
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
+EXPERT_WEIGHTS = ("gate_up", "down")  # the stacked expert parameters adapters may target, in module order
 
 
 @dataclass(frozen=True)
@@ -210,6 +222,67 @@ def _hook(base: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     return out + _delta(base, args[0]) * base.lora_scaling
 
 
+class LoraExperts:
+    """Mixin placed before an experts layer's class (:func:`add_expert_adapters`): each grouped GEMM of an
+    adapted weight gains its low-rank term, ``x W_e^T + s (x A_e^T) B_e^T`` for the rows of expert ``e``."""
+
+    def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from cuboid import kernels
+
+        y = super().project(name, x, counts)
+        if name not in self.lora_weights:
+            return y
+        z = kernels.grouped_mm(x, getattr(self, f"lora_{name}_A"), counts)  # (M, r)
+        return y + kernels.grouped_mm(z, getattr(self, f"lora_{name}_B"), counts) * self.lora_scaling
+
+
+_LORA_CLASSES: dict = {}
+
+
+def _lora_class(cls: type) -> type:
+    if cls not in _LORA_CLASSES:
+        _LORA_CLASSES[cls] = type(f"Lora{cls.__name__}", (LoraExperts, cls), {"__module__": __name__})
+    return _LORA_CLASSES[cls]
+
+
+def add_expert_adapters(model: nn.Module, paths: Iterable[str], names: Iterable[str], config: LoraConfig) -> list:
+    """Adapters of ``config`` on the stacked expert weights ``names`` (of :data:`EXPERT_WEIGHTS`) of the
+    experts layers at ``paths``: ``lora_<name>_A`` (E, r, in) and ``lora_<name>_B`` (E, out, r) parameters of
+    the layer (this rank's experts under expert parallelism; on meta or materialised, left uninitialised:
+    :func:`init_adapters`). Returns the adapted paths."""
+    names = tuple(n for n in EXPERT_WEIGHTS if n in set(names))
+    if not names:
+        return []
+    if config.dropout:
+        raise ValueError(f"LoRA dropout {config.dropout} on the experts: peft's adapters on stacked expert weights "
+                         "(target_parameters) have none; set dropout=0 or leave the experts out of the targets")
+    wanted, done = set(paths), []
+    for path, experts in list(model.named_modules()):
+        if path not in wanted or getattr(experts, "placeholder", False):
+            continue
+        if isinstance(experts, LoraExperts):
+            raise ValueError(f"{path} already carries LoRA adapters")
+        if not callable(getattr(experts, "project", None)):
+            raise NotImplementedError(f"{path}: LoRA on the experts needs the experts layer's project() seam")
+        for name in names:
+            w = getattr(experts, name)  # (E_local, out, in)
+            e, o, i = w.shape
+            for ab, shape in (("A", (e, config.r, i)), ("B", (e, o, config.r))):
+                setattr(experts, f"lora_{name}_{ab}", nn.Parameter(torch.empty(shape, device=w.device, dtype=w.dtype)))
+        experts.lora_plain_class = type(experts)
+        experts.__class__ = _lora_class(type(experts))
+        experts.lora_weights, experts.lora_scaling = names, config.scaling
+        experts.lora_r, experts.lora_alpha = config.r, config.alpha
+        experts.tag_placements()  # the adapters take the experts' placement (their ep group)
+        done.append(path)
+    return done
+
+
+def adapted_experts(model: nn.Module) -> list:
+    """[(path, experts layer)] of every experts layer of ``model`` carrying adapters, in module order."""
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, LoraExperts)]
+
+
 def adapted(model: nn.Module) -> list:
     """[(path, base layer)] of every layer of ``model`` carrying adapters, in module order."""
     return [(p, m) for p, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), nn.Module)]
@@ -244,15 +317,23 @@ def _seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _init_pair(a_layer: nn.Module, a_name: str, b_layer: nn.Module, b_name: str, seed: int, key: str) -> None:
+    full = torch.empty(a_layer.full_shape(a_name))
+    bound = 1.0 / math.sqrt(full.shape[-1])
+    full.uniform_(-bound, bound, generator=torch.Generator().manual_seed(_seed(seed, key)))
+    a_layer.load_full(a_name, full)
+    b_layer.load_full(b_name, torch.zeros(b_layer.full_shape(b_name)))
+
+
 def init_adapters(model: nn.Module, seed: int = 0) -> None:
     """peft's initialisation: A uniform in [-1/sqrt(in), 1/sqrt(in)] from a generator per (seed, name), B zero;
     each rank keeps its slice of the full tensors (the same adapters under every plan)."""
     for path, base in adapted(model):
-        full = torch.empty(base.lora_A.full_shape("weight"))
-        bound = 1.0 / math.sqrt(full.shape[1])
-        full.uniform_(-bound, bound, generator=torch.Generator().manual_seed(_seed(seed, f"{path}.lora_A.weight")))
-        base.lora_A.load_full("weight", full)
-        base.lora_B.load_full("weight", torch.zeros(base.lora_B.full_shape("weight")))
+        _init_pair(base.lora_A, "weight", base.lora_B, "weight", seed, f"{path}.lora_A.weight")
+    for path, experts in adapted_experts(model):
+        for name in experts.lora_weights:
+            a, b = f"lora_{name}_A", f"lora_{name}_B"
+            _init_pair(experts, a, experts, b, seed, f"{path}.{a}")
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -264,8 +345,11 @@ def freeze_base(model: nn.Module) -> None:
 
 
 def adapter_parameters(model: nn.Module) -> list:
-    """The adapters' parameters (A and B of every adapted layer), in module order."""
-    return [m.weight for _, base in adapted(model) for m in (base.lora_A, base.lora_B)]
+    """The adapters' parameters (A and B of every adapted layer, then of every adapted experts layer), in
+    module order."""
+    return [m.weight for _, base in adapted(model) for m in (base.lora_A, base.lora_B)] + [
+        getattr(experts, f"lora_{name}_{ab}") for _, experts in adapted_experts(model)
+        for name in experts.lora_weights for ab in "AB"]
 
 
 def merged_weight(base: nn.Module) -> torch.Tensor:
@@ -277,9 +361,19 @@ def merged_weight(base: nn.Module) -> torch.Tensor:
 
 
 def merge_adapters(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (``W + s B A``) and remove it; in place, returns ``model``.
-    A collective under tensor parallelism (each merged weight is gathered whole, then each rank keeps its
-    slice); every rank calls it."""
+    """Fold every adapter into its base weight (``W + s B A``; experts: ``W_e + s B_e A_e``, each rank its own
+    experts) and remove it; in place, returns ``model``. A collective under tensor parallelism (each merged
+    weight is gathered whole, then each rank keeps its slice); every rank calls it."""
+    for _, experts in adapted_experts(model):
+        with torch.no_grad():
+            for name in experts.lora_weights:
+                w = getattr(experts, name)
+                a, b = getattr(experts, f"lora_{name}_A"), getattr(experts, f"lora_{name}_B")
+                w.copy_((w.float() + experts.lora_scaling * torch.bmm(b.float(), a.float())).to(w.dtype))
+                del experts._parameters[f"lora_{name}_A"], experts._parameters[f"lora_{name}_B"]
+        experts.__class__ = experts.lora_plain_class
+        for attr in ("lora_weights", "lora_scaling", "lora_r", "lora_alpha", "lora_plain_class"):
+            delattr(experts, attr)
     for _, base in adapted(model):
         base.load_full("weight", merged_weight(base))
         base.lora_handle.remove()

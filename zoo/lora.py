@@ -6,8 +6,18 @@
   ``gate``, ``up``, ``down``: parts of it, ``up`` being a plain MLP's fc), read
   off the family's sharding spec, so every family (GPT, BERT, ViT, Llama)
   gets them;
+- a mixture of experts (Qwen3-MoE, Mixtral, OLMoE): ``experts`` (and
+  ``mlp``) adapt every sparse layer's stacked ``gate_up`` and ``down`` per
+  expert, as peft's ``target_parameters`` on transformers' fused
+  ``mlp.experts.gate_up_proj`` / ``down_proj`` (peft's ``ParamWrapper``:
+  no dropout); the dense MLP layers of such a model (``mlp_only_layers``)
+  take none, because peft 0.21 on transformers 5 renames a sparse model's
+  ``gate_proj``/``up_proj``/``down_proj`` targets to the experts' fused
+  parameters, so it could not load them;
 - :func:`attach`: adapters on those linears (:mod:`cuboid.parallel.lora`),
-  initialised as peft does, the base frozen (``cuboid.load(..., lora=...)``);
+  initialised as peft does, the base frozen (``cuboid.load(..., lora=...)``),
+  and one line saying how many parameters train and whether the experts do
+  (:func:`describe`);
 - :func:`save_adapters` / :func:`load_adapters`: ``adapter_config.json`` +
   ``adapter_model.safetensors`` under peft's names for the model's Hugging
   Face architecture (``base_model.model.<HF module>.lora_A.weight``), so
@@ -24,6 +34,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +47,7 @@ from cuboid.parallel.lora import LoraConfig
 from .checkpoint.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config,  # noqa: F401
                                   adapter_state)
 from .checkpoint.lora_state import save_adapters  # noqa: F401
+from .checkpoint.adapters import expert_adapter_name, expert_from_peft
 from .checkpoint.adapters import hf_modules as _rows
 from .families import family_of
 
@@ -43,7 +55,8 @@ from .families import family_of
 _ATTN = ("attn.qkv", "attn.q", "attn.k", "attn.v")
 SUFFIXES = {"qkv": _ATTN, "q": ("attn.q",), "k": ("attn.k",), "v": ("attn.v",), "o": ("attn.proj",),
             "attn": _ATTN + ("attn.proj",), "mlp": ("mlp.fc", "mlp.gate", "mlp.up", "mlp.proj"),
-            "gate": ("mlp.gate",), "up": ("mlp.up", "mlp.fc"), "down": ("mlp.proj",)}
+            "gate": ("mlp.gate",), "up": ("mlp.up", "mlp.fc"), "down": ("mlp.proj",), "experts": ()}
+EXPERT_TARGETS = ("mlp", "experts")  # the targets that take a sparse layer's experts (gate_up and down)
 
 
 def _spec(model: nn.Module):
@@ -52,18 +65,39 @@ def _spec(model: nn.Module):
     return SPECS[family_of(model).name]
 
 
+def _has_experts(model: nn.Module) -> bool:
+    return bool(getattr(model.config, "n_experts", 0))
+
+
+def expert_paths(model: nn.Module) -> list:
+    """Module paths of the sparse layers' experts (``blocks.N.mlp.experts``, every sparse block)."""
+    c = model.config
+    if not _has_experts(model):
+        return []
+    return [f"{_spec(model).blocks}.{i}.mlp.experts" for i in range(c.n_layers) if c.is_sparse(i)]
+
+
 def target_paths(model: nn.Module, targets) -> list:
-    """Module paths of the linears ``targets`` names (every block, whatever this rank holds)."""
+    """Module paths of the linears ``targets`` names (every block, whatever this rank holds); a sparse
+    layer's experts are :func:`expert_paths` (``mlp`` and ``experts`` take them)."""
     spec = _spec(model)
     head = f"{spec.blocks}.*."
     have = {k[len(head):] for k in spec.roles if k.startswith(head) and spec.roles[k] in
             ("column", "column_qkv", "column_kv", "row")}
+    if _has_experts(model):  # peft reads a sparse model's MLP names as its experts' (module docstring)
+        have = {s for s in have if not s.startswith("mlp.")}
     chosen = set()
     for t in targets:
         if t not in SUFFIXES:
             raise ValueError(f"unknown LoRA target {t!r}: one of {', '.join(SUFFIXES)}")
+        if t in ("gate", "up", "down") and _has_experts(model):
+            raise ValueError(f"LoRA target {t!r} on a mixture of experts: peft reads gate_proj/up_proj/down_proj "
+                             "there as the experts' own (fused into gate_up_proj), so adapters on the dense MLP "
+                             "layers would not load in peft; use the target 'experts' (or 'mlp')")
         found = [s for s in SUFFIXES[t] if s in have]
-        if not found:
+        if t == "experts" and not _has_experts(model):
+            raise ValueError(f"LoRA target 'experts': the {family_of(model).name} model has no mixture of experts")
+        if not found and t not in EXPERT_TARGETS:
             raise ValueError(f"LoRA target {t!r} names no layer of a {family_of(model).name} block "
                              f"(its linears: {', '.join(sorted(have))})")
         chosen.update(found)
@@ -126,37 +160,117 @@ def check_ranks(folder, r: int) -> None:
     for name, entry in header.items():
         dim = {".lora_A.weight": 0, ".lora_B.weight": -1}.get(name[name.rfind(".lora_"):], None)
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if dim is not None and (not shape or len(shape) != 2 or shape[dim] != r):
+        stacked = ".experts.lora_" in name or ".experts.base_layer.lora_" in name  # r x E rows: peft's experts
+        if dim is not None and (not shape or len(shape) != 2 or (shape[dim] % r if stacked else shape[dim] != r)):
             raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: r={r} does not match {name} of shape {shape} in "
                              f"{ADAPTER_WEIGHTS}: the config and the weights are not one adapter")
 
 
-def attach(model: nn.Module, lora, *, seed: int = 0) -> nn.Module:
+def attach(model: nn.Module, lora, *, seed: int = 0, quiet: bool = False) -> nn.Module:
     """Hang LoRA adapters on ``model`` (before ``prepare``; sharded, pipeline-cut, meta or materialised) and
     freeze the rest. ``lora``: a :class:`~cuboid.parallel.lora.LoraConfig`, a dict, a ``"r=16,alpha=32"``
-    string, or a peft adapter folder (its config and weights). Returns ``model``."""
+    string, or a peft adapter folder (its config and weights). Rank 0 prints :func:`describe`'s line (the
+    adapters' count and share, and whether the experts are adapted) unless ``quiet``. Returns ``model``."""
     if _is_folder(lora):
         check_record(lora)
-        conf, modules, _ = read_config(lora)
+        conf, modules, cfg = read_config(lora)
         check_ranks(lora, conf.r)
-        wanted = set(modules)
-        paths = [z[:-len(".weight")] for z, hf in _rows(model).items() if hf and set(hf) <= wanted
-                 and z.endswith(".weight") and z.startswith(_spec(model).blocks + ".")]
-        covered = {m for z in paths for m in _rows(model)[z + ".weight"]}
-        if covered != wanted:
-            raise ValueError(f"{lora}: target modules {', '.join(sorted(wanted - covered))} are not "
+        rows = {z: hf for z, hf in _rows(model).items() if hf and z.endswith(".weight")
+                and z.startswith(_spec(model).blocks + ".")}
+        # peft's rule: a target names a module whole or by its last name parts ("q_proj")
+        wanted = {h for hf in rows.values() for h in hf if any(h == t or h.endswith("." + t) for t in modules)}
+        paths = [z[:-len(".weight")] for z, hf in rows.items() if set(hf) <= wanted]
+        covered = {m for z in paths for m in rows[z + ".weight"]}
+        unmatched = [t for t in modules if not any(h == t or h.endswith("." + t) for h in covered)]
+        if covered != wanted or unmatched:
+            missing = sorted(wanted - covered) + unmatched
+            raise ValueError(f"{lora}: target modules {', '.join(missing)} are not "
                              f"linears cuboid adapts (or only a part of a fused projection)")
+        weights = _expert_weights_of(lora, cfg, model)
     else:
         conf = LoraConfig.parse(lora)
         paths = target_paths(model, conf.targets)
+        weights = plora.EXPERT_WEIGHTS if _has_experts(model) and set(conf.targets) & set(EXPERT_TARGETS) else ()
+    experts = expert_paths(model) if weights else []
     plora.add_adapters(model, paths, conf)
-    model.lora = conf
+    plora.add_expert_adapters(model, experts, weights, conf)
+    model.lora, model.lora_experts, model.lora_paths = conf, tuple(weights), (tuple(paths), tuple(experts))
     if not any(p.is_meta for p in model.parameters()):
         plora.init_adapters(model, seed)
         if _is_folder(lora):
             load_adapters(model, lora)
     plora.freeze_base(model)
+    if not quiet and int(os.environ.get("RANK", "0")) == 0:
+        print(describe(model), file=sys.stderr, flush=True)
     return model
+
+
+def _expert_weights_of(folder, cfg: dict, model: nn.Module) -> tuple:
+    """The stacked expert weights a peft config's ``target_parameters`` adapt (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``: every sparse layer's), in module order; a one-line error for anything else."""
+    from .checkpoint.adapters import PEFT_EXPERT_WEIGHTS
+
+    targets = cfg.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: target_parameters must be a list of parameter names")
+    by_peft = {v: k for k, v in PEFT_EXPERT_WEIGHTS.items()}
+    found = set()
+    for t in targets:
+        name = t.rpartition(".")[2]
+        if not _has_experts(model) or name not in by_peft or not t.endswith(f"experts.{name}") \
+                or t.startswith("model.layers."):
+            raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: target parameter {t!r} is not one cuboid adapts "
+                             "(mlp.experts.gate_up_proj or mlp.experts.down_proj of a mixture of experts)")
+        found.add(by_peft[name])
+    return tuple(n for n in plora.EXPERT_WEIGHTS if n in found)
+
+
+def describe(model: nn.Module) -> str:
+    """One line: the adapters' trainable parameters and their share of the model's (the whole model's, every
+    stage and shard), and whether a mixture of experts' experts are adapted (so nobody trains a fraction of a
+    percent by accident)."""
+    from .common import count_parameters
+
+    conf, weights = model.lora, getattr(model, "lora_experts", ())
+    whole = model
+    if any(True for _ in _placeholders(model)):  # a pipeline stage holds part of the model: count a meta build
+        from . import build
+
+        whole = build(model.config)
+        paths, experts = model.lora_paths
+        plora.add_adapters(whole, paths, conf)
+        plora.add_expert_adapters(whole, experts, weights, conf)
+    adapters = sum(int(torch.Size(shape).numel()) for shape in _adapter_shapes(whole))
+    total = count_parameters(whole) - adapters
+    line = (f"LoRA r={conf.r} alpha={conf.alpha:g}: {adapters:,} trainable adapter parameters, "
+            f"{adapters / max(total, 1):.3%} of the model's {total:,}")
+    if _has_experts(model):
+        in_experts = sum(int(torch.Size(m.full_shape(n)).numel()) for _, m in _experts_layers(whole)
+                         for n in plora.EXPERT_WEIGHTS)
+        share = f"{in_experts / max(total, 1):.0%} of the model's parameters"
+        n = len(expert_paths(model))
+        line += (f"; the experts of {n} sparse layer{'s' * (n != 1)} are adapted "
+                 f"({', '.join(weights)}; {share})" if weights else
+                 f"; the experts are NOT adapted ({share} are in them): add the target 'experts' (or 'mlp') "
+                 "to train them")
+    return line
+
+
+def _placeholders(model: nn.Module):
+    return (m for m in model.modules() if getattr(m, "placeholder", False))
+
+
+def _experts_layers(model: nn.Module) -> list:
+    from cuboid.parallel.moe import Experts
+
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, Experts)]
+
+
+def _adapter_shapes(model: nn.Module) -> list:
+    """The full shapes of every adapter parameter of ``model``."""
+    out = [layer.full_shape("weight") for _, base in plora.adapted(model) for layer in (base.lora_A, base.lora_B)]
+    return out + [m.full_shape(f"lora_{n}_{ab}") for _, m in plora.adapted_experts(model) for n in m.lora_weights
+                  for ab in "AB"]
 
 
 # ---------------------------------------------------------------- peft's files
@@ -191,6 +305,20 @@ def load_adapters(model: nn.Module, path) -> None:
             b = torch.cat([get(f"{PEFT_PREFIX}{m}.lora_B.weight") for m in mods], 0)
             base.lora_A.load_full("weight", a[0])
             base.lora_B.load_full("weight", b)
+        for zpath, experts in plora.adapted_experts(model):
+            if conf.r != experts.lora_r or conf.scaling != experts.lora_scaling:
+                raise ValueError(f"{path}: r={conf.r}, alpha={conf.alpha} do not match the model's adapters "
+                                 f"(r={experts.lora_r}, alpha={experts.lora_alpha})")
+            for name in experts.lora_weights:
+                key = PEFT_PREFIX + expert_adapter_name(model, zpath, name, experts.lora_weights)
+                a, b = get(f"{key}.lora_A.weight"), get(f"{key}.lora_B.weight")
+                n = experts.n_experts
+                if a.dim() != 2 or b.dim() != 2 or a.shape[0] != conf.r * n or b.shape[1] != conf.r * n:
+                    raise ValueError(f"{file}: {key} has shapes {tuple(a.shape)}, {tuple(b.shape)}: not rank "
+                                     f"{conf.r} adapters of {n} experts")
+                a, b = expert_from_peft(a, b, n)
+                experts.load_full(f"lora_{name}_A", a)
+                experts.load_full(f"lora_{name}_B", b)
 
 
 def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:

@@ -41,7 +41,8 @@ def hf_modules(model: nn.Module) -> dict:
 
 def adapter_state(model: nn.Module) -> dict:
     """peft name -> full adapter tensor (CPU) of every adapter this rank holds. A collective over each
-    adapter's shard group (and ZeRO-3's dp group): every rank of the model calls it."""
+    adapter's shard group (and ZeRO-3's dp group, and ``ep`` for the experts'): every rank of the model
+    calls it."""
     zero.reshard(model)
     rows, out = hf_modules(model), {}
     for path, base in plora.adapted(model):
@@ -51,14 +52,56 @@ def adapter_state(model: nn.Module) -> dict:
         for m, bm in zip(mods, b.chunk(len(mods), 0)):
             out[f"{PEFT_PREFIX}{m}.lora_A.weight"] = a.contiguous().clone()
             out[f"{PEFT_PREFIX}{m}.lora_B.weight"] = bm.contiguous().clone()
+    for path, experts in plora.adapted_experts(model):
+        for name in experts.lora_weights:
+            a = experts.full_tensor(f"lora_{name}_A").detach().cpu()  # (E, r, in)
+            b = experts.full_tensor(f"lora_{name}_B").detach().cpu()  # (E, out, r)
+            key = PEFT_PREFIX + expert_adapter_name(model, path, name, experts.lora_weights)
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = expert_to_peft(a, b)
     return out
 
 
+# peft's names of transformers' stacked expert weights (Qwen3-MoE, Mixtral, OLMoE: model.layers.N.mlp.experts)
+PEFT_EXPERT_WEIGHTS = {"gate_up": "gate_up_proj", "down": "down_proj"}
+
+
+def expert_module(model: nn.Module, path: str) -> str:
+    """The transformers module of the experts layer at zoo ``path`` (``blocks.N.mlp.experts``)."""
+    prefix = hf_prefix(model, family_of(model))
+    block = path.split(".")[1]
+    return f"{prefix}layers.{block}.mlp.experts"
+
+
+def expert_adapter_name(model: nn.Module, path: str, name: str, names) -> str:
+    """peft's module name (without its ``base_model.model.`` prefix) of the adapter on the stacked weight
+    ``name`` of the experts at ``path``, ``names`` being every adapted weight of that layer: peft wraps each
+    targeted parameter around the previous one in the module's order, so all but the last sit under
+    ``base_layer.`` once per later wrapper."""
+    names = [n for n in plora.EXPERT_WEIGHTS if n in names]
+    return expert_module(model, path) + ".base_layer" * (len(names) - 1 - names.index(name))
+
+
+def expert_to_peft(a, b) -> tuple:
+    """Stacked adapters A (E, r, in), B (E, out, r) as peft's ParamWrapper stores them: lora_A (E r, in)
+    expert-major, lora_B (out, r E) rank-major (its ``reshape(out, r, E)``)."""
+    e, r, _ = a.shape
+    return a.reshape(e * r, -1).contiguous().clone(), b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
+
+
+def expert_from_peft(a, b, experts: int) -> tuple:
+    """:func:`expert_to_peft`'s inverse: (A (E, r, in), B (E, out, r))."""
+    r = a.shape[0] // experts
+    return a.reshape(experts, r, a.shape[1]), b.reshape(b.shape[0], r, experts).permute(2, 0, 1).contiguous()
+
+
 def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dict:
+    """peft's ``adapter_config.json`` for ``model``'s adapters on the HF ``modules``; adapters on the stacked
+    experts (``model.lora_experts``: the weights adapted, the same on every rank) as ``target_parameters``."""
     conf = model.lora
     family = family_of(model)
     head = getattr(model.config, "head", None)
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
+    experts = [f"mlp.experts.{PEFT_EXPERT_WEIGHTS[n]}" for n in getattr(model, "lora_experts", ())]
+    return ({"target_parameters": experts} if experts else {}) | {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
             "lora_alpha": conf.alpha, "lora_dropout": conf.dropout, "target_modules": sorted(modules),
             "fan_in_fan_out": family.name == "gpt", "bias": "none", "base_model_name_or_path": base,
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,

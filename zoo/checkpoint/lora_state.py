@@ -120,7 +120,9 @@ def _write_adapters(job, files: dict, adapters: dict) -> None:
 
 
 def _modules(adapters: dict) -> set:
-    return {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    """peft's target modules: the adapted linears (the experts' adapters are its ``target_parameters``)."""
+    found = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
+    return {m for m in found if not m.endswith((".experts", ".experts.base_layer"))}
 
 
 def _all_adapters(model, world: int) -> dict:
