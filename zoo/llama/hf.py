@@ -95,6 +95,18 @@ def _common(d: dict, arch_name: str, head: str) -> dict:
         dropout=float(d.get("attention_dropout") or 0.0))
 
 
+def _decoder_keys(c: LlamaConfig) -> dict:
+    """The config.json keys Llama, Qwen2, Mistral, Qwen3 and the mixtures of experts write alike."""
+    return {
+        "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
+        "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "head_dim": c.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": c.eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope,
+        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
+        "pad_token_id": c.pad_token_id,
+    }
+
+
 def config_from_moe(d: dict, arch_name: str, arch: str) -> LlamaConfig:
     """Qwen3MoeConfig, MixtralConfig, OlmoeConfig: the experts' fields; a window on every layer (Qwen3-MoE with
     use_sliding_window, Mixtral) or none (OLMoE)."""
@@ -126,15 +138,8 @@ def config_to_moe(c: LlamaConfig) -> dict:
             or (c.qk_norm, c.qk_norm_width if c.qk_norm else "head") != want_norm:
         raise ValueError(f"a {MOE[c.arch]} export has SwiGLU experts, no Gemma options, no mlp_bias, the same "
                          f"window on every layer, and qk_norm/qk_norm_width {want_norm}")
-    d = {
-        "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
-        "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "head_dim": c.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": c.eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope,
-        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
-        "pad_token_id": c.pad_token_id, "num_experts_per_tok": c.experts_per_token,
-        "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": c.output_router_logits,
-    }
+    d = {**_decoder_keys(c), "num_experts_per_tok": c.experts_per_token,
+         "router_aux_loss_coef": c.router_aux_loss_coef, "output_router_logits": c.output_router_logits}
     if c.arch == "qwen3_moe":
         d.update(num_experts=c.n_experts, moe_intermediate_size=c.expert_hidden, norm_topk_prob=c.norm_topk_prob,
                  decoder_sparse_step=c.sparse_step, mlp_only_layers=list(c.mlp_only_layers),
@@ -161,14 +166,7 @@ def config_to_hf(c: LlamaConfig) -> dict:
         if c.head != "lm":
             raise ValueError(f"{MOE[c.arch]} exports a causal LM head only, got head {c.head!r}")
         return config_to_moe(c)
-    d = {
-        "model_type": c.arch, "vocab_size": c.vocab_size, "max_position_embeddings": c.n_positions,
-        "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.mlp_hidden, "head_dim": c.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": c.eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope,
-        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std, "attention_dropout": c.dropout,
-        "pad_token_id": c.pad_token_id,
-    }
+    d = _decoder_keys(c)
     if c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None or c.logit_softcap is not None \
             or c.rope_local_theta is not None or c.qk_norm != (c.arch == "qwen3"):
         raise ValueError(f"a {_NAMES[c.arch]} export has no Gemma options, and q/k norms only for Qwen3")
