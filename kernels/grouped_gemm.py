@@ -17,12 +17,11 @@ worth of work, two kernels:
   (R, C) operand ``B_g`` of group g is read through strides: ``w[g].T`` for
   the forward, ``w[g]`` for dx. Programs own (BLOCK_M rows of one group) x
   (BLOCK_N columns) tiles. Group g has ``cdiv(count_g, BLOCK_M)`` row tiles;
-  their prefix sum (a torch op on the device) gives each program its group by
-  counting the groups whose tiles end at or before its index, so the launch
-  needs no host sync: the grid is the upper bound ``cdiv(M, BLOCK_M) + G``
-  row tiles (each group wastes at most one partial tile), and programs past
-  the last tile return at once. This keeps the op traceable by torch.compile
-  (no ``.item()`` on counts).
+  their prefix sum (a torch op on the device) gives each program its group
+  by a binary search over it, so the launch needs no host sync: the grid is
+  the upper bound ``cdiv(M, BLOCK_M) + G`` row tiles (each group wastes at
+  most one partial tile), and programs past the last tile return at once.
+  This keeps the op traceable by torch.compile (no ``.item()`` on counts).
 - ``_gmm_dw_kernel``: one program per (group, BLOCK_N x BLOCK_K tile of dw)
   loops over the group's rows BLOCK_M at a time, ``acc += dy_tile^T x_tile``;
   an empty group's loop runs zero times and stores zeros.
@@ -42,9 +41,9 @@ devices scatter the rows into a zero-padded (G, max count, K) batch and run
 one ``torch.bmm`` (the padded-batch formulation; it reads ``max(counts)``, a
 host sync, acceptable for a reference).
 
-Launch configurations: one (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-per kernel and operand width (2-byte or fp32; fp32 tiles are halved in K to
-fit sm_80's shared memory); ``AUTOTUNE`` names a second entry per row that
+Launch configurations (``_MM_CFG``, ``_DW_CFG``): a row per operand kind
+(aligned fp16 / bf16, unaligned fp16 / bf16, fp32), each a short list whose
+entry 0 the launcher uses; ``AUTOTUNE`` counts the entries that
 ``bench/gpu.py`` can time and the compile gate compiles (nothing is tuned at
 import or launch time).
 """
@@ -63,10 +62,17 @@ from ._backend import check_floating, check_same_dtype, interpreter_active, pick
 Tensor = torch.Tensor
 _OP = "grouped_mm"
 _ALIGN = 16  # bytes: torch._grouped_mm's stride alignment
-MAX_GROUPS = 1024  # groups one launch takes (the group lookup holds every group's tile offset in registers)
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); entry 0 is the launcher's, entry 1 the autotune alternative
-_MM_CFG = {2: ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3)), 4: ((64, 128, 32, 4, 3), (128, 128, 32, 8, 3))}
-_DW_CFG = {2: ((64, 128, 64, 4, 3), (64, 128, 128, 8, 3)), 4: ((32, 128, 32, 4, 3), (64, 128, 64, 8, 2))}
+# Launch configurations (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per row: "half" (fp16 / bf16 with
+# every row stride a multiple of 16 elements: vectorized, cp.async-pipelined loads), "half-unaligned" (some row
+# stride is not: element-wise loads held in registers, so smaller tiles keep them from spilling), "fp32" (ieee
+# dots on FMA units). Entry 0 is the launcher's; entry 1, where present, the GPU autotune alternative. The
+# compile gate (tests/kernels/test_grouped_gemm_gate.py) compiles every entry for sm_80 and sm_90.
+_MM_CFG = {"half": ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3)),
+           "half-unaligned": ((32, 64, 32, 4, 3), (64, 64, 32, 4, 2)),
+           "fp32": ((128, 64, 32, 8, 3),)}
+_DW_CFG = {"half": ((64, 128, 64, 4, 3), (64, 128, 128, 8, 3)),
+           "half-unaligned": ((32, 64, 32, 4, 3), (32, 128, 32, 4, 2)),
+           "fp32": ((64, 64, 32, 8, 3), (32, 64, 32, 4, 3))}
 # op -> number of GPU autotune entries (cuboid.kernels._backend.autotune_pick("grouped_mm", i))
 AUTOTUNE = {_OP: 2}
 
@@ -85,37 +91,45 @@ def _gmm_kernel(
     TILE_OFFS,  # (G + 1,) int64 prefix sums of cdiv(count_g, BLOCK_M): group g's row tiles
     M, R, C, G,
     stride_am, stride_ar, stride_bg, stride_br, stride_bc, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs; bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    gs = tl.arange(0, BLOCK_G)
-    ends = tl.load(TILE_OFFS + 1 + gs, mask=gs < G, other=2 ** 62)  # tile end of each group
-    g = tl.sum((ends <= t).to(tl.int32), axis=0)  # groups that end at or before tile t: t's group
-    if g < G:
+    lo = 0
+    hi = G
+    while lo < hi:  # binary search for the first group whose row tiles end after t: t's group
+        mid = (lo + hi) // 2
+        if tl.load(TILE_OFFS + mid + 1) <= t:
+            lo = mid + 1
+        else:
+            hi = mid
+    g = lo
+    if g < G:  # else t is past the last tile (the grid is an upper bound)
         tile0 = tl.load(TILE_OFFS + g)
-        row_end = tl.minimum(tl.load(OFFS + g + 1), M)
-        rows = tl.load(OFFS + g) + (t - tile0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
+        row0 = tl.load(OFFS + g) + (t - tile0) * BLOCK_M  # int64: the tile's first row
+        n_rows = tl.minimum(tl.load(OFFS + g + 1), M) - row0  # rows of the group left from row0
+        rows = tl.arange(0, BLOCK_M)  # int32 offsets from row0 (the int64 part stays in the scalar base)
+        row_ok = rows < n_rows
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < C
         ks0 = tl.arange(0, BLOCK_K)
-        a_ptrs = A + rows[:, None] * stride_am
-        b_ptrs = B + g.to(tl.int64) * stride_bg + cols[None, :] * stride_bc
+        a_ptrs = A + row0 * stride_am + rows[:, None] * stride_am + ks0[None, :] * stride_ar
+        b_ptrs = B + g.to(tl.int64) * stride_bg + ks0[:, None] * stride_br + cols[None, :] * stride_bc
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, R, BLOCK_K):
-            ks = k0 + ks0
-            k_ok = ks < R
-            a = tl.load(a_ptrs + ks[None, :] * stride_ar, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs + ks[:, None] * stride_br, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            k_ok = k0 + ks0 < R
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+            a_ptrs += BLOCK_K * stride_ar
+            b_ptrs += BLOCK_K * stride_br
+        out_ptrs = OUT + row0 * stride_om + rows[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -136,17 +150,16 @@ def _gmm_dw_kernel(
     ks = (pid % n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = ns < N
     k_ok = ks < K
-    start = tl.load(OFFS + g)
+    start = tl.load(OFFS + g)  # int64
     end = tl.minimum(tl.load(OFFS + g + 1), M)
-    rows0 = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)  # int32 offsets from the scalar row r0
+    dy_off = rows[:, None] * stride_dym + ns[None, :] * stride_dyn
+    x_off = rows[:, None] * stride_xm + ks[None, :] * stride_xk
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_M):  # zero trips for an empty group: dw[g] = 0
-        rows = r0 + rows0
-        r_ok = rows < end
-        dy = tl.load(DY + rows[:, None] * stride_dym + ns[None, :] * stride_dyn, mask=r_ok[:, None] & n_ok[None, :],
-                     other=0.0)  # (BLOCK_M, BLOCK_N)
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=r_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # (BLOCK_M, BLOCK_K)
+        r_ok = rows < end - r0
+        dy = tl.load(DY + r0 * stride_dym + dy_off, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # (BM, BN)
+        x = tl.load(X + r0 * stride_xm + x_off, mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # (BM, BK)
         if UPCAST:
             dy = dy.to(tl.float32)
             x = x.to(tl.float32)
@@ -169,8 +182,15 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     return dict(UPCAST=upcast, PRECISION="ieee" if dtype == torch.float32 else "tf32")
 
 
-def _cfg(table: dict, dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
-    return picked(_OP, table[4 if dtype == torch.float32 else 2])
+def _cfg(table: dict, dtype: torch.dtype, tensors, *sizes: int) -> Tuple[int, int, int, int, int]:
+    """The picked entry of ``table``'s row for ``dtype``, the operands' alignment and the strides and sizes the
+    kernel multiplies with (see _MM_CFG): "half" when every pointer is 16-byte aligned and every stride and size
+    is 1 or a multiple of 16, Triton's specializations that make loads vectorize."""
+    if dtype == torch.float32:
+        return picked(_OP, table["fp32"])
+    ints = [s for t in tensors for s in t.stride()] + list(sizes)
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors) and all(s == 1 or s % 16 == 0 for s in ints)
+    return picked(_OP, table["half" if aligned else "half-unaligned"])
 
 
 def _offsets(counts: Tensor, block_m: int = 1) -> Tensor:
@@ -191,14 +211,13 @@ def _mm_triton(a: Tensor, b: Tensor, counts: Tensor, transpose_b: bool) -> Tenso
         return out
     if R == 0:
         return out.zero_()
-    block_m, block_n, block_k, warps, stages = _cfg(_MM_CFG, a.dtype)
     stride_br, stride_bc = (b.stride(2), b.stride(1)) if transpose_b else (b.stride(1), b.stride(2))
+    block_m, block_n, block_k, warps, stages = _cfg(_MM_CFG, a.dtype, (a, b), C)
     grid = (triton.cdiv(M, block_m) + G, triton.cdiv(C, block_n))
     with _on_device(a):
         _gmm_kernel[grid](a, b, out, _offsets(counts), _offsets(counts, block_m), M, R, C, G,
                           a.stride(0), a.stride(1), b.stride(0), stride_br, stride_bc, out.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                          BLOCK_G=max(16, triton.next_power_of_2(G)), **_dot_flags(a.dtype),
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_dot_flags(a.dtype),
                           num_warps=warps, num_stages=stages)
     return out
 
@@ -211,7 +230,7 @@ def _dw_triton(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     if M == 0 or N * K == 0:
         return torch.zeros((G, N, K), dtype=x.dtype, device=x.device)
     dw = torch.empty((G, N, K), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = _cfg(_DW_CFG, x.dtype)
+    block_m, block_n, block_k, warps, stages = _cfg(_DW_CFG, x.dtype, (dy, x), K)
     grid = (triton.cdiv(N, block_n) * triton.cdiv(K, block_k), G)
     with _on_device(x):
         _gmm_dw_kernel[grid](dy, x, dw, _offsets(counts), M, N, K, dy.stride(0), dy.stride(1), x.stride(0),
@@ -317,8 +336,6 @@ def _check(x, w, counts, *, triton_path: bool) -> None:
         raise ValueError(f"{_OP}: counts must be on x's device ({x.device}), got {counts.device}")
     if w.shape[0] == 0:
         raise ValueError(f"{_OP}: w has no groups (G=0); give at least one group")
-    if triton_path and w.shape[0] > MAX_GROUPS:
-        raise ValueError(f"{_OP}: {w.shape[0]} groups exceed the Triton path's {MAX_GROUPS}; split the call")
     if x.device.type == "cpu":  # free on CPU; on the GPU this would be a host sync
         total = int(counts.sum())
         if total != x.shape[0] or bool((counts < 0).any()):

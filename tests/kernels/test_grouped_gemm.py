@@ -71,15 +71,17 @@ def test_triton_matches_reference(label, counts, K, N, dtype):
 
 
 @INTERP
+@pytest.mark.parametrize("dtype,K,N", [(F32, 72, 40), (F16, 64, 48), (F16, 72, 40)],
+                         ids=["fp32", "fp16-aligned", "fp16-unaligned"])
 @pytest.mark.parametrize("pick", range(GG.AUTOTUNE["grouped_mm"]))
-def test_triton_autotune_entries_match_float64(pick):
-    """Every (tiles, warps, stages) entry of the GPU list: groups of 1, 0, 130 (three tiles of BLOCK_M 64 or two
-    of 128, the last partial) and 60 rows."""
-    x, w, c, dy = make([1, 0, 130, 60], 72, 40, F32, seed=3)
+def test_triton_autotune_entries_match_float64(pick, dtype, K, N):
+    """Every entry of every config row (fp32, half with 16-multiple strides, half without): groups of 1, 0, 130
+    (several row tiles of any BLOCK_M, the last partial) and 60 rows."""
+    x, w, c, dy = make([1, 0, 130, 60], K, N, dtype, seed=3)
     with _backend.autotune_pick("grouped_mm", pick):
         got = run(lambda *a: grouped_mm(*a, backend="triton"), x, w, c, dy)
     for a, b in zip(got, loop64(x, w, c, dy)):
-        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(a.double(), b.to(dtype).double(), **TOL[dtype])
 
 
 @INTERP
