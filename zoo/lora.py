@@ -200,7 +200,7 @@ def attach(model: nn.Module, lora, *, seed: int = 0, quiet: bool = False) -> nn.
         if _is_folder(lora):
             load_adapters(model, lora)
     plora.freeze_base(model)
-    if not quiet and int(os.environ.get("RANK", "0")) == 0:
+    if not quiet and _rank() == 0:
         print(describe(model), file=sys.stderr, flush=True)
     return model
 
@@ -254,6 +254,12 @@ def describe(model: nn.Module) -> str:
                  f"; the experts are NOT adapted ({share} are in them): add the target 'experts' (or 'mlp') "
                  "to train them")
     return line
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def _placeholders(model: nn.Module):
