@@ -54,3 +54,47 @@ def test_lora_finetune_saves_adapters_and_resumes_exactly(tmp_path):
     theirs = peft.PeftModel.from_pretrained(T.GPT2LMHeadModel.from_pretrained(model), a / "final").eval()
     with torch.no_grad():
         assert (ours(input_ids=ids).logits - theirs(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_sft_lora_on_a_mixture_of_experts(tmp_path):
+    """`cuboid finetune --task sft --lora` on a small local Qwen3-MoE folder (a dense layer between sparse ones):
+    the line says the experts train, the loss falls, final/ verifies against its record (tokenizer inside), and
+    peft on transformers gives cuboid's logits with the final adapters (attention and experts)."""
+    import transformers as T
+
+    from cuboid.zoo import checkpoint
+
+    from . import chat_fixtures as CF
+    from .test_finetune import cli, metrics
+
+    base = tmp_path / "moe"
+    tok = CF.chat_tokenizer(base, "qwen2")
+    torch.manual_seed(0)
+    config = T.Qwen3MoeConfig(vocab_size=len(tok), hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, intermediate_size=64, moe_intermediate_size=24,
+                              num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=256,
+                              pad_token_id=tok.pad_token_id, bos_token_id=None, eos_token_id=tok.eos_token_id)
+    T.Qwen3MoeForCausalLM(config).save_pretrained(str(base))
+    rows = [{"messages": [dict(m, content="sun moon sun") if m["role"] == "assistant" else m for m in c]}
+            for c in CF.conversations(16, seed=7)]
+    data = CF.write_jsonl(rows, tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    rc, _, err = cli("finetune", "--model", str(base), "--data", str(data), "--task", "sft", "--lora", "r=4,alpha=8",
+                     "--plan", "single", "--max-length", "96", "--steps", "6", "--batch-size", "4", "--lr", "2e-2",
+                     "--log-every", "1", "--eval-every", "6", "--no-progress", "--no-plot", "--output-dir", str(run),
+                     timeout=600)
+    assert rc == 0, err[-3000:]
+    assert "the experts of 2 sparse layers are adapted (gate_up, down" in err, err[-3000:]
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    final = run / "final"
+    assert checkpoint.verify(final)["files"] > 3 and (final / "tokenizer.json").is_file()
+
+    ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(1))
+    hf = peft.PeftModel.from_pretrained(T.Qwen3MoeForCausalLM.from_pretrained(str(base)), str(final)).eval()
+    ours = cuboid.load(str(base), lora=str(final)).eval()
+    with torch.no_grad():
+        want, got = hf(input_ids=ids).logits, ours(input_ids=ids).logits
+        plain = T.Qwen3MoeForCausalLM.from_pretrained(str(base)).eval()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-3  # the adapters moved the logits
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
