@@ -32,7 +32,8 @@ GPU = dict(
     opt_model=dict(d=2048, layers=20),  # 20 layers x 10 tensors = 200 tensors, 1.007B params
     copy_numel=1 << 28, mm=8192, goal_seq=4096,
     tune=dict(attn=dict(b=4, h=16, s=4096, dims=(64, 128)), norm=(16384, 4096), rope=(4, 4096, 32, 8, 128),
-              swiglu=(16384, 14336), optim=dict(d=2048, layers=20)),
+              swiglu=(16384, 14336), optim=dict(d=2048, layers=20),
+              grouped_mm=(16384, 16, 1536, 2048)),  # rows (tokens x top-k), experts, out, in: Qwen3-30B-A3B-like
 )
 DRY_CFG = dict(
     attn_check=dict(b=2, h=2, s=67, dims=(64, 80, 128)),
@@ -49,7 +50,7 @@ DRY_CFG = dict(
     opt_model=dict(d=64, layers=2),
     copy_numel=1 << 22, mm=256, goal_seq=64,
     tune=dict(attn=dict(b=1, h=2, s=64, dims=(64,)), norm=(16, 256), rope=(1, 16, 4, 2, 64), swiglu=(16, 256),
-              optim=dict(d=32, layers=1)),
+              optim=dict(d=32, layers=1), grouped_mm=(64, 4, 32, 32)),
 )
 # (atol, rtol) per dtype; the references run on fp32 copies of the same inputs
 ATTN_OUT_TOL = {F32: (1e-4, 1e-4), F16: (3e-3, 3e-3), BF16: (3e-2, 2e-2)}
@@ -270,6 +271,16 @@ def fmt(x: Optional[float], digits=1) -> str:
     if x is None or not math.isfinite(x):
         return "-"
     return f"{x:.{digits}f}" if abs(x) >= 10 ** -digits else f"{x:.2g}"  # tiny (dry-run) values stay visible
+
+
+def markdown(columns: str, rows) -> None:
+    """Print a markdown table: ``columns`` as "name | name:" (a trailing ``:`` right-aligns the column),
+    ``rows`` as lists of cells."""
+    names = [c.strip() for c in columns.split("|")]
+    print("| " + " | ".join(n.rstrip(":") for n in names) + " |")
+    print("| " + " | ".join("---:" if n.endswith(":") else "---" for n in names) + " |")
+    for cells in rows:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def finite(x):

@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
-import math
 import statistics
 import time
 import traceback
@@ -28,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from gpu_common import free
+from gpu_common import fmt, free, markdown
 
 IMPLS = ("transformers", "cuboid eager", "cuboid compiled", "transformers + Liger")  # run in this order
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128, vocab_size=512,
@@ -143,6 +142,15 @@ def liger_patched(arch: str):
                     setattr(cls, key, value)
 
 
+def unavailable(impl: str) -> Optional[str]:
+    """Why ``impl`` cannot run in this build or environment (before any time is spent on it), or None."""
+    if impl == "cuboid compiled":
+        return compile_engine()
+    if impl == "transformers + Liger":
+        return liger_missing()
+    return None
+
+
 def liger_missing() -> Optional[str]:
     try:
         importlib.import_module("liger_kernel.transformers")
@@ -183,7 +191,8 @@ def timed_steps(step: Callable[[], float], warmup: int, steps: int, dev) -> tupl
     return statistics.median(times), first
 
 
-def cuboid_step(preset: str, overrides: dict, dev, batch: dict, compiled: bool):
+def cuboid_trainer(preset: str, overrides: dict, dev, compiled: bool) -> Callable[[dict], float]:
+    """step(batch) -> loss of a fresh cuboid model (plan dtype bf16, ``compile`` as asked) and cuboid's AdamW."""
     import cuboid
     from cuboid.parallel import Plan
     from cuboid.parallel.optim import AdamW
@@ -192,101 +201,125 @@ def cuboid_step(preset: str, overrides: dict, dev, batch: dict, compiled: bool):
     if compiled and not compiled_blocks(model):
         raise NotBuilt("not built: plan compile=true loaded, but no block of the model was compiled")
     opt = AdamW(model.parameters(), lr=LR)
-    return model, lambda: cuboid.train_step(model, opt, batch).loss
+    return lambda batch: cuboid.train_step(model, opt, batch).loss
 
 
-def hf_step(preset: str, overrides: dict, dev, batch: dict):
+def hf_trainer(preset: str, overrides: dict, dev) -> Callable[[dict], float]:
+    """step(batch) -> loss of a fresh transformers model (fp32 parameters, bf16 autocast), torch's AdamW (fused on
+    CUDA)."""
     model = hf_model(preset, overrides, dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=dev.type == "cuda")
 
-    def step():
+    def step(batch):
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
-    return model, step
+    return step
 
 
 class NotBuilt(Exception):
     """A path this build does not have: reported as a row's status, not as a failure."""
 
 
-def train_one(row: ModelRow, spec: dict, dev, batch: dict) -> None:
-    """Build one implementation's model, time its steps into ``row``."""
-    arch = arch_of(row.model)
-    overrides = spec["overrides"]
-    _reset_peak(dev)
-    with contextlib.ExitStack() as stack:
-        if row.impl == "transformers + Liger":
-            stack.enter_context(liger_patched(arch))
-        if row.impl.startswith("cuboid"):
-            model, step = cuboid_step(row.model, overrides, dev, batch, compiled=row.impl == "cuboid compiled")
+def train_impl(rows: list, batches: dict, spec: dict, dev, budget, slowest: dict) -> None:
+    """One implementation of one model (``rows``: one per sequence length, same model and impl): the model is
+    built once (under Liger's patches for that row kind) and each length timed on it; peak memory is counted
+    from a reset before each length, so it holds the weights, gradients and optimizer state too."""
+    impl, preset = rows[0].impl, rows[0].model
+    why = unavailable(impl)
+    if why is not None:
+        for row in rows:
+            row.status = why
+        return
+    todo = []
+    for row in rows:
+        if impl == "cuboid compiled" and row.seq not in spec.get("compile_seqs", spec["seqs"]):
+            row.status = (f"skipped: the dry run compiles at seq {'/'.join(map(str, spec['compile_seqs']))} only "
+                          "(a compile takes tens of seconds on a CPU)")
+        elif budget.allows(f"train {preset} seq {row.seq} {impl}", slowest.get(impl, FIRST_GUESS_S[impl])):
+            todo.append(row)
         else:
-            model, step = hf_step(row.model, overrides, dev, batch)
-        row.ms, row.loss = timed_steps(step, spec["warmup"], spec["steps"], dev)
+            row.status = budget.skipped[-1].split(": ", 1)[1]
+    if not todo:
+        return
+    with contextlib.ExitStack() as stack:
+        t0 = time.perf_counter()
+        _reset_peak(dev)
+        step = attempt(todo, lambda: build(impl, preset, spec["overrides"], dev, stack), dev)
+        for i, row in enumerate(todo):
+            if step is None:
+                break
+            if i and not budget.allows(f"train {preset} seq {row.seq} {impl}", slowest.get(impl, 0.0)):
+                row.status = budget.skipped[-1].split(": ", 1)[1]
+                continue
+            _reset_peak(dev)
+            attempt([row], lambda: time_row(row, step, batches[row.seq], spec, dev), dev)
+            slowest[impl] = max(slowest.get(impl, 0.0), time.perf_counter() - t0)
+            print(f"  train {preset} seq {row.seq} x{row.batch} {impl}: {describe(row)}", flush=True)
+            t0 = time.perf_counter()
+        if step is None:
+            print(f"  train {preset} {impl}: {todo[0].status}", flush=True)
+
+
+def build(impl: str, preset: str, overrides: dict, dev, stack: contextlib.ExitStack) -> Callable[[dict], float]:
+    if impl.startswith("cuboid"):
+        return cuboid_trainer(preset, overrides, dev, compiled=impl == "cuboid compiled")
+    if impl == "transformers + Liger":  # patched for the model's life: its forward looks the patches up
+        stack.enter_context(liger_patched(arch_of(preset)))
+    return hf_trainer(preset, overrides, dev)
+
+
+def time_row(row: ModelRow, step: Callable[[dict], float], batch: dict, spec: dict, dev) -> None:
+    row.ms, row.loss = timed_steps(lambda: step(batch), spec["warmup"], spec["steps"], dev)
     row.tokens_s = row.batch * row.seq / (row.ms / 1e3)
     row.peak_gib = _peak(dev)
 
 
 def run_train(rows: list, budget, dry: bool, dev) -> None:
     spec = kinds_of(dry)[0]
-    slowest: dict = {}
-    cpu_kernels = torch_kernels() if dry else contextlib.nullcontext()
-    with cpu_kernels:
-        for seq in spec["seqs"]:
-            for preset in spec["models"]:
-                b = max(1, spec["tokens"] // seq)
-                vocab = hf_config(preset, spec["overrides"]).vocab_size
-                g = torch.Generator().manual_seed(seq)
-                ids = torch.randint(0, vocab, (b, seq), generator=g).to(dev)
-                batch = {"input_ids": ids, "labels": ids}
-                for impl in IMPLS:
-                    row = ModelRow("train", preset, impl, seq, b)
-                    rows.append(row)
-                    if impl == "cuboid compiled" and seq not in spec.get("compile_seqs", spec["seqs"]):
-                        row.status = (f"skipped: the dry run compiles at seq {'/'.join(map(str, spec['compile_seqs']))}"
-                                      " only (a compile takes tens of seconds on a CPU)")
-                        continue
-                    if not budget.allows(f"train {preset} seq {seq} {impl}", slowest.get(impl, FIRST_GUESS_S[impl])):
-                        row.status = budget.skipped[-1].split(": ", 1)[1]
-                        continue
-                    t0 = time.perf_counter()
-                    attempt(row, lambda: train_one(row, spec, dev, batch), dev)
-                    slowest[impl] = max(slowest.get(impl, 0.0), time.perf_counter() - t0)
-                    print(f"  train {preset} seq {seq} x{b} {impl}: {describe(row)}", flush=True)
-                    free()
+    slowest: dict = {}  # impl -> the slowest item yet (build included), the budget's estimate of the next
+    with torch_kernels() if dry else contextlib.nullcontext():
+        for preset in spec["models"]:
+            vocab = hf_config(preset, spec["overrides"]).vocab_size
+            batches = {}
+            for seq in spec["seqs"]:
+                ids = torch.randint(0, vocab, (max(1, spec["tokens"] // seq), seq),
+                                    generator=torch.Generator().manual_seed(seq)).to(dev)
+                batches[seq] = {"input_ids": ids, "labels": ids}
+            for impl in IMPLS:
+                mine = [ModelRow("train", preset, impl, seq, batches[seq]["input_ids"].shape[0])
+                        for seq in spec["seqs"]]
+                rows.extend(mine)
+                train_impl(mine, batches, spec, dev, budget, slowest)
+                free()
 
 
-def attempt(row: ModelRow, fn: Callable[[], None], dev) -> None:
-    """Run ``fn`` into ``row``: a path this build lacks is "not built"; a peer that fails (Liger on a CPU) is
-    "skipped" with its error; cuboid failing is "failed" (the run's exit code says so)."""
-    if row.impl == "cuboid compiled":
-        why = compile_engine()
-        if why is not None:
-            row.status = why
-            return
-    if row.impl == "transformers + Liger":
-        why = liger_missing()
-        if why is not None:
-            row.status = why
-            return
+def attempt(rows: list, fn: Callable, dev):
+    """``fn()``'s value, or None with every row of ``rows`` given the reason: a path this build lacks is
+    "not built"; a peer that fails (Liger on a CPU) is "skipped" with its error; cuboid failing is "failed" (the
+    run's exit code says so)."""
+    impl = rows[0].impl
     try:
-        fn()
+        return fn()
     except NotBuilt as e:
-        row.status = str(e)
-    except Exception as e:  # noqa: BLE001 - reported in the row
+        why = str(e)
+    except Exception as e:  # noqa: BLE001 - reported in the rows
         first = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        if row.impl.startswith("cuboid"):
+        if impl.startswith("cuboid"):
             traceback.print_exc()
-            row.status = f"failed: {first}"
+            why = f"failed: {first}"
         elif dev.type == "cpu":
-            row.status = f"skipped: does not run on CPU ({first})"
+            why = f"skipped: does not run on CPU ({first})"
         else:
-            row.status = f"failed: {first}"
+            why = f"failed: {first}"
     finally:
         free()
+    for row in rows:
+        row.status = why
+    return None
 
 
 def torch_kernels():
@@ -353,7 +386,7 @@ def run_generate(rows: list, budget, dry: bool, dev) -> None:
                     row.status = budget.skipped[-1].split(": ", 1)[1]
                     continue
                 t0 = time.perf_counter()
-                attempt(row, lambda: generate_one(row, spec, dev, ids), dev)
+                attempt([row], lambda: generate_one(row, spec, dev, ids), dev)
                 measured = max(measured, time.perf_counter() - t0)
                 print(f"  generate {spec['model']} batch {b} prompt {spec['prompt']} {impl}: {describe(row)}",
                       flush=True)
@@ -400,12 +433,6 @@ def memory_vs(rows: list, row: ModelRow, peer: str) -> Optional[float]:
     return None
 
 
-def fmt(x: Optional[float], digits: int = 1) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.{digits}f}" if abs(x) >= 10 ** -digits else f"{x:.2g}"
-
-
 def print_models(rows: list, dry: bool) -> None:
     train = [r for r in rows if r.part == "train"]
     gen = [r for r in rows if r.part == "generate"]
@@ -414,21 +441,16 @@ def print_models(rows: list, dry: bool) -> None:
         if dry:
             print("**DRY RUN: CPU, tiny shapes, a step or two, cuboid's torch kernels: the figures only prove the "
                   "paths run; peak memory is measured on CUDA only.**\n")
-        print("| model | seq x batch | implementation | ms/step | tokens/s | peak GiB | vs transformers | "
-              "vs transformers + Liger | memory vs Liger | first loss | status |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for r in train:
-            print(f"| {r.model} | {r.seq} x {r.batch} | {r.impl} | {fmt(r.ms)} | {fmt(r.tokens_s, 0)} | "
-                  f"{fmt(r.peak_gib, 2)} | {fmt(versus(rows, r, 'transformers'), 2)} | "
-                  f"{fmt(versus(rows, r, 'transformers + Liger'), 2)} | "
-                  f"{fmt(memory_vs(rows, r, 'transformers + Liger'), 2)} | {fmt(r.loss, 3)} | {r.status} |")
+        markdown("model | seq x batch | implementation | ms/step: | tokens/s: | peak GiB: | vs transformers: | "
+                 "vs transformers + Liger: | memory vs Liger: | first loss: | status",
+                 ([r.model, f"{r.seq} x {r.batch}", r.impl, fmt(r.ms), fmt(r.tokens_s, 0), fmt(r.peak_gib, 2),
+                   fmt(versus(rows, r, "transformers"), 2), fmt(versus(rows, r, "transformers + Liger"), 2),
+                   fmt(memory_vs(rows, r, "transformers + Liger"), 2), fmt(r.loss, 3), r.status] for r in train))
     if gen:
         print("\ngeneration (greedy, bf16 weights, random; new tokens per second):\n")
-        print("| model | prompt x batch | implementation | ms | new tokens/s | peak GiB | vs transformers | status |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
-        for r in gen:
-            print(f"| {r.model} | {r.seq} x {r.batch} ({r.note}) | {r.impl} | {fmt(r.ms)} | {fmt(r.tokens_s)} | "
-                  f"{fmt(r.peak_gib, 2)} | {fmt(versus(rows, r, 'transformers'), 2)} | {r.status} |")
+        markdown("model | prompt x batch | implementation | ms: | new tokens/s: | peak GiB: | vs transformers: | status",
+                 ([r.model, f"{r.seq} x {r.batch} ({r.note})", r.impl, fmt(r.ms), fmt(r.tokens_s), fmt(r.peak_gib, 2),
+                   fmt(versus(rows, r, "transformers"), 2), r.status] for r in gen))
 
 
 def model_goals(rows: list) -> list:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from gpu_common import fmt, markdown
+
 FIRST_GUESS_S = 90.0  # the default job on one GPU (400 steps of vit-debug, 4 evaluations), with start-up
 DRY_FLAGS = ["--steps", "2", "--eval-every", "2", "--no-plot"]
 
@@ -77,11 +79,7 @@ def last_metrics(out: Path) -> Optional[dict]:
 def print_main_command(row: dict, dry: bool) -> None:
     print("\nthe README's main command on one GPU" + (" (dry run: on the CPU, 2 steps)" if dry else "") + ":\n")
     m = row["metrics"] or {}
-    print("| command | status | seconds | chosen plan | step | loss | accuracy |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
-    secs = "-" if row["seconds"] is None else f"{row['seconds']:.1f}"
     line = (row["plan_line"] or "-").removeprefix("cuboid finetune: ")
-    acc = m.get("accuracy")
-    loss = m.get("loss", m.get("eval_loss"))
-    print(f"| {row['command']} | {row['status']} | {secs} | {line} | {m.get('step', '-')} | "
-          f"{'-' if loss is None else f'{loss:.3f}'} | {'-' if acc is None else f'{acc:.3f}'} |")
+    markdown("command | status | seconds: | chosen plan | step: | loss: | accuracy:",
+             [[row["command"], row["status"], fmt(row["seconds"]), line, m.get("step", "-"),
+               fmt(m.get("loss", m.get("eval_loss")), 3), fmt(m.get("accuracy"), 3)]])

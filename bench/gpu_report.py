@@ -6,7 +6,7 @@ import datetime
 import torch
 import triton
 
-from gpu_common import GPU, NOTES, PEAKS, fmt
+from gpu_common import GPU, NOTES, PEAKS, fmt, markdown
 
 
 def print_plan(anchors: dict, peaks: tuple) -> list:
@@ -44,7 +44,9 @@ def print_plan(anchors: dict, peaks: tuple) -> list:
     t = g["tune"]
     lines.append(f"tune: every autotune entry of attention (b{t['attn']['b']} h{t['attn']['h']} s{t['attn']['s']} d" +
                  "/".join(map(str, t["attn"]["dims"])) + f" causal), norm (rms {t['norm'][0]}x{t['norm'][1]}), "
-                 f"rope, swiglu ({t['swiglu'][0]}x{t['swiglu'][1]}), optim (AdamW): ms, and outputs vs entry 0")
+                 f"rope, swiglu ({t['swiglu'][0]}x{t['swiglu'][1]}), optim (AdamW), grouped_mm ({t['grouped_mm'][0]} rows, "
+                 f"{t['grouped_mm'][1]} groups, {t['grouped_mm'][3]} -> {t['grouped_mm'][2]}): ms, and outputs vs "
+                 "entry 0")
     lines.append("ceilings: copy_ of 1 GiB (GB/s), bf16 matmul 8192^3 (TFLOP/s); datasheet peaks by device name: " +
                  ", ".join(f"{k} {tf:g} TFLOP/s {gb:g} GB/s" for k, tf, gb in PEAKS))
     lines += [f"{a.name}: {'available' if a.fn is not None else 'skipped'}"
@@ -62,12 +64,10 @@ def print_table(header: str, rows: list, ceil: dict, dry: bool) -> None:
         print("**DRY RUN: CPU, Triton interpreter, perf_counter timer: every figure below is meaningless.**\n")
     print(f"Ceilings: copy_ {ceil['copy_GBps']:.0f} GB/s (read+write, {ceil['copy_bytes'] / 2**30:.3g} GiB); "
           f"bf16 matmul {ceil['matmul_n']}^3 {ceil['matmul_bf16_TFLOPs']:.1f} TFLOP/s\n")
-    print("| kernel | size | unit | cuboid | peer | peer name | cuboid/peer | of ceiling | of peak |")
-    print("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
-    for r in rows:
-        d = 2 if r.unit == "ms" else 1
-        print(f"| {r.kernel} | {r.size} | {r.unit} | {fmt(r.cuboid, d)} | {fmt(r.peer, d)} | {r.peer_name} | "
-              f"{fmt(r.speedup, 2)} | {fmt(r.fraction, 2)} | {fmt(r.of_peak, 2)} |")
+    markdown("kernel | size | unit | cuboid: | peer: | peer name | cuboid/peer: | of ceiling: | of peak:",
+             ([r.kernel, r.size, r.unit, fmt(r.cuboid, 2 if r.unit == "ms" else 1),
+               fmt(r.peer, 2 if r.unit == "ms" else 1), r.peer_name, fmt(r.speedup, 2), fmt(r.fraction, 2),
+               fmt(r.of_peak, 2)] for r in rows))
     print()
     for note in NOTES:
         print(f"- {note}")
@@ -90,11 +90,9 @@ def print_tune(tune_rows: list) -> None:
     if not tune_rows:
         return
     print("\nautotune lists (entry 0 is the launcher's choice; * marks the fastest fwd + bwd):\n")
-    print("| op | size | entry | config | fwd ms | bwd ms | err/tol vs entry 0 |")
-    print("| --- | --- | ---: | --- | ---: | ---: | ---: |")
-    for r in tune_rows:
-        print(f"| {r.op} | {r.size} | {r.entry}{' *' if r.best else ''} | {r.config} | {fmt(r.fwd_ms, 3)} | "
-              f"{fmt(r.bwd_ms, 3)} | {fmt(r.ratio, 3)} |")
+    markdown("op | size | entry: | config | fwd ms: | bwd ms: | err/tol vs entry 0:",
+             ([r.op, r.size, f"{r.entry}{' *' if r.best else ''}", r.config, fmt(r.fwd_ms, 3), fmt(r.bwd_ms, 3),
+               fmt(r.ratio, 3)] for r in tune_rows))
 
 
 def header_line(dry: bool) -> str:

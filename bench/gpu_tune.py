@@ -41,10 +41,7 @@ def tune_cases(K, cfg, dev) -> dict:
         q, k, v, do = (torch.randn(a["b"], a["h"], a["s"], d, device=dev, dtype=BF16) for _ in range(4))
 
         def describe(i, d=d):
-            f = under("attention", i, lambda: fa._config(d, BF16, False))
-            b = under("attention", i, lambda: fa._config(d, BF16, True))
-            return (f"fwd {f['BLOCK_M']}x{f['BLOCK_N']} w{f['num_warps']} s{f['num_stages']}, "
-                    f"bwd {b['BLOCK_M']}x{b['BLOCK_N']} w{b['num_warps']} s{b['num_stages']}")
+            return under("attention", i, lambda: fa.tile_summary(d, BF16))
         cases.append((f"b{a['b']} h{a['h']} s{a['s']} d{d} causal bf16",
                       lambda q, k, v: K.attention(q, k, v, causal=True), [q, k, v], do, describe))
     out["attention"] = ("flash_attention", cases)
@@ -68,7 +65,25 @@ def tune_cases(K, cfg, dev) -> dict:
                                      "swiglu", i, lambda: swiglu_m._launch_cfg(n)))])
     out["optim"] = ("optim", [("AdamW", None, None, None, lambda i: "BLOCK %d, %d warps" % under(
         "optim", i, optim._tile))])
+    out["grouped_mm"] = grouped_mm_case(K, cfg, dev)
     return out
+
+
+def grouped_mm_case(K, cfg, dev) -> tuple:
+    """The experts' grouped GEMM: rows split unevenly over the groups (one empty), aligned bf16 operands."""
+    gg = kernel_module("grouped_gemm")
+    M, G, N, Kd = cfg["tune"]["grouped_mm"]
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.multinomial(torch.ones(G - 1), M, replacement=True, generator=gen).bincount(minlength=G - 1)
+    counts = torch.cat([counts, torch.zeros(1, dtype=counts.dtype)]).to(dev)  # the last expert gets no token
+    x, dy = torch.randn(M, Kd, device=dev, dtype=BF16), torch.randn(M, N, device=dev, dtype=BF16)
+    w = (0.02 * torch.randn(G, N, Kd, device=dev)).to(BF16)
+
+    def describe(i):
+        mm, dw = (gg._MM_CFG["half"][i], gg._DW_CFG["half"][i])
+        return "mm %dx%dx%d w%d s%d, dw %dx%dx%d w%d s%d" % (*mm, *dw)
+    return ("grouped_gemm", [(f"{M} rows x {Kd} -> {N}, {G} groups bf16", lambda x, w: K.grouped_mm(x, w, counts),
+                              [x, w], dy, describe)])
 
 
 def tune_sweep(tune_rows: list, errors: list, bench, K, cfg, dev) -> None:
