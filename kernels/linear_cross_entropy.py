@@ -60,6 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import library
 from ._backend import check_floating, check_same_dtype, resolve_backend
 
 Tensor = torch.Tensor
@@ -230,7 +231,7 @@ def _whole_rows_torch(x: Tensor, z: Tensor, idx: Tensor, valid: Tensor, here: Te
 def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, reduce: Optional[Reduce],
                   ignore_index: int, grad: bool):
     """As :func:`_chunk_torch` with the two Triton row kernels (statistics in fp32; the same reduces)."""
-    stats = _stats_triton(z, y, n_valid, start, ignore_index)
+    stats = library.lce_stats(z, y, n_valid, start, ignore_index)
     m, s, target = stats.unbind(-1)
     if reduce is not None:
         mg = m.clone(memory_format=torch.contiguous_format)
@@ -243,7 +244,7 @@ def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int,
     rows = torch.where(valid, lse - target, 0.0)
     if not grad:
         return rows, None
-    _grad_triton(z, y, lse.contiguous(), n_valid, start, ignore_index)
+    library.lce_grad_(z, y, lse.contiguous(), n_valid, start, ignore_index)
     return rows, z
 
 

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import library
 from ._backend import check_floating, picked, resolve_backend
 
 MAX_BLOCK_N = 65536  # widest row the Triton path normalises
@@ -555,47 +556,13 @@ def rms_norm_ref(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
 
 
 # ----------------------------------------------------------------------------
-# Autograd Function
-# ----------------------------------------------------------------------------
-
-
-class _NormFunction(torch.autograd.Function):
-    """Triton forward + backward for both norms; returns y, or (y, h) with a residual."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, is_rms):
-        ctx.set_materialize_grads(False)
-        shape = x.shape
-        weight = weight.contiguous() if weight is not None else None  # the kernels index (N,) with stride 1
-        bias = bias.contiguous() if bias is not None else None
-        y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
-        xin = h if h is not None else x.contiguous()  # the norm's input, contiguous
-        ctx.save_for_backward(xin, weight, mean, rstd)
-        ctx.is_rms = is_rms
-        ctx.shape = shape
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y if h is None else (y, h)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy, dh=None):
-        xin, weight, mean, rstd = ctx.saved_tensors
-        need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
-        if dy is None and dh is None:
-            return None, None, None, None, None, None
-        compute_dw = weight is not None and need_w
-        compute_db = ctx.bias_dtype is not None and need_b
-        xin = xin.view(-1, ctx.shape[-1])
-        dx, dw, db = _norm_bwd(dy, dh, xin, weight, mean, rstd, ctx.is_rms, compute_dw, compute_db)
-        dx = dx.view(ctx.shape)
-        dw = dw.to(weight.dtype) if dw is not None else None
-        db = db.to(ctx.bias_dtype) if db is not None else None
-        return (dx if need_x else None), dw, db, (dx if need_r else None), None, None
-
-
-# ----------------------------------------------------------------------------
 # Public functions
 # ----------------------------------------------------------------------------
+
+
+def _dense(p: Optional[Tensor]) -> Optional[Tensor]:
+    """A weight or bias as the kernels index it: (N,) with stride 1."""
+    return None if p is None else p.contiguous()
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float = 1e-5,
@@ -611,7 +578,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     if resolve_backend("layer_norm", [x, weight, bias, residual], backend) == "torch":
         return _layer_norm_torch(x, weight, bias, eps, residual)
     _check_hidden("layer_norm", x.shape[-1])
-    return _NormFunction.apply(x, weight, bias, residual, float(eps), False)
+    return library.norm(x, _dense(weight), _dense(bias), residual, float(eps), False)
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
@@ -625,4 +592,4 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
     if resolve_backend("rms_norm", [x, weight, residual], backend) == "torch":
         return _rms_norm_torch(x, weight, eps, residual)
     _check_hidden("rms_norm", x.shape[-1])
-    return _NormFunction.apply(x, weight, None, residual, float(eps), True)
+    return library.norm(x, _dense(weight), None, residual, float(eps), True)

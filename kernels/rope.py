@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import library
 from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
@@ -326,7 +327,7 @@ def rope_ref(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Te
 
 
 # ----------------------------------------------------------------------------
-# Autograd Function
+# Backward pieces
 # ----------------------------------------------------------------------------
 
 
@@ -341,26 +342,6 @@ def _table_grad(dq, dk, q, k, rot: bool, like: Tensor) -> Tensor:
     elif like.shape[0] == 1:
         g = g.sum(0, keepdim=True)
     return g.to(like.dtype)
-
-
-class _RopeFunction(torch.autograd.Function):
-    """Triton forward and backward of RoPE on (q, k); returns (q_rot, k_rot)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        q_rot, k_rot = _rope_launch(q, k, cos, sin, backward=False)
-        tables = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        ctx.save_for_backward(cos, sin, q if tables else None, k if tables else None)
-        return q_rot, k_rot
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dq_rot, dk_rot):
-        cos, sin, q, k = ctx.saved_tensors
-        dq, dk = _rope_launch(dq_rot, dk_rot, cos, sin, backward=True)
-        dcos = _table_grad(dq_rot, dk_rot, q, k, False, cos) if ctx.needs_input_grad[2] else None
-        dsin = _table_grad(dq_rot, dk_rot, q, k, True, sin) if ctx.needs_input_grad[3] else None
-        return dq, dk, dcos, dsin
 
 
 # ----------------------------------------------------------------------------
@@ -394,4 +375,4 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: Optional[st
         if cos.requires_grad or sin.requires_grad or not wants_grad:
             return _rope_torch(q, k, cos, sin)
         return _RopeTorchFunction.apply(q, k, cos, sin)
-    return _RopeFunction.apply(q, k, cos, sin)
+    return library.rope(q, k, cos, sin)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import library
 from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
@@ -186,25 +187,6 @@ class _SwiGLUTorchFunction(torch.autograd.Function):
         return dg, F.silu(gate).mul_(dy)  # dy * a * s
 
 
-class _SwiGLUFunction(torch.autograd.Function):
-    """Triton forward and backward; saves the inputs and recomputes the gate in backward."""
-
-    @staticmethod
-    def forward(ctx, gate, up):
-        N = gate.shape[-1]
-        g2, u2 = _rows(gate, N), _rows(up, N)
-        ctx.save_for_backward(g2, u2)
-        ctx.shape = gate.shape
-        return _swiglu_fwd(g2, u2).view(gate.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        g2, u2 = ctx.saved_tensors
-        dg, du = _swiglu_bwd(_rows(dy.to(g2.dtype), g2.shape[1]), g2, u2)
-        return dg.view(ctx.shape), du.view(ctx.shape)
-
-
 # ----------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------
@@ -232,4 +214,4 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: Optional[str] = None) -> Tensor
                 gate.requires_grad or up.requires_grad):
             return _SwiGLUTorchFunction.apply(gate, up)
         return _swiglu_torch(gate, up)
-    return _SwiGLUFunction.apply(gate, up)
+    return library.swiglu(gate, up)
