@@ -206,3 +206,13 @@ def test_cuda_matches_reference(dtype):
             for name, a, b in zip(("y", "dx", "dw"), got, loop64(x.cpu(), w.cpu(), c.cpu(), dy.cpu())):
                 torch.testing.assert_close(a.cpu().double(), b.to(dtype).double(), **tol,
                                            msg=lambda m: f"{label} pick {pick} {name}: {m}")
+
+
+def test_meta_device_gives_shapes():
+    """A meta model's forward (preset parameter counts, fits): shapes and dtype through autograd, no values read."""
+    x = torch.empty(10, 8, device="meta", dtype=BF16, requires_grad=True)
+    w = torch.empty(3, 5, 8, device="meta", dtype=BF16, requires_grad=True)
+    y = grouped_mm(x, w, torch.empty(3, dtype=torch.int64, device="meta"))
+    assert (y.shape, y.dtype, y.device.type) == ((10, 5), BF16, "meta")
+    dx, dw = torch.autograd.grad(y, (x, w), torch.empty_like(y))
+    assert dx.shape == x.shape and dw.shape == w.shape
