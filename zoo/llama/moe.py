@@ -50,13 +50,6 @@ class MoeOutput(Output):
         self.router_logits, self.aux_loss = router_logits, aux_loss
 
 
-def _raw_fields(out: Output) -> dict:
-    """``out``'s fields as stored: a deferred field (logits gathered when read) stays deferred."""
-    if hasattr(out, "raw"):
-        return {name: out.raw(name) for name in Output.FIELDS}
-    return {name: object.__getattribute__(out, name) for name in Output.__slots__}
-
-
 def recorder_for(c: LlamaConfig, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                  keep_logits: bool, reduce: Optional[Callable] = None) -> Optional[Recorder]:
     """The recorder of one forward of a model with sparse layers (None for a dense one). Padding (0 in
@@ -75,7 +68,7 @@ def with_router_outputs(c: LlamaConfig, out: Output, recorder: Recorder, labels:
     """``out`` with the recorded router logits and auxiliary loss; with ``labels`` and ``add_loss``
     (``output_router_logits``), ``loss`` + ``router_aux_loss_coef`` * aux loss (transformers')."""
     aux = recorder.loss(c.n_experts)
-    fields = _raw_fields(out)
+    fields = {name: out.raw(name) for name in Output.FIELDS}  # a deferred field (logits) stays unmade
     if add_loss and labels is not None and aux is not None and fields["loss"] is not None:
         fields["loss"] = fields["loss"] + c.router_aux_loss_coef * aux.to(fields["loss"].dtype)
     logits = tuple(recorder.logits) if recorder.keep_logits else None
