@@ -29,7 +29,8 @@ import torch
 
 from gpu_common import fmt, free, markdown
 
-IMPLS = ("transformers", "cuboid eager", "cuboid compiled", "transformers + Liger")  # run in this order
+IMPLS = ("transformers", "cuboid eager", "cuboid compiled", "transformers + Liger")  # the table's order
+EAGER = ("transformers", "cuboid eager", "transformers + Liger")  # part "train"; part "compiled" runs the other
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128, vocab_size=512,
             n_positions=256)  # the dry run's shapes of either preset
 TRAIN = {
@@ -109,9 +110,11 @@ def compile_engine() -> Optional[str]:
 
 
 def compiled_blocks(model) -> int:
-    """Modules that torch.compile wraps (an OptimizedModule, or one whose .compile() was called)."""
+    """Modules that torch.compile wraps: an OptimizedModule, one whose .compile() was called, or one whose
+    forward was replaced by a compiled function."""
     return sum(1 for m in model.modules() if type(m).__name__ == "OptimizedModule"
-               or getattr(m, "_compiled_call_impl", None) is not None)
+               or getattr(m, "_compiled_call_impl", None) is not None
+               or hasattr(vars(m).get("forward"), "_torchdynamo_orig_callable"))
 
 
 @contextlib.contextmanager
@@ -278,7 +281,7 @@ def time_row(row: ModelRow, step: Callable[[dict], float], batch: dict, spec: di
     row.peak_gib = _peak(dev)
 
 
-def run_train(rows: list, budget, dry: bool, dev) -> None:
+def run_train(rows: list, budget, dry: bool, dev, impls=EAGER) -> None:
     spec = kinds_of(dry)[0]
     slowest: dict = {}  # impl -> the slowest item yet (build included), the budget's estimate of the next
     with torch_kernels() if dry else contextlib.nullcontext():
@@ -289,7 +292,7 @@ def run_train(rows: list, budget, dry: bool, dev) -> None:
                 ids = torch.randint(0, vocab, (max(1, spec["tokens"] // seq), seq),
                                     generator=torch.Generator().manual_seed(seq)).to(dev)
                 batches[seq] = {"input_ids": ids, "labels": ids}
-            for impl in IMPLS:
+            for impl in impls:
                 mine = [ModelRow("train", preset, impl, seq, batches[seq]["input_ids"].shape[0])
                         for seq in spec["seqs"]]
                 rows.extend(mine)
@@ -431,6 +434,13 @@ def memory_vs(rows: list, row: ModelRow, peer: str) -> Optional[float]:
             if r.ran and row.ran and r.peak_gib and row.peak_gib is not None:
                 return row.peak_gib / r.peak_gib
     return None
+
+
+def table_order(rows: list) -> list:
+    """Training rows by model, length and IMPLS (the parts run them in another order), then generation's."""
+    models = list(dict.fromkeys(r.model for r in rows))
+    return sorted(rows, key=lambda r: (r.part != "train", models.index(r.model), r.seq, r.batch,
+                                       IMPLS.index(r.impl) if r.impl in IMPLS else 0))
 
 
 def print_models(rows: list, dry: bool) -> None:

@@ -44,7 +44,7 @@ def table_rows(stdout: str, first_cells) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def models_run(tmp_path_factory):
-    p, result = dry_run(tmp_path_factory.mktemp("dry"), "--part", "train,generate,main")
+    p, result = dry_run(tmp_path_factory.mktemp("dry"), "--part", "train,generate,main,compiled")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, result
 
