@@ -235,3 +235,14 @@ def test_balance_loss_is_transformers_load_balancing_loss():
     assert tokens.item() == 30 and counts.sum().item() == 60
     got = moe.balance_loss(counts, probsum, tokens, 6)
     assert abs(got.item() - load_balancing_loss_func(layers, 6, 2).item()) < 1e-6
+
+
+@pytest.mark.parametrize("cls,name", [(T.Qwen3MoeConfig, "Qwen3MoeForCausalLM"), (T.MixtralConfig, "MixtralForCausalLM"),
+                                      (T.OlmoeConfig, "OlmoeForCausalLM")])
+def test_absent_config_keys_take_transformers_defaults(cls, name):
+    base = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24,
+                moe_intermediate_size=24)
+    hf = cls(**base)
+    c = config_from_hf({**base, "num_experts": 8, "num_local_experts": 8}, name)
+    assert (c.experts_per_token, c.norm_topk_prob, c.router_aux_loss_coef, c.output_router_logits) == \
+        (hf.num_experts_per_tok, getattr(hf, "norm_topk_prob", True), hf.router_aux_loss_coef, hf.output_router_logits)

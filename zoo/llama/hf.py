@@ -118,9 +118,10 @@ def config_from_moe(d: dict, arch_name: str, arch: str) -> LlamaConfig:
             raise ValueError(f"{arch_name} with {key}={d[key]!r} is not supported (set it to 0 or null)")
     window = d.get("sliding_window") if arch == "mixtral" or d.get("use_sliding_window", False) else None
     experts = d.get("num_local_experts") if arch == "mixtral" else d.get("num_experts", d.get("num_local_experts"))
-    moe = dict(n_experts=experts, experts_per_token=d.get("num_experts_per_tok", 2),
-               norm_topk_prob=bool(d.get("norm_topk_prob", arch != "olmoe")),
-               router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+    # absent keys take transformers' config defaults (Mixtral always normalises its top-k weights)
+    moe = dict(n_experts=experts, experts_per_token=d.get("num_experts_per_tok", 2 if arch == "mixtral" else 8),
+               norm_topk_prob=arch == "mixtral" or bool(d.get("norm_topk_prob", False)),
+               router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.01 if arch == "olmoe" else 0.001)),
                output_router_logits=bool(d.get("output_router_logits", False)))
     if arch == "qwen3_moe":
         moe.update(moe_hidden=d["moe_intermediate_size"], sparse_step=d.get("decoder_sparse_step", 1),
