@@ -26,14 +26,14 @@ def _grouped(sent: dict) -> dict:
     return {k: v for k, v in out.items() if v}
 
 
-def cost_worker(plans) -> dict:
+def cost_worker(plans, preset: str = "gpt-debug", fields: dict = HELD_OUT) -> dict:
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import comm, cost, state_of, zero
     from cuboid.parallel.optim import AdamW
     from cuboid.planner import meta_shards
 
-    config = zoo.config_of("gpt-debug", **HELD_OUT)
+    config = zoo.config_of(preset, **fields)
     report = {}
     for spec in plans:
         torch.manual_seed(0)
@@ -43,7 +43,8 @@ def cost_worker(plans) -> dict:
         ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": ids, "labels": ids}
         cuboid.train_step(model, opt, batch)
-        with comm.count() as tally:
+        routed = RoutedPairs(model, plan, mesh)
+        with comm.count() as tally, routed:
             cuboid.train_step(model, opt, batch)
         measured = _grouped({k: (v[1], v[0]) for k, v in tally.items().items()})
 
@@ -53,7 +54,8 @@ def cost_worker(plans) -> dict:
         predicted = _grouped(cost.traffic(config, plan, named, stage, BATCH, SEQ, spec=zoo.spec_of(meta)))
 
         held = zero.model_state_bytes(model, opt)  # after the step: no gradients held
-        want = cost.model_states(list(named.values()), plan, dp_rank=mesh.coords.get("dpsp", mesh.coords.get("dp", 0)))
+        want = cost.model_states(list(named.values()), plan, dp_rank=mesh.coords.get("dpsp", mesh.coords.get("dp", 0)),
+                                 experts=cost.expert_parameters(named, zoo.spec_of(meta)))
         states = {"params": (held["params"], want["params"]), "optimizer": (held["optimizer"], want["optimizer"]),
                   "masters": (held["masters"], want["masters"])}
         if plan.pp == 1:  # gradients as a backward leaves them (train_step's own are cleared by its step)
@@ -61,11 +63,57 @@ def cost_worker(plans) -> dict:
             model(**share).loss.backward()
             states["grads"] = (zero.model_state_bytes(model, opt)["grads"], want["grads"])
             opt.zero_grad(set_to_none=True)
-        report[spec if isinstance(spec, str) else plan.describe()] = {"sent": (measured, predicted), "states": states}
+        report[spec if isinstance(spec, str) else plan.describe()] = {
+            "sent": (measured, predicted), "states": states, "routed": routed.result(config)}
     return report
 
 
+class RoutedPairs:
+    """Under ``ep``: while open, how many of this rank's (token, choice) pairs each sparse layer's router sends to
+    an expert on another rank, per forward (a recomputed forward routes again), to price the all-to-alls of the
+    routing the run made: :func:`routed_bytes`."""
+
+    def __init__(self, model, plan, mesh) -> None:
+        self.model, self.ep = model, plan.ep
+        self.recomputed = 2 if plan.checkpoint != "none" else 1  # forwards of each block per step
+        self.rank = mesh.coords.get("ep", 0)
+        self.pairs, self.forwards, self.handles = 0, 0, []
+
+    def __enter__(self):
+        if self.ep > 1:
+            self.handles = [m.register_forward_hook(self._hook) for n, m in self.model.named_modules()
+                            if n.endswith("mlp.router")]
+        return self
+
+    def _hook(self, mod, _inputs, output) -> None:
+        per_rank = mod.n_experts // self.ep
+        self.pairs += int((output[2] // per_rank != self.rank).sum())
+        self.forwards += 1
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def result(self, config) -> dict:
+        return {"pairs": self.pairs, "forwards": self.forwards, "ep": self.ep, "recomputed": self.recomputed,
+                "row_bytes": getattr(config, "dim", 0) * 4, "experts": getattr(config, "n_experts", 0)}
+
+
+def routed_bytes(routed: list) -> float:
+    """Bytes the ranks of a world send over ``ep`` in a step, summed over them, from the routing they made
+    (:class:`RoutedPairs`, one per rank): per router forward (a recomputed one too) the counts exchange,
+    ``(ep - 1) / ep x 8 E`` bytes a rank, and each pair routed off its rank a row sent there (dispatch) and a row
+    sent back (combine); backward sends each of a forward's rows once more as a gradient. The world sends as
+    many combine rows as dispatch rows, so the sum over ranks is exact whatever the routing."""
+    counts = sum(r["forwards"] * (r["ep"] - 1) / r["ep"] * 8 * r["experts"] for r in routed)
+    rows = sum(2 * r["pairs"] + 2 * r["pairs"] / r["recomputed"] for r in routed)
+    return counts + rows * routed[0]["row_bytes"]
+
+
 def check_cost(reports) -> None:
+    """Every group's bytes sent and every state's bytes held equal the cost model's on every rank; the experts'
+    all-to-alls (whose bytes follow the routing a run makes, the model pricing an even one) equal, summed over
+    the ranks, the formula applied to the routing the ranks made (:func:`routed_bytes`)."""
     assert reports
     for rank, report in enumerate(reports):
         assert report
@@ -73,10 +121,17 @@ def check_cost(reports) -> None:
             measured, predicted = r["sent"]
             assert set(measured) == set(predicted), (rank, plan, "groups differ", measured, predicted)
             for g in measured:
+                if g == "ep":
+                    continue
                 assert abs(measured[g] - predicted[g]) <= 1e-9 * max(measured[g], 1.0), (
                     rank, plan, g, "bytes sent", measured[g], predicted[g])
             for what, (got, want) in r["states"].items():
                 assert got == want, (rank, plan, what, "bytes held", got, want)
+    for plan in reports[0]:
+        if "ep" in reports[0][plan]["sent"][0]:
+            world = sum(r[plan]["sent"][0]["ep"] for r in reports)
+            routed = routed_bytes([r[plan]["routed"] for r in reports])
+            assert abs(world - routed) <= 1e-9 * world, (plan, "ep bytes sent over the world", world, routed)
 
 
 # a model big enough that matmuls, not Python, take most of a step on one CPU core
