@@ -133,6 +133,9 @@ def test_an_adapter_rank_beyond_the_weights_is_refused_before_allocation(run, tm
     cfg = json.loads((folder / "adapter_config.json").read_text())
     cfg["r"] = 300000
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="adapter_config.json"):  # cuboid's folder: its record says so
+        cuboid.load(str(model), lora=str(folder))
+    (folder / "lora-adapters.json").unlink()  # a peft folder from elsewhere: no record, read as data
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="r=300000 does not match"):
         cuboid.load(str(model), lora=str(folder))
