@@ -189,7 +189,9 @@ def _cfg(table: dict, dtype: torch.dtype, tensors, *sizes: int) -> Tuple[int, in
     if dtype == torch.float32:
         return picked(_OP, table["fp32"])
     ints = [s for t in tensors for s in t.stride()] + list(sizes)
-    aligned = all(t.data_ptr() % 16 == 0 for t in tensors) and all(s == 1 or s % 16 == 0 for s in ints)
+    # traced (torch.compile) pointers have no address: assumed aligned, as fresh allocations are
+    ptrs_ok = torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in tensors)
+    aligned = ptrs_ok and all(s == 1 or s % 16 == 0 for s in ints)
     return picked(_OP, table["half" if aligned else "half-unaligned"])
 
 
@@ -245,11 +247,10 @@ def _dw_triton(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
 
 
 def _aligned(t: Tensor) -> Tensor:
-    """``t`` itself when torch._grouped_mm takes its strides (unit last stride, the others multiples of 16 bytes,
-    no stride 0), else a copy into a buffer whose rows are padded to 16 bytes, viewed back at t's shape."""
+    """``t`` itself when CPU torch._grouped_mm takes its strides (unit last stride, the others multiples of 16
+    bytes, no stride 0; it does not ask for an aligned start), else a copy into a buffer whose rows are padded to 16 bytes, viewed back at t's shape."""
     size = t.element_size()
-    if (t.stride(-1) == 1 and t.data_ptr() % _ALIGN == 0
-            and all(s * size % _ALIGN == 0 and s > 0 for s in t.stride()[:-1])):
+    if t.stride(-1) == 1 and all(s * size % _ALIGN == 0 and s > 0 for s in t.stride()[:-1]):
         return t
     width = t.shape[-1]
     padded = -(-max(width, 1) * size // _ALIGN) * _ALIGN // size
@@ -302,6 +303,13 @@ def _padded_batch(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return torch.bmm(batch, w.transpose(1, 2))[group, pos]
 
 
+@torch.compiler.disable
+def _ref_eager(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """The reference run eagerly from a torch.compile'd caller (a graph break): torch._grouped_mm's fake kernel
+    takes bf16 only and the padded batch reads max(counts) on the host."""
+    return _ref(x, w, counts)
+
+
 def _ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     if x.device.type == "meta":  # shapes only (a meta model's forward): counts have no values to group by
         return x @ w[0].T
@@ -338,7 +346,7 @@ def _check(x, w, counts, *, triton_path: bool) -> None:
         raise ValueError(f"{_OP}: counts must be on x's device ({x.device}), got {counts.device}")
     if w.shape[0] == 0:
         raise ValueError(f"{_OP}: w has no groups (G=0); give at least one group")
-    if x.device.type == "cpu":  # free on CPU; on the GPU this would be a host sync
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():  # a host read: free on CPU, not on a GPU
         total = int(counts.sum())
         if total != x.shape[0] or bool((counts < 0).any()):
             raise ValueError(f"{_OP}: counts must be >= 0 and sum to x's {x.shape[0]} rows, got sum {total} "
@@ -395,5 +403,5 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] =
     chosen = resolve_backend(_OP, [x, w, counts], backend)
     _check(x, w, counts, triton_path=chosen == "triton")
     if chosen == "torch":
-        return _ref(x, w, counts)
+        return (_ref_eager if torch.compiler.is_compiling() else _ref)(x, w, counts)
     return _GroupedMMFunction.apply(x, w, counts)

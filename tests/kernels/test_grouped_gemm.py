@@ -216,3 +216,17 @@ def test_meta_device_gives_shapes():
     assert (y.shape, y.dtype, y.device.type) == ((10, 5), BF16, "meta")
     dx, dw = torch.autograd.grad(y, (x, w), torch.empty_like(y))
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("K", [8, 7], ids=["aligned", "unaligned"])
+def test_torch_compile_on_cpu(K):
+    """A compiled caller on CPU runs the reference eagerly (a graph break): values and gradients as eager."""
+    torch._dynamo.reset()
+
+    def f(x, w, c):
+        return torch.nn.functional.silu(grouped_mm(x * 2, w, c, backend="torch"))
+
+    x, w, c, dy = make([3, 0, 7], K, 5, F32, seed=5)
+    got = run(torch.compile(f), x, w, c, dy)
+    for a, b in zip(got, run(f, x, w, c, dy)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
