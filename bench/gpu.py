@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU (kernels through the Triton interpreter)")
     ap.add_argument("--part", default="all", help=f"all, or a comma list of {', '.join(PARTS)} (for a quick rerun)")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S,
-                    help=f"seconds the parts may take; what would pass it is skipped and said so (default {BUDGET_S:g})")
+                    help=f"seconds the parts may take; what would pass it is skipped and said so "
+                         f"(default {BUDGET_S:g})")
     ap.add_argument("--out", default=None, help="JSON output (default bench/gpu.json; a temp file with --dry-run)")
     args = ap.parse_args(argv)
     parts = parts_of(args.part)

@@ -44,7 +44,8 @@ def print_plan(anchors: dict, peaks: tuple) -> list:
     t = g["tune"]
     lines.append(f"tune: every autotune entry of attention (b{t['attn']['b']} h{t['attn']['h']} s{t['attn']['s']} d" +
                  "/".join(map(str, t["attn"]["dims"])) + f" causal), norm (rms {t['norm'][0]}x{t['norm'][1]}), "
-                 f"rope, swiglu ({t['swiglu'][0]}x{t['swiglu'][1]}), optim (AdamW), grouped_mm ({t['grouped_mm'][0]} rows, "
+                 f"rope, swiglu ({t['swiglu'][0]}x{t['swiglu'][1]}), optim (AdamW), grouped_mm "
+                 f"({t['grouped_mm'][0]} rows, "
                  f"{t['grouped_mm'][1]} groups, {t['grouped_mm'][3]} -> {t['grouped_mm'][2]}): ms, and outputs vs "
                  "entry 0")
     lines.append("ceilings: copy_ of 1 GiB (GB/s), bf16 matmul 8192^3 (TFLOP/s); datasheet peaks by device name: " +

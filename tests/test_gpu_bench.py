@@ -93,7 +93,8 @@ def test_generation_rows_and_the_main_command(models_run):
     assert len(printed) == len(gen) and all(float(c[4]) > 0 for c in printed)
     main = result["main_command"]
     assert main["status"] == "ran" and main["returncode"] == 0, main
-    assert main["plan_line"] == "cuboid finetune: no GPU found: the default job runs plan dp=2 on 2 CPU processes (gloo)"
+    assert main["plan_line"] == ("cuboid finetune: no GPU found: the default job runs plan dp=2 on 2 CPU processes "
+                                 "(gloo)")
     assert main["metrics"]["step"] == 2 and 0.0 <= main["metrics"]["accuracy"] <= 1.0
     # the goal of the issue is not claimed from a CPU run
     assert all(g["met"] is None for g in result["goals"]), result["goals"]
