@@ -64,7 +64,18 @@ def expert_parameters(named: dict, spec) -> list:
     ``dp x sp / ep`` ranks holding the same experts (:mod:`cuboid.parallel.experts`). None without a spec."""
     if spec is None:
         return []
-    return [p for n, p in named.items() if "." in n and spec.role_of(n.rsplit(".", 1)[0]) == "experts"]
+    return [p for n, p in named.items() if "." in n and _role(spec, n.rsplit(".", 1)[0]) == "experts"]
+
+
+_ROLES: dict = {}  # (id(spec), module path) -> (spec, role): the planner asks for every parameter of every plan
+
+
+def _role(spec, path: str):
+    """``spec.role_of(path)``, remembered (the spec is kept with its answers, so its id is not reused)."""
+    hit = _ROLES.get((id(spec), path))
+    if hit is None or hit[0] is not spec:
+        hit = _ROLES[id(spec), path] = (spec, spec.role_of(path))
+    return hit[1]
 
 
 def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *, experts=()) -> dict:
