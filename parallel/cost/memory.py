@@ -93,7 +93,7 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *
     mesh's layout: runs of ``ep`` consecutive ranks hold every expert once).
     """
     ps = trainable(params)
-    mine = {id(p) for p in experts}
+    mine = {id(p) for p in experts} if plan.ep > 1 else set()  # without ep the experts are parameters like others
     groups = [([p for p in ps if id(p) not in mine], plan.dp * plan.sp, dp_rank),
               ([p for p in ps if id(p) in mine], plan.dp * plan.sp // plan.ep, dp_rank // plan.ep)]
     frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)

@@ -207,7 +207,7 @@ def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks:
     # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
     idle = max(0.0, 2.0 - s.per_node / hw.cores) if hw.cores and s.per_node > hw.cores else 1.0
     bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
-    experts = {id(p) for p in expert_parameters(params, s.spec)}
+    experts = {id(p) for p in expert_parameters(params, s.spec)} if plan.ep > 1 else set()
     shards = (plan.dp * plan.sp if plan.zero else 1, plan.dp * plan.sp // plan.ep if plan.zero else 1)
     opt_bytes = sum(p.numel() / shards[id(p) in experts] for p in ps) * ADAMW_TOUCHED_BYTES
     optimizer_s = opt_bytes / hw.memory_bytes_per_s * s.crowd

@@ -51,7 +51,7 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         _add_tensor(out, shape, plan, stage, rows, seq, ps[0].dtype if ps else torch.float32)
     if plan.sp > 1:
         _add_sequence(out, shape, plan, rows, seq, masked)
-    experts = {id(p) for p in expert_parameters(params, spec)}
+    experts = {id(p) for p in expert_parameters(params, spec)} if plan.ep > 1 else set()
     if plan.ep > 1:
         _add_experts(out, shape, plan, stage, rows, seq, ps[0].element_size() if ps else 4)
     if plan.dp * plan.sp > 1:
