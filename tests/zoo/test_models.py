@@ -11,9 +11,11 @@ HF_CLASSES = {
     "bert": (T.BertConfig, {"mlm": T.BertForMaskedLM, "cls": T.BertForSequenceClassification, "none": T.BertModel}),
     "vit": (T.ViTConfig, {"cls": T.ViTForImageClassification, "none": T.ViTModel}),
     "llama": ({"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig, "qwen3": T.Qwen3Config,
-               "gemma3": T.Gemma3TextConfig},
+               "gemma3": T.Gemma3TextConfig, "qwen3_moe": T.Qwen3MoeConfig, "mixtral": T.MixtralConfig,
+               "olmoe": T.OlmoeConfig},
               {"lm": {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM,
-                      "qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM}}),
+                      "qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM,
+                      "qwen3_moe": T.Qwen3MoeForCausalLM, "mixtral": T.MixtralForCausalLM, "olmoe": T.OlmoeForCausalLM}}),
 }
 
 
