@@ -16,8 +16,9 @@ and the experts' all-to-all bytes against the cost model's formula.
    ``comm.count`` counts, summed over the ranks, beside (a) the same formula applied to the routing the run
    made (each (token, choice) pair whose expert lives on another rank is a row of ``dim`` elements; four
    exchanges per sparse layer and step: dispatch and combine, forward and backward) and (b) the cost model's
-   even-routing formula (:func:`cuboid.parallel.cost.traffic.expert_exchange_bytes` summed over ranks).
-   Measured includes what the exchange sends besides rows (the per-expert counts).
+   even-routing formula (:func:`cuboid.parallel.cost.traffic.expert_exchange_bytes` summed over ranks); both
+   with the per-expert counts each rank exchanges first (``(ep - 1) / ep x 8 E`` bytes per layer), as the cost
+   model prices them.
 
 On a 2-core machine shared with other work the times are indicative only; byte counts are exact.
 """
@@ -168,8 +169,9 @@ def expert_parallel(size: str, world: int) -> list[dict]:
     for spec, e in zip(plans, eps):
         took = max(r[spec]["step_s"] for r in reports)
         measured = sum(r[spec]["a2a_bytes"] for r in reports)
-        routed = 4 * sum(r[spec]["off_rank_pairs"] for r in reports) * dim * elem
-        even = 4 * layers * world * expert_exchange_bytes(batch // world * seq, k, dim, elem, e)
+        counts = world * layers * (e - 1) / e * 8 * fields["n_experts"]  # each rank's counts exchange per layer
+        routed = 4 * sum(r[spec]["off_rank_pairs"] for r in reports) * dim * elem + counts
+        even = 4 * layers * world * expert_exchange_bytes(batch // world * seq, k, dim, elem, e) + counts
         rows.append({"plan": spec, "ep": e, "ranks": world, "step_s": took, "tokens_per_s": batch * seq / took,
                      "a2a_bytes_measured": measured, "a2a_bytes_routed_formula": routed,
                      "a2a_bytes_even_formula": even})
