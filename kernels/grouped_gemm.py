@@ -248,7 +248,8 @@ def _dw_triton(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
 
 def _aligned(t: Tensor) -> Tensor:
     """``t`` itself when CPU torch._grouped_mm takes its strides (unit last stride, the others multiples of 16
-    bytes, no stride 0; it does not ask for an aligned start), else a copy into a buffer whose rows are padded to 16 bytes, viewed back at t's shape."""
+    bytes, no stride 0; it does not ask for an aligned start), else a copy into a buffer whose rows are padded
+    to 16 bytes, viewed back at t's shape."""
     size = t.element_size()
     if t.stride(-1) == 1 and all(s * size % _ALIGN == 0 and s > 0 for s in t.stride()[:-1]):
         return t

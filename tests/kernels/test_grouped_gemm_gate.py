@@ -90,22 +90,18 @@ def main(argv=None) -> int:
 
 @pytest.fixture(scope="module")
 def gate(tmp_path_factory):
+    """This file run as a script (compiling needs TRITON_INTERPRET=0), its JSON read back with the checks."""
     from tests.kernels import compile_gate as G
     from tests.kernels.test_compile_gate import _toolchain_missing
 
-    why = _toolchain_missing()
-    if why:
-        pytest.skip(why)
+    if _toolchain_missing():
+        pytest.skip(_toolchain_missing())
     out = tmp_path_factory.mktemp("grouped_gemm_gate") / "gate.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", str(out)], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if not out.exists():
-        pytest.fail(f"the grouped_gemm gate did not run (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-4000:]}")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", str(out)], capture_output=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, text=True, timeout=1800)
+    assert out.exists(), f"the gate did not run (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    result["violations"] = G.violations(result)
-    return result
+    return dict(result, violations=G.violations(result))
 
 
 @pytest.mark.parametrize("check", ["coverage", "compile", "shared_memory", "registers", "tensor_cores", "spills",
