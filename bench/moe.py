@@ -103,56 +103,22 @@ def grouped_gemm(sizes, reps: int) -> list[dict]:
 def moe_worker(config_fields: dict, plans: list, batch: int, seq: int, steps: int) -> dict:
     """Part 2 and 3 on one rank: per plan, the median step seconds, the all-to-all bytes over the expert group
     this rank sent in one counted step, and the (token, choice) pairs its routers sent to another rank."""
-    import torch
-
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import comm
-    from cuboid.parallel.optim import AdamW
+    from tests.parallel.cost_checks import RoutedPairs, median_step, stepped
 
     config = zoo.config_of("qwen3-moe-debug", **config_fields)
     out = {}
     for spec in plans:
-        torch.manual_seed(0)
-        model = cuboid.load(config, plan=spec)
-        plan, mesh = model.parallel.plan, model.parallel.mesh
-        opt = AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-        data = {"input_ids": ids, "labels": ids}
-        cuboid.train_step(model, opt, data)
-        off_rank = [0]
-        per_rank = config.n_experts // plan.ep
-        ep_rank = _ep_rank(mesh, plan)
-
-        def hook(_mod, _inp, output):
-            experts = output[2]
-            off_rank[0] += int((experts // per_rank != ep_rank).sum())
-
-        handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.router")]
-        with comm.count() as tally:
+        model, opt, data = stepped(config, spec, batch, seq, lr=1e-4)
+        plan = model.parallel.plan
+        with comm.count() as tally, RoutedPairs(model, plan, model.parallel.mesh) as routed:
             cuboid.train_step(model, opt, data)
-        for h in handles:
-            h.remove()
-        sent = sum(b for (op, group), (_, b) in tally.items().items() if op == "all_to_all" and "ep" in group)
-        times = []
-        for _ in range(steps):
-            mesh.barrier()
-            t0 = time.perf_counter()
-            cuboid.train_step(model, opt, data)
-            times.append(time.perf_counter() - t0)
-        out[spec] = {"step_s": statistics.median(times), "a2a_bytes": sent, "off_rank_pairs": off_rank[0],
+        sent = sum(b for (op, group), (_, b) in tally.items().items() if op == "all_to_all" and group == "ep")
+        out[spec] = {"step_s": median_step(model, opt, data, steps), "a2a_bytes": sent, "off_rank_pairs": routed.pairs,
                      "ep": plan.ep}
     return out
-
-
-def _ep_rank(mesh, plan) -> int:
-    """This rank's place in its expert-parallel group (0 without ep)."""
-    if plan.ep == 1:
-        return 0
-    coords = mesh.coords
-    if "ep" in coords:
-        return coords["ep"]
-    raise KeyError(f"the mesh names no ep coordinate ({', '.join(coords)}): the bench needs the expert group's rank")
 
 
 def expert_parallel(size: str, world: int) -> list[dict]:

@@ -30,19 +30,13 @@ def cost_worker(plans, preset: str = "gpt-debug", fields: dict = HELD_OUT) -> di
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import comm, cost, state_of, zero
-    from cuboid.parallel.optim import AdamW
     from cuboid.planner import meta_shards
 
     config = zoo.config_of(preset, **fields)
     report = {}
     for spec in plans:
-        torch.manual_seed(0)
-        model = cuboid.load(config, plan=spec)
+        model, opt, batch = stepped(config, spec, BATCH, SEQ)
         plan, mesh = model.parallel.plan, model.parallel.mesh
-        opt = AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-        batch = {"input_ids": ids, "labels": ids}
-        cuboid.train_step(model, opt, batch)
         routed = RoutedPairs(model, plan, mesh)
         with comm.count() as tally, routed:
             cuboid.train_step(model, opt, batch)
@@ -66,6 +60,21 @@ def cost_worker(plans, preset: str = "gpt-debug", fields: dict = HELD_OUT) -> di
         report[spec if isinstance(spec, str) else plan.describe()] = {
             "sent": (measured, predicted), "states": states, "routed": routed.result(config)}
     return report
+
+
+def stepped(config, spec, rows: int, seq: int, lr: float = 1e-3, seed: int = 1) -> tuple:
+    """(model, AdamW, batch): ``config`` loaded under plan ``spec`` (seed 0) after one ``train_step`` of a random
+    ``rows`` x ``seq`` batch (``seed``), so that the optimizer's state and every engine's buffers exist."""
+    import cuboid
+    from cuboid.parallel.optim import AdamW
+
+    torch.manual_seed(0)
+    model = cuboid.load(config, plan=spec)
+    opt = AdamW(model.parameters(), lr=lr)
+    ids = torch.randint(0, config.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    batch = {"input_ids": ids, "labels": ids}
+    cuboid.train_step(model, opt, batch)
+    return model, opt, batch
 
 
 class RoutedPairs:
@@ -141,26 +150,26 @@ TIMED_BATCH, TIMED_SEQ = 8, 128
 
 def time_worker(plans, steps: int = 3) -> dict:
     """Median seconds of ``steps`` timed ``train_step`` calls (after one untimed) per plan on this rank."""
-    import statistics
-    import time
-
-    import cuboid
     from cuboid import zoo
-    from cuboid.parallel.optim import AdamW
 
     config = zoo.config_of("gpt-debug", **TIMED)
     out = {}
     for spec in plans:
-        model = cuboid.load(config, plan=spec)
-        opt = AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, config.vocab_size, (TIMED_BATCH, TIMED_SEQ), generator=torch.Generator().manual_seed(2))
-        batch = {"input_ids": ids, "labels": ids}
-        cuboid.train_step(model, opt, batch)
-        times = []
-        for _ in range(steps):
-            model.parallel.mesh.barrier()
-            t0 = time.perf_counter()
-            cuboid.train_step(model, opt, batch)
-            times.append(time.perf_counter() - t0)
-        out[spec] = statistics.median(times)
+        out[spec] = median_step(*stepped(config, spec, TIMED_BATCH, TIMED_SEQ, lr=1e-4, seed=2), steps)
     return out
+
+
+def median_step(model, opt, batch, steps: int) -> float:
+    """Median seconds of ``steps`` ``train_step`` calls, the ranks lined up before each."""
+    import statistics
+    import time
+
+    import cuboid
+
+    times = []
+    for _ in range(steps):
+        model.parallel.mesh.barrier()
+        t0 = time.perf_counter()
+        cuboid.train_step(model, opt, batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
