@@ -14,6 +14,13 @@ fastest, and the mesh owns a group along each axis of that grid:
 - 2.5D (d, q, q) and 3D (q, q, q): ``t = k q^2 + i q + j``; ``tp_dep`` is the
   ranks with the same (i, j), ``tp_row`` / ``tp_col`` as in 2D inside depth k.
 
+Under expert parallelism (``plan.ep > 1``) the ``dp x sp`` ranks of each
+(pp, tp) coordinate, numbered ``d = dp_index * sp + sp_index``, are cut into
+contiguous runs of ``ep`` (torchtitan's layout): ``ep`` is the run holding
+one copy of every expert (``d // ep`` fixed), ``edp`` the ``dp x sp / ep``
+ranks holding the same experts (``d % ep`` fixed), over which the experts'
+gradients are averaged and ZeRO shards their state.
+
 As for every axis, ``coords[name]`` is this rank's index *inside* group
 ``name`` (so in 2D ``coords["tp_row"] = j`` and ``coords["tp_col"] = i``), and
 an axis of size one has group ``None``. Every group is registered with
@@ -107,6 +114,10 @@ class Mesh:
         if plan.sp > 1:  # data parallelism averages gradients over dp x sp (every sp rank holds every weight)
             mesh._add_groups(grid.reshape(plan.pp, plan.dp * plan.sp, 1, plan.tp), ("pp", "dpsp", "sp1", "tp"),
                              create_groups, skip=1, only=1)
+        if plan.ep > 1:  # expert parallelism: runs of ep among the dp x sp ranks, and the ranks across the runs
+            experts = grid.reshape(plan.pp, plan.dp * plan.sp // plan.ep, plan.ep, plan.tp)
+            mesh._add_groups(experts, ("pp", "edp", "ep", "tp"), create_groups, skip=1, only=2)
+            mesh._add_groups(experts, ("pp", "edp", "ep", "tp"), create_groups, skip=1, only=1)
         tp_grid = plan.tp_grid
         if len(tp_grid) > 1:
             mesh._add_groups(grid.reshape(*grid.shape[:3], *tp_grid), ("pp", "dp", "sp") + TP_AXES[len(tp_grid)],

@@ -42,10 +42,13 @@ from .state import ParallelState, attach, planned, state_of
 
 def shard(model: nn.Module, plan: Plan, mesh: Mesh, spec: Optional[ShardingSpec]) -> nn.Module:
     """Swap ``model``'s layers for the plan's tensor-parallel ones (in place; meta models too)."""
+    from .experts import shard_experts
     from .tensor import shard_model
 
     plan.require_implemented()
-    return shard_model(model, spec, mesh)
+    shard_model(model, spec, mesh)
+    shard_experts(model, spec, mesh)  # ep: this rank's experts and the all-to-all dispatch
+    return model
 
 
 def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Optional[ShardingSpec] = None) -> nn.Module:
@@ -180,13 +183,31 @@ def _shard_over_dp(model: nn.Module, state: ParallelState) -> None:
 
     Under sp the group is ``dpsp`` (dp x sp): every sp rank holds every weight and gradients are averaged
     over dp x sp, so ZeRO cuts states dp * sp ways (:func:`.zero.group_of`)."""
-    group = zero.group_of(state.mesh)
+    from .experts import expert_modules, expert_parameters
+
+    group, mesh = zero.group_of(state.mesh), state.mesh
+    experts = expert_modules(model)
     if state.plan.zero == 3:
-        zero.shard_parameters(model, group, blocks_of(state.spec))
+        edp = mesh.group("edp")
+        zero.shard_parameters(model, group, blocks_of(state.spec), experts=experts, expert_group=edp)
         state.gradient_sync = model.set_requires_gradient_sync  # FSDP2's, over every unit
         return
-    state.zero = zero.FlatShards(model.parameters(), group, state.plan.zero)
-    state.gradient_sync = state.zero.set_sync
+    ids = {id(p) for p in expert_parameters(model)}
+    state.zero = zero.FlatShards([p for p in model.parameters() if id(p) not in ids], group, state.plan.zero)
+    syncs = [state.zero.set_sync]
+    if experts:  # the experts' own buckets over the ranks holding the same experts
+        state.expert_zero = zero.FlatShards(expert_parameters(model), mesh.group("edp"), state.plan.zero)
+        syncs.append(state.expert_zero.set_sync)
+    state.gradient_sync = _all_of(syncs)
+
+
+def _all_of(switches: list):
+    """One gradient-sync switch that sets each of ``switches``."""
+    def sync(enabled: bool) -> None:
+        for each in switches:
+            each(enabled)
+
+    return sync
 
 
 def _replicate(model: nn.Module, state: ParallelState) -> None:
@@ -194,13 +215,19 @@ def _replicate(model: nn.Module, state: ParallelState) -> None:
     through :func:`.comm.ddp_comm_hook` so that :func:`.comm.count` sees it."""
     from torch.distributed._composable import replicate
 
+    from .experts import ExpertGrads, expert_modules
+
     mesh = state.mesh
     p = next(model.parameters())
     group = mesh.group("dpsp") if mesh.size("sp") > 1 else mesh.group("dp")
-    replicate(model, process_group=group, bucket_cap_mb=25,
+    experts = expert_modules(model)  # ep: averaged over edp by their own engine
+    replicate(model, process_group=group, bucket_cap_mb=25, ignored_modules=experts or None,
               **({"device_id": p.device} if p.device.type == "cuda" else {}))
     model.register_comm_hook(group, comm.ddp_comm_hook)
     state.gradient_sync = model.set_requires_gradient_sync  # replicate's
+    if experts and mesh.group("edp") is not None:  # ep < dp x sp: averaged over the ranks holding them
+        state.expert_grads = ExpertGrads(experts, mesh.group("edp"))
+        state.gradient_sync = _all_of([model.set_requires_gradient_sync, state.expert_grads.set_sync])
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -36,6 +36,8 @@ class ParallelState:
     stages: Any = None          # pp: the block range of every pipeline stage (parallel.stages.cut_model)
     pipeline: Any = None        # parallel.pipeline.Pipeline under pp
     zero: Any = None            # parallel.zero.FlatShards under ZeRO-1/2
+    expert_zero: Any = None     # ep under ZeRO-1/2: the experts' FlatShards over edp
+    expert_grads: Any = None    # ep under plain dp: parallel.experts.ExpertGrads (their edp reduction)
     sequence_split: Any = None  # parallel.sequence_split.SequenceSplit / TensorSequenceSplit
     batch_split: Any = None     # parallel.batch.BatchSplit under 2D / 2.5D / 3D
     gradient_sync: Optional[Callable[[bool], None]] = None  # turns the dp gradient reduction on / off

@@ -409,9 +409,13 @@ def unscale_(scaler, optimizer) -> None:
 # ------------------------------------------------------------------ stage 3
 
 
-def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Module:
+def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts=(),
+                     expert_group=None) -> nn.Module:
     """ZeRO-3: FSDP2 ``fully_shard`` over the dp ``group``, one unit per block and the root.
 
+    Expert-parallel layers (``experts``) are units of their own over ``expert_group`` (``edp``: the ranks
+    holding the same experts, :mod:`.experts`); with ``edp`` of one rank (``expert_group`` None) they stay
+    whole (their gradients are complete).
     Parameters keep their names and their tensor-parallel ``placement``.
     """
     from torch.distributed.device_mesh import DeviceMesh
@@ -430,9 +434,16 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks") -> nn.Modu
     for m in model.modules():
         if hasattr(m, "weights_released_after_use"):  # an LM head's lazy logits copy the gathered table in forward
             m.weights_released_after_use = True
+    ignored: set = set()
+    if experts and expert_group is not None:
+        expert_mesh = DeviceMesh.from_group(expert_group, p0.device.type)
+        for m in experts:
+            fully_shard(m, mesh=expert_mesh)
+    elif experts:
+        ignored = {p for m in experts for p in m.parameters()}
     for block in getattr(model, blocks, ()):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     for n, p in model.named_parameters():
         p.placement = tags[n]
     return comm.guard_fsdp(model)  # a stalled gather or reduce-scatter names rank, group and op
