@@ -89,6 +89,10 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
     state.sequence_split = _sequence_split(model, plan, mesh, spec)
     if plan.checkpoint != "none":
         recompute_blocks(model, blocks_of(spec), plan.checkpoint)
+    if plan.compile:  # torch.compile each block in place (torchtitan's per-block compile)
+        from .compile import compile_blocks
+
+        compile_blocks(model, blocks_of(spec))
     if mesh.size("pp") > 1:  # the schedule drives forward/backward; it averages over dp itself
         _build_pipeline(model, state)
     elif plan.zero and (mesh.size("dp") > 1 or mesh.size("sp") > 1):
