@@ -194,12 +194,12 @@ def _lora_child(conn, case, path, model, expected):
     conn.close()
 
 
-def _damage_lora(path, rng, kind):
-    """One seeded damage to a copy of the checkpoint; the file it hit."""
+def _damage_lora(path, rng, kind, commit=None):
+    """One seeded damage to a copy of the checkpoint (``commit``: its commit file); the file it hit."""
     from cuboid.zoo.checkpoint.lora_state import LORA_COMMIT
 
     files = sorted(p.name for p in path.iterdir())
-    name = LORA_COMMIT if kind == "flip-commit" else rng.choice(files)
+    name = (commit or LORA_COMMIT) if kind == "flip-commit" else rng.choice(files)
     file = path / name
     raw = bytearray(file.read_bytes())
     if kind in ("flip", "flip-commit"):
@@ -237,3 +237,56 @@ def test_every_damaged_lora_checkpoint_is_refused(lora_pristine, tmp_path):
         assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
         shutil.rmtree(root)
     assert len(hit) >= 5, hit  # the damage reached most of the checkpoint's files
+
+
+def _adapters_child(conn, case, path, model, expected):
+    """Load the damaged adapter folder onto a fresh base as ``cuboid.load(..., lora=folder)`` does: its outcome."""
+    torch.set_num_threads(1)
+    try:
+        cuboid.load("gpt-debug", seed=1, lora=str(path))
+        out = ("loaded", "")
+    except CheckpointError as e:
+        out = ("refused", str(e))
+    except BaseException as e:  # noqa: BLE001 - anything else is a finding
+        out = ("error", f"{type(e).__name__}: {e}")
+    conn.send({"adapters": out})
+    conn.close()
+
+
+N_ADAPTER_CASES = 24
+ADAPTER_DAMAGES = ("flip", "flip", "truncate", "remove", "flip-commit", "append")
+
+
+def test_every_damaged_lora_adapter_folder_is_refused(tmp_path):
+    """A LoRA run's final/ (adapters and tokenizer under lora-adapters.json): seeded flips, cuts, removals and
+    appended bytes in any file but the removal of the record itself (then it is a peft folder from elsewhere,
+    read as data) are refused with a CheckpointError in a forked child; none loads, crashes or hangs."""
+    import random
+
+    from cuboid.zoo import lora
+    from cuboid.zoo.checkpoint.format import ADAPTERS_COMMIT
+
+    from ..front import fixtures as F
+
+    model = cuboid.load("gpt-debug", seed=1, lora="r=4,alpha=8")
+    pristine = lora.save_adapters(model, tmp_path / "final", tokenizer=F.bpe_tokenizer(tmp_path / "tok"))
+    control = fuzz.run_case(fuzz.Case(0, "adapters", "none"), pristine, None, None, child=_adapters_child)
+    assert control.status == "" and control.outcomes["adapters"][0] == "loaded", control.outcomes
+    rng = random.Random(37)
+    hit = Counter()
+    for i in range(N_ADAPTER_CASES):
+        root = tmp_path / f"case{i}"
+        shutil.copytree(pristine, root)
+        kind = ADAPTER_DAMAGES[i % len(ADAPTER_DAMAGES)]
+        if kind == "remove":
+            name = rng.choice(sorted(p.name for p in root.iterdir() if p.name != ADAPTERS_COMMIT))
+            (root / name).unlink()
+        else:
+            name = _damage_lora(root, rng, kind, commit=ADAPTERS_COMMIT)
+        hit[name] += 1
+        case = fuzz.run_case(fuzz.Case(i, "adapters", kind), root, None, None, child=_adapters_child)
+        assert case.status == "", (kind, name, case.status, case.detail)
+        outcome, message = case.outcomes["adapters"]
+        assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
+        shutil.rmtree(root)
+    assert len(hit) >= 4, hit  # the damage reached most of the folder's files
