@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ from torch import nn
 
 from . import comm
 from .mask import Mask
+from .moe_stream import Routing, recording_of
 from .sequence import (ZigzagDocs, all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
                        zigzag_split)
 
@@ -109,6 +110,28 @@ class _SumOverSp(torch.autograd.Function):
         return g * ctx.sp, None, None
 
 
+class _BalanceOverSp(torch.autograd.Function):
+    """The auxiliary loss of router statistics spread over ``sp``: counts, probsum and tokens (each rank's
+    tokens, summed over its layers) summed over the group in one all-reduce, the loss of the sums out
+    (:func:`~.moe.balance_loss`). Backward: this rank's ``probsum`` term's gradient (``n_experts * counts /
+    tokens ** 2``, with the summed counts and tokens) times ``sp``, as :class:`_SumOverSp`'s."""
+
+    @staticmethod
+    def forward(ctx, probsum, counts, tokens, group, sp, n_experts):
+        E = counts.shape[0]
+        whole = torch.cat([counts.float(), probsum.detach().float(), tokens.reshape(1).float()]).contiguous()
+        comm.all_reduce_(whole, group)
+        counts, probsum, tokens = whole[:E], whole[E:2 * E], whole[2 * E]
+        ctx.save_for_backward(counts * (n_experts / (tokens * tokens)))
+        ctx.sp = sp
+        return n_experts * torch.sum(counts * probsum) / (tokens * tokens)
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, = ctx.saved_tensors
+        return g * ctx.sp * weight, None, None, None, None, None
+
+
 class _FromFirstRank(torch.autograd.Function):
     """Forward: sp rank 0's tensor on every rank. Backward: the gradients summed on rank 0 (zero elsewhere)."""
 
@@ -150,6 +173,7 @@ class SequenceSplit:
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.shifted = bool(getattr(spec, "shifted_labels", False))
         self.pooled_first = bool(getattr(spec, "pooled_first", False))
+        self.routing = Routing.of(model)  # a mixture of experts: its router statistics are recorded
 
     def swap_attention(self, mode: str) -> int:
         """Replace every attention core of the model by the sp one; returns how many."""
@@ -250,19 +274,50 @@ class SequenceSplit:
 
         fields = ["last_hidden_state"] + (["logits"] if token or labels is None else [])
         for name in fields:
-            value = object.__getattribute__(out, name)
+            value = out.raw(name)  # as stored: a deferred field stays unmade
             if value is None or (name == "logits" and not _is_per_token(model)):
                 continue
             out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, length))
         return out
 
-    def forward(self, **batch):
+    def local_keep(self, keep: torch.Tensor, tokens: int) -> torch.Tensor:
+        """(B * ``tokens``,) this rank's tokens that count in the router statistics, in the order the sparse
+        layers see them, from the whole (B, T) ``keep``: the padding to ``tokens * sp`` does not count."""
+        keep = F.pad(keep.to(torch.bool), (0, tokens * self.sp - keep.shape[1]), value=False)
+        return self._split(keep).reshape(-1)
+
+    def balance(self, counts, probsum, tokens, n_experts: int) -> torch.Tensor:
+        """The recorder's reduce under sp: the auxiliary loss of the statistics summed over ``sp``, this
+        rank's ``probsum`` term differentiated (the data-parallel average over ``dp x sp`` then sums them)."""
+        return _BalanceOverSp.apply(probsum, counts, tokens, self.group, self.sp, n_experts)
+
+    def reduce_for(self) -> Callable:
+        """The statistics' reduction: the plan's ``balance_reduce`` on the model (``dp x sp``, set by prepare
+        where data parallelism spreads a forward's tokens too), else the sum over ``sp``."""
+        return getattr(self.model, "balance_reduce", None) or self.balance
+
+    def gather_router(self, logits: torch.Tensor, tokens: int, length: int) -> torch.Tensor:
+        """One layer's router logits (B * ``tokens``, E) of this rank's tokens -> one device's (B * ``length``,
+        E), the rows in sequence order."""
+        whole = self._gather(logits.reshape(-1, tokens, logits.shape[-1]), lambda t: t, length)
+        return whole.reshape(-1, whole.shape[-1])
+
+    def forward(self, output_router_logits: Optional[bool] = None, **batch):
         x, keep, local_labels, labels, n_total = self.enter(batch)
         mask = self.local_mask(self.whole_mask(keep, batch.get("position_ids")), x.shape[1] * self.sp)
+        rec, routed = None, output_router_logits
+        if self.routing is not None:
+            routed = self.routing.routed if routed is None else routed
+            rec = self.routing.recorder(self.local_keep(keep, x.shape[1]), self.reduce_for(), keep_logits=routed)
         residual = None
-        for block in getattr(self.model, self.spec.blocks):
-            x, residual = block(x, residual, mask)
-        return self.leave(x, residual, local_labels, labels, keep.shape[1], n_total)
+        with recording_of(rec):
+            for block in getattr(self.model, self.spec.blocks):
+                x, residual = block(x, residual, mask)
+        tokens, length = x.shape[1], keep.shape[1]
+        out = self.leave(x, residual, local_labels, labels, length, n_total)
+        if rec is None:
+            return out
+        return self.routing.finish(out, rec, labels, routed, gather=lambda t: self.gather_router(t, tokens, length))
 
 
 def _is_per_token(model: nn.Module) -> bool:
