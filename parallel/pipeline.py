@@ -24,6 +24,13 @@ cores' :class:`~.mask.Mask` from it, document ids counted on whole rows. Labels
 travel with their micro-batch to the last stage, which returns the
 micro-batch's mean loss; the schedule's loss function weights it by its
 share of the global batch's label count, so a step is one device's step.
+
+A mixture of experts whose aux loss joins the loss (``output_router_logits``)
+adds the router statistics of the stages so far to the stream, ``(stats,
+probsum)`` (:mod:`.moe_stream`): the last stage adds each micro-batch's aux
+loss of every layer's statistics to its loss, and probsum's gradient flows
+back through the p2p to the earlier stages' routers. Dense models' streams
+are unchanged (the config decides, the same on every rank).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from cuboid.kernels.flash_attention import doc_ids_from_positions
 
 from .batch import pad_batch, split_batch
 from .mask import Mask
+from .moe_stream import Routing, recording_of
 from .sequence_split import SequenceSplit, TensorSequenceSplit
 from .stages import stage_ids
 
@@ -105,6 +113,13 @@ class StageModule(nn.Module):
         seq = sequence_split
         self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
         self.sp = seq if isinstance(seq, SequenceSplit) else None  # sp: blocks on this rank's zigzag chunks
+        routing = Routing.of(model)
+        # a mixture of experts whose aux loss joins the loss (the config's, the same on every rank): the router
+        # statistics of earlier stages travel with the stream; otherwise the stream is the dense model's
+        self.routing = routing if routing is not None and routing.routed else None
+        if self.routing is not None and self.seq is not None:
+            raise NotImplementedError("a mixture of experts' aux loss under tp_sequence (each tp rank routes T / "
+                                      "tp tokens) is not built: use sp, or tp without tp_sequence")
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
@@ -138,12 +153,31 @@ class StageModule(nn.Module):
             core = (core or Mask(keep=keep.to(torch.bool))).pad(tokens * self.seq.tp)
         return core
 
-    def run_blocks(self, x, residual, mask):
+    def run_blocks(self, x, residual, mask, carried: tuple = ()):
+        """The stage's blocks: ``(x, residual, recorder)``; with a routing, the recorder holds the router
+        statistics of the stream's ``carried`` ones (:meth:`.moe_stream.Routing.carry`) plus this stage's."""
         core = self.core_mask(mask, x.shape[1])
-        for block in self.blocks.values():
-            x, r = block(x, residual, core)
-            residual = r if r is not None else torch.zeros_like(x)
-        return x, residual
+        rec = None
+        if self.routing is not None:
+            reduce = self.sp.reduce_for() if self.sp is not None else getattr(self.model, "balance_reduce", None)
+            rec = self.routing.recorder(self.router_keep(mask, x.shape[1]), reduce, carried)
+        with recording_of(rec):
+            for block in self.blocks.values():
+                x, r = block(x, residual, core)
+                residual = r if r is not None else torch.zeros_like(x)
+        return x, residual, rec
+
+    def router_keep(self, mask: torch.Tensor, tokens: int) -> Optional[torch.Tensor]:
+        """(B * ``tokens``,) the stage's tokens that count in the router statistics (padding does not), in the
+        order the sparse layers see them; None where the batch had no attention mask."""
+        keep, _ = _unstack(mask)
+        if self.sp is not None:
+            return self.sp.local_keep(keep, tokens)
+        return None if keep.shape[1] < tokens else keep[:, -tokens:].reshape(-1)
+
+    def stream_in(self, inputs: tuple) -> tuple:
+        """A later stage's inputs split: ``(x, residual, mask, labels)`` and the carried router statistics."""
+        return tuple(inputs[:4]), tuple(inputs[4:])
 
     def head(self, x, residual, mask, labels):
         """The model's head on the last stage (under tp_sequence after the sequence is gathered)."""
@@ -162,8 +196,9 @@ class StageModule(nn.Module):
         info = self.info
         if info.stage == 0:
             x, residual, mask, labels = self.start(dict(zip(self._keys_from.input_keys, inputs)))
+            carried = self.routing.start(x.device) if self.routing is not None else ()
         else:
-            x, residual, mask, labels = inputs
+            (x, residual, mask, labels), carried = self.stream_in(inputs)
             x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
             if self.inferring:
                 # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
@@ -171,32 +206,43 @@ class StageModule(nn.Module):
                 labels = torch.full_like(labels, -100)
                 mask = torch.stack([torch.ones_like(mask[:, 0]), torch.zeros_like(mask[:, 1])], 1) if mask.dim() == 3 \
                     else torch.ones_like(mask)  # (positions all 0: each token its own document)
-        x, residual = self.run_blocks(x, residual, mask)
+                carried = tuple(torch.zeros_like(t) for t in carried)
+        x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if info.stage < info.stages - 1:
             # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
             # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
             # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
-            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in (x, residual, mask, labels))
+            stream = (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
+            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in stream)
             if torch.is_grad_enabled():
                 # the stream always asks for a gradient: torch sizes the next stage's receive buffers, their
                 # requires_grad included, from these outputs, and a frozen first stage (LoRA's embedding)
                 # would leave the next one's inputs without it; ZBV's split backward then finds no path from
-                # that stage's inputs to its adapters and gives them no gradient
-                for t in out[:2]:
+                # that stage's inputs to its adapters and gives them no gradient (the same for the router
+                # statistics' probsum of a stage without a sparse layer)
+                for t in out[:2] + out[5:]:
                     if not t.requires_grad:
                         t.requires_grad_(True)
             return out
-        return self.head(x, residual, mask, labels).loss
+        return self.finish(self.head(x, residual, mask, labels), rec, labels).loss
+
+    def finish(self, out, rec, labels):
+        """The last stage's Output with the micro-batch's aux loss (in ``loss`` when it has labels)."""
+        return out if rec is None else self.routing.finish(out, rec, labels)
 
     def forward_only(self, stream):
         """One stage of a forward without the schedule: ``stream`` is a micro-batch (first stage) or the
         previous stage's ``(x, residual, mask, labels)``; returns the next stream, or the model's Output
         (last stage)."""
-        x, residual, mask, labels = self.start(stream) if self.info.stage == 0 else stream
-        x, residual = self.run_blocks(x, residual, mask)
+        if self.info.stage == 0:
+            x, residual, mask, labels = self.start(stream)
+            carried = self.routing.start(x.device) if self.routing is not None else ()
+        else:
+            (x, residual, mask, labels), carried = self.stream_in(stream)
+        x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if self.info.stage < self.info.stages - 1:
-            return x, residual, mask, labels
-        out = self.head(x, residual, mask, labels)
+            return (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
+        out = self.finish(self.head(x, residual, mask, labels), rec, labels)
         return self.batch_split.whole(out) if self.batch_split is not None else out
 
 
@@ -354,6 +400,7 @@ class Pipeline:
         # tied copies on the last stage's rank: the first stage's rank counts them in a global norm
         self.counted_elsewhere = self.tied if self.has_last else []
         self.params = [p for p in model.parameters()]
+        self.stream_size = 4 + (2 if self.modules[0].routing is not None else 0)  # + the router statistics
         self.zero = None  # ZeRO 1/2 buckets of this rank's stages (set by prepare)
 
     def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
@@ -452,7 +499,7 @@ class Pipeline:
                     if owner[s] != self.rank:
                         continue
                     if s > 0 and owner[s - 1] != self.rank:  # the stream comes from another rank
-                        stream = comm.recv_described(4, group, owner[s - 1], device)
+                        stream = comm.recv_described(self.stream_size, group, owner[s - 1], device)
                     module = self.modules[self.ids.index(s)]
                     if self.fsdp:  # the stage's own unit (embeddings, head): its forward hook is not run here
                         module.unshard()
