@@ -118,7 +118,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     micro_batches = split_batch(mine, parts) if parts > 1 else [mine]
     device = _device_of(model)
     counts = [core.num_targets(b) for b in micro_batches]
-    total, = all_reduce_sum([sum(counts)], mesh, device)
+    globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
+    total = sum(globals_)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp") if mesh is not None else 1
@@ -131,12 +132,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
             with sync:
                 batch = _to(batch, device)
                 with autocast_for(dtype, device):
-                    loss = model(**batch).loss
-                if n == 0:
-                    loss = loss.nan_to_num(0.0) * 0.0  # keep every rank in the collectives
-                weighted = loss.float() * (n * dp / total)
+                    out = model(**batch)
+                loss = out.loss
+                weighted = _weighted(core, out, n * dp / total, globals_[i] / total)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
-            loss_sum += float(loss.detach()) * n
+            loss_sum += float(loss.detach()) * n if n else 0.0  # (a mean over no target is NaN)
     finally:
         set_gradient_sync(model, True)
     if scaler is not None:
@@ -153,6 +153,21 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     optimizer.zero_grad(set_to_none=True)
     loss_total, = all_reduce_sum([loss_sum], mesh, device)
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
+
+
+def _weighted(core: nn.Module, out, share: float, global_share: float) -> torch.Tensor:
+    """What one micro-batch backpropagates: its loss times this rank's ``share`` of the step's targets; a
+    mixture-of-experts auxiliary loss added to it (``output_router_logits``) is the whole global
+    micro-batch's (:class:`cuboid.parallel.experts.BalanceReduce`), so it is weighed by that micro-batch's
+    ``global_share`` instead, whatever this rank's targets (none: the rank still joins every collective)."""
+    loss = out.loss.float()
+    aux = getattr(out, "aux_loss", None)
+    if aux is None or getattr(out, "router_logits", None) is None:  # no auxiliary loss in ``loss``
+        return (loss.nan_to_num(0.0) * 0.0) if share == 0 else loss * share
+    aux = core.config.router_aux_loss_coef * aux.float()
+    lm = loss - aux
+    lm = lm.nan_to_num(0.0) * 0.0 if share == 0 else lm * share
+    return lm + aux * global_share
 
 
 def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype,

@@ -62,7 +62,7 @@ from . import comm
 from .layers import Placement
 
 __all__ = ["ExpertParallel", "shard_experts", "expert_modules", "expert_parameters", "all_to_all_v",
-           "exchange_counts", "dispatch_bytes", "ExpertGrads"]
+           "exchange_counts", "dispatch_bytes", "ExpertGrads", "BalanceReduce", "install_balance_reduce"]
 
 ROLE = "experts"  # the spec role of a mixture-of-experts layer's experts
 
@@ -305,3 +305,42 @@ class ExpertGrads:
             n = p.numel()
             p.grad.copy_(flat[off:off + n].view_as(p.grad))
             off += n
+
+
+# ----------------------------------------------------------------- the load-balancing loss under plans
+
+
+class BalanceReduce:
+    """A mixture-of-experts model's ``balance_reduce`` under a plan that spreads each forward's tokens over
+    the ranks of ``group`` (dp x sp): the auxiliary loss of the whole (global) micro-batch.
+
+    One all-reduce (no gradient) sums the statistics of every rank: the loss's value is the single-device
+    loss of the global micro-batch, ``n_experts * sum(counts * probsum) / tokens ** 2`` of the sums, on
+    every rank. Its gradient is each rank's own term, ``n_experts * sum(counts_global * probsum_local) /
+    tokens_global ** 2``, times the group's size: the gradient average over the group (data parallelism)
+    then gives the sum of the terms, the single-device gradient. (:func:`cuboid.step.train_step` weighs
+    the auxiliary loss by its micro-batch's share of the global batch, not by this rank's share.)"""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, counts: torch.Tensor, probsum: torch.Tensor, tokens, n_experts: int) -> torch.Tensor:
+        e = counts.numel()
+        tokens = torch.as_tensor(tokens, dtype=torch.float32, device=probsum.device)
+        stats = torch.cat([counts.detach().float().reshape(-1), probsum.detach().float().reshape(-1),
+                           tokens.detach().float().reshape(1)])
+        comm.all_reduce_(stats, self.group)  # every rank, every forward: the plan decides it
+        total_counts, total_probs, total_tokens = stats[:e], stats[e:2 * e], stats[-1]
+        value = n_experts * torch.sum(total_counts * total_probs) / (total_tokens * total_tokens)
+        mine = n_experts * torch.sum(total_counts * probsum.float()) / (total_tokens * total_tokens)
+        mine = mine * comm.group_size(self.group)
+        return value + (mine - mine.detach())
+
+
+def install_balance_reduce(model: nn.Module, group) -> bool:
+    """Give a mixture-of-experts ``model`` (one with router statistics: ``config.n_experts``) the plan's
+    :class:`BalanceReduce` over ``group`` (None: one rank sees every token, nothing to do); whether it did."""
+    if group is None or not getattr(getattr(model, "config", None), "n_experts", 0):
+        return False
+    model.balance_reduce = BalanceReduce(group)
+    return True

@@ -204,6 +204,13 @@ class Plan:
                 raise ValueError(f"ep={self.ep} shards a mixture-of-experts model's experts, and this model has none")
             if experts and experts % self.ep:
                 raise ValueError(f"{experts} experts do not divide over ep={self.ep} expert-parallel ranks")
+            if experts and self.tp > 1 and self.tp_mode != "1d":
+                raise ValueError(f"a mixture-of-experts layer routes whole tokens, which tp_mode {self.tp_mode} cuts "
+                                 "into hidden blocks: use tp_mode 1d, under which the experts stay whole on the tp "
+                                 "ranks")
+            if experts and self.tp_sequence:
+                raise ValueError("tp_sequence with a mixture-of-experts model is not built: its routers and "
+                                 "experts would see T / tp tokens; use tp without tp_sequence")
             stages = self.pp * (2 if self.schedule in ("interleaved", "zbv") else 1)
             if self.stage_blocks and (len(self.stage_blocks) != stages
                                       or (layers is not None and sum(self.stage_blocks) != layers)):

@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel  # only to unwrap models u
 
 from . import comm, zero
 from .batch import BatchSplit
+from .experts import install_balance_reduce
 from .mesh import Mesh
 from .plan import Plan
 from .recompute import recompute_blocks
@@ -87,6 +88,8 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
         if mesh.size("pp") == 1:  # (pp: the pipeline's first stage splits)
             state.batch_split.install(model)
     state.sequence_split = _sequence_split(model, plan, mesh, spec)
+    # mixture of experts: the load-balancing statistics of each forward summed over the ranks sharing its tokens
+    install_balance_reduce(model, zero.group_of(mesh))
     if plan.checkpoint != "none":
         recompute_blocks(model, blocks_of(spec), plan.checkpoint)
     if plan.compile:  # torch.compile each block in place (torchtitan's per-block compile)

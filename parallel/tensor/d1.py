@@ -315,7 +315,7 @@ STYLES = (
     Style(("row",), L.Linear, RowLinear),
     Style(("vocab",), L.Embedding, VocabEmbedding),
     Style(("vocab",), L.LearnedTensor, VocabTensor),
-    Style(("norm", "embedding", "replicate"), ANY, None),  # whole on every rank
+    Style(("norm", "embedding", "replicate", "experts"), ANY, None),  # whole on every rank (experts: over ep)
     Style(("head_norm",), ANY, HeadNorm, when=rms),  # whole, its gradient summed over tp (the ranks' heads)
 )
 MODE = Mode("1D", STYLES, tp_axes, Costs.of)
