@@ -57,8 +57,9 @@ def test_lora_finetune_saves_adapters_and_resumes_exactly(tmp_path):
 
 
 def test_sft_lora_on_a_mixture_of_experts(tmp_path):
-    """`cuboid finetune --task sft --lora` on a small local Qwen3-MoE folder (a dense layer between sparse ones):
-    the line says the experts train, the loss falls, final/ verifies against its record (tokenizer inside), and
+    """`cuboid finetune --task sft --lora --plan dp=2,ep=2` on a small local Qwen3-MoE folder (a dense layer between
+    sparse ones; each rank holds half of the experts and their adapters): the line says the experts train, the
+    loss falls, final/ verifies against its record (tokenizer inside), and
     peft on transformers gives cuboid's logits with the final adapters (attention and experts)."""
     import transformers as T
 
@@ -80,7 +81,7 @@ def test_sft_lora_on_a_mixture_of_experts(tmp_path):
     data = CF.write_jsonl(rows, tmp_path / "chat.jsonl")
     run = tmp_path / "run"
     rc, _, err = cli("finetune", "--model", str(base), "--data", str(data), "--task", "sft", "--lora", "r=4,alpha=8",
-                     "--plan", "single", "--max-length", "96", "--steps", "6", "--batch-size", "4", "--lr", "2e-2",
+                     "--plan", "dp=2,ep=2", "--max-length", "96", "--steps", "6", "--batch-size", "4", "--lr", "2e-2",
                      "--log-every", "1", "--eval-every", "6", "--no-progress", "--no-plot", "--output-dir", str(run),
                      timeout=600)
     assert rc == 0, err[-3000:]
