@@ -177,29 +177,34 @@ def lora_pristine(tmp_path_factory):
     return path
 
 
-def _lora_child(conn, case, path, model, expected):
-    """Resume the damaged LoRA checkpoint as the trainer does (verified, then read): its outcome."""
-    from cuboid.zoo import lora
-
+def _send_outcome(conn, key: str, load) -> None:
+    """Run ``load()`` in the child and send its outcome under ``key``: loaded, refused (a CheckpointError) or
+    an error of another kind (a finding)."""
     torch.set_num_threads(1)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     try:
-        lora.load_checkpoint(model, path, optimizer=opt)
+        load()
         out = ("loaded", "")
     except CheckpointError as e:
         out = ("refused", str(e))
     except BaseException as e:  # noqa: BLE001 - anything else is a finding
         out = ("error", f"{type(e).__name__}: {e}")
-    conn.send({"lora": out})
+    conn.send({key: out})
     conn.close()
 
 
-def _damage_lora(path, rng, kind, commit=None):
-    """One seeded damage to a copy of the checkpoint (``commit``: its commit file); the file it hit."""
-    from cuboid.zoo.checkpoint.lora_state import LORA_COMMIT
+def _lora_child(conn, case, path, model, expected):
+    """Resume the damaged LoRA checkpoint as the trainer does (verified, then read): its outcome."""
+    from cuboid.zoo import lora
 
-    files = sorted(p.name for p in path.iterdir())
-    name = (commit or LORA_COMMIT) if kind == "flip-commit" else rng.choice(files)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    _send_outcome(conn, "lora", lambda: lora.load_checkpoint(model, path, optimizer=opt))
+
+
+def _damage_lora(path, rng, kind, commit, keep_commit=False):
+    """One seeded damage to a copy of the folder whose commit file is ``commit`` (``keep_commit``: a removal
+    spares it); the file it hit."""
+    files = sorted(p.name for p in path.iterdir() if not (keep_commit and kind == "remove" and p.name == commit))
+    name = commit if kind == "flip-commit" else rng.choice(files)
     file = path / name
     raw = bytearray(file.read_bytes())
     if kind in ("flip", "flip-commit"):
@@ -215,54 +220,53 @@ def _damage_lora(path, rng, kind, commit=None):
     return name
 
 
+def _every_damage_refused(pristine, tmp_path, cases: int, seed: int, commit: str, key: str, model, child,
+                          keep_commit: bool = False) -> Counter:
+    """``cases`` seeded damages (:data:`LORA_DAMAGES` in turn) of copies of ``pristine``, each loaded by ``child``
+    in a forked process: the undamaged folder loads, every damaged one is refused in one line (no crash, no
+    hang). Returns how often each file was hit."""
+    import random
+
+    control = fuzz.run_case(fuzz.Case(0, key, "none"), pristine, model, None, child=child)
+    assert control.status == "" and control.outcomes[key][0] == "loaded", control.outcomes
+    rng = random.Random(seed)
+    hit = Counter()
+    for i in range(cases):
+        root = tmp_path / f"case{i}"
+        shutil.copytree(pristine, root)
+        kind = LORA_DAMAGES[i % len(LORA_DAMAGES)]
+        name = _damage_lora(root, rng, kind, commit, keep_commit)
+        hit[name] += 1
+        case = fuzz.run_case(fuzz.Case(i, key, kind), root, model, None, child=child)
+        assert case.status == "", (kind, name, case.status, case.detail)
+        outcome, message = case.outcomes[key]
+        assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
+        shutil.rmtree(root)
+    return hit
+
+
 def test_every_damaged_lora_checkpoint_is_refused(lora_pristine, tmp_path):
     """Seeded flips, cuts, removals and appended bytes in every file of a LoRA checkpoint (the commit record
     too): each resume is refused with a CheckpointError in a forked child, none loads, crashes or hangs."""
-    import random
+    from cuboid.zoo.checkpoint.format import LORA_COMMIT
 
     model = cuboid.load("gpt-debug", seed=1, lora="r=4,alpha=8")
-    control = fuzz.run_case(fuzz.Case(0, "lora", "none"), lora_pristine, model, None, child=_lora_child)
-    assert control.status == "" and control.outcomes["lora"][0] == "loaded", control.outcomes
-    rng = random.Random(39)
-    hit = Counter()
-    for i in range(N_LORA_CASES):
-        root = tmp_path / f"case{i}"
-        shutil.copytree(lora_pristine, root)
-        kind = LORA_DAMAGES[i % len(LORA_DAMAGES)]
-        name = _damage_lora(root, rng, kind)
-        hit[name] += 1
-        case = fuzz.run_case(fuzz.Case(i, "lora", kind), root, model, None, child=_lora_child)
-        assert case.status == "", (kind, name, case.status, case.detail)
-        outcome, message = case.outcomes["lora"]
-        assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
-        shutil.rmtree(root)
+    hit = _every_damage_refused(lora_pristine, tmp_path, N_LORA_CASES, 39, LORA_COMMIT, "lora", model, _lora_child)
     assert len(hit) >= 5, hit  # the damage reached most of the checkpoint's files
 
 
 def _adapters_child(conn, case, path, model, expected):
     """Load the damaged adapter folder onto a fresh base as ``cuboid.load(..., lora=folder)`` does: its outcome."""
-    torch.set_num_threads(1)
-    try:
-        cuboid.load("gpt-debug", seed=1, lora=str(path))
-        out = ("loaded", "")
-    except CheckpointError as e:
-        out = ("refused", str(e))
-    except BaseException as e:  # noqa: BLE001 - anything else is a finding
-        out = ("error", f"{type(e).__name__}: {e}")
-    conn.send({"adapters": out})
-    conn.close()
+    _send_outcome(conn, "adapters", lambda: cuboid.load("gpt-debug", seed=1, lora=str(path)))
 
 
 N_ADAPTER_CASES = 24
-ADAPTER_DAMAGES = ("flip", "flip", "truncate", "remove", "flip-commit", "append")
 
 
 def test_every_damaged_lora_adapter_folder_is_refused(tmp_path):
     """A LoRA run's final/ (adapters and tokenizer under lora-adapters.json): seeded flips, cuts, removals and
     appended bytes in any file but the removal of the record itself (then it is a peft folder from elsewhere,
     read as data) are refused with a CheckpointError in a forked child; none loads, crashes or hangs."""
-    import random
-
     from cuboid.zoo import lora
     from cuboid.zoo.checkpoint.format import ADAPTERS_COMMIT
 
@@ -270,23 +274,6 @@ def test_every_damaged_lora_adapter_folder_is_refused(tmp_path):
 
     model = cuboid.load("gpt-debug", seed=1, lora="r=4,alpha=8")
     pristine = lora.save_adapters(model, tmp_path / "final", tokenizer=F.bpe_tokenizer(tmp_path / "tok"))
-    control = fuzz.run_case(fuzz.Case(0, "adapters", "none"), pristine, None, None, child=_adapters_child)
-    assert control.status == "" and control.outcomes["adapters"][0] == "loaded", control.outcomes
-    rng = random.Random(37)
-    hit = Counter()
-    for i in range(N_ADAPTER_CASES):
-        root = tmp_path / f"case{i}"
-        shutil.copytree(pristine, root)
-        kind = ADAPTER_DAMAGES[i % len(ADAPTER_DAMAGES)]
-        if kind == "remove":
-            name = rng.choice(sorted(p.name for p in root.iterdir() if p.name != ADAPTERS_COMMIT))
-            (root / name).unlink()
-        else:
-            name = _damage_lora(root, rng, kind, commit=ADAPTERS_COMMIT)
-        hit[name] += 1
-        case = fuzz.run_case(fuzz.Case(i, "adapters", kind), root, None, None, child=_adapters_child)
-        assert case.status == "", (kind, name, case.status, case.detail)
-        outcome, message = case.outcomes["adapters"]
-        assert outcome == "refused" and "\n" not in message, (kind, name, case.outcomes)
-        shutil.rmtree(root)
+    hit = _every_damage_refused(pristine, tmp_path, N_ADAPTER_CASES, 37, ADAPTERS_COMMIT, "adapters", None,
+                                _adapters_child, keep_commit=True)
     assert len(hit) >= 4, hit  # the damage reached most of the folder's files
