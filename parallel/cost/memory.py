@@ -165,14 +165,8 @@ def elementwise_elements(shape: Shape, plan: Plan, stage: Stage, batch: int, seq
     adds and activations that are not matmuls."""
     tokens = batch / plan.dp * seq / plan.sp
     per, _ = _activation_split(plan)
-    return stage.blocks * tokens * shape.dim * per * _moe_scale(shape) * (4 / 3 if plan.checkpoint == "full" else 1.0)
-
-
-def _moe_scale(shape: Shape) -> float:
-    """A block's activations over a dense one's (Korthikanti's 17 elements per token and hidden unit): 1, or a
-    mixture of experts' (:meth:`.Shape.mlp_elements`: a token's copies for its ``top_k`` experts and their
-    hidden activations)."""
-    return 1.0 + shape.mlp_elements() / 17
+    per_token = shape.dim * per + shape.routed_elements()
+    return stage.blocks * tokens * per_token * (4 / 3 if plan.checkpoint == "full" else 1.0)
 
 
 def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, seq: int,
@@ -180,7 +174,8 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     """Estimated activations a rank holds at its peak (Korthikanti et al. with flash attention).
 
     Per block and token: 34 bytes per hidden unit in half precision (17
-    elements; a sparse layer's by :meth:`.Shape.mlp_elements`); 1D tensor parallelism splits 12 of them over ``tp`` (with
+    elements; a sparse layer's routing keeps :meth:`.Shape.routed_elements` more, in fp32, unsplit by tensor
+    parallelism); 1D tensor parallelism splits 12 of them over ``tp`` (with
     ``tp_sequence`` all 17), 2D/2.5D/3D and sequence parallelism split all of
     them. With checkpointing a block keeps its input (1 element) and one
     block's activations are rebuilt at a time; with selective checkpointing
@@ -197,7 +192,7 @@ def activation_bytes(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     tokens = micro_rows * seq / plan.sp
     h = shape.dim
     per, split_all = _activation_split(plan)
-    per_block = tokens * h * e * per * _moe_scale(shape)
+    per_block = tokens * (h * e * per + 4 * shape.routed_elements())
     held_block = tokens * h * e / split_all if ckpt else per_block
     rebuilt = per_block if ckpt else 0.0  # one block's activations, made again in backward
     if mode == "selective":
@@ -244,7 +239,7 @@ def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     ``parts``: (kept after the forward, rebuilt in backward) apart."""
     tokens, h = micro_rows * seq / plan.sp, shape.dim
     per, split_all = _activation_split(plan)
-    none = tokens * h * BLOCK_BYTES["none"][layout] * per / 17 * _moe_scale(shape)
+    none = tokens * (h * BLOCK_BYTES["none"][layout] * per / 17 + 4 * shape.routed_elements())
     full = tokens * h * BLOCK_BYTES["full"][layout] / split_all
     mode = plan.checkpoint
     held, rebuilt = none, 0.0
@@ -258,9 +253,11 @@ def held_activations(shape: Shape, plan: Plan, stage: Stage, micro_rows: int, se
     return (kept, again) if parts else kept + again
 
 
-def _block_matrices(params: dict, blocks: str = "blocks.") -> tuple:
-    """(elements of the block linears' weights, of one block's, of every other parameter) among ``params``."""
-    mats = [p for n, p in params.items() if n.startswith(blocks) and p.dim() >= 2]
+def _block_matrices(params: dict, blocks: str = "blocks.", experts=()) -> tuple:
+    """(elements of the block linears' weights, of one block's, of every other parameter) among ``params``;
+    ``experts`` are not linears (their grouped GEMM is not cast by autocast)."""
+    grouped = {id(p) for p in experts}
+    mats = [p for n, p in params.items() if n.startswith(blocks) and p.dim() >= 2 and id(p) not in grouped]
     per_block: dict = {}
     for n, p in params.items():
         if n.startswith(blocks):
@@ -314,11 +311,12 @@ def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: i
 
 
 def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
-               states: dict, blocks: str = "blocks.", device_type: str = "cpu") -> dict:
+               states: dict, blocks: str = "blocks.", device_type: str = "cpu", experts=()) -> dict:
     """A rank's peak bytes, by part: ``states`` (:func:`model_states`), ``activations`` (kept by the blocks
     after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
     ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
-    checkpointed block casts them again in its recompute; FSDP2's gathered units under ZeRO-3), ``head``
+    checkpointed block casts them again in its recompute; not the ``experts``' weights, which their grouped GEMM
+    reads uncast; FSDP2's gathered units under ZeRO-3), ``head``
     (the loss head's saved gradients and, where its late logits keep their own, the table:
     :func:`head_bytes`), ``temporaries`` (its logits chunk); ``total``: parameters, optimizer state and
     masters plus the larger of the forward's peak and the optimizer step's (the gradients and its
@@ -326,7 +324,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     (``pipeline``, :func:`pipeline_buffers`) are held throughout. ``device_type`` ("cpu" or "cuda") picks
     the loss head's chunk rule (:func:`head_bytes`)."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
-    mats, one_block, rest = _block_matrices(params, blocks)
+    mats, one_block, rest = _block_matrices(params, blocks, experts)
     pbytes = next((p.element_size() for p in params.values()), 4)
     copies = 0.0
     if layout == "autocast":

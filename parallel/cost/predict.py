@@ -286,9 +286,10 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         stage = stages[mesh.coords.get("pp", 0)]
         ps = trainable(params.values())
         lay = layout or layout_of(plan, ps[0].dtype if ps else None)
-        states = model_states(list(params.values()), plan, experts=expert_parameters(params, spec))
+        experts = expert_parameters(params, spec)
+        states = model_states(list(params.values()), plan, experts=experts)
         micro = batch // plan.dp // plan.microbatches
-        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type)
+        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type, experts)
         if peak["total"] > fullest:
             fullest = peak["total"]
             _take_memory(est, s, stage, peak, states, rank, lay)
