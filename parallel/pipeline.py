@@ -50,6 +50,7 @@ from cuboid.kernels.flash_attention import doc_ids_from_positions
 from .batch import pad_batch, split_batch
 from .mask import Mask
 from .moe_stream import Routing, recording_of
+from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
 from .sequence_split import SequenceSplit, TensorSequenceSplit
 from .stages import stage_ids
 
@@ -116,10 +117,7 @@ class StageModule(nn.Module):
         routing = Routing.of(model)
         # a mixture of experts whose aux loss joins the loss (the config's, the same on every rank): the router
         # statistics of earlier stages travel with the stream; otherwise the stream is the dense model's
-        self.routing = routing if routing is not None and routing.routed else None
-        if self.routing is not None and self.seq is not None:
-            raise NotImplementedError("a mixture of experts' aux loss under tp_sequence (each tp rank routes T / "
-                                      "tp tokens) is not built: use sp, or tp without tp_sequence")
+        self.routing = routing if routing is not None and routing.routed else None  # (Plan refuses MoE + tp_sequence)
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
@@ -380,7 +378,7 @@ class Pipeline:
         tied = [n for n in spec.first if n in spec.last]
         self.fsdp = shard_group is not None  # ZeRO-3: FSDP2 units per block and per stage over dp
         if self.fsdp:
-            _shard_stages(model, self.modules, shard_group, split_backward=schedule == "zbv")
+            shard_stages(model, self.modules, shard_group, split_backward=schedule == "zbv")
         device = next(model.parameters()).device
         stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
@@ -391,7 +389,7 @@ class Pipeline:
                                          scale_grads=False)
         both = [r for r in range(pp) if {0, total - 1} <= set(stage_ids(schedule, r, pp))]  # ZBV's rank 0
         if self.fsdp and tied and both:  # every rank checks that rank's order (torch plans all): all refuse together
-            _check_tied_reduce(self._schedule, both[0], stage_ids(schedule, both[0], pp))
+            check_tied_reduce(self._schedule, both[0], stage_ids(schedule, both[0], pp))
         # a tied module on a rank with only one end, or with both (ZBV: one object, gradients already add up)
         self.tied = [p for n in tied for p in getattr(model, n).parameters()] \
             if self.has_first != self.has_last else []
@@ -571,81 +569,3 @@ class Pipeline:
                 n = g.numel()
                 g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
-
-
-def _shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False) -> None:
-    """ZeRO-3 under pp: FSDP2 ``fully_shard`` over the dp ``group``, one unit per kept block and one per stage
-    module (its embeddings or head), as torchtitan composes FSDP with pipelining; torch's stages then run
-    their FSDP units without gradient sync until the last micro-batch's backward.
-
-    ``split_backward`` (ZBV): torch's input-gradient step records which weights to differentiate later as
-    the stage module's parameters *at that moment*, so every unit must hold its gathered parameters from
-    the forward to the weight step (``reshard_after_forward=False``; torch's schedule gathers a stage once
-    and frees it after its last action): with the blocks freed after each forward (FSDP2's default), the
-    input step would see the sharded parameters, which are not in the autograd graph, and the weight step
-    would make no gradient for them. A module both ends own (the tied embedding, both ends
-    on one rank under ZBV) is sharded with the first stage's unit and left out of the last's
-    (``ignored_params``); the last stage differentiates the same gathered parameter, whose gradient the
-    first stage's unit reduces after its last backward, which ZBV runs last of all on that rank.
-    """
-    import warnings
-
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
-
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")  # as zero.py
-    mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
-    tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
-                p.data = p.data.contiguous()
-    reshard = False if split_backward else None  # None: FSDP2's default (blocks freed after forward, roots kept)
-    for block in (b for m in modules for b in m.blocks.values()):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    sharded: set = set()  # ids of end modules an earlier stage module of this rank shards
-    for m in modules:
-        shared = [e for e in m.ends.values() if id(e) in sharded]
-        fully_shard(m, mesh=mesh, reshard_after_forward=reshard,
-                    ignored_params={p for e in shared for p in e.parameters()} or None)
-        sharded.update(id(e) for e in m.ends.values())
-    for m in modules:
-        comm.guard_fsdp(m)  # a stalled gather or reduce-scatter names rank, group and op
-    for name, p in model.named_parameters():  # tensor-parallel placements survive the DTensor swap
-        p.placement = tags[name]
-
-
-def _check_tied_reduce(schedule, rank: int, ids: list) -> None:
-    """ZeRO-3 with both ends of a tie on pp rank ``rank`` (ZBV's rank 0): the first stage's FSDP unit reduces
-    the tied module's gradient, to which the last stage's backward adds, so that reduction must come after
-    the last stage's every backward action. torch's ZBV order has it so (checked for pp 2..8 with pp..16
-    micro-batches); a torch whose order differs is refused here rather than losing the gradient silently.
-    ``schedule`` holds every rank's order, so every rank checks ``rank``'s and all raise together."""
-    from torch.distributed.pipelining import schedules as S
-
-    order = schedule.pipeline_order_with_comms[rank]
-    backward = (S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT)
-    reduced = max(i for i, a in enumerate(order) if a.stage_index == ids[0] and a.computation_type == S.REDUCE_GRAD)
-    last = max(i for i, a in enumerate(order) if a.stage_index == ids[1] and a.computation_type in backward)
-    if reduced < last:
-        raise NotImplementedError(f"this torch's ZBV order reduces stage {ids[0]}'s gradients before stage "
-                                  f"{ids[1]}'s last backward, which adds to the tied module's gradient: ZeRO-3 "
-                                  "with a tied module under zbv is not built for it")
-
-
-def embedding_group(mesh, last_rank: int):
-    """The group of the ranks running the first and the last stage (pp index ``last_rank``) with this
-    rank's other coordinates (None where rank 0 runs both, as ZBV's V); every such group of the world
-    is made, in one order."""
-    plan = mesh.plan
-    if plan.pp == 1 or last_rank == 0:
-        return None
-    grid = torch.arange(plan.world_size).reshape(plan.pp, -1)
-    mine = None
-    for col in range(grid.shape[1]):
-        ranks = [int(grid[0, col]), int(grid[last_rank, col])]
-        group = comm.new_group(ranks, "pp_embed")
-        if mesh.rank in ranks:
-            mine = group
-            comm.name_group(group, "pp_embed")
-    return mine
