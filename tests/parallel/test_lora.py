@@ -242,7 +242,8 @@ def ep_lora_worker(want, root):
         back = dict(gathered(cuboid.load(MOE, plan, seed=0, mesh=mesh, lora=folder)))
         report[spec] = {"loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
                         "adapters": rel_norm(got, ref), "local": local, "names": names,
-                        "base_changed": [n for n in pairs if not _moe_adapter(n) and not torch.equal(pairs[n], init[n])],
+                        "base_changed": [n for n in pairs
+                                         if not _moe_adapter(n) and not torch.equal(pairs[n], init[n])],
                         "reloaded_equal": all(torch.equal(back[n], pairs[n]) for n in names)}
     return report
 

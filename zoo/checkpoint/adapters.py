@@ -101,7 +101,8 @@ def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dic
     family = family_of(model)
     head = getattr(model.config, "head", None)
     experts = [f"mlp.experts.{PEFT_EXPERT_WEIGHTS[n]}" for n in getattr(model, "lora_experts", ())]
-    return ({"target_parameters": experts} if experts else {}) | {"peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
+    return ({"target_parameters": experts} if experts else {}) | {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
             "lora_alpha": conf.alpha, "lora_dropout": conf.dropout, "target_modules": sorted(modules),
             "fan_in_fan_out": family.name == "gpt", "bias": "none", "base_model_name_or_path": base,
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,

@@ -104,7 +104,8 @@ def _json(path: Path):
 
 def commit_record(path: Path) -> dict:
     """The records (file -> {size, sha256}) of the folder's cuboid commit (the model index, a LoRA commit file or
-    the single model file), plus the commit file itself and the shards its index names; empty for a folder cuboid did not write (read leniently: a damaged record is none)."""
+    the single model file), plus the commit file itself and the shards its index names; empty for a folder
+    cuboid did not write (read leniently: a damaged record is none)."""
     files: dict = {}
     index = _json(path / INDEX)
     if isinstance(index, dict) and isinstance(index.get("metadata"), dict) \
