@@ -2,8 +2,9 @@
 
 :func:`enumerate_plans` walks the structural fields of a :class:`Plan`
 (``dp x pp x tp x sp`` over the divisors of ``N``, ``tp_mode`` and
-``depth``, ``sp_mode``, ``zero``, the pipeline ``schedule`` and
-``tp_sequence``: a raw product, nothing pre-filtered) and keeps exactly the plans that
+``depth``, ``sp_mode``, ``zero``, the pipeline ``schedule``,
+``tp_sequence`` and, for a mixture-of-experts config (``n_experts``), ``ep``
+over the divisors of ``dp x sp``: a raw product, nothing pre-filtered) and keeps exactly the plans that
 ``Plan(...).validate(config, N)`` accepts and ``plan.unimplemented()`` does
 not name. Nothing else decides: a combination this walk leaves out is one that
 ``validate`` refuses (``ValueError``) or ``require_implemented`` refuses
@@ -50,18 +51,20 @@ def microbatches_for(plan: Plan, batch: Optional[int] = None, per_stage: Sequenc
     return None
 
 
-def structural(world: int) -> Iterator[dict]:
+def structural(world: int, experts: bool = False) -> Iterator[dict]:
     """Every combination of the structural fields whose sizes multiply to ``world``: sizes, ``tp_mode`` and
-    ``depth``, ``sp_mode``, ``zero``, ``schedule``, ``tp_sequence``. Whether a combination is a plan is not
-    decided here."""
+    ``depth``, ``sp_mode``, ``zero``, ``schedule``, ``tp_sequence`` and, for a mixture-of-experts model
+    (``experts``), ``ep`` over the divisors of ``dp x sp``. Whether a combination is a plan is not decided
+    here."""
     for dp, pp, sp in product(divisors(world), repeat=3):
         if world % (dp * pp * sp):
             continue
         tp = world // (dp * pp * sp)
-        for tp_mode, depth, sp_mode, zero, schedule, tp_sequence in product(
-                TP_MODES, divisors(tp), SP_MODES, range(4), SCHEDULES, (False, True)):
+        for tp_mode, depth, sp_mode, zero, schedule, tp_sequence, ep in product(
+                TP_MODES, divisors(tp), SP_MODES, range(4), SCHEDULES, (False, True),
+                divisors(dp * sp) if experts else (1,)):
             yield dict(dp=dp, pp=pp, tp=tp, sp=sp, tp_mode=tp_mode, depth=depth, sp_mode=sp_mode, zero=zero,
-                       schedule=schedule, tp_sequence=tp_sequence)
+                       schedule=schedule, tp_sequence=tp_sequence, ep=ep)
 
 
 def refusal(fields: dict, config: Any, world: int) -> Optional[str]:
@@ -81,7 +84,7 @@ def enumerate_plans(config: Any, world: int, *, batch: Optional[int] = None, per
     (:func:`microbatches_for`) and drop plans the batch does not divide over; ``toggles`` (such as
     ``dtype="bf16"`` or ``checkpoint="full"``) are set on every plan."""
     plans, seen = [], set()
-    for fields in structural(world):
+    for fields in structural(world, experts=bool(getattr(config, "n_experts", 0))):
         fields = canonical(fields)
         key = tuple(sorted(fields.items()))
         if key in seen:

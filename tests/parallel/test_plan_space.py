@@ -78,3 +78,26 @@ def test_batch_filters_are_explicit():
     assert not any(p.dp == 4 for p in enumerate_plans(config, 8, batch=6))
     assert all(p.dtype == "bf16" and p.checkpoint == "full"
                for p in enumerate_plans(config, 4, dtype="bf16", activation_checkpoint=True))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ep_plans_for_mixture_of_experts_models_only(world):
+    """The enumeration walks ep over the divisors of dp x sp for a model with experts, and never for a dense one:
+    ep=2 and ep=4 sit beside every dp x sp plan they divide, each accepted by validate; 2D/3D and tp_sequence
+    are refused for a mixture-of-experts model in one sentence."""
+    moe = zoo.config_of("qwen3-moe-debug")
+    plans = enumerate_plans(moe, world)
+    dense = enumerate_plans(zoo.config_of("llama-debug"), world)
+    assert all(p.ep == 1 for p in dense)
+    with_ep = [p for p in plans if p.ep > 1]
+    assert with_ep and all((p.dp * p.sp) % p.ep == 0 and moe.n_experts % p.ep == 0 for p in with_ep)
+    for p in plans:
+        if p.dp * p.sp > 1 and p.ep == 1:  # every ep the data ranks allow is there too
+            assert {q.ep for q in plans if q.replace(ep=1) == p} == set(d for d in divisors(p.dp * p.sp)
+                                                                          if moe.n_experts % d == 0)
+    assert all(p.tp_mode == "1d" and not p.tp_sequence for p in plans)
+    for fields in (dict(tp=4, tp_mode="2d"), dict(tp=2, tp_sequence=True)):
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            Plan(**fields).validate(moe)
+    with pytest.raises(ValueError, match="has none"):
+        Plan(dp=2, ep=2).validate(zoo.config_of("llama-debug"))
