@@ -89,7 +89,9 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
             state.batch_split.install(model)
     state.sequence_split = _sequence_split(model, plan, mesh, spec)
     # mixture of experts: the load-balancing statistics of each forward summed over the ranks sharing its tokens
-    install_balance_reduce(model, zero.group_of(mesh))
+    # (dp x sp; under sp alone the sequence split sums them over sp itself)
+    if mesh.size("dp") > 1:
+        install_balance_reduce(model, zero.group_of(mesh))
     if plan.checkpoint != "none":
         recompute_blocks(model, blocks_of(spec), plan.checkpoint)
     if plan.compile:  # torch.compile each block in place (torchtitan's per-block compile)
