@@ -87,8 +87,10 @@ _OP = "attention"
 # The backward's two passes take their own tiles: the dK/dV kernel owns BLOCK_N keys (its fp32 dK and dV
 # accumulators, 2 x BLOCK_N x BLOCK_D) and steps over BLOCK_M queries; the dQ kernel owns BLOCK_M queries (one
 # accumulator) and steps over BLOCK_N keys. A thin step keeps the (BLOCK_N x BLOCK_M) score tile small beside the
-# accumulators. At d256 the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32
-# accumulators and spills.
+# accumulators. Compiled for sm_80 and sm_90 at an odd length with causal + key padding + grouped heads (the
+# most registers), a 128-key dK/dV tile fits at d <= 64 (8 warps, 175-198 registers) and spills at d128 (255,
+# up to 136 B), where 64 keys fit (8 warps, 213-234); 32 x 16 tiles at d256 spill 8-40 B with 4 warps. At d256
+# the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32 accumulators and spills.
 # The forward's entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16
 # s4096 causal bf16 (bench/RESULTS.md, "GPU kernels"); the backward's tiles, the d256 rows, the fp32 rows and
 # every tile on sm_80 are chosen from compiles alone (no GPU has timed them yet).
@@ -99,15 +101,15 @@ _GPU_FWD = {
     4: ((32, ((64, 32, 8, 2),)), (64, ((64, 32, 8, 2),)), (128, ((32, 32, 8, 1),)), (256, ((32, 32, 8, 1),))),
 }
 _GPU_DKDV = {
-    2: ((64, ((32, 128, 4, 3), (64, 128, 8, 2), (32, 64, 4, 2))),
-        (128, ((32, 128, 8, 2), (32, 64, 4, 2), (64, 64, 8, 1))),
-        (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
+    2: ((64, ((32, 128, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2))),
+        (128, ((32, 64, 8, 2), (16, 64, 4, 1))),
+        (256, ((32, 32, 8, 1),))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
 }
 _GPU_DQ = {
-    2: ((64, ((128, 32, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2))),
-        (128, ((128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 1))),
-        (256, ((32, 32, 8, 1), (32, 16, 4, 2)))),
+    2: ((64, ((128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2))),
+        (128, ((128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2))),
+        (256, ((32, 32, 8, 1),))),
     4: ((32, ((32, 32, 8, 2),)), (64, ((32, 16, 4, 1),)), (128, ((32, 16, 4, 1),)), (256, ((32, 16, 8, 1),))),
 }
 _TABLES = {"fwd": _GPU_FWD, "dkdv": _GPU_DKDV, "dq": _GPU_DQ}

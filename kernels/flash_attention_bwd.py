@@ -19,8 +19,8 @@ the causal diagonal, right of the window's band, inside both sequences and witho
 comparison per score and no bounds on its loads (``MASKED=False``). The masked blocks (the diagonal band,
 the window's edge, the sequences' last partial blocks, every block of a packed row) are visited by a second
 loop whose block index skips the unmasked run, so each kernel holds two copies of the step, not three.
-A key padding mask is a per-key vector: the dK/dV kernel applies it to its fixed keys in both loops, the dQ
-kernel loads it per key block in both.
+A key padding mask costs the dK/dV kernel nothing per step (a padded key's dK and dV rows depend on that key
+alone: they are zeroed at the store); the dQ kernel loads it per key block in both loops.
 
 Scores live in the log2 domain (``qk_scale = scale * log2(e)``, the saved lse times log2(e)); rows with no kept
 key (lse = -inf) get P = 0 through an lse of +inf. Tiles are loaded in the input dtype, P and dS are rounded to
@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flash_attention_fwd import _key_loop_bounds, _tile_ids
+from .flash_attention_fwd import _doc_span, _key_loop_bounds, _tile_ids
 
 
 @triton.jit
@@ -79,11 +79,14 @@ def _masked_start(t, start, t_lo, t_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, keep_n, lo_n, hi_n, q_base, do_base, lse_base, delta_base, start_m, offs_m0, offs_n,
+def _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, lse_base, delta_base, start_m, offs_m0, offs_n,
                offs_d, d_ok, stride_qm, stride_qd, stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """dK, dV += this program's keys' share of one block of BLOCK_M queries (rows start_m..)."""
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV += this program's keys' share of one block of BLOCK_M queries (rows start_m..).
+
+    Padded keys are not masked here: a key's dK and dV rows depend on that key alone, so the kernel zeroes the
+    padded keys' rows once at the store instead of masking every score tile."""
     offs_m = start_m + offs_m0
     if MASKED:
         m_ok = offs_m < SEQ_Q
@@ -104,17 +107,13 @@ def _dkdv_step(dk, dv, k, v, keep_n, lo_n, hi_n, q_base, do_base, lse_base, delt
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty rows: P = 0
     st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M) = S^T, log2 domain
     pt = tl.exp2(st - lse[None, :])  # P^T, fp32
-    if MASKED:
-        keep = keep_n[:, None] & m_ok[None, :]
+    if MASKED:  # rows past Sq need no mask: their lse is +inf, so P = 0
         if HAS_DOCS:  # the key's range holds the causal rule and the window too
-            keep = keep & (offs_m[None, :] >= lo_n[:, None]) & (offs_m[None, :] < hi_n[:, None])
+            pt = tl.where((offs_m[None, :] >= lo_n[:, None]) & (offs_m[None, :] < hi_n[:, None]), pt, 0.0)
         elif IS_CAUSAL:
-            keep = keep & (offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q))
+            pt = tl.where(offs_n[:, None] <= offs_m[None, :] + (SEQ_K - SEQ_Q), pt, 0.0)
         if HAS_WINDOW:
-            keep = keep & (offs_n[:, None] >= offs_m[None, :] + WIN_LO)
-        pt = tl.where(keep, pt, 0.0)
-    elif HAS_MASK:
-        pt = tl.where(keep_n[:, None], pt, 0.0)
+            pt = tl.where(offs_n[:, None] >= offs_m[None, :] + WIN_LO, pt, 0.0)
     dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
     dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M) = dP^T
     dst = pt * (dpt - delta[None, :])  # dS^T, w.r.t. the scaled scores
@@ -138,11 +137,7 @@ def _query_walk(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_Q, SEQ_K, 
     lo_n = offs_n
     hi_n = offs_n
     if HAS_DOCS:
-        col0 = off_b * SEQ_K + start_n
-        lo = (tl.load(RANGE_LO + col0) // BLOCK_M) * BLOCK_M
-        hi = tl.load(RANGE_HI + col0 + tl.minimum(BLOCK_N, SEQ_K - start_n) - 1)
-        lo_n = tl.load(RANGE_LO + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
-        hi_n = tl.load(RANGE_HI + off_b * SEQ_K + offs_n, mask=n_ok, other=0)
+        lo, hi, lo_n, hi_n = _doc_span(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_K, BLOCK_N, BLOCK_M)
     elif IS_CAUSAL:
         lo = (tl.maximum(start_n - (SEQ_K - SEQ_Q), 0) // BLOCK_M) * BLOCK_M
     if HAS_WINDOW:  # key j is seen by queries i <= j - WIN_LO
@@ -203,10 +198,6 @@ def _attn_bwd_dkdv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    keep_n = n_ok  # keys past Sk are zeros whose dK/dV rows are never stored: only the padding mask matters
-    if HAS_MASK:
-        km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
-        keep_n = keep_n & (km != 0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators, summed over the group
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -220,17 +211,21 @@ def _attn_bwd_dkdv_kernel(
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         for t in range(t_lo, t_hi):  # the blocks that need no mask
-            dk, dv = _dkdv_step(dk, dv, k, v, keep_n, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
+            dk, dv = _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
                                 lo + t * BLOCK_M, offs_m0, offs_n, offs_d, d_ok, stride_qm, stride_qd, stride_dom,
-                                stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, False, IS_CAUSAL, HAS_MASK, HAS_DOCS,
-                                HAS_WINDOW, UPCAST, PRECISION)
+                                stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, False, IS_CAUSAL, HAS_DOCS, HAS_WINDOW,
+                                UPCAST, PRECISION)
         for t in range(0, n_masked):  # the diagonal band, the window's edge, the last partial block, documents
-            dk, dv = _dkdv_step(dk, dv, k, v, keep_n, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
+            dk, dv = _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
                                 _masked_start(t, lo, t_lo, t_hi, BLOCK_M), offs_m0, offs_n, offs_d, d_ok, stride_qm,
                                 stride_qd, stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, True, IS_CAUSAL,
-                                HAS_MASK, HAS_DOCS, HAS_WINDOW, UPCAST, PRECISION)
+                                HAS_DOCS, HAS_WINDOW, UPCAST, PRECISION)
 
     dk = dk * sm_scale
+    if HAS_MASK:  # a padded key is seen by no query: its rows are zero (the tiles hold whatever its scores gave)
+        km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
+        dk = tl.where((km != 0)[:, None], dk, 0.0)
+        dv = tl.where((km != 0)[:, None], dv, 0.0)
     out_offs = pid_bkv * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
     tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -255,21 +250,19 @@ def _dq_step(dq, q, do, lse, delta, lo_m, hi_m, k_base, v_base, mask_base, start
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 domain
     p = tl.exp2(s - lse[:, None])  # rows past Sq have lse = +inf: P = 0
-    if MASKED:
-        keep = n_ok[None, :]
+    if MASKED:  # keys past Sk load as zeros, whose P = exp2(-lse) may overflow: masked too
+        keep = n_ok
         if HAS_MASK:
-            km = tl.load(mask_base + offs_n * stride_mn, mask=n_ok, other=0)
-            keep = keep & (km != 0)[None, :]
+            keep = keep & (tl.load(mask_base + offs_n * stride_mn, mask=n_ok, other=0) != 0)
+        p = tl.where(keep[None, :], p, 0.0)
         if HAS_DOCS:
-            keep = keep & (offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None])
+            p = tl.where((offs_n[None, :] >= lo_m[:, None]) & (offs_n[None, :] < hi_m[:, None]), p, 0.0)
         elif IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q))
+            p = tl.where(offs_n[None, :] <= offs_m[:, None] + (SEQ_K - SEQ_Q), p, 0.0)
         if HAS_WINDOW:
-            keep = keep & (offs_n[None, :] >= offs_m[:, None] + WIN_LO)
-        p = tl.where(keep, p, 0.0)
+            p = tl.where(offs_n[None, :] >= offs_m[:, None] + WIN_LO, p, 0.0)
     elif HAS_MASK:
-        km = tl.load(mask_base + offs_n * stride_mn)
-        p = tl.where((km != 0)[None, :], p, 0.0)
+        p = tl.where((tl.load(mask_base + offs_n * stride_mn) != 0)[None, :], p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)

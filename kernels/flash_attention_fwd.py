@@ -22,6 +22,21 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _doc_span(RANGE_LO, RANGE_HI, off_b, start, offs, ok, SEQ, BLOCK: tl.constexpr, STEP: tl.constexpr):
+    """(lo, hi, lo_i, hi_i) of a tile of packed rows: the loop over the other side runs from the tile's first
+    token's range start (rounded down to a STEP multiple) to its last token's range end; (lo_i, hi_i) are each
+    token's range. ``RANGE_LO``/``RANGE_HI`` are (B, SEQ) int32 and non-decreasing along a row; the tile is
+    tokens ``start .. start + BLOCK`` (``offs``, in range where ``ok``). The forward and dQ kernels call it on
+    query tiles, the dK/dV kernel on key tiles."""
+    row0 = off_b * SEQ + start
+    lo = (tl.load(RANGE_LO + row0) // STEP) * STEP
+    hi = tl.load(RANGE_HI + row0 + tl.minimum(BLOCK, SEQ - start) - 1)
+    lo_i = tl.load(RANGE_LO + off_b * SEQ + offs, mask=ok, other=0)
+    hi_i = tl.load(RANGE_HI + off_b * SEQ + offs, mask=ok, other=0)
+    return lo, hi, lo_i, hi_i
+
+
+@triton.jit
 def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO, IS_CAUSAL: tl.constexpr,
                      HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
@@ -40,11 +55,7 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SE
     lo_m = offs_m
     hi_m = offs_m
     if HAS_DOCS:
-        row0 = off_b * SEQ_Q + start_m
-        lo = (tl.load(RANGE_LO + row0) // BLOCK_N) * BLOCK_N
-        hi = tl.load(RANGE_HI + row0 + tl.minimum(BLOCK_M, SEQ_Q - start_m) - 1)
-        lo_m = tl.load(RANGE_LO + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
-        hi_m = tl.load(RANGE_HI + off_b * SEQ_Q + offs_m, mask=m_ok, other=0)
+        lo, hi, lo_m, hi_m = _doc_span(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, BLOCK_M, BLOCK_N)
     elif IS_CAUSAL:
         hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
     if HAS_WINDOW:

@@ -15,10 +15,10 @@ How it works:
    attributes) and records (kernel, signature, constexprs, attributes,
    num_warps, num_stages, grid) instead of running. An autotuned kernel
    records one launch per config in its list.
-2. A *driver* per kernel module (tests/kernels/compile_gate_drivers.py) calls the module's public functions (forward
-   and backward through autograd) on ``meta`` tensors, with the Triton
-   backend forced, over the dtypes and shapes that select every row of the
-   launcher's config table, every entry of the module's GPU autotune list
+2. A *driver* per kernel module (tests/kernels/compile_gate_drivers.py)
+   calls the module's public functions (forward and backward through
+   autograd) on ``meta`` tensors, with the Triton backend forced, over the
+   dtypes and shapes that select every row of the launcher's config table, every entry of the module's GPU autotune list
    (``AUTOTUNE`` in the module: op -> number of candidates, picked with
    :func:`cuboid.kernels._backend.autotune_pick`), and shapes large enough to
    stress the grid. Nothing runs: meta tensors have no data.

@@ -1,6 +1,6 @@
 """The compile gate: every Triton kernel, as its launcher picks it, compiled for sm_80 and sm_90 on CPU.
 
-``tests/kernels/compile_gate.py`` does the work in a subprocess (this process
+``tests/kernels/compile_gate.py`` (drivers in compile_gate_drivers.py) does the work in a subprocess (this process
 runs the kernels in the interpreter, whose objects cannot be compiled): it
 drives every module's launchers on meta tensors with the launch intercepted,
 compiles each distinct launch for both targets and measures it. The tests
@@ -118,6 +118,24 @@ def test_attention_with_document_ids_is_compiled(gate):
     assert want <= seen, sorted(want - seen)
     plain = [v for v in gate["variants"] if v["kernel"] in attn and not v["shown"].get("HAS_DOCS")]
     assert plain, "the kernels without document ids were not compiled"
+
+
+def test_attention_is_compiled_at_lengths_that_are_not_multiples_of_16(gate):
+    """Launches reach the kernels with any length: for fp16 and bf16, head dims 64 and 128, the forward and both
+    backward kernels are compiled at an odd length (1000), causal and not, with a key padding mask, and at a
+    multiple of 16, and the two make different variants (the length's divisibility is specialised)."""
+    attn = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+    for kernel in attn:
+        for dt in ("float16", "bfloat16"):
+            for d in (64, 128):
+                def ids(*words):
+                    return {v["id"] for v in gate["variants"] if v["kernel"] == kernel and any(
+                        c.startswith(f"attention {dt} d{d} ") and all(w in c.split() for w in words)
+                        for c in v["cases"])}
+                odd = ids("s1000")
+                assert ids("s1000", "causal", "mask") and ids("s1000", "mask") - ids("s1000", "causal"), \
+                    (kernel, dt, d)
+                assert ids("s1024") and odd and not odd & ids("s1024"), (kernel, dt, d)
 
 
 def test_every_autotune_entry_is_compiled(gate):
