@@ -73,7 +73,9 @@ def _llama_shape(c: LlamaConfig) -> Shape:
                  tied_head=c.head == "lm" and c.tie_embeddings, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                  gated_mlp=True, window=max(windowed, default=0), window_layers=len(windowed),
                  experts=experts, top_k=c.experts_per_token if experts else 0,
-                 expert_hidden=(c.moe_hidden or c.mlp_hidden) if experts else 0, sparse_layers=sparse, **_counts(c))
+                 expert_hidden=(c.moe_hidden or c.mlp_hidden) if experts else 0, sparse_layers=sparse,
+                 aux_loss=bool(experts and c.output_router_logits),
+                 head_norm=2 * c.head_dim if c.qk_norm and c.qk_norm_width == "head" else 0, **_counts(c))
 
 
 EXPERTS = ".mlp.experts."  # the experts' parameters (moe.md: blocks.N.mlp.experts.gate_up / .down)

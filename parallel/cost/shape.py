@@ -37,6 +37,9 @@ class Shape:
     top_k: int = 0              # experts each token goes to
     expert_hidden: int = 0      # one expert's gated-MLP width (0: hidden)
     sparse_layers: int = 0      # how many of the n_layers blocks have the sparse MLP (the others ``hidden``'s dense one)
+    aux_loss: bool = False      # the load-balancing loss joins the loss (HF output_router_logits)
+    head_norm: int = 0          # elements of a block's per-head q/k norm weights (Qwen3, Gemma 3: 2 head_dim), whole
+                                # on every tensor rank, their gradient summed over the tensor group per forward
     parameters: int = 0         # the model's parameters, exact (0: not given)
     active_parameters: int = 0  # those one token uses: the router and top_k of each sparse layer's experts (0: not given)
 

@@ -60,6 +60,8 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         _add_expert_gradients(out, plan, {n: p for n, p in params.items() if id(p) in experts}, ps, experts)
     if plan.pp > 1:
         _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
+    if shape.sparse and plan.dp * plan.sp > 1:
+        _add_balance(out, shape, plan, stage)
     # train_step's scalars: the label count and the loss summed over dp (float64 on CPU)
     if plan.dp > 1:
         _add(out, ("all_reduce", "dp"), 2 * _all_reduce(plan.dp, 8), 2)
@@ -119,7 +121,15 @@ def _add_tensor(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, se
     redo = parts["block"][:-1] if plan.tp_mode == "1d" else parts["block"]
     again = sum(f for f, _ in redo) if recompute else 0.0
     per_mb = stage.blocks * (fwd_bwd(parts["block"]) + again)
+    if shape.sparse:  # a sparse block's MLP is whole on every tensor rank (1D: the router and experts replicate)
+        sparse = round(shape.sparse_layers * stage.blocks / max(shape.n_layers, 1))
+        mlp = parts["block"][-shape.mlp_matrices:]
+        # the whole MLP sends nothing: a recompute reruns the attention's row all-reduce (the MLP reads it)
+        per_mb -= sparse * (fwd_bwd(mlp) + (again - sum(f for f, _ in parts["block"][:-shape.mlp_matrices])
+                                            if recompute else 0.0))
     per_mb += (fwd_bwd(parts["first"]) if stage.first else 0.0) + (fwd_bwd(parts["last"]) if stage.last else 0.0)
+    if shape.head_norm:  # the q and k norms' weight gradients, summed over the tensor group (two all-reduces)
+        per_mb += stage.blocks * _all_reduce(plan.tp, shape.head_norm * torch.finfo(pdtype).bits // 8)
     calls = m * stage.blocks * TP_CALLS_PER_BLOCK[plan.tp_mode] * (1.5 if recompute else 1.0)
     _add(out, ("tensor", "tp"), m * per_mb, calls)
 
@@ -183,6 +193,18 @@ def _add_experts(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, s
          m * layers * (3 * (1 + again) + 2))
 
 
+def _add_balance(out: dict, shape: Shape, plan: Plan, stage: Stage) -> None:
+    """A mixture of experts' router statistics, summed over dp (x sp) once per forward so that the auxiliary
+    loss is the global micro-batch's (:class:`cuboid.parallel.experts.BalanceReduce`): one all-reduce of the
+    counts, the probability sums (E fp32 each) and the tokens. Under a pipeline the last stage does it, for a
+    model whose aux loss joins the loss (the others carry no statistics)."""
+    if plan.pp > 1 and not (stage.last and shape.aux_loss):
+        return
+    m = plan.microbatches
+    n = plan.dp * plan.sp
+    _add(out, ("all_reduce", "dpsp" if plan.sp > 1 else "dp"), m * _all_reduce(n, (2 * shape.experts + 1) * 4), m)
+
+
 def _add_expert_gradients(out: dict, plan: Plan, named: dict, ps: list, experts: set) -> None:
     """The experts' gradients over ``edp`` (the ``dp x sp / ep`` ranks holding the same experts): one flat
     all-reduce under plain data parallelism, ZeRO-1/2's buckets of their own, or FSDP2 units of their own (one
@@ -216,10 +238,15 @@ def _add_pipeline(out: dict, shape: Shape, plan: Plan, stage: Stage, rows: int, 
     act = micro * seq * shape.dim * e / (plan.tp if plan.tp_mode != "1d" else 1)  # 2D/3D: this rank's block
     block_rows = micro // plan.batch_parts
     extra = block_rows * 8 * (seq if masked else 1) + block_rows * seq * 8  # mask (int64; (B, 1) ones), labels
+    routed = shape.sparse and shape.aux_loss  # the router statistics travel with the stream: (E + 1) and E fp32
     if not stage.last:  # x and the residual forward, with the mask and labels
         _add(out, ("send", "pp"), m * (2 * act + extra), 4 * m)
-    if not stage.first:  # the gradients of x and the residual back
+        if routed:
+            _add(out, ("send", "pp"), m * (2 * shape.experts + 1) * 4, 2 * m)
+    if not stage.first:  # the gradients of x and the residual back (and of the probability sums)
         _add(out, ("send", "pp"), m * 2 * act, 2 * m)
+        if routed:
+            _add(out, ("send", "pp"), m * shape.experts * 4, m)
     shared = set(spec.first) & set(spec.last) if spec is not None else set()
     tied = [p for name, p in named.items() if p.requires_grad and name.rsplit(".", 1)[0] in shared]
     if tied and stage.first != stage.last:  # summed over the first and last stage's ranks (a pair)
