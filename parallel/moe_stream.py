@@ -74,6 +74,11 @@ class Routing:
         then the tokens (no gradient), ``probsum`` (E,) with its gradient."""
         return torch.cat([rec.counts, rec.tokens.reshape(1)]).detach(), rec.probsum
 
+    def aux_term(self, rec: Recorder) -> torch.Tensor:
+        """``coef * aux loss`` of what ``rec`` holds (a pipeline's last stage with a sparse layer on some
+        stage: the stream's statistics always hold one)."""
+        return self.coef * rec.loss(self.n_experts)
+
     def finish(self, out, rec: Recorder, labels: Optional[torch.Tensor], routed: Optional[bool] = None,
                gather: Optional[Callable] = None):
         """``out`` with ``aux_loss`` and ``router_logits`` (when ``rec`` kept them; each through ``gather``,
@@ -82,7 +87,7 @@ class Routing:
         routed = self.routed if routed is None else routed
         aux = rec.loss(self.n_experts)
         if routed and labels is not None and aux is not None and out.loss is not None:
-            out.loss = out.loss + self.coef * aux.to(out.loss.dtype)
+            out.loss = out.loss + (self.coef * aux).to(out.loss.dtype)
         out.aux_loss = aux
         logits = None
         if rec.keep_logits:

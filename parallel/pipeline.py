@@ -222,7 +222,11 @@ class StageModule(nn.Module):
                     if not t.requires_grad:
                         t.requires_grad_(True)
             return out
-        return self.finish(self.head(x, residual, mask, labels), rec, labels).loss
+        out = self.head(x, residual, mask, labels)
+        if rec is None:
+            return out.loss
+        # the two parts apart: under dp the aux loss (the global micro-batch's) has a weight of its own
+        return torch.stack([out.loss, self.routing.aux_term(rec).to(out.loss.dtype)])
 
     def finish(self, out, rec, labels):
         """The last stage's Output with the micro-batch's aux loss (in ``loss`` when it has labels)."""
@@ -259,8 +263,9 @@ FIELDS = ("logits", "last_hidden_state", "pooler_output")
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The pipeline's loss function: a micro-batch's mean loss times its weight (its share of the labels)."""
-    return loss.nan_to_num(0.0) * weight.reshape(())  # a micro-batch without labels weighs 0
+    """The pipeline's loss function: a micro-batch's mean loss times its weight (its share of the labels); a
+    mixture of experts' last stage gives (mean loss, coef * aux loss), each with its own weight."""
+    return (loss.nan_to_num(0.0).reshape(-1) * weight.reshape(-1)).sum()  # a micro-batch without labels weighs 0
 
 
 @contextlib.contextmanager
@@ -401,11 +406,15 @@ class Pipeline:
         self.stream_size = 4 + (2 if self.modules[0].routing is not None else 0)  # + the router statistics
         self.zero = None  # ZeRO 1/2 buckets of this rank's stages (set by prepare)
 
-    def run(self, batch: dict, weights: torch.Tensor) -> Optional[torch.Tensor]:
+    def run(self, batch: dict, weights: torch.Tensor, aux_weights: Optional[torch.Tensor] = None
+            ) -> Optional[torch.Tensor]:
         """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
-        last stage returns the sum of the weighted micro-batch losses, the others None."""
+        last stage returns the sum of the weighted micro-batch losses, the others None. ``weights`` (M,): each
+        micro-batch's loss weight; ``aux_weights`` (M,): a mixture of experts' aux loss's (None: ``weights``)."""
         self._fit_shapes(batch)  # (first: a batch with other keys resets the first stage's input keys)
         args = self._first_args(batch)
+        if self.modules[0].routing is not None:  # the last stage gives (loss, coef * aux) per micro-batch
+            weights = torch.stack([weights, weights if aux_weights is None else aux_weights], 1)
         losses: list = []
         try:
             with _timed_p2p(self.mesh.group("pp")):
