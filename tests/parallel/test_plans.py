@@ -66,6 +66,9 @@ FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug"
 # sliding-window layers, sandwich norms and Gemma's norms); the others: FAMILIES less these
 LLAMA = ("llama-debug", "qwen3-debug", "gemma3-debug")
 OTHERS = tuple(f for f in FAMILIES if f not in LLAMA)
+# a mixture-of-experts preset (Qwen3-MoE: router, 8 experts top 2) trained with its load-balancing loss
+# (output_router_logits): test_moe_plans_on_2_ranks runs its enumeration (ep plans included) on it
+MOE = ("qwen3-moe-debug",)
 KV_HEADS = (1, 2, 4)  # the Llama family's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
 
 
@@ -78,6 +81,8 @@ def family_options(name, plan, index):
 
     if name == "vit-debug":
         return {}
+    if name in MOE:
+        return {"vocab_size": 510, "output_router_logits": True}
     if name not in LLAMA:
         return {"vocab_size": 510}
     # every other run of three and every 2D/3D grid (rows cut over ranks), a plan whose forward passes input_ids
@@ -99,14 +104,14 @@ def families_of(index, one_family):
     count of :func:`family_options` (turned by ``index % 3``) and over 18 each with and without its
     classification head."""
     if not one_family:
-        return FAMILIES
+        return FAMILIES + MOE
     return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
 
 
 def global_batch(name, model, size=8):
     """test_data_parallel's global batch of family ``name`` (a Llama-family preset's as llama-debug's: a label per
     row for the classification head)."""
-    return dp_batch("llama-debug" if name in LLAMA else name, model, size)
+    return dp_batch("llama-debug" if name in LLAMA + MOE else name, model, size)
 
 
 def even_batch(name, model, size=8):
@@ -526,3 +531,27 @@ def test_every_enumerated_plan_on_8_ranks():
         assert g["threads"][1] == g["threads"][0], (rank, f"{GROUP_LOADS} loads", g)
     print(f"{GROUP_LOADS} loads under {GROUPS_PLAN}: threads {results[0][2]['threads']}, groups "
           f"{results[0][2]['groups']}, {max(g['seconds'] for _, _, g in results):.1f} s")
+
+
+def moe_plans(world: int) -> list:
+    """The plans of the mixture-of-experts preset's enumeration on ``world`` ranks (ep plans included) without
+    a pipeline (the pipeline's micro-batches weigh the auxiliary loss per rank: parallel/pipeline.py)."""
+    from cuboid import zoo
+    from cuboid.parallel.cost.space import enumerate_plans
+
+    return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if p.pp == 1]
+
+
+def moe_worker(world: int):
+    return plan_parity_worker(moe_plans(world), rotate=True, families=MOE)
+
+
+def test_moe_plans_on_2_ranks():
+    """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration but the pipeline's
+    (dp with ep=1 and 2, ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep
+    over the sequence ranks): one device's losses, outputs and parameters, as every plan above."""
+    plans = moe_plans(2)
+    assert any(p.ep == 2 for p in plans) and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
+    reports = run_world(moe_worker, 2, 2, timeout=900)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
