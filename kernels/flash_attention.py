@@ -61,6 +61,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 
+from . import library
 from ._backend import interpreter_active, picked, resolve_backend
 from .attention_torch import (  # noqa: F401 (re-exported)
     attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
@@ -280,32 +281,8 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
 
 
 # ----------------------------------------------------------------------------
-# Autograd Function and the public entry point
+# The public entry points (autograd through the custom ops of kernels/library.py)
 # ----------------------------------------------------------------------------
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Triton forward/backward; returns (out, lse), both differentiable."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask_u8, doc_q, doc_k, causal: bool, scale: float, win_lo: Optional[int]):
-        docs = None if doc_q is None else (doc_q, doc_k)
-        out, lse = _flash_fwd(q, k, v, mask_u8, causal, scale, docs, win_lo)
-        ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k)
-        ctx.causal, ctx.scale, ctx.win_lo = causal, scale, win_lo
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, mask_u8, doc_q, doc_k = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if dout.dtype != out.dtype:
-            dout = dout.to(out.dtype)
-        docs = None if doc_q is None else (doc_q, doc_k)
-        dq, dk, dv = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, ctx.causal, ctx.scale, docs, ctx.win_lo)
-        return dq, dk, dv, None, None, None, None, None, None
 
 
 def kernel_doc_ids(doc_ids: torch.Tensor, doc_ids_k: Optional[torch.Tensor] = None) -> tuple:
@@ -332,7 +309,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         docs = kernel_doc_ids(doc_ids, doc_ids_k)
     win_lo = check_window(window, window_shift, q, k)
-    return _flash_bwd(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, causal, scale, docs, win_lo)
+    return library.flash_attention_backward(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8,
+                                            *(docs or (None, None)), causal, scale, win_lo)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -397,5 +375,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     doc_q = doc_k = None
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         doc_q, doc_k = kernel_doc_ids(doc_ids, doc_ids_k)
-    out, lse = _FlashAttention.apply(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo)
+    out, lse = library.flash_attention(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo)
     return (out, lse) if return_lse else out

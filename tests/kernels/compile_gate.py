@@ -67,7 +67,8 @@ try:  # run as a script, tests/kernels is on sys.path; imported, the package pat
 except ImportError:
     from tests.kernels import compile_gate_drivers as drivers
 from_drivers = ("DRIVERS", "DRIVEN_BY", "_torch_names", "_dn", "_meta", "_backward", "_pick", "drive_flash_attention",
-                "drive_norm", "drive_rope", "drive_swiglu", "drive_optim", "drive_linear_cross_entropy")
+                "drive_norm", "drive_rope", "drive_swiglu", "drive_optim", "drive_linear_cross_entropy",
+                "drive_grouped_gemm")
 DRIVERS, DRIVEN_BY = drivers.DRIVERS, drivers.DRIVEN_BY  # the drivers' own dicts: an entry added here counts there
 _torch_names, _dn, _meta, _backward, _pick = (drivers._torch_names, drivers._dn, drivers._meta, drivers._backward,
                                               drivers._pick)
@@ -265,6 +266,24 @@ def _worker_init():
     os.environ["TRITON_INTERPRET"] = "0"
 
 
+@contextlib.contextmanager
+def real_custom_ops(modules):
+    """Run the torch custom ops defined in ``modules`` (cuboid.kernels.library's ``cuboid::*``) on meta tensors
+    through their real implementations, which launch the kernels (recorded by :func:`intercept`), instead of
+    their fake ones, which only give shapes (torch makes the fake implementation the meta device's kernel)."""
+    from torch._library.custom_ops import CustomOpDef
+
+    ops = {id(o): o for _, mod in modules for o in vars(mod).values() if isinstance(o, CustomOpDef)}.values()
+    saved = [(op, op._abstract_fn) for op in ops]
+    for op in ops:
+        op._abstract_fn = op._init_fn
+    try:
+        yield
+    finally:
+        for op, fn in saved:
+            op._abstract_fn = fn
+
+
 def run_gate(jobs: Optional[int] = None, full: bool = False, only: Optional[List[str]] = None) -> dict:
     """Drive every module (``only``: the drivers of these modules), compile every variant for every target; the
     JSON-ready result."""
@@ -276,7 +295,7 @@ def run_gate(jobs: Optional[int] = None, full: bool = False, only: Optional[List
     from cuboid.kernels import _backend
 
     t0 = time.perf_counter()
-    modules = kernel_modules()
+    modules = kernel_modules()  # every module (cuboid.kernels.library's ops call into the others)
     if only:
         keep = set(only) | {m for m, by in DRIVEN_BY.items() if by in only}
         modules = [(name, mod) for name, mod in modules if name in keep]
@@ -287,7 +306,7 @@ def run_gate(jobs: Optional[int] = None, full: bool = False, only: Optional[List
     saved_check = _backend._check_triton
     _backend._check_triton = lambda op, device: "triton"  # meta tensors take the Triton path: nothing executes
     try:
-        with intercept(gate), _backend.use_backend("triton"):
+        with intercept(gate), _backend.use_backend("triton"), real_custom_ops(kernel_modules()):
             for name, mod in modules:
                 driver = DRIVERS.get(name)
                 if driver is None:

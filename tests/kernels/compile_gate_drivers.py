@@ -226,9 +226,19 @@ def drive_linear_cross_entropy(gate, mod) -> None:
                                                 reduce=lambda t, op: t)])
 
 
+def drive_grouped_gemm(gate, mod) -> None:
+    # the driver lives beside the grouped GEMM's own gate test (tests/kernels/test_grouped_gemm_gate.py)
+    try:  # run as a script, tests/kernels is on sys.path
+        from test_grouped_gemm_gate import drive_grouped_gemm as drive
+    except ImportError:
+        from tests.kernels.test_grouped_gemm_gate import drive_grouped_gemm as drive
+    drive(gate, mod)
+
+
 # module (under cuboid.kernels) -> driver. A module with Triton kernels and no entry here fails the gate.
 DRIVERS: Dict[str, Callable[[object, object], None]] = {
     "flash_attention": drive_flash_attention,
+    "grouped_gemm": drive_grouped_gemm,
     "linear_cross_entropy": drive_linear_cross_entropy,
     "norm": drive_norm,
     "optim": drive_optim,
