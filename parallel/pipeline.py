@@ -258,6 +258,12 @@ class PipelineOutput:
     last_hidden_state: Optional[torch.Tensor] = None
     pooler_output: Optional[torch.Tensor] = None
 
+    def __getattr__(self, name: str):
+        if name in ("router_logits", "aux_loss"):
+            raise AttributeError(f"a model under pipeline parallelism does not return {name} (each micro-batch's "
+                                 "aux loss is in loss): read it on one device or under sp")
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
 
 FIELDS = ("logits", "last_hidden_state", "pooler_output")
 

@@ -30,7 +30,11 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
    ``1 / sp``. Gradients are averaged over the ``dp x sp`` group by the data
    parallel wrapper (or by ZeRO, which shards over that group), so the loss's
    backward is scaled by ``sp`` (the mean over ``dp`` of the sum over ``sp``). Logits and hidden states are gathered
-   over ``sp`` (and put back in order) only when read.
+   over ``sp`` (and put back in order) only when read;
+6. a mixture of experts records the router statistics of the rank's tokens (the padding excluded); their aux
+   loss is that of the statistics summed over ``sp`` (:meth:`SequenceSplit.balance`, or the plan's
+   ``balance_reduce`` over ``dp x sp``), added to the loss as on one device; ``router_logits`` are gathered
+   over ``sp`` when read (:class:`~.moe_stream.GatheredLogits`).
 """
 from __future__ import annotations
 

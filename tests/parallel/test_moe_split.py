@@ -8,8 +8,9 @@ parameter's: a norm's few weights sum many tokens' rounding), one device running
 micro-batches being the reference. Each router's update differs from the step without the aux loss by far
 more than that, so the aux gradients reached every stage's routers. A second step on a batch so small that
 some experts get no token (checked on one device) holds the same. Under sp a forward's ``aux_loss`` and
-``router_logits`` (gathered when read) are one device's; a dense model's and a non-routed model's pipeline
-stream stay the 4 tensors of a dense one.
+``router_logits`` (gathered when read) are one device's; under pp an evaluation forward's loss is one
+device's over the plan's micro-batches (their aux losses included) and router outputs are refused in one
+sentence; a dense model's and a non-routed model's pipeline stream stay the 4 tensors of a dense one.
 """
 import torch
 
@@ -99,6 +100,27 @@ def _sp_forward(plan_text: str, batch: dict) -> dict:
             "layers": (len(got.router_logits), len(want.router_logits)), "logits": logits, "unread": unread}
 
 
+def _pp_forward(plan_text: str, batch: dict) -> dict:
+    """An evaluation forward under pp (the stream carries the statistics through forward_only) against one
+    device's micro-batches' losses weighted by their label counts, and the refusal to give router outputs."""
+    import cuboid
+    from cuboid.parallel import Mesh, Plan, split_batch
+    from cuboid.zoo import READY_PLANS
+
+    plan = Plan.parse(plan_text, READY_PLANS)
+    model = cuboid.load(NAME, plan, seed=0, mesh=Mesh.build(plan), **OVER)
+    ref = cuboid.load(NAME, None, seed=0, **OVER)
+    with torch.no_grad():
+        got = model(**batch)
+        parts = split_batch(batch, plan.microbatches)
+        want = sum(float(ref(**mb).loss) * ref.num_targets(mb) for mb in parts) / ref.num_targets(batch)
+    try:
+        refused = repr(got.router_logits)
+    except AttributeError as e:
+        refused = str(e)
+    return {"loss": (float(got.loss), want), "refused": refused}
+
+
 def _streams() -> dict:
     """The pipeline stream's tensor count of a dense model, a non-routed MoE and a routed MoE (pp=2)."""
     import cuboid
@@ -122,6 +144,8 @@ def moe_split_worker():
         out[plan + " tiny"] = _plan_step(plan, tiny)
     for plan in ("sp=2", "sp=2,sp_mode=all_to_all"):
         out[plan + " forward"] = _sp_forward(plan, batch)
+    for plan in PLANS[:2]:
+        out[plan + " forward"] = _pp_forward(plan, batch)
     return out
 
 
@@ -149,3 +173,8 @@ def test_moe_aux_loss_under_pp_and_sp_on_2_ranks():
                 assert abs(got - want) <= 1e-6 * abs(want), (rank, plan, key, got, want)
             assert r["layers"][0] == r["layers"][1] == 3, (rank, plan, r["layers"])
             assert max(r["logits"]) < 1e-5, (rank, plan, r["logits"])
+        for plan in PLANS[:2]:
+            r = out[plan + " forward"]
+            got, want = r["loss"]
+            assert abs(got - want) <= 1e-6 * abs(want), (rank, plan, got, want)
+            assert "does not return router_logits" in r["refused"], (rank, plan, r["refused"])
