@@ -239,7 +239,14 @@ def _batch_size(dp: int) -> int:
     return max(8, 2 * dp)  # even_batch's dp shares of 2+ rows, alternating 0 and 3 padded positions
 
 
-def reference(name, kind, pipelined, size, extra, packed=True):
+def micro_order(size: int, dp: int, micro: int) -> torch.Tensor:
+    """The rows of a global batch reordered so that one device's micro-batch i is every dp share's i-th
+    micro-batch: the global micro-batch a plan's forward sees (a mixture of experts' auxiliary loss is per
+    global micro-batch)."""
+    return torch.arange(size).reshape(dp, micro, -1).transpose(0, 1).reshape(-1)
+
+
+def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
@@ -247,7 +254,7 @@ def reference(name, kind, pipelined, size, extra, packed=True):
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = (name, kind, pipelined, size, tuple(sorted(extra.items())), packed)
+    key = (name, kind, pipelined, size, tuple(sorted(extra.items())), packed, micro, dp)
     if key in _REFS:
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
@@ -264,7 +271,10 @@ def reference(name, kind, pipelined, size, extra, packed=True):
             losses.append(out.loss.item())
             first = out if first is None else first
         else:
-            losses.append(cuboid.train_step(ref, opt, step_batch(name, ref, step, packed), max_grad_norm=1.0).loss)
+            batch = step_batch(name, ref, step, packed)
+            if micro > 1:  # (a mixture of experts: the plan's global micro-batches)
+                batch = {k: v[micro_order(size, dp, micro)] for k, v in batch.items()}
+            losses.append(cuboid.train_step(ref, opt, batch, max_grad_norm=1.0, microbatches=micro).loss)
     odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
     ref.eval()
     with torch.no_grad():
@@ -311,7 +321,8 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
-                want = reference(name, kind, pipelined, size, extra, packs(plan))
+                micro = plan.microbatches if name in MOE else 1  # the auxiliary loss is per micro-batch
+                want = reference(name, kind, pipelined, size, extra, packs(plan), micro, dp)
                 dist.barrier()
                 start = time.perf_counter()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
@@ -533,13 +544,13 @@ def test_every_enumerated_plan_on_8_ranks():
           f"{results[0][2]['groups']}, {max(g['seconds'] for _, _, g in results):.1f} s")
 
 
-def moe_plans(world: int) -> list:
-    """The plans of the mixture-of-experts preset's enumeration on ``world`` ranks (ep plans included) without
-    a pipeline (the pipeline's micro-batches weigh the auxiliary loss per rank: parallel/pipeline.py)."""
+def moe_plans(world: int, pipeline: bool = True) -> list:
+    """The plans of the mixture-of-experts preset's enumeration on ``world`` ranks (ep plans included); with
+    ``pipeline`` False, those without pp."""
     from cuboid import zoo
     from cuboid.parallel.cost.space import enumerate_plans
 
-    return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if p.pp == 1]
+    return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if pipeline or p.pp == 1]
 
 
 def moe_worker(world: int):
@@ -547,11 +558,13 @@ def moe_worker(world: int):
 
 
 def test_moe_plans_on_2_ranks():
-    """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration but the pipeline's
-    (dp with ep=1 and 2, ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep
-    over the sequence ranks): one device's losses, outputs and parameters, as every plan above."""
+    """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration (dp with ep=1 and 2,
+    ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep over the sequence
+    ranks, pp=2 under each schedule): one device's losses, outputs and parameters, as every plan above (one
+    device with the plan's micro-batches, :func:`micro_order`)."""
     plans = moe_plans(2)
-    assert any(p.ep == 2 for p in plans) and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
+    assert {p.ep for p in plans} == {1, 2} and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
+    assert any(p.pp == 2 for p in plans)
     reports = run_world(moe_worker, 2, 2, timeout=900)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
