@@ -181,18 +181,21 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
     counts = [core.num_targets(b) for b in micro]
-    total, = all_reduce_sum([sum(counts)], mesh, device)
+    globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
+    total = sum(globals_)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp")
     weights = torch.tensor([n * dp / total for n in counts], dtype=torch.float32, device=device)
+    # a mixture of experts' auxiliary loss is the global micro-batch's: weighed by its share (see _weighted)
+    aux_weights = torch.tensor([g / total for g in globals_], dtype=torch.float32, device=device)
     scale = 1.0
     if scaler is not None:  # the schedule's loss function scales each micro-batch's loss through its weight
         scale_t = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
-        weights, scale = weights * scale_t, float(scale_t)
+        weights, aux_weights, scale = weights * scale_t, aux_weights * scale_t, float(scale_t)
     batch = _to(share, device)
     with autocast_for(dtype, device):
-        local = pipe.run(batch, weights)
+        local = pipe.run(batch, weights, aux_weights)
     # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
     loss = torch.zeros(1, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
     if local is not None:

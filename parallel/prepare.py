@@ -184,7 +184,14 @@ def _build_pipeline(model: nn.Module, state: ParallelState) -> None:
                               microbatches=plan.microbatches, batch_split=state.batch_split,
                               sequence_split=state.sequence_split, shard_group=group if sharded else None)
     if plan.zero in (1, 2) and group is not None:  # the pieces are reduced at the step, after the schedule
-        state.zero = state.pipeline.zero = zero.FlatShards(state.pipeline.params, group, plan.zero, hooks=False)
+        from .experts import expert_parameters
+
+        ids = {id(p) for p in expert_parameters(model)}  # ep: the experts' own buckets over edp
+        state.zero = state.pipeline.zero = zero.FlatShards([p for p in state.pipeline.params if id(p) not in ids],
+                                                           group, plan.zero, hooks=False)
+        if ids:
+            state.expert_zero = zero.FlatShards([p for p in state.pipeline.params if id(p) in ids],
+                                                mesh.group("edp"), plan.zero, hooks=False)
 
 
 def _shard_over_dp(model: nn.Module, state: ParallelState) -> None:
