@@ -89,7 +89,7 @@ _OP = "attention"
 # accumulators, 2 x BLOCK_N x BLOCK_D) and steps over BLOCK_M queries; the dQ kernel owns BLOCK_M queries (one
 # accumulator) and steps over BLOCK_N keys. A thin step keeps the (BLOCK_N x BLOCK_M) score tile small beside the
 # accumulators. Compiled for sm_80 and sm_90 at an odd length with causal + key padding + grouped heads (the
-# most registers), a 128-key dK/dV tile fits at d <= 64 (8 warps, 175-198 registers) and spills at d128 (255,
+# most registers), a 128-key dK/dV tile fits at d <= 64 (8 warps, 155-198 registers) and spills at d128 (255,
 # up to 136 B), where 64 keys fit (8 warps, 213-234); 32 x 16 tiles at d256 spill 8-40 B with 4 warps. At d256
 # the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32 accumulators and spills.
 # The forward's entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16
