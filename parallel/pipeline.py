@@ -48,6 +48,7 @@ from . import comm
 from cuboid.kernels.flash_attention import doc_ids_from_positions
 
 from .batch import pad_batch, split_batch
+from .experts import expert_modules, expert_parameters
 from .mask import Mask
 from .moe_stream import Routing, recording_of
 from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
@@ -389,7 +390,8 @@ class Pipeline:
         tied = [n for n in spec.first if n in spec.last]
         self.fsdp = shard_group is not None  # ZeRO-3: FSDP2 units per block and per stage over dp
         if self.fsdp:
-            shard_stages(model, self.modules, shard_group, split_backward=schedule == "zbv")
+            shard_stages(model, self.modules, shard_group, split_backward=schedule == "zbv",
+                         experts=expert_modules(model), expert_group=mesh.group("edp"))
         device = next(model.parameters()).device
         stages = [_flag_inference(P.PipelineStage(m, s, total, device, group=mesh.group("pp")), m)
                   for m, s in zip(self.modules, self.ids)]
@@ -564,23 +566,33 @@ class Pipeline:
         return PipelineOutput(loss=loss, **values)
 
     def _average_over_dp(self) -> None:
+        """Every gradient averaged over ``dp`` (``dp x sp``); expert-parallel layers' over ``edp`` only (the
+        ranks holding the same experts; none where ``edp`` is one rank: their gradients are complete)."""
         axis = "dpsp" if self.mesh.size("sp") > 1 else "dp"  # every sp rank holds every weight of its stages
         group = self.mesh.group(axis)
         if group is None or self.zero is not None or self.fsdp:  # ZeRO reduce-scatters (1, 2: at the step)
             return
-        by_dtype: dict = {}
-        for p in self.params:  # the same list on every dp rank: a parameter without a gradient sends zeros
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce_(flat, group)
-            flat /= self.mesh.size(axis)
-            offset = 0
-            for g in grads:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
+        experts = {id(p) for p in expert_parameters(self.model)}
+        _average([p for p in self.params if id(p) not in experts], group, self.mesh.size(axis))
+        if experts and self.mesh.group("edp") is not None:
+            _average([p for p in self.params if id(p) in experts], self.mesh.group("edp"), self.mesh.size("edp"))
+
+
+def _average(params: list, group, size: int) -> None:
+    """The gradients of ``params`` averaged over ``group`` of ``size`` ranks, one flat all-reduce per dtype."""
+    by_dtype: dict = {}
+    for p in params:  # the same list on every rank of the group: a parameter without a gradient sends zeros
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce_(flat, group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n

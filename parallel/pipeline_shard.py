@@ -9,7 +9,8 @@ from torch import nn
 from . import comm
 
 
-def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False) -> None:
+def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False, *, experts=(),
+                 expert_group=None) -> None:
     """ZeRO-3 under pp: FSDP2 ``fully_shard`` over the dp ``group``, one unit per kept block and one per stage
     module (its embeddings or head), as torchtitan composes FSDP with pipelining; torch's stages then run
     their FSDP units without gradient sync until the last micro-batch's backward.
@@ -23,6 +24,10 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
     on one rank under ZBV) is sharded with the first stage's unit and left out of the last's
     (``ignored_params``); the last stage differentiates the same gathered parameter, whose gradient the
     first stage's unit reduces after its last backward, which ZBV runs last of all on that rank.
+
+    Expert-parallel layers (``experts``) are units of their own over ``expert_group`` (``edp``: the ranks
+    holding the same experts), made before the blocks' units; with ``edp`` of one rank (None) they are left
+    out of every unit (their gradients are complete), as :func:`~.zero.shard_parameters` does.
     """
     import warnings
 
@@ -37,13 +42,20 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
                 p.data = p.data.contiguous()
     reshard = False if split_backward else None  # None: FSDP2's default (blocks freed after forward, roots kept)
+    ignored: set = set()
+    if experts and expert_group is not None:
+        expert_mesh = DeviceMesh.from_group(expert_group, mesh.device_type)
+        for e in experts:
+            fully_shard(e, mesh=expert_mesh, reshard_after_forward=reshard)
+    elif experts:
+        ignored = {p for e in experts for p in e.parameters()}
     for block in (b for m in modules for b in m.blocks.values()):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
     sharded: set = set()  # ids of end modules an earlier stage module of this rank shards
     for m in modules:
         shared = [e for e in m.ends.values() if id(e) in sharded]
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard,
-                    ignored_params={p for e in shared for p in e.parameters()} or None)
+                    ignored_params={p for e in shared for p in e.parameters()} | ignored or None)
         sharded.update(id(e) for e in m.ends.values())
     for m in modules:
         comm.guard_fsdp(m)  # a stalled gather or reduce-scatter names rank, group and op
