@@ -158,8 +158,7 @@ class StageModule(nn.Module):
         core = self.core_mask(mask, x.shape[1])
         rec = None
         if self.routing is not None:
-            reduce = self.sp.reduce_for() if self.sp is not None else getattr(self.model, "balance_reduce", None)
-            rec = self.routing.recorder(self.router_keep(mask, x.shape[1]), reduce, carried)
+            rec = self.routing.recorder(self.router_keep(mask, x.shape[1]), self.reduce(), carried)
         with recording_of(rec):
             for block in self.blocks.values():
                 x, r = block(x, residual, core)
@@ -229,14 +228,10 @@ class StageModule(nn.Module):
         # the two parts apart: under dp the aux loss (the global micro-batch's) has a weight of its own
         return torch.stack([out.loss, self.routing.aux_term(rec).to(out.loss.dtype)])
 
-    def finish(self, out, rec, labels):
-        """The last stage's Output with the micro-batch's aux loss (in ``loss`` when it has labels)."""
-        return out if rec is None else self.routing.finish(out, rec, labels)
-
     def forward_only(self, stream):
         """One stage of a forward without the schedule: ``stream`` is a micro-batch (first stage) or the
-        previous stage's ``(x, residual, mask, labels)``; returns the next stream, or the model's Output
-        (last stage)."""
+        previous stage's ``(x, residual, mask, labels)``; returns the next stream, or (last stage) the model's
+        Output, its loss without an aux loss, and the recorder of the router statistics (None: dense)."""
         if self.info.stage == 0:
             x, residual, mask, labels = self.start(stream)
             carried = self.routing.start(x.device) if self.routing is not None else ()
@@ -245,8 +240,12 @@ class StageModule(nn.Module):
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if self.info.stage < self.info.stages - 1:
             return (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
-        out = self.finish(self.head(x, residual, mask, labels), rec, labels)
-        return self.batch_split.whole(out) if self.batch_split is not None else out
+        out = self.head(x, residual, mask, labels)
+        return (self.batch_split.whole(out) if self.batch_split is not None else out), rec
+
+    def reduce(self):
+        """The router statistics' sum over the ranks sharing a forward's tokens (None: this rank's alone)."""
+        return self.sp.reduce_for() if self.sp is not None else getattr(self.model, "balance_reduce", None)
 
 
 @dataclass
@@ -506,7 +505,7 @@ class Pipeline:
         group, total = self.mesh.group("pp"), self.first.stages
         owner = [next(r for r in range(self.pp) if s in stage_ids(self.schedule, r, self.pp)) for s in range(total)]
         device = next(self.model.parameters()).device
-        outs: list = []
+        outs, recorded = [], []
         try:
             for mb in micro:
                 stream = None
@@ -520,12 +519,15 @@ class Pipeline:
                         module.unshard()
                     result = module.forward_only(mb if s == 0 else stream)
                     if s == total - 1:
+                        result, rec = result
+                        recorded += [rec] if rec is not None else []
                         outs.append(self._resolved(result, mb) if last is None else
                                     dict(dict.fromkeys(FIELDS), logits=last(result.logits), loss_sum=0.0, targets=0))
                     elif owner[s + 1] != self.rank:
                         comm.send_described(list(result), group, owner[s + 1])
                     else:
                         stream = result
+            aux = self._whole_aux(recorded) if batch.get("labels") is not None else 0.0
         except Exception as e:
             raise self._failed(e, " in a forward") from e
         finally:
@@ -534,7 +536,17 @@ class Pipeline:
 
                 for unit in (u for module in self.modules for u in module.modules() if isinstance(u, FSDPModule)):
                     unit.reshard()
-        return self._from_last(outs, size, device)
+        return self._from_last(outs, size, device, aux)
+
+    def _whole_aux(self, recorded: list) -> float:
+        """``coef *`` the aux loss of the statistics summed over the micro-batches' recorders (the last stage's):
+        one device's forward of the whole batch (0 on other ranks and for dense models)."""
+        if not recorded:
+            return 0.0
+        module = self.modules[-1]
+        stats = torch.stack([torch.cat([r.counts, r.tokens.reshape(1)]) for r in recorded]).sum(0)
+        probsum = torch.stack([r.probsum for r in recorded]).sum(0)
+        return float(module.routing.aux_term(module.routing.recorder(None, module.reduce(), (stats, probsum))))
 
     def _resolved(self, out, mb: dict) -> dict:
         """The last stage's Output of one micro-batch as plain tensors (reading deferred fields gathers
@@ -545,16 +557,17 @@ class Pipeline:
         loss = float(out.loss) * n if n and out.loss is not None else 0.0
         return dict(fields, loss_sum=loss, targets=n)
 
-    def _from_last(self, outs: list, size: int, device) -> PipelineOutput:
-        """The last stage's micro-batch outputs, joined, on every rank of ``pp`` (broadcast from its rank)."""
+    def _from_last(self, outs: list, size: int, device, aux: float = 0.0) -> PipelineOutput:
+        """The last stage's micro-batch outputs, joined, on every rank of ``pp`` (broadcast from its rank);
+        ``aux``: a mixture of experts' ``coef * aux loss`` of the whole batch, added to the loss."""
         group, src = self.mesh.group("pp"), self.last_rank
         if self.rank == src:
             joined = [torch.cat([o[name] for o in outs]) if outs[0][name] is not None else None for name in FIELDS]
-            stats = torch.tensor([sum(o["loss_sum"] for o in outs), sum(o["targets"] for o in outs)],
+            stats = torch.tensor([sum(o["loss_sum"] for o in outs), sum(o["targets"] for o in outs), aux],
                                  dtype=torch.float64, device=device)
             header = comm.describe(joined, device)
         else:
-            joined, stats = None, torch.zeros(2, dtype=torch.float64, device=device)
+            joined, stats = None, torch.zeros(3, dtype=torch.float64, device=device)
             header = torch.zeros(len(FIELDS) * comm.HEADER, dtype=torch.int64, device=device)
         header = comm.broadcast_(header, group, src).cpu()
         if joined is None:
@@ -562,7 +575,7 @@ class Pipeline:
         joined = [comm.broadcast_(t.contiguous(), group, src) if t is not None else None for t in joined]
         stats = comm.broadcast_(stats, group, src).cpu()
         values = {name: (t[:size] if t is not None else None) for name, t in zip(FIELDS, joined)}
-        loss = torch.tensor(stats[0].item() / stats[1].item()) if stats[1] else None
+        loss = torch.tensor(stats[0].item() / stats[1].item() + stats[2].item()) if stats[1] else None
         return PipelineOutput(loss=loss, **values)
 
     def _average_over_dp(self) -> None:

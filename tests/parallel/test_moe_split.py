@@ -8,9 +8,8 @@ parameter's: a norm's few weights sum many tokens' rounding), one device running
 micro-batches being the reference. Each router's update differs from the step without the aux loss by far
 more than that, so the aux gradients reached every stage's routers. A second step on a batch so small that
 some experts get no token (checked on one device) holds the same. Under sp a forward's ``aux_loss`` and
-``router_logits`` (gathered when read) are one device's; under pp an evaluation forward's loss is one
-device's over the plan's micro-batches (their aux losses included) and router outputs are refused in one
-sentence; a dense model's and a non-routed model's pipeline stream stay the 4 tensors of a dense one.
+``router_logits`` (gathered when read) are one device's; under pp an evaluation forward's loss (aux loss
+included) is one device's forward's and router outputs are refused in one sentence; a dense model's and a non-routed model's pipeline stream stay the 4 tensors of a dense one.
 """
 import torch
 
@@ -101,19 +100,17 @@ def _sp_forward(plan_text: str, batch: dict) -> dict:
 
 
 def _pp_forward(plan_text: str, batch: dict) -> dict:
-    """An evaluation forward under pp (the stream carries the statistics through forward_only) against one
-    device's micro-batches' losses weighted by their label counts, and the refusal to give router outputs."""
+    """An evaluation forward under pp (the stream carries the statistics through forward_only, the aux loss is
+    the whole batch's) against one device's forward, and the refusal to give router outputs."""
     import cuboid
-    from cuboid.parallel import Mesh, Plan, split_batch
+    from cuboid.parallel import Mesh, Plan
     from cuboid.zoo import READY_PLANS
 
     plan = Plan.parse(plan_text, READY_PLANS)
     model = cuboid.load(NAME, plan, seed=0, mesh=Mesh.build(plan), **OVER)
     ref = cuboid.load(NAME, None, seed=0, **OVER)
     with torch.no_grad():
-        got = model(**batch)
-        parts = split_batch(batch, plan.microbatches)
-        want = sum(float(ref(**mb).loss) * ref.num_targets(mb) for mb in parts) / ref.num_targets(batch)
+        got, want = model(**batch), float(ref(**batch).loss)
     try:
         refused = repr(got.router_logits)
     except AttributeError as e:
