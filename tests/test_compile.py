@@ -21,7 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import cuboid
 import cuboid.kernels as kernels
-from cuboid.kernels import library
+from cuboid.kernels import library  # noqa: F401 (registers the torch.ops.cuboid ops)
 
 FAMILIES = ["gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug"]
 
@@ -46,14 +46,19 @@ def _batch(model, name: str, variant: str = "plain", B: int = 2, T: int = 16) ->
 def _counting_backend():
     """An AOTAutograd backend that runs the traced graphs as they are and counts them."""
     counts = {"forward": 0, "backward": 0}
+    ops: set = set()  # the cuboid custom ops the graphs call (cuboid.norm.default, ...)
 
     def compiler(kind):
         def run(gm, example_inputs):
             counts[kind] += 1
+            for n in gm.graph.nodes:  # an op that writes in place is called through auto_functionalized
+                target = n.args[0] if "auto_functionalized" in str(n.target) else n.target
+                if str(target).startswith("cuboid."):
+                    ops.add(str(target))
             return make_boxed_func(gm.forward)
         return run
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), counts
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward")), counts, ops
 
 
 def _loss_and_grads(model, fn, batch) -> tuple:
@@ -88,20 +93,20 @@ def test_one_graph_and_eager_values(name):
     explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batch)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     eager = _loss_and_grads(model, model, batch)
-    backend, counts = _counting_backend()
+    backend, counts, _ = _counting_backend()
     compiled = _loss_and_grads(model, torch.compile(model, backend=backend, fullgraph=True), batch)
     assert counts == {"forward": 1, "backward": 1}
     _assert_same(eager, compiled)
 
 
-@pytest.mark.parametrize("name", ["gpt-debug", "llama-debug", "bert-debug"])
-@pytest.mark.parametrize("variant", ["padded", "packed"])
+@pytest.mark.parametrize("name,variant", [("gpt-debug", "packed"), ("llama-debug", "padded"),
+                                          ("llama-debug", "packed"), ("bert-debug", "padded")])
 def test_masks_trace_without_host_reads(name, variant):
     torch.manual_seed(0)
     model = cuboid.load(name)
     batch = _batch(model, name, variant)
     eager = _loss_and_grads(model, model, batch)
-    backend, counts = _counting_backend()
+    backend, counts, _ = _counting_backend()
     compiled = _loss_and_grads(model, torch.compile(model, backend=backend, fullgraph=True), batch)
     assert counts == {"forward": 1, "backward": 1}
     _assert_same(eager, compiled)
@@ -129,6 +134,26 @@ def test_inductor_one_block_llama():
 
 needs_interpreter = pytest.mark.skipif(not kernels.interpreter_active(),
                                        reason="the Triton ops run on CPU only under TRITON_INTERPRET=1")
+TRITON_OPS = {"gpt-debug": {"cuboid.norm.default", "cuboid.flash_attention.default", "cuboid.lce_stats.default",
+                            "cuboid.lce_grad_.default", "cuboid.norm_backward.default",
+                            "cuboid.flash_attention_backward.default"},
+              "llama-debug": {"cuboid.norm.default", "cuboid.rope.default", "cuboid.flash_attention.default",
+                              "cuboid.swiglu.default", "cuboid.swiglu_backward.default"}}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", sorted(TRITON_OPS))
+def test_triton_path_model_is_one_graph_of_custom_ops(name):
+    torch.manual_seed(0)
+    model = cuboid.load(name, n_layers=1)
+    batch = _batch(model, name)
+    with kernels.use_backend(None):  # the automatic rule: the interpreter's Triton kernels
+        eager = _loss_and_grads(model, model, batch)
+        backend, counts, ops = _counting_backend()
+        compiled = _loss_and_grads(model, torch.compile(model, backend=backend, fullgraph=True), batch)
+    assert counts == {"forward": 1, "backward": 1}
+    assert TRITON_OPS[name] <= ops, sorted(ops)
+    _assert_same(eager, compiled)
 
 
 def _opcheck(op, args) -> None:
@@ -169,8 +194,7 @@ def _block(x, w, wq, wk, wg, wu, head, labels, cos, sin):
     q = (h @ wq).view(B, T, 2, C // 2).transpose(1, 2)
     k = (h @ wk).view(B, T, 2, C // 2).transpose(1, 2)
     q, k = kernels.rope(q, k, cos, sin)
-    a = library.flash_attention(q, k, k, None, None, None, True, (C // 2) ** -0.5, None)[0]
-    a = a.transpose(1, 2).reshape(B, T, C)
+    a = kernels.attention(q, k, k, causal=True).transpose(1, 2).reshape(B, T, C)
     y, res = kernels.rms_norm(a, w, residual=x)
     y = kernels.swiglu(y @ wg, y @ wu) + res
     return kernels.linear_cross_entropy(y, head, labels)
@@ -188,7 +212,7 @@ def test_a_block_of_triton_ops_compiles_in_one_graph():
     with kernels.use_backend(None):  # the automatic rule: the interpreter's Triton kernels
         loss0 = _block(x, params[0], *params[1:5], params[5], labels, cos, sin)
         grads0 = torch.autograd.grad(loss0, params)
-        backend, counts = _counting_backend()
+        backend, counts, _ = _counting_backend()
         fn = torch.compile(_block, backend=backend, fullgraph=True)
         loss1 = fn(x, params[0], *params[1:5], params[5], labels, cos, sin)
         grads1 = torch.autograd.grad(loss1, params)
