@@ -62,9 +62,9 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
     if shape.sparse and plan.dp * plan.sp > 1:
         _add_balance(out, shape, plan, stage)
-    # train_step's scalars: the label count and the loss summed over dp (float64 on CPU)
+    # train_step's scalars summed over dp (float64 on CPU): each micro-batch's label count, then the loss
     if plan.dp > 1:
-        _add(out, ("all_reduce", "dp"), 2 * _all_reduce(plan.dp, 8), 2)
+        _add(out, ("all_reduce", "dp"), _all_reduce(plan.dp, 8 * plan.microbatches) + _all_reduce(plan.dp, 8), 2)
     return out
 
 
