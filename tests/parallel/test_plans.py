@@ -568,3 +568,12 @@ def test_moe_plans_on_2_ranks():
     reports = run_world(moe_worker, 2, 2, timeout=900)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+
+
+def test_moe_plans_on_4_ranks():
+    """As :func:`test_moe_plans_on_2_ranks` on 4 ranks: ep 2 and 4 beside dp, sp, ZeRO, tp1d and pp."""
+    plans = moe_plans(4)
+    assert {p.ep for p in plans} == {1, 2, 4} and any(p.pp > 1 and p.ep > 1 for p in plans)
+    reports = run_world(moe_worker, 4, 4, timeout=1500)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
