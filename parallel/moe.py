@@ -138,29 +138,48 @@ class Recorder:
     (see :func:`balance_stats`), and each layer's logits when ``keep_logits``. ``keep`` (N,): the token mask of
     the tokens the layers see (None: every token counts). ``reduce(counts, probsum, tokens, n_experts) -> loss``
     replaces :func:`balance_loss` where a plan spreads one forward's tokens over ranks (it sums the statistics
-    over them)."""
+    over them).
+
+    :meth:`add` only keeps a layer's logits; the statistics are made when ``counts``, ``probsum`` or ``tokens``
+    is read, after the blocks. So a block under activation checkpointing saves the same tensors in its forward
+    and in its recompute (which runs outside any recording). Setting the three seeds the sums (a pipeline stage
+    starts from the statistics of the stages before it)."""
 
     def __init__(self, top_k: int, keep_logits: bool = False, keep: Optional[torch.Tensor] = None,
                  reduce: Optional[Callable] = None) -> None:
         self.top_k, self.keep_logits, self.keep, self.reduce = top_k, keep_logits, keep, reduce
         self.logits: list = []
-        self.counts = self.probsum = self.tokens = None
+        self._pending: list = []  # logits added since the sums were last made
+        self._sums = [None, None, None]  # counts, probsum, tokens
 
     def add(self, logits: torch.Tensor) -> None:
         """Add one sparse layer's router logits (N, E)."""
         if self.keep_logits:
             self.logits.append(logits)
-        counts, probsum, tokens = balance_stats(logits, self.top_k, self.keep)
-        if self.counts is None:
-            self.counts, self.probsum, self.tokens = counts, probsum, tokens
-        else:
-            self.counts, self.probsum, self.tokens = self.counts + counts, self.probsum + probsum, self.tokens + tokens
+        self._pending.append(logits)
+
+    def _totals(self) -> list:
+        for logits in self._pending:
+            stats = balance_stats(logits, self.top_k, self.keep)
+            self._sums = list(stats) if self._sums[0] is None else [a + b for a, b in zip(self._sums, stats)]
+        self._pending = []
+        return self._sums
+
+    def _getter(i: int):
+        return property(lambda self: self._totals()[i], lambda self, value: self._seed(i, value))
+
+    def _seed(self, i: int, value) -> None:
+        self._totals()[i] = value
+
+    counts, probsum, tokens = _getter(0), _getter(1), _getter(2)
+    del _getter
 
     def loss(self, n_experts: int) -> Optional[torch.Tensor]:
         """The auxiliary loss of what was recorded (None when no sparse layer ran)."""
-        if self.counts is None:
+        counts, probsum, tokens = self._totals()
+        if counts is None:
             return None
-        return (self.reduce or balance_loss)(self.counts, self.probsum, self.tokens, n_experts)
+        return (self.reduce or balance_loss)(counts, probsum, tokens, n_experts)
 
 
 _RECORDERS: list = []
