@@ -9,7 +9,8 @@ micro-batches being the reference. Each router's update differs from the step wi
 more than that, so the aux gradients reached every stage's routers. A second step on a batch so small that
 some experts get no token (checked on one device) holds the same. Under sp a forward's ``aux_loss`` and
 ``router_logits`` (gathered when read) are one device's; under pp an evaluation forward's loss (aux loss
-included) is one device's forward's and router outputs are refused in one sentence; a dense model's and a non-routed model's pipeline stream stay the 4 tensors of a dense one.
+included) is one device's forward's and router outputs are refused in one sentence; a dense model's and a
+non-routed model's pipeline stream stay the 4 tensors of a dense one.
 """
 import torch
 
