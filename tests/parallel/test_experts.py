@@ -85,9 +85,18 @@ def _ep_layer_worker(ep: int):
     return out
 
 
-@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2)])
-def test_dispatch_matches_one_device(world, ep):
-    outs = run_world(_ep_layer_worker, world, ep)
+def _ep_layers_worker(eps: list) -> list:
+    return [_ep_layer_worker(ep) for ep in eps]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_matches_one_device(world):
+    eps = {2: [2], 4: [4, 2]}[world]
+    for ep, outs in zip(eps, zip(*run_world(_ep_layers_worker, world, eps, timeout=400))):
+        _check_dispatch(outs)
+
+
+def _check_dispatch(outs):
     for r, out in enumerate(outs):
         for key in ("out", "dx", "gate_up", "down"):
             assert out[key] < 1e-6, (r, key, out[key])
@@ -168,10 +177,14 @@ STEP_PLANS = {2: [dict(dp=2, ep=2), dict(dp=2, ep=2, zero=1), dict(dp=2, ep=2, z
                   dict(dp=4, ep=4, zero=3)]}
 
 
+def _steps_worker(plans: list) -> list:
+    return [_step_worker(fields) for fields in plans]  # one world for every plan of its size
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_step_gradients_match_one_device(world):
-    for fields in STEP_PLANS[world]:
-        for r, errors in enumerate(run_world(_step_worker, world, fields)):
+    for r, per_plan in enumerate(run_world(_steps_worker, world, STEP_PLANS[world], timeout=400)):
+        for fields, errors in zip(STEP_PLANS[world], per_plan):
             bad = {k: v for k, v in errors.items() if not v < 1e-6}
             assert not bad and len(errors) == 7, (fields, r, bad)
 
