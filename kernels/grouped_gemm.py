@@ -57,6 +57,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import library
 from ._backend import check_floating, check_same_dtype, interpreter_active, picked, resolve_backend
 
 Tensor = torch.Tensor
@@ -270,56 +271,46 @@ def _gmm(a: Tensor, b: Tensor, offs32: Tensor) -> Tensor:
     return torch._grouped_mm(a, b, offs=offs32).contiguous()
 
 
-class _GroupedMMTorchFunction(torch.autograd.Function):
-    """The CPU path: three torch._grouped_mm calls (forward, dx, dw); autograd's own backward of that op refuses
-    expanded (stride-0) gradients and unaligned widths."""
-
-    @staticmethod
-    def forward(ctx, x, w, counts):
+def _ref_values(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """The torch path's forward (the real implementation of the op cuboid::grouped_mm without Triton)."""
+    if _use_grouped_mm(x):
         offs32 = torch.cumsum(counts, 0).to(torch.int32)
-        xa, wa = _aligned(x), _aligned(w)
-        ctx.save_for_backward(xa, wa, offs32)
-        return _gmm(xa, wa.transpose(1, 2), offs32)
+        return _gmm(_aligned(x), _aligned(w).transpose(1, 2), offs32)
+    return _padded_batch(x, w, counts)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        xa, wa, offs32 = ctx.saved_tensors
-        dya = _aligned(dy.to(xa.dtype))
-        dx = _gmm(dya, wa, offs32) if ctx.needs_input_grad[0] else None
-        dw = _gmm(dya.t(), xa, offs32) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+
+def _ref_grads(dy: Tensor, x: Tensor, w: Tensor, counts: Tensor, need_dx: bool,
+               need_dw: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The torch path's (dx, dw), None where not needed: torch._grouped_mm for dx and dw on CPU (its own
+    backward refuses expanded (stride-0) gradients and unaligned widths), padded batches otherwise."""
+    if _use_grouped_mm(x):
+        offs32 = torch.cumsum(counts, 0).to(torch.int32)
+        dya, xa, wa = _aligned(dy), _aligned(x), _aligned(w)
+        return (_gmm(dya, wa, offs32) if need_dx else None), (_gmm(dya.t(), xa, offs32) if need_dw else None)
+    dx = _padded_batch(dy, w.transpose(1, 2), counts) if need_dx else None
+    dw = None
+    if need_dw:
+        group, pos, width = _slots(counts, x.shape[0])
+        dyb = dy.new_zeros((w.shape[0], width, dy.shape[1])).index_put((group, pos), dy)
+        xb = x.new_zeros((w.shape[0], width, x.shape[1])).index_put((group, pos), x)
+        dw = torch.bmm(dyb.transpose(1, 2), xb)
+    return dx, dw
+
+
+def _slots(counts: Tensor, M: int) -> Tuple[Tensor, Tensor, int]:
+    """Each row's (group, position within the group) and the largest count (a host read)."""
+    c = counts.to(torch.int64)
+    group = torch.repeat_interleave(torch.arange(c.shape[0], device=c.device), c, output_size=M)
+    pos = torch.arange(M, device=c.device) - (torch.cumsum(c, 0) - c)[group]
+    return group, pos, int(c.max())
 
 
 def _padded_batch(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """Any dtype or device: rows scattered into a zero-padded (G, max count, K) batch, one bmm, rows gathered
-    back. Differentiable by autograd (index_put, bmm, indexing)."""
-    M, K = x.shape
-    G = w.shape[0]
-    c = counts.to(torch.int64)
-    group = torch.repeat_interleave(torch.arange(G, device=x.device), c, output_size=M)
-    pos = torch.arange(M, device=x.device) - (torch.cumsum(c, 0) - c)[group]
-    width = int(c.max())
-    batch = x.new_zeros((G, width, K)).index_put((group, pos), x)
+    back (w is (G, N, K) or a transposed view of one)."""
+    group, pos, width = _slots(counts, x.shape[0])
+    batch = x.new_zeros((w.shape[0], width, x.shape[1])).index_put((group, pos), x)
     return torch.bmm(batch, w.transpose(1, 2))[group, pos]
-
-
-@torch.compiler.disable
-def _ref_eager(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """The reference run eagerly from a torch.compile'd caller (a graph break): torch._grouped_mm's fake kernel
-    takes bf16 only and the padded batch reads max(counts) on the host."""
-    return _ref(x, w, counts)
-
-
-def _ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    if x.device.type == "meta":  # shapes only (a meta model's forward): counts have no values to group by
-        return x @ w[0].T
-    if _use_grouped_mm(x):
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return _GroupedMMTorchFunction.apply(x, w, counts)
-        offs32 = torch.cumsum(counts, 0).to(torch.int32)
-        return _gmm(_aligned(x), _aligned(w).transpose(1, 2), offs32)
-    return _padded_batch(x, w, counts)
 
 
 # ----------------------------------------------------------------------------
@@ -355,33 +346,15 @@ def _check(x, w, counts, *, triton_path: bool) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Autograd Function and public functions
+# Public functions (through the op cuboid::grouped_mm, kernels/library.py)
 # ----------------------------------------------------------------------------
-
-
-class _GroupedMMFunction(torch.autograd.Function):
-    """Triton forward, dx (the same kernel reading each w[g] untransposed) and dw (per-group reduction)."""
-
-    @staticmethod
-    def forward(ctx, x, w, counts):
-        ctx.save_for_backward(x, w, counts)
-        return _mm_triton(x, w, counts, transpose_b=True)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, w, counts = ctx.saved_tensors
-        dy = dy.to(x.dtype)
-        dx = _mm_triton(dy, w, counts, transpose_b=False) if ctx.needs_input_grad[0] else None
-        dw = _dw_triton(dy, x, counts) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
 
 
 def grouped_mm_ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """Plain-torch grouped matmul ``y[rows of g] = x[rows of g] @ w[g].T`` (no loop over groups; see the module
     docstring). fp32 / fp16 / bf16 / float64; differentiable w.r.t. x and w."""
     _check(x, w, counts, triton_path=False)
-    return _ref(x, w, counts)
+    return library.grouped_mm(x, w, counts, False)
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] = None) -> Tensor:
@@ -403,6 +376,4 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] =
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
     chosen = resolve_backend(_OP, [x, w, counts], backend)
     _check(x, w, counts, triton_path=chosen == "triton")
-    if chosen == "torch":
-        return (_ref_eager if torch.compiler.is_compiling() else _ref)(x, w, counts)
-    return _GroupedMMFunction.apply(x, w, counts)
+    return library.grouped_mm(x, w, counts, chosen == "triton")

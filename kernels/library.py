@@ -9,7 +9,9 @@ puts the backward op into the backward graph. The public functions
 (:func:`cuboid.kernels.layer_norm`, ``rope``, ``swiglu``, ``attention``,
 ``linear_cross_entropy``) still choose the backend; these ops are their
 Triton path. The torch path needs no op: it is plain torch, which inductor
-fuses itself.
+fuses itself. The exception is ``grouped_mm``, whose op carries both paths
+(``use_triton``): its CPU torch path calls ``torch._grouped_mm``, whose own
+fake kernel takes bf16 only, and reads counts on the host for float64.
 
 Outputs never alias inputs (a custom op's contract): where a launcher has
 nothing to return for an optional output (no residual, no bias gradient), the
@@ -26,7 +28,8 @@ from torch.library import custom_op, register_autograd, register_fake
 
 Tensor = torch.Tensor
 
-__all__ = ["norm", "rope", "swiglu", "flash_attention", "flash_attention_backward", "lce_stats", "lce_grad_"]
+__all__ = ["norm", "rope", "swiglu", "flash_attention", "flash_attention_backward", "lce_stats", "lce_grad_",
+           "grouped_mm"]
 
 
 def _nothing(like: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -319,3 +322,61 @@ def lce_stats(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index:
 def lce_grad_(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
     """The gradient kernel through the op, in place over ``z``."""
     _lce_grad(z, labels, lse, n_valid, start, ignore_index)
+
+
+# ---------------------------------------------------------------- grouped GEMM (kernels/grouped_gemm.py)
+
+
+@custom_op("cuboid::grouped_mm", mutates_args=())
+def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_triton: bool) -> Tensor:
+    """(M, N): ``x[rows of g] @ w[g].T``, the Triton kernel or the torch path (torch._grouped_mm / padded bmm)."""
+    from .grouped_gemm import _mm_triton, _ref_values
+
+    return _mm_triton(x, w, counts, transpose_b=True) if use_triton else _ref_values(x, w, counts)
+
+
+@register_fake("cuboid::grouped_mm")
+def _grouped_mm_fake(x, w, counts, use_triton):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@custom_op("cuboid::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(dy: Tensor, x: Tensor, w: Tensor, counts: Tensor, use_triton: bool, need_dx: bool,
+                         need_dw: bool) -> Tuple[Tensor, Tensor]:
+    """(dx (M, K) or empty, dw (G, N, K) or empty) for dy (M, N) in x's dtype."""
+    from .grouped_gemm import _dw_triton, _mm_triton, _ref_grads
+
+    if use_triton:
+        dx = _mm_triton(dy, w, counts, transpose_b=False) if need_dx else None
+        dw = _dw_triton(dy, x, counts) if need_dw else None
+    else:
+        dx, dw = _ref_grads(dy, x, w, counts, need_dx, need_dw)
+    return (dx if dx is not None else _nothing(x)), (dw if dw is not None else _nothing(w))
+
+
+@register_fake("cuboid::grouped_mm_backward")
+def _grouped_mm_backward_fake(dy, x, w, counts, use_triton, need_dx, need_dw):
+    return (x.new_empty(x.shape) if need_dx else _nothing(x)), (w.new_empty(w.shape) if need_dw else _nothing(w))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts, use_triton = inputs
+    ctx.save_for_backward(x, w, counts)
+    ctx.use_triton = use_triton
+
+
+def _grouped_mm_grad(ctx, dy):
+    x, w, counts = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if not (need_dx or need_dw):
+        return None, None, None, None
+    dx, dw = _grouped_mm_backward(dy.to(x.dtype), x, w, counts, ctx.use_triton, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+
+register_autograd("cuboid::grouped_mm", _grouped_mm_grad, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_triton: bool) -> Tensor:
+    """The grouped matmul through the op (kernels/grouped_gemm.py's contract; checks are the caller's)."""
+    return _grouped_mm(x, w, counts, use_triton)
