@@ -577,3 +577,20 @@ def test_moe_plans_on_4_ranks():
     reports = run_world(moe_worker, 4, 4, timeout=1500)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+
+
+def moe_sample_worker(world: int):
+    return plan_parity_worker(moe_plans(world)[::MOE_EIGHT_STRIDE], rotate=True, families=MOE)
+
+
+MOE_EIGHT_STRIDE = 7  # 8 ranks: every 7th of the 331 plans (48; the whole enumeration would add ~6 minutes to CI)
+
+
+def test_moe_plans_on_8_ranks():
+    """As :func:`test_moe_plans_on_2_ranks` on 8 ranks, over every MOE_EIGHT_STRIDE-th plan of the enumeration
+    (ep 2, 4 and 8 among them)."""
+    plans = moe_plans(8)[::MOE_EIGHT_STRIDE]
+    assert {p.ep for p in plans} >= {1, 2, 4, 8}, {p.ep for p in plans}
+    reports = run_world(moe_sample_worker, 8, 8, timeout=1500)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
