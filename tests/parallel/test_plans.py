@@ -553,21 +553,26 @@ def moe_plans(world: int, pipeline: bool = True) -> list:
     return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if pipeline or p.pp == 1]
 
 
+# recompute with the experts' all-to-alls inside the recomputed blocks, beside the enumeration's plans
+MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", "sp=2,ep=2,checkpoint=full",
+                 "pp=2,microbatches=2,checkpoint=selective"]}
+
+
 def moe_worker(world: int):
-    return plan_parity_worker(moe_plans(world), rotate=True, families=MOE)
+    return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE)
 
 
 def test_moe_plans_on_2_ranks():
     """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration (dp with ep=1 and 2,
     ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep over the sequence
-    ranks, pp=2 under each schedule): one device's losses, outputs and parameters, as every plan above (one
-    device with the plan's micro-batches, :func:`micro_order`)."""
+    ranks, pp=2 under each schedule) and MOE_EXTRA (recompute, full and selective): one device's losses,
+    outputs and parameters, as every plan above (one device with the plan's micro-batches, :func:`micro_order`)."""
     plans = moe_plans(2)
     assert {p.ep for p in plans} == {1, 2} and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
     assert any(p.pp == 2 for p in plans)
     reports = run_world(moe_worker, 2, 2, timeout=900)
     check(reports)
-    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans} | set(MOE_EXTRA[2])
 
 
 def test_moe_plans_on_4_ranks():
