@@ -1,7 +1,8 @@
 """torch.compile over the zoo models and the kernels' custom ops, on CPU.
 
-- Every family's forward traces as one Dynamo graph with no break
-  (``torch._dynamo.explain``), and ``fullgraph=True`` compilation through
+- Every family's forward (the MoE presets' with their auxiliary loss, the
+  experts' matmul the op ``cuboid::grouped_mm``) traces as one Dynamo graph
+  with no break (``torch._dynamo.explain``), and ``fullgraph=True`` compilation through
   AOTAutograd gives one forward and one backward graph, whose loss and
   gradients equal eager's (fp32, 1e-5), for plain, padded and packed batches.
 - The Triton custom ops (kernels/library.py) pass ``torch.library.opcheck``
@@ -24,6 +25,12 @@ import cuboid.kernels as kernels
 from cuboid.kernels import library  # noqa: F401 (registers the torch.ops.cuboid ops)
 
 FAMILIES = ["gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug"]
+# the mixture-of-experts presets, with the router's auxiliary loss in the loss (so in the graph)
+MOE = ["qwen3-moe-debug", "mixtral-debug", "olmoe-debug"]
+
+
+def _load(name: str, **kwargs):
+    return cuboid.load(name, **({"output_router_logits": True} if name in MOE else {}), **kwargs)
 
 
 def _batch(model, name: str, variant: str = "plain", B: int = 2, T: int = 16) -> dict:
@@ -85,18 +92,24 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + MOE)
 def test_one_graph_and_eager_values(name):
     torch.manual_seed(0)
-    model = cuboid.load(name)
+    model = _load(name)
     batch = _batch(model, name)
     explained = torch._dynamo.explain(lambda **b: model(**b).loss)(**batch)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     eager = _loss_and_grads(model, model, batch)
-    backend, counts, _ = _counting_backend()
-    compiled = _loss_and_grads(model, torch.compile(model, backend=backend, fullgraph=True), batch)
+    backend, counts, ops = _counting_backend()
+    fn = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = _loss_and_grads(model, fn, batch)
     assert counts == {"forward": 1, "backward": 1}
     _assert_same(eager, compiled)
+    if name in MOE:  # the experts' matmul is the op, and the auxiliary loss is part of the compiled loss
+        assert {"cuboid.grouped_mm.default", "cuboid.grouped_mm_backward.default"} <= ops, sorted(ops)
+        aux = fn(**batch).aux_loss
+        assert aux > 0 and torch.allclose(aux, model(**batch).aux_loss, rtol=1e-5, atol=0)
+        assert counts == {"forward": 1, "backward": 1}
 
 
 @pytest.mark.parametrize("name,variant", [("gpt-debug", "packed"), ("llama-debug", "padded"),
