@@ -41,6 +41,13 @@ devices scatter the rows into a zero-padded (G, max count, K) batch and run
 one ``torch.bmm`` (the padded-batch formulation; it reads ``max(counts)``, a
 host sync, acceptable for a reference).
 
+**torch.compile**: both paths run inside the custom ops ``cuboid::grouped_mm``
+and ``cuboid::grouped_mm_backward`` (kernels/library.py), whose fake
+implementations give the output shapes, so a compiled caller traces one graph
+(torch._grouped_mm's own fake kernel takes bf16 only, and the padded batch
+reads ``max(counts)``); the host check of counts (:func:`_check`) is skipped
+while compiling.
+
 Launch configurations (``_MM_CFG``, ``_DW_CFG``): a row per operand kind
 (aligned fp16 / bf16, unaligned fp16 / bf16, fp32), each a short list whose
 entry 0 the launcher uses; ``AUTOTUNE`` counts the entries that

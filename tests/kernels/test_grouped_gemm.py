@@ -147,8 +147,9 @@ def test_reference_matches_float64_loop(label, counts, K, N, dtype):
 
 @pytest.mark.parametrize("K,N", [(40, 24), (37, 13)], ids=["aligned", "unaligned"])
 def test_cpu_path_uses_grouped_mm_and_keeps_inputs(K, N):
-    """fp32 on CPU: torch._grouped_mm through the op cuboid::grouped_mm (aligned copies for K=37 / N=13 rows), equal to the
-    padded-batch formulation; inputs untouched; the automatic backend is torch under use_backend('torch')."""
+    """fp32 on CPU: torch._grouped_mm through the op cuboid::grouped_mm (aligned copies for K=37 / N=13 rows),
+    equal to the padded-batch formulation; inputs untouched; the automatic backend is torch under
+    use_backend('torch')."""
     x, w, c, dy = make([3, 0, 6], K, N, F32, seed=2)
     x0, w0 = x.detach().clone(), w.detach().clone()
     with use_backend("torch"):
