@@ -151,14 +151,16 @@ TRITON_OPS = {"gpt-debug": {"cuboid.norm.default", "cuboid.flash_attention.defau
                             "cuboid.lce_grad_.default", "cuboid.norm_backward.default",
                             "cuboid.flash_attention_backward.default"},
               "llama-debug": {"cuboid.norm.default", "cuboid.rope.default", "cuboid.flash_attention.default",
-                              "cuboid.swiglu.default", "cuboid.swiglu_backward.default"}}
+                              "cuboid.swiglu.default", "cuboid.swiglu_backward.default"},
+              "mixtral-debug": {"cuboid.grouped_mm.default", "cuboid.grouped_mm_backward.default",
+                                "cuboid.norm.default", "cuboid.flash_attention.default"}}
 
 
 @needs_interpreter
 @pytest.mark.parametrize("name", sorted(TRITON_OPS))
 def test_triton_path_model_is_one_graph_of_custom_ops(name):
     torch.manual_seed(0)
-    model = cuboid.load(name, n_layers=1)
+    model = _load(name, n_layers=1)
     batch = _batch(model, name)
     with kernels.use_backend(None):  # the automatic rule: the interpreter's Triton kernels
         eager = _loss_and_grads(model, model, batch)
