@@ -5,7 +5,7 @@ Two parts:
 
 - ``tiles``: the (query tile, key tile) products the three Triton kernels (forward, dK/dV, dQ) compute
   for causal attention of one head, with and without a window, from the kernels' own loop bounds
-  (:func:`tile_visits` follows ``_key_loop_bounds`` and the dK/dV kernel's query loop) at the GPU tiles the
+  (:func:`tile_visits` follows ``key_loop_bounds`` and the dK/dV kernel's query loop) at the GPU tiles the
   launchers pick for bf16, head dim 128 (``flash_attention._GPU_FWD`` / ``_GPU_DKDV`` / ``_GPU_DQ``, entry 0). FLOPs are
   4 D per score in the forward and 10 D in the backward (dK/dV: S, dV, dP, dK; dQ: S, dP, dQ), counted
   over whole tiles, as the kernels compute them.

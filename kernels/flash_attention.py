@@ -56,21 +56,22 @@ tables, the launchers and the public entry points.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
+from torch.library import custom_op, register_autograd, register_fake
 
-from . import library
 from ._backend import interpreter_active, picked, resolve_backend
 from .attention_torch import (  # noqa: F401 (re-exported)
     attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
-from .flash_attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
-from .flash_attention_fwd import _attn_fwd_kernel
+from .flash_attention_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
+from .flash_attention_fwd import attn_fwd_kernel
 
 _LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 _LN2 = 0.6931471805599453  # ln(2)
 _OP = "attention"
+Tensor = torch.Tensor
 
 
 # ----------------------------------------------------------------------------
@@ -159,7 +160,7 @@ GRID_X_MAX = 2 ** 31 - 1  # CUDA's limit on grid x (y and z stop at 65535)
 
 
 def _grid(seq: int, block: int, heads: int) -> tuple:
-    """The flat grid of :func:`_tile_ids`: ``cdiv(seq, block) * heads`` programs on grid x.
+    """The flat grid of :func:`tile_ids`: ``cdiv(seq, block) * heads`` programs on grid x.
 
     ``heads`` is B * H (or B * Hkv). The count stays far below 2^31 for any
     tensors that fit a GPU (a program covers at least 16 rows of 16 or more
@@ -234,7 +235,7 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     keys = (q, q) if docs is None else doc_ranges(*docs, causal, win_lo)[0]
     win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
-    _attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
+    attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, out, lse, m_ptr, *keys,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
         H, H // Hkv, Sq, Sk, D, scale * _LOG2E, 0 if win_lo is None else win_lo,
@@ -259,7 +260,7 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     dlse_arg = dlse.to(torch.float32).contiguous() if has_dlse else delta
     block_d = max(16, triton.next_power_of_2(D))
     pre_m = 64 if block_d <= 128 else 32
-    _attn_bwd_preprocess_kernel[_grid(Sq, pre_m, B * H)](
+    attn_bwd_preprocess_kernel[_grid(Sq, pre_m, B * H)](
         out, do, dlse_arg, delta, *out.stride(), *do.stride(), H, Sq, D,
         HAS_DLSE=has_dlse, BLOCK_M=pre_m, BLOCK_D=block_d, num_warps=4,
     )
@@ -272,16 +273,67 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
                  HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype))
     cfg = _config(D, q.dtype, "dkdv")
-    _attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
+    attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags, **cfg)
     cfg = _config(D, q.dtype, "dq")
-    _attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
+    attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags, **cfg)
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------
-# The public entry points (autograd through the custom ops of kernels/library.py)
+# The custom ops cuboid::flash_attention and cuboid::flash_attention_backward (kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::flash_attention", mutates_args=())
+def _flash(q: Tensor, k: Tensor, v: Tensor, mask_u8: Optional[Tensor], doc_q: Optional[Tensor],
+           doc_k: Optional[Tensor], causal: bool, scale: float, win_lo: Optional[int]) -> Tuple[Tensor, Tensor]:
+    """(out (B, H, Sq, D), lse (B, H, Sq) fp32) of the Triton forward."""
+    return _flash_fwd(q, k, v, mask_u8, causal, scale, None if doc_q is None else (doc_q, doc_k), win_lo)
+
+
+@register_fake("cuboid::flash_attention")
+def _flash_fake(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo):
+    B, H, Sq, D = q.shape
+    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+@custom_op("cuboid::flash_attention_backward", mutates_args=())
+def _flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    mask_u8: Optional[Tensor], doc_q: Optional[Tensor], doc_k: Optional[Tensor], causal: bool,
+                    scale: float, win_lo: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the Triton backward kernels; dk, dv summed over each group of query heads."""
+    docs = None if doc_q is None else (doc_q, doc_k)
+    return _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, causal, scale, docs, win_lo)
+
+
+@register_fake("cuboid::flash_attention_backward")
+def _flash_backward_fake(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, causal, scale, win_lo):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_setup(ctx, inputs, output):
+    q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k)
+    ctx.causal, ctx.scale, ctx.win_lo = causal, scale, win_lo
+    ctx.set_materialize_grads(False)
+
+
+def _flash_grad(ctx, dout, dlse):
+    q, k, v, out, lse, mask_u8, doc_q, doc_k = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
+    dq, dk, dv = _flash_backward(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, ctx.causal, ctx.scale,
+                                 ctx.win_lo)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+register_autograd("cuboid::flash_attention", _flash_grad, setup_context=_flash_setup)
+
+
+# ----------------------------------------------------------------------------
+# The public entry points (autograd through the custom ops above)
 # ----------------------------------------------------------------------------
 
 
@@ -309,8 +361,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         docs = kernel_doc_ids(doc_ids, doc_ids_k)
     win_lo = check_window(window, window_shift, q, k)
-    return library.flash_attention_backward(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8,
-                                            *(docs or (None, None)), causal, scale, win_lo)
+    return _flash_backward(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, *(docs or (None, None)),
+                           causal, float(scale), win_lo)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -375,5 +427,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     doc_q = doc_k = None
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         doc_q, doc_k = kernel_doc_ids(doc_ids, doc_ids_k)
-    out, lse = library.flash_attention(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo)
+    out, lse = _flash(q, k, v, mask_u8, doc_q, doc_k, causal, float(scale), win_lo)
     return (out, lse) if return_lse else out

@@ -2,11 +2,11 @@
 
 Three launches, no atomics, deterministic:
 
-- ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O) - dlse`` per query row.
-- ``_attn_bwd_dkdv_kernel``: one program per block of BLOCK_N keys of one K/V head; it keeps K, V and the fp32
+- ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O) - dlse`` per query row.
+- ``attn_bwd_dkdv_kernel``: one program per block of BLOCK_N keys of one K/V head; it keeps K, V and the fp32
   dK, dV tiles on chip and walks the query blocks (BLOCK_M rows each) that see its keys, over every query head of
   its group (grouped-query heads sum into the same tiles).
-- ``_attn_bwd_dq_kernel``: one program per block of BLOCK_M queries; it keeps Q, dO and the fp32 dQ tile and walks
+- ``attn_bwd_dq_kernel``: one program per block of BLOCK_M queries; it keeps Q, dO and the fp32 dQ tile and walks
   the key blocks (BLOCK_N each) its rows see.
 
 The two passes take their own tiles (the launcher's ``_config(..., "dkdv")`` and ``"dq"``): each owns a tall
@@ -31,11 +31,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .flash_attention_fwd import _doc_span, _key_loop_bounds, _tile_ids
+from .flash_attention_fwd import doc_span, key_loop_bounds, tile_ids
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
+def attn_bwd_preprocess_kernel(
     O,  # (B, H, Sq, D) forward output, any strides
     DO,  # (B, H, Sq, D) gradient of the output, any strides
     DLSE,  # (B, H, Sq) fp32 gradient of lse, contiguous; unused unless HAS_DLSE
@@ -45,7 +45,7 @@ def _attn_bwd_preprocess_kernel(
     H, SEQ_Q, HEAD_D,
     HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
+    pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -137,7 +137,7 @@ def _query_walk(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_Q, SEQ_K, 
     lo_n = offs_n
     hi_n = offs_n
     if HAS_DOCS:
-        lo, hi, lo_n, hi_n = _doc_span(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_K, BLOCK_N, BLOCK_M)
+        lo, hi, lo_n, hi_n = doc_span(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_K, BLOCK_N, BLOCK_M)
     elif IS_CAUSAL:
         lo = (tl.maximum(start_n - (SEQ_K - SEQ_Q), 0) // BLOCK_M) * BLOCK_M
     if HAS_WINDOW:  # key j is seen by queries i <= j - WIN_LO
@@ -157,7 +157,7 @@ def _query_walk(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_Q, SEQ_K, 
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
+def attn_bwd_dkdv_kernel(
     Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
     DO,  # (B, H, Sq, D) gradient of the output, any strides
     LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
@@ -179,7 +179,7 @@ def _attn_bwd_dkdv_kernel(
 ):
     # The group sum of dK/dV happens in the program's fp32 tiles: no (B, H, Sk, D) per-query-head temporaries,
     # no atomics. The price is Hkv (not H) programs per key block; long sequences keep the grid full.
-    pid_n, pid_bkv = _tile_ids(SEQ_K, BLOCK_N)  # pid_bkv = b * Hkv + hkv
+    pid_n, pid_bkv = tile_ids(SEQ_K, BLOCK_N)  # pid_bkv = b * Hkv + hkv
     Hkv = H // GROUP
     off_b = pid_bkv // Hkv
     off_hkv = pid_bkv % Hkv
@@ -270,7 +270,7 @@ def _dq_step(dq, q, do, lse, delta, lo_m, hi_m, k_base, v_base, mask_base, start
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
+def attn_bwd_dq_kernel(
     Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
     DO,  # (B, H, Sq, D) gradient of the output, any strides
     LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
@@ -290,7 +290,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
+    pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     start_m = pid_m * BLOCK_M
@@ -317,7 +317,7 @@ def _attn_bwd_dq_kernel(
     mask_base = MASK + off_b * stride_mb
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator
 
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
+    lo, hi, lo_m, hi_m = key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
                                           IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
     n_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N)
     if HAS_DOCS:

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _tile_ids(SEQ, BLOCK: tl.constexpr):
+def tile_ids(SEQ, BLOCK: tl.constexpr):
     """(block index along the sequence, batch * head index as int64) of this program.
 
     The grid is flat, (cdiv(SEQ, BLOCK) * B * heads,) on grid x (see :func:`_grid`):
@@ -22,7 +22,7 @@ def _tile_ids(SEQ, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _doc_span(RANGE_LO, RANGE_HI, off_b, start, offs, ok, SEQ, BLOCK: tl.constexpr, STEP: tl.constexpr):
+def doc_span(RANGE_LO, RANGE_HI, off_b, start, offs, ok, SEQ, BLOCK: tl.constexpr, STEP: tl.constexpr):
     """(lo, hi, lo_i, hi_i) of a tile of packed rows: the loop over the other side runs from the tile's first
     token's range start (rounded down to a STEP multiple) to its last token's range end; (lo_i, hi_i) are each
     token's range. ``RANGE_LO``/``RANGE_HI`` are (B, SEQ) int32 and non-decreasing along a row; the tile is
@@ -37,7 +37,7 @@ def _doc_span(RANGE_LO, RANGE_HI, off_b, start, offs, ok, SEQ, BLOCK: tl.constex
 
 
 @triton.jit
-def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO, IS_CAUSAL: tl.constexpr,
+def key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO, IS_CAUSAL: tl.constexpr,
                      HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
     """(lo, hi, lo_m, hi_m): the key loop [lo, hi) of the query tile whose first row is ``start_m`` (lo a
@@ -55,7 +55,7 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SE
     lo_m = offs_m
     hi_m = offs_m
     if HAS_DOCS:
-        lo, hi, lo_m, hi_m = _doc_span(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, BLOCK_M, BLOCK_N)
+        lo, hi, lo_m, hi_m = doc_span(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, BLOCK_M, BLOCK_N)
     elif IS_CAUSAL:
         hi = tl.minimum(SEQ_K, start_m + BLOCK_M + SEQ_K - SEQ_Q)
     if HAS_WINDOW:
@@ -64,7 +64,7 @@ def _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SE
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def attn_fwd_kernel(
     Q,  # (B, H, Sq, D) input, any strides
     K,  # (B, Hkv, Sk, D) input, any strides; H % Hkv == 0
     V,  # (B, Hkv, Sk, D) input, any strides
@@ -85,7 +85,7 @@ def _attn_fwd_kernel(
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
 ):
-    pid_m, pid_bh = _tile_ids(SEQ_Q, BLOCK_M)
+    pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
     off_h = pid_bh % H
     start_m = pid_m * BLOCK_M
@@ -107,7 +107,7 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
 
-    lo, hi, lo_m, hi_m = _key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
+    lo, hi, lo_m, hi_m = key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
                                           IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0

@@ -42,7 +42,7 @@ one ``torch.bmm`` (the padded-batch formulation; it reads ``max(counts)``, a
 host sync, acceptable for a reference).
 
 **torch.compile**: both paths run inside the custom ops ``cuboid::grouped_mm``
-and ``cuboid::grouped_mm_backward`` (kernels/library.py), whose fake
+and ``cuboid::grouped_mm_backward`` (defined below), whose fake
 implementations give the output shapes, so a compiled caller traces one graph
 (torch._grouped_mm's own fake kernel takes bf16 only, and the padded batch
 reads ``max(counts)``); the host check of counts (:func:`_check`) is skipped
@@ -63,9 +63,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import custom_op, register_autograd, register_fake
 
-from . import library
 from ._backend import check_floating, check_same_dtype, interpreter_active, picked, resolve_backend
+from .library import empty_output
 
 Tensor = torch.Tensor
 _OP = "grouped_mm"
@@ -321,6 +322,58 @@ def _padded_batch(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------
+# The custom ops cuboid::grouped_mm and cuboid::grouped_mm_backward (both paths; kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::grouped_mm", mutates_args=())
+def _grouped_mm(x: Tensor, w: Tensor, counts: Tensor, use_triton: bool) -> Tensor:
+    """(M, N): ``x[rows of g] @ w[g].T``, the Triton kernel or the torch path (torch._grouped_mm / padded bmm)."""
+    return _mm_triton(x, w, counts, transpose_b=True) if use_triton else _ref_values(x, w, counts)
+
+
+@register_fake("cuboid::grouped_mm")
+def _grouped_mm_fake(x, w, counts, use_triton):
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+@custom_op("cuboid::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(dy: Tensor, x: Tensor, w: Tensor, counts: Tensor, use_triton: bool, need_dx: bool,
+                         need_dw: bool) -> Tuple[Tensor, Tensor]:
+    """(dx (M, K) or empty, dw (G, N, K) or empty) for dy (M, N) in x's dtype."""
+    if use_triton:
+        dx = _mm_triton(dy, w, counts, transpose_b=False) if need_dx else None
+        dw = _dw_triton(dy, x, counts) if need_dw else None
+    else:
+        dx, dw = _ref_grads(dy, x, w, counts, need_dx, need_dw)
+    return (dx if dx is not None else empty_output(x)), (dw if dw is not None else empty_output(w))
+
+
+@register_fake("cuboid::grouped_mm_backward")
+def _grouped_mm_backward_fake(dy, x, w, counts, use_triton, need_dx, need_dw):
+    dx = x.new_empty(x.shape) if need_dx else empty_output(x)
+    return dx, (w.new_empty(w.shape) if need_dw else empty_output(w))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts, use_triton = inputs
+    ctx.save_for_backward(x, w, counts)
+    ctx.use_triton = use_triton
+
+
+def _grouped_mm_grad(ctx, dy):
+    x, w, counts = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if not (need_dx or need_dw):
+        return None, None, None, None
+    dx, dw = _grouped_mm_backward(dy.to(x.dtype), x, w, counts, ctx.use_triton, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+
+register_autograd("cuboid::grouped_mm", _grouped_mm_grad, setup_context=_grouped_mm_setup)
+
+
+# ----------------------------------------------------------------------------
 # Checks
 # ----------------------------------------------------------------------------
 
@@ -353,7 +406,7 @@ def _check(x, w, counts, *, triton_path: bool) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Public functions (through the op cuboid::grouped_mm, kernels/library.py)
+# Public functions (through the op cuboid::grouped_mm)
 # ----------------------------------------------------------------------------
 
 
@@ -361,7 +414,7 @@ def grouped_mm_ref(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """Plain-torch grouped matmul ``y[rows of g] = x[rows of g] @ w[g].T`` (no loop over groups; see the module
     docstring). fp32 / fp16 / bf16 / float64; differentiable w.r.t. x and w."""
     _check(x, w, counts, triton_path=False)
-    return library.grouped_mm(x, w, counts, False)
+    return _grouped_mm(x, w, counts, False)
 
 
 def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] = None) -> Tensor:
@@ -383,4 +436,4 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] =
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
     chosen = resolve_backend(_OP, [x, w, counts], backend)
     _check(x, w, counts, triton_path=chosen == "triton")
-    return library.grouped_mm(x, w, counts, chosen == "triton")
+    return _grouped_mm(x, w, counts, chosen == "triton")

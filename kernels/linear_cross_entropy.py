@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import custom_op, register_fake
 
-from . import library
 from ._backend import check_floating, check_same_dtype, resolve_backend
 
 Tensor = torch.Tensor
@@ -171,6 +171,33 @@ def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: in
 
 
 # ----------------------------------------------------------------------------
+# The custom ops cuboid::lce_stats and cuboid::lce_grad_ (the Triton path; kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::lce_stats", mutates_args=())
+def _lce_stats(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int) -> Tensor:
+    """(C, 3) fp32 (row max, sum of exp relative to it, target logit) of a chunk of logits."""
+    return _stats_triton(z, labels, n_valid, start, ignore_index)
+
+
+@register_fake("cuboid::lce_stats")
+def _lce_stats_fake(z, labels, n_valid, start, ignore_index):
+    return z.new_empty((z.shape[0], 3), dtype=torch.float32)
+
+
+@custom_op("cuboid::lce_grad_", mutates_args=("z",))
+def _lce_grad(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
+    """The chunk's logits ``z`` overwritten by their gradient (softmax minus the one-hot target)."""
+    _grad_triton(z, labels, lse, n_valid, start, ignore_index)
+
+
+@register_fake("cuboid::lce_grad_")
+def _lce_grad_fake(z, labels, lse, n_valid, start, ignore_index):
+    return None
+
+
+# ----------------------------------------------------------------------------
 # One chunk of rows, either backend
 # ----------------------------------------------------------------------------
 
@@ -231,7 +258,7 @@ def _whole_rows_torch(x: Tensor, z: Tensor, idx: Tensor, valid: Tensor, here: Te
 def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, reduce: Optional[Reduce],
                   ignore_index: int, grad: bool):
     """As :func:`_chunk_torch` with the two Triton row kernels (statistics in fp32; the same reduces)."""
-    stats = library.lce_stats(z, y, n_valid, start, ignore_index)
+    stats = _lce_stats(z, y, n_valid, start, ignore_index)  # no autograd: the fused loss makes its gradients
     m, s, target = stats.unbind(-1)
     if reduce is not None:
         mg = m.clone(memory_format=torch.contiguous_format)
@@ -244,7 +271,7 @@ def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int,
     rows = torch.where(valid, lse - target, 0.0)
     if not grad:
         return rows, None
-    library.lce_grad_(z, y, lse.contiguous(), n_valid, start, ignore_index)
+    _lce_grad(z, y, lse.contiguous(), n_valid, start, ignore_index)
     return rows, z
 
 

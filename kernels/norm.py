@@ -51,9 +51,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import custom_op, register_autograd, register_fake
 
-from . import library
 from ._backend import check_floating, picked, resolve_backend
+from .library import empty_output, or_none
 
 MAX_BLOCK_N = 65536  # widest row the Triton path normalises
 MAX_ONE_PASS = 8192  # widest row held in registers whole; wider rows loop over chunks (no spills)
@@ -492,6 +493,83 @@ def _norm_bwd_wide(dy2, dh2, xin, weight, mean, rstd, dx, is_rms: bool, compute_
 
 
 # ----------------------------------------------------------------------------
+# The custom ops cuboid::norm and cuboid::norm_backward (the Triton path; kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::norm", mutates_args=())
+def _norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+          is_rms: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, h or empty, mean or empty, rstd): the fused residual norm's forward."""
+    y, h, mean, rstd = _norm_fwd(x, weight, bias, residual, eps, is_rms)
+    f32 = torch.float32
+    h = h if h is not None else empty_output(x)
+    return y, h, (mean if mean is not None else empty_output(x, f32)), rstd
+
+
+@register_fake("cuboid::norm")
+def _norm_fake(x, weight, bias, residual, eps, is_rms):
+    rows = x.numel() // x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if residual is not None else empty_output(x)
+    mean = empty_output(x, torch.float32) if is_rms else x.new_empty((rows,), dtype=torch.float32)
+    return y, h, mean, x.new_empty((rows,), dtype=torch.float32)
+
+
+@custom_op("cuboid::norm_backward", mutates_args=())
+def _norm_backward(dy: Tensor, dh: Optional[Tensor], xin: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
+                   rstd: Tensor, is_rms: bool, compute_dw: bool, compute_db: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(d of the norm's input (M, N), dweight or empty, dbias or empty), fp32 parameter gradients."""
+    dx, dw, db = _norm_bwd(dy, dh, xin, weight, mean, rstd, is_rms, compute_dw, compute_db)
+    f32 = torch.float32
+    dw = dw if dw is not None else empty_output(xin, f32)
+    return dx, dw, (db if db is not None else empty_output(xin, f32))
+
+
+@register_fake("cuboid::norm_backward")
+def _norm_backward_fake(dy, dh, xin, weight, mean, rstd, is_rms, compute_dw, compute_db):
+    n = xin.shape[-1]
+    part = (lambda on: xin.new_empty((n,) if on else (0,), dtype=torch.float32))
+    return torch.empty_like(xin, memory_format=torch.contiguous_format), part(compute_dw), part(compute_db)
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, residual, eps, is_rms = inputs
+    y, h, mean, rstd = output
+    xin = h if residual is not None else x
+    ctx.save_for_backward(xin, weight, mean, rstd)
+    ctx.is_rms, ctx.shape, ctx.has_residual = is_rms, x.shape, residual is not None
+    ctx.has_bias = bias is not None
+    ctx.weight_dtype = None if weight is None else weight.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no weight gradient from h alone
+
+
+def _norm_grad(ctx, dy, dh, dmean, drstd):
+    xin, weight, mean, rstd = ctx.saved_tensors
+    n = ctx.shape[-1]
+    need_x, need_w, need_b, need_r = ctx.needs_input_grad[:4]
+    if not ctx.has_residual:
+        dh = None
+    if dy is None:  # only the returned h was used downstream: no weight/bias grads (like autograd)
+        dx = dh.reshape(ctx.shape).to(xin.dtype) if dh is not None else torch.zeros(ctx.shape, dtype=xin.dtype,
+                                                                                   device=xin.device)
+        return (dx if need_x else None), None, None, (dx if need_r else None), None, None
+    compute_dw = weight is not None and need_w
+    compute_db = ctx.has_bias and need_b
+    dx, dw, db = _norm_backward(dy, dh, xin.reshape(-1, n).contiguous(), weight, or_none(mean), rstd, ctx.is_rms,
+                                compute_dw, compute_db)
+    dx = dx.view(ctx.shape)
+    dw = dw.to(ctx.weight_dtype) if compute_dw else None
+    db = db.to(ctx.bias_dtype) if compute_db else None
+    return (dx if need_x else None), dw, db, (dx if need_r else None), None, None
+
+
+register_autograd("cuboid::norm", _norm_grad, setup_context=_norm_setup)
+
+
+# ----------------------------------------------------------------------------
 # Torch references (also the CPU path)
 # ----------------------------------------------------------------------------
 
@@ -578,7 +656,8 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
     if resolve_backend("layer_norm", [x, weight, bias, residual], backend) == "torch":
         return _layer_norm_torch(x, weight, bias, eps, residual)
     _check_hidden("layer_norm", x.shape[-1])
-    return library.norm(x, _dense(weight), _dense(bias), residual, float(eps), False)
+    y, h, _, _ = _norm(x, _dense(weight), _dense(bias), residual, float(eps), False)
+    return (y, h) if residual is not None else y
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
@@ -592,4 +671,5 @@ def rms_norm(x: Tensor, weight: Optional[Tensor], eps: float = 1e-6,
     if resolve_backend("rms_norm", [x, weight, residual], backend) == "torch":
         return _rms_norm_torch(x, weight, eps, residual)
     _check_hidden("rms_norm", x.shape[-1])
-    return library.norm(x, _dense(weight), None, residual, float(eps), True)
+    y, h, _, _ = _norm(x, _dense(weight), None, residual, float(eps), True)
+    return (y, h) if residual is not None else y

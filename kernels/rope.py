@@ -40,8 +40,8 @@ from typing import Mapping, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch.library import custom_op, register_autograd, register_fake
 
-from . import library
 from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
@@ -345,6 +345,41 @@ def _table_grad(dq, dk, q, k, rot: bool, like: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------
+# The custom op cuboid::rope (the Triton path; kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::rope", mutates_args=())
+def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> Tuple[Tensor, Tensor]:
+    """(q_rot, k_rot) in one launch; ``backward``: the transposed rotation (the gradient's map)."""
+    return _rope_launch(q, k, cos, sin, backward)
+
+
+@register_fake("cuboid::rope")
+def _rope_fake(q, k, cos, sin, backward):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin, backward = inputs
+    tables = cos.requires_grad or sin.requires_grad
+    ctx.save_for_backward(cos, sin, q if tables else None, k if tables else None)
+
+
+def _rope_grad(ctx, dq_rot, dk_rot):
+    cos, sin, q, k = ctx.saved_tensors
+    dq_rot = dq_rot if dq_rot is not None else torch.zeros_like(q)
+    dk_rot = dk_rot if dk_rot is not None else torch.zeros_like(k)
+    dq, dk = _rope(dq_rot, dk_rot, cos, sin, True)
+    dcos = _table_grad(dq_rot, dk_rot, q, k, False, cos) if ctx.needs_input_grad[2] else None
+    dsin = _table_grad(dq_rot, dk_rot, q, k, True, sin) if ctx.needs_input_grad[3] else None
+    return dq, dk, dcos, dsin, None
+
+
+register_autograd("cuboid::rope", _rope_grad, setup_context=_rope_setup)
+
+
+# ----------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------
 
@@ -375,4 +410,4 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: Optional[st
         if cos.requires_grad or sin.requires_grad or not wants_grad:
             return _rope_torch(q, k, cos, sin)
         return _RopeTorchFunction.apply(q, k, cos, sin)
-    return library.rope(q, k, cos, sin)
+    return _rope(q, k, cos, sin, False)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.library import custom_op, register_autograd, register_fake
 
-from . import library
 from ._backend import check_floating, check_same_dtype, picked, resolve_backend
 
 Tensor = torch.Tensor
@@ -188,6 +188,45 @@ class _SwiGLUTorchFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------
+# The custom ops cuboid::swiglu and cuboid::swiglu_backward (the Triton path; kernels/library.py says how)
+# ----------------------------------------------------------------------------
+
+
+@custom_op("cuboid::swiglu", mutates_args=())
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of (M, N) rows (unit column stride), contiguous."""
+    return _swiglu_fwd(gate, up)
+
+
+@register_fake("cuboid::swiglu")
+def _swiglu_fake(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@custom_op("cuboid::swiglu_backward", mutates_args=())
+def _swiglu_backward(dy: Tensor, gate: Tensor, up: Tensor) -> Tuple[Tensor, Tensor]:
+    """(dgate, dup) of (M, N) rows, the gate recomputed."""
+    return _swiglu_bwd(dy, gate, up)
+
+
+@register_fake("cuboid::swiglu_backward")
+def _swiglu_backward_fake(dy, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_grad(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return _swiglu_backward(_rows(dy.to(gate.dtype), gate.shape[1]), gate, up)
+
+
+register_autograd("cuboid::swiglu", _swiglu_grad, setup_context=_swiglu_setup)
+
+
+# ----------------------------------------------------------------------------
 # Public function
 # ----------------------------------------------------------------------------
 
@@ -214,4 +253,5 @@ def swiglu(gate: Tensor, up: Tensor, *, backend: Optional[str] = None) -> Tensor
                 gate.requires_grad or up.requires_grad):
             return _SwiGLUTorchFunction.apply(gate, up)
         return _swiglu_torch(gate, up)
-    return library.swiglu(gate, up)
+    n = gate.shape[-1]
+    return _swiglu(_rows(gate, n), _rows(up, n)).view(gate.shape)

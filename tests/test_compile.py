@@ -5,7 +5,7 @@
   with no break (``torch._dynamo.explain``), and ``fullgraph=True`` compilation through
   AOTAutograd gives one forward and one backward graph, whose loss and
   gradients equal eager's (fp32, 1e-5), for plain, padded and packed batches.
-- The Triton custom ops (kernels/library.py) pass ``torch.library.opcheck``
+- The Triton custom ops (each kernel file registers its own) pass ``torch.library.opcheck``
   (fake impl, schema, autograd registration) under the interpreter, and a
   function built from them compiles in one graph with eager's values.
 - One inductor compile (a one-block Llama) checks the generated code's
@@ -22,7 +22,13 @@ from torch._dynamo.backends.common import aot_autograd
 
 import cuboid
 import cuboid.kernels as kernels
-from cuboid.kernels import library  # noqa: F401 (registers the torch.ops.cuboid ops)
+# each kernel file registers its torch.ops.cuboid ops when imported
+import cuboid.kernels.flash_attention  # noqa: F401
+import cuboid.kernels.grouped_gemm  # noqa: F401
+import cuboid.kernels.linear_cross_entropy  # noqa: F401
+import cuboid.kernels.norm  # noqa: F401
+import cuboid.kernels.rope  # noqa: F401
+import cuboid.kernels.swiglu  # noqa: F401
 
 FAMILIES = ["gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug"]
 # the mixture-of-experts presets, with the router's auxiliary loss in the loss (so in the graph)

@@ -268,7 +268,7 @@ def _worker_init():
 
 @contextlib.contextmanager
 def real_custom_ops(modules):
-    """Run the torch custom ops defined in ``modules`` (cuboid.kernels.library's ``cuboid::*``) on meta tensors
+    """Run the torch custom ops defined in ``modules`` (the kernel files' ``cuboid::*``) on meta tensors
     through their real implementations, which launch the kernels (recorded by :func:`intercept`), instead of
     their fake ones, which only give shapes (torch makes the fake implementation the meta device's kernel)."""
     from torch._library.custom_ops import CustomOpDef
@@ -295,7 +295,7 @@ def run_gate(jobs: Optional[int] = None, full: bool = False, only: Optional[List
     from cuboid.kernels import _backend
 
     t0 = time.perf_counter()
-    modules = kernel_modules()  # every module (cuboid.kernels.library's ops call into the others)
+    modules = kernel_modules()  # every module: each defines its own cuboid:: ops
     if only:
         keep = set(only) | {m for m, by in DRIVEN_BY.items() if by in only}
         modules = [(name, mod) for name, mod in modules if name in keep]

@@ -57,7 +57,7 @@ def test_backward_tiles_are_the_launchers(monkeypatch):
         return dict(cfg, **{"fwd": dict(BLOCK_M=32, BLOCK_N=16), "dkdv": dict(BLOCK_M=16, BLOCK_N=64),
                             "dq": dict(BLOCK_M=64, BLOCK_N=16)}[kernel])
 
-    for name in ("_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
+    for name in ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
         kern = getattr(attention_mod, name)
 
         class Spy:
@@ -71,6 +71,6 @@ def test_backward_tiles_are_the_launchers(monkeypatch):
     monkeypatch.setattr(attention_mod, "_config", tiles)
     q, k, v, _ = make_inputs(1, 2, 130, 130, 16, F32)
     check_window_vs_ref(q, k, v, True, None)
-    assert dict(seen) == {"_attn_bwd_dkdv_kernel": (3 * 2,), "_attn_bwd_dq_kernel": (3 * 2,)}
+    assert dict(seen) == {"attn_bwd_dkdv_kernel": (3 * 2,), "attn_bwd_dq_kernel": (3 * 2,)}
     with pytest.raises(ValueError, match="kernel must be one of"):
         real(64, F16, "bwd")

@@ -101,8 +101,8 @@ def test_grids_within_cuda_limits(gate):
 def test_attention_with_b_times_h_2_17_launches(gate):
     launches = [launch for launch in gate["launches"] if launch["case"] == "attention grid b8192 h16 s256"]
     kernels = {launch["kernel"] for launch in launches}
-    assert kernels == {"_attn_fwd_kernel", "_attn_bwd_preprocess_kernel", "_attn_bwd_dkdv_kernel",
-                       "_attn_bwd_dq_kernel"}
+    assert kernels == {"attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+                       "attn_bwd_dq_kernel"}
     for launch in launches:
         x, y, z = launch["grid"]
         assert y == z == 1 and 8192 * 16 <= x < 2 ** 31, launch
@@ -110,7 +110,7 @@ def test_attention_with_b_times_h_2_17_launches(gate):
 
 def test_attention_with_document_ids_is_compiled(gate):
     """Packed rows' kernels (HAS_DOCS) for every dtype and head-dim row, forward and both backward passes."""
-    attn = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+    attn = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
     seen = {(v["kernel"], v["signature"]["Q"][1:], v["shown"]["BLOCK_D"]) for v in gate["variants"]
             if v["kernel"] in attn and v["shown"].get("HAS_DOCS") and not all(c.startswith("[") for c in v["cases"])}
     want = {(k, dt, d) for k in attn for dt, dims in (("fp32", (32, 64, 128, 256)), ("fp16", (64, 128, 256)),
@@ -124,7 +124,7 @@ def test_attention_is_compiled_at_lengths_that_are_not_multiples_of_16(gate):
     """Launches reach the kernels with any length: for fp16 and bf16, head dims 64 and 128, the forward and both
     backward kernels are compiled at an odd length (1000), causal and not, with a key padding mask, and at a
     multiple of 16, and the two make different variants (the length's divisibility is specialised)."""
-    attn = ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel")
+    attn = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
     for kernel in attn:
         for dt in ("float16", "bfloat16"):
             for d in (64, 128):
