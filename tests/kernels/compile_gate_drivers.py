@@ -249,4 +249,5 @@ DRIVERS: Dict[str, Callable[[object, object], None]] = {
 DRIVEN_BY: Dict[str, str] = {
     "flash_attention_bwd": "flash_attention",
     "flash_attention_fwd": "flash_attention",
+    "norm_wide": "norm",
 }
