@@ -1,6 +1,8 @@
 """cuboid.kernels: Triton kernels with torch references and autograd Functions.
 
-One file per op (docs/architecture.md). The public functions choose their backend
+One file per op (docs/architecture.md); each file registers its Triton path as
+torch custom ops (``torch.ops.cuboid.*``; :mod:`cuboid.kernels.library` says
+how) when imported. The public functions choose their backend
 explicitly (see :mod:`cuboid.kernels._backend`). Submodules are imported on
 first use, so ``import cuboid.kernels`` does no work: no Triton import, no
 device probing, no autotuning.
