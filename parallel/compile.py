@@ -16,7 +16,8 @@ for that piece instead of failing. On one device and under the plans the
 tests run (dp, ZeRO-3, tp1d, pp) the values equal eager's.
 
 The kernels need nothing more: their Triton paths are custom ops
-(:mod:`cuboid.kernels.library`) and their torch paths plain torch.
+that each kernel file registers (:mod:`cuboid.kernels.library` says how) and their torch paths plain
+torch.
 """
 from __future__ import annotations
 
