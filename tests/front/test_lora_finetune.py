@@ -56,14 +56,10 @@ def test_lora_finetune_saves_adapters_and_resumes_exactly(tmp_path):
         assert (ours(input_ids=ids).logits - theirs(input_ids=ids).logits).abs().max() < 1e-5
 
 
-def test_sft_lora_on_a_mixture_of_experts(tmp_path):
-    """`cuboid finetune --task sft --lora --plan dp=2,ep=2` on a small local Qwen3-MoE folder (a dense layer between
-    sparse ones; each rank holds half of the experts and their adapters): the line says the experts train, the
-    loss falls, final/ verifies against its record (tokenizer inside), and
-    peft on transformers gives cuboid's logits with the final adapters (attention and experts)."""
+def _moe_run(tmp_path, *extra):
+    """A small local Qwen3-MoE folder (a dense layer between sparse ones, 4 experts) with a chat tokenizer, and
+    `cuboid finetune --task sft --plan dp=2,ep=2 <extra>` on chat rows: (folder, tokenizer, run folder, stderr)."""
     import transformers as T
-
-    from cuboid.zoo import checkpoint
 
     from . import chat_fixtures as CF
     from .test_finetune import cli, metrics
@@ -80,14 +76,27 @@ def test_sft_lora_on_a_mixture_of_experts(tmp_path):
             for c in CF.conversations(16, seed=7)]
     data = CF.write_jsonl(rows, tmp_path / "chat.jsonl")
     run = tmp_path / "run"
-    rc, _, err = cli("finetune", "--model", str(base), "--data", str(data), "--task", "sft", "--lora", "r=4,alpha=8",
-                     "--plan", "dp=2,ep=2", "--max-length", "96", "--steps", "6", "--batch-size", "4", "--lr", "2e-2",
+    rc, _, err = cli("finetune", "--model", str(base), "--data", str(data), "--task", "sft", *extra,
+                     "--plan", "dp=2,ep=2", "--max-length", "96", "--steps", "6", "--batch-size", "4",
                      "--log-every", "1", "--eval-every", "6", "--no-progress", "--no-plot", "--output-dir", str(run),
                      timeout=600)
     assert rc == 0, err[-3000:]
-    assert "the experts of 2 sparse layers are adapted (gate_up, down" in err, err[-3000:]
     losses = [m["loss"] for m in metrics(run)]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+    return base, tok, run, err
+
+
+def test_sft_lora_on_a_mixture_of_experts(tmp_path):
+    """`cuboid finetune --task sft --lora --plan dp=2,ep=2` on a small local Qwen3-MoE folder (a dense layer between
+    sparse ones; each rank holds half of the experts and their adapters): the line says the experts train, the
+    loss falls, final/ verifies against its record (tokenizer inside), and
+    peft on transformers gives cuboid's logits with the final adapters (attention and experts)."""
+    import transformers as T
+
+    from cuboid.zoo import checkpoint
+
+    base, tok, run, err = _moe_run(tmp_path, "--lora", "r=4,alpha=8", "--lr", "2e-2")
+    assert "the experts of 2 sparse layers are adapted (gate_up, down" in err, err[-3000:]
     final = run / "final"
     assert checkpoint.verify(final)["files"] > 3 and (final / "tokenizer.json").is_file()
 
@@ -98,4 +107,22 @@ def test_sft_lora_on_a_mixture_of_experts(tmp_path):
         want, got = hf(input_ids=ids).logits, ours(input_ids=ids).logits
         plain = T.Qwen3MoeForCausalLM.from_pretrained(str(base)).eval()(input_ids=ids).logits
     assert (want - plain).abs().max() > 1e-3  # the adapters moved the logits
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_sft_full_finetune_of_a_mixture_of_experts(tmp_path):
+    """The same run without LoRA (every weight trains, each rank holding half of the experts): the loss falls, and
+    transformers loads final/ (experts gathered from both ranks into the per-expert layout) with the logits
+    cuboid's final model gives, which differ from the base's."""
+    import transformers as T
+
+    base, tok, run, _ = _moe_run(tmp_path, "--lr", "5e-3")
+    final = run / "final"
+    ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(1))
+    theirs = T.Qwen3MoeForCausalLM.from_pretrained(str(final)).eval()
+    ours = cuboid.load(str(final)).eval()
+    with torch.no_grad():
+        want, got = theirs(input_ids=ids).logits, ours(input_ids=ids).logits
+        plain = T.Qwen3MoeForCausalLM.from_pretrained(str(base)).eval()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-3  # the run changed the weights
     assert (got - want).abs().max() / want.abs().max() < 1e-5
