@@ -208,6 +208,9 @@ class Plan:
                 raise ValueError(f"a mixture-of-experts layer routes whole tokens, which tp_mode {self.tp_mode} cuts "
                                  "into hidden blocks: use tp_mode 1d, under which the experts stay whole on the tp "
                                  "ranks")
+            if getattr(model_config, "qk_norm_width", "head") == "full" and self.tp > 1:
+                raise ValueError("q/k norms over all heads' width (OLMoE) under tensor parallelism are not built: "
+                                 "each tp rank holds some heads, and the norm needs them all; use dp, sp, pp or ep")
             if experts and self.tp_sequence:
                 raise ValueError("tp_sequence with a mixture-of-experts model is not built: its routers and "
                                  "experts would see T / tp tokens; use tp without tp_sequence")

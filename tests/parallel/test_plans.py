@@ -69,6 +69,7 @@ OTHERS = tuple(f for f in FAMILIES if f not in LLAMA)
 # a mixture-of-experts preset (Qwen3-MoE: router, 8 experts top 2) trained with its load-balancing loss
 # (output_router_logits): test_moe_plans_on_2_ranks runs its enumeration (ep plans included) on it
 MOE = ("qwen3-moe-debug",)
+MOE_OTHERS = ("mixtral-debug", "olmoe-debug")  # the other two MoE families (test_moe_plans.py): a few plans each
 KV_HEADS = (1, 2, 4)  # the Llama family's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
 
 
@@ -81,7 +82,7 @@ def family_options(name, plan, index):
 
     if name == "vit-debug":
         return {}
-    if name in MOE:
+    if name in MOE + MOE_OTHERS:
         return {"vocab_size": 510, "output_router_logits": True}
     if name not in LLAMA:
         return {"vocab_size": 510}
@@ -104,14 +105,14 @@ def families_of(index, one_family):
     count of :func:`family_options` (turned by ``index % 3``) and over 18 each with and without its
     classification head."""
     if not one_family:
-        return FAMILIES + MOE
+        return FAMILIES + MOE + MOE_OTHERS
     return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
 
 
 def global_batch(name, model, size=8):
     """test_data_parallel's global batch of family ``name`` (a Llama-family preset's as llama-debug's: a label per
     row for the classification head)."""
-    return dp_batch("llama-debug" if name in LLAMA + MOE else name, model, size)
+    return dp_batch("llama-debug" if name in LLAMA + MOE + MOE_OTHERS else name, model, size)
 
 
 def even_batch(name, model, size=8):
@@ -321,7 +322,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
-                micro = plan.microbatches if name in MOE else 1  # the auxiliary loss is per micro-batch
+                micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
                 want = reference(name, kind, pipelined, size, extra, packs(plan), micro, dp)
                 dist.barrier()
                 start = time.perf_counter()
@@ -542,60 +543,3 @@ def test_every_enumerated_plan_on_8_ranks():
         assert g["threads"][1] == g["threads"][0], (rank, f"{GROUP_LOADS} loads", g)
     print(f"{GROUP_LOADS} loads under {GROUPS_PLAN}: threads {results[0][2]['threads']}, groups "
           f"{results[0][2]['groups']}, {max(g['seconds'] for _, _, g in results):.1f} s")
-
-
-def moe_plans(world: int, pipeline: bool = True) -> list:
-    """The plans of the mixture-of-experts preset's enumeration on ``world`` ranks (ep plans included); with
-    ``pipeline`` False, those without pp."""
-    from cuboid import zoo
-    from cuboid.parallel.cost.space import enumerate_plans
-
-    return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if pipeline or p.pp == 1]
-
-
-# recompute with the experts' all-to-alls inside the recomputed blocks, beside the enumeration's plans
-MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", "sp=2,ep=2,checkpoint=full",
-                 "pp=2,microbatches=2,checkpoint=selective"]}
-
-
-def moe_worker(world: int):
-    return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE)
-
-
-def test_moe_plans_on_2_ranks():
-    """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration (dp with ep=1 and 2,
-    ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep over the sequence
-    ranks, pp=2 under each schedule) and MOE_EXTRA (recompute, full and selective): one device's losses,
-    outputs and parameters, as every plan above (one device with the plan's micro-batches, :func:`micro_order`)."""
-    plans = moe_plans(2)
-    assert {p.ep for p in plans} == {1, 2} and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
-    assert any(p.pp == 2 for p in plans)
-    reports = run_world(moe_worker, 2, 2, timeout=900)
-    check(reports)
-    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans} | set(MOE_EXTRA[2])
-
-
-def test_moe_plans_on_4_ranks():
-    """As :func:`test_moe_plans_on_2_ranks` on 4 ranks: ep 2 and 4 beside dp, sp, ZeRO, tp1d and pp."""
-    plans = moe_plans(4)
-    assert {p.ep for p in plans} == {1, 2, 4} and any(p.pp > 1 and p.ep > 1 for p in plans)
-    reports = run_world(moe_worker, 4, 4, timeout=1500)
-    check(reports)
-    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
-
-
-def moe_sample_worker(world: int):
-    return plan_parity_worker(moe_plans(world)[::MOE_EIGHT_STRIDE], rotate=True, families=MOE)
-
-
-MOE_EIGHT_STRIDE = 7  # 8 ranks: every 7th of the 331 plans (48; the whole enumeration would add ~6 minutes to CI)
-
-
-def test_moe_plans_on_8_ranks():
-    """As :func:`test_moe_plans_on_2_ranks` on 8 ranks, over every MOE_EIGHT_STRIDE-th plan of the enumeration
-    (ep 2, 4 and 8 among them)."""
-    plans = moe_plans(8)[::MOE_EIGHT_STRIDE]
-    assert {p.ep for p in plans} >= {1, 2, 4, 8}, {p.ep for p in plans}
-    reports = run_world(moe_sample_worker, 8, 8, timeout=1500)
-    check(reports)
-    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}

@@ -1,0 +1,83 @@
+"""Plan parity for mixtures of experts: the MoE preset's own enumeration (ep plans included) on 2, 4 and 8 ranks,
+through :func:`test_plans.plan_parity_worker` (the public path, one device's run with the plan's micro-batches
+as the reference: the auxiliary loss is per micro-batch), and the other two MoE families on a few plans each.
+
+qwen3-moe-debug (a dense layer between sparse ones, 8 experts top 2, its load-balancing loss trained:
+``output_router_logits``) runs every plan of its 2- and 4-rank enumerations and every MOE_EIGHT_STRIDE-th of
+its 8-rank one; Mixtral (fp32 routing weights, every layer sparse) and OLMoE (q/k norms over all heads' width,
+no renormalised top-k) run dp x ep, sp x ep and pp on 2 ranks.
+"""
+from .launch import run_world
+from .test_plans import MOE, MOE_OTHERS, check, plan_parity_worker
+
+
+def moe_plans(world: int, pipeline: bool = True) -> list:
+    """The plans of the mixture-of-experts preset's enumeration on ``world`` ranks (ep plans included); with
+    ``pipeline`` False, those without pp."""
+    from cuboid import zoo
+    from cuboid.parallel.cost.space import enumerate_plans
+
+    return [p for p in enumerate_plans(zoo.config_of(MOE[0]), world, batch=8) if pipeline or p.pp == 1]
+
+
+# recompute with the experts' all-to-alls inside the recomputed blocks, beside the enumeration's plans
+MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", "sp=2,ep=2,checkpoint=full",
+                 "pp=2,microbatches=2,checkpoint=selective"]}
+
+
+def moe_worker(world: int):
+    return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE)
+
+
+def test_moe_plans_on_2_ranks():
+    """qwen3-moe-debug with its auxiliary loss under every 2-rank plan of its enumeration (dp with ep=1 and 2,
+    ZeRO 0-3, tp1d with the experts whole on both ranks, sp ring and all-to-all with ep over the sequence
+    ranks, pp=2 under each schedule) and MOE_EXTRA (recompute, full and selective): one device's losses,
+    outputs and parameters, as every plan above (one device with the plan's micro-batches, :func:`micro_order`)."""
+    plans = moe_plans(2)
+    assert {p.ep for p in plans} == {1, 2} and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
+    assert any(p.pp == 2 for p in plans)
+    reports = run_world(moe_worker, 2, 2, timeout=900)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans} | set(MOE_EXTRA[2])
+
+
+def test_moe_plans_on_4_ranks():
+    """As :func:`test_moe_plans_on_2_ranks` on 4 ranks: ep 2 and 4 beside dp, sp, ZeRO, tp1d and pp."""
+    plans = moe_plans(4)
+    assert {p.ep for p in plans} == {1, 2, 4} and any(p.pp > 1 and p.ep > 1 for p in plans)
+    reports = run_world(moe_worker, 4, 4, timeout=1500)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+
+
+def moe_sample_worker(world: int):
+    return plan_parity_worker(moe_plans(world)[::MOE_EIGHT_STRIDE], rotate=True, families=MOE)
+
+
+MOE_EIGHT_STRIDE = 7  # 8 ranks: every 7th of the 331 plans (48; the whole enumeration would add ~6 minutes to CI)
+
+
+def test_moe_plans_on_8_ranks():
+    """As :func:`test_moe_plans_on_2_ranks` on 8 ranks, over every MOE_EIGHT_STRIDE-th plan of the enumeration
+    (ep 2, 4 and 8 among them)."""
+    plans = moe_plans(8)[::MOE_EIGHT_STRIDE]
+    assert {p.ep for p in plans} >= {1, 2, 4, 8}, {p.ep for p in plans}
+    reports = run_world(moe_sample_worker, 8, 8, timeout=1500)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+
+
+OTHER_PLANS = ["dp=2,ep=2", "sp=2,sp_mode=all_to_all,ep=2", "pp=2,microbatches=2"]
+
+
+def moe_others_worker(world: int):
+    return plan_parity_worker(OTHER_PLANS, rotate=True, families=MOE_OTHERS)
+
+
+def test_other_moe_families_on_2_ranks():
+    """Mixtral and OLMoE with their auxiliary loss under dp x ep, all-to-all sp x ep and pp=2: one device's
+    losses, outputs and parameters."""
+    reports = run_world(moe_others_worker, 2, 2, timeout=900)
+    check(reports)
+    assert {k.split("/")[0] for k in reports[0]} == set(OTHER_PLANS)
