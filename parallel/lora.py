@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cuboid.kernels as kernels
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 
@@ -227,8 +228,6 @@ class LoraExperts:
     adapted weight gains its low-rank term, ``x W_e^T + s (x A_e^T) B_e^T`` for the rows of expert ``e``."""
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        from cuboid import kernels
-
         y = super().project(name, x, counts)
         if name not in self.lora_weights:
             return y
