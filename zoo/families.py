@@ -67,44 +67,30 @@ def _llama_shape(c: LlamaConfig) -> Shape:
     counts hold them."""
     windows = [c.window_of(i) for i in range(c.n_layers)]
     windowed = [w for w in windows if w]
-    experts = getattr(c, "n_experts", 0) or 0
-    sparse = sum(1 for i in range(c.n_layers) if c.is_sparse(i)) if experts else 0
+    experts = c.n_experts
     return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
                  tied_head=c.head == "lm" and c.tie_embeddings, kv_heads=c.n_kv_heads, head_dim=c.head_dim,
                  gated_mlp=True, window=max(windowed, default=0), window_layers=len(windowed),
                  experts=experts, top_k=c.experts_per_token if experts else 0,
-                 expert_hidden=(c.moe_hidden or c.mlp_hidden) if experts else 0, sparse_layers=sparse,
+                 expert_hidden=c.expert_hidden if experts else 0, sparse_layers=len(c.sparse_layers),
                  aux_loss=bool(experts and c.output_router_logits),
                  head_norm=2 * c.head_dim if c.qk_norm and c.qk_norm_width == "head" else 0, **_counts(c))
 
 
-EXPERTS = ".mlp.experts."  # the experts' parameters (moe.md: blocks.N.mlp.experts.gate_up / .down)
-
-
 @functools.lru_cache(maxsize=64)
 def _counts(config) -> dict:
-    """``parameters`` and ``active_parameters`` of a config's model, counted on a meta build (exact by
-    construction: every parameter once, tied ones once). Active: a sparse layer's experts count ``k / E`` of
-    their parameters, the ``experts_per_token`` of ``n_experts`` a token goes to."""
+    """``parameters`` and ``active_parameters`` of a config's model: the total counted on a meta build (exact by
+    construction: every parameter once, tied ones once), less the experts a token leaves idle
+    (:attr:`LlamaConfig.inactive_parameters`) for the active ones."""
     from .common import count_parameters
 
-    model = _build_meta(config)
-    total = count_parameters(model)
-    experts = getattr(config, "n_experts", 0) or 0
-    idle = 0
-    if experts:
-        held = sum(p.numel() for n, p in model.named_parameters() if EXPERTS in f".{n}")
-        idle = held * (experts - config.experts_per_token) // experts
+    with torch.device("meta"):
+        total = count_parameters(_BUILDS[type(config)](config))
+    idle = config.inactive_parameters if isinstance(config, LlamaConfig) else 0
     return {"parameters": total, "active_parameters": total - idle}
 
 
-def _build_meta(config) -> nn.Module:
-    fam = next(f for f in FAMILIES.values() if isinstance(config, _CONFIGS[f.name]))
-    with torch.device("meta"):
-        return fam.build(config)
-
-
-_CONFIGS = {"gpt": GPTConfig, "bert": BertConfig, "vit": ViTConfig, "llama": LlamaConfig}
+_BUILDS = {GPTConfig: _GPT.build, BertConfig: _BERT.build, ViTConfig: _VIT.build, LlamaConfig: _LLAMA.build}
 
 
 SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape}

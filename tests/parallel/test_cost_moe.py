@@ -39,8 +39,11 @@ def test_preset_counts_total_and_active(name):
 
     config = zoo.config_of(name)
     shape = Shape.of(config)
-    assert shape.parameters == PRESETS[name] == zoo.count_parameters(zoo.build(config))
-    assert shape.active_parameters == shape.parameters - config.inactive_parameters
+    model = zoo.build(config)
+    assert shape.parameters == PRESETS[name] == zoo.count_parameters(model)
+    # idle: (E - k) / E of the experts' parameters the model holds
+    held = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert shape.parameters - shape.active_parameters == held * (shape.experts - shape.top_k) // shape.experts
     assert shape.sparse and shape.sparse_layers == len(config.sparse_layers) == config.n_layers
     # a token uses k of E experts in every sparse layer; everything else it uses whole
     experts = shape.sparse_layers * shape.experts * 3 * shape.dim * shape.expert_width
