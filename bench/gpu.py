@@ -88,7 +88,7 @@ from gpu_tune import tune_sweep  # noqa: E402
 # in the order they run: what the issue asks first, the compiled steps (tens of seconds of compiling) after them
 PARTS = ("checks", "train", "generate", "main", "compiled", "timing", "tune")
 BUDGET_S = 345.0  # the call's 6 minutes, less start-up and the report
-# seconds a kernel part takes on one H200 (measured 2026-12-04: 83, 47, 23 s), the budget's estimates
+# the budget's estimate of the seconds each kernel part takes on one GPU
 PART_GUESS_S = {"checks": 90.0, "timing": 60.0, "tune": 30.0}
 
 

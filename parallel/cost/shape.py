@@ -112,9 +112,8 @@ class Shape:
         """fp32 elements per token a block keeps for backward beyond a dense one, averaged over the layers: a
         sparse layer keeps, besides what a gated MLP of width ``top_k x expert_width`` keeps, ``3 k h + E + 8 k``:
         the ``k`` routed copies of its input, the experts' outputs and their weighted copies, the router's
-        logits, and int64 indices per choice (2 elements each). Measured on CPU (bench/checkpointing.py's
-        tracker; dim 256, 8 experts, k = 2, 4, 8: the formula within 2 elements), the same bytes under bf16 autocast
-        (the stream and the copies stay fp32)."""
+        logits, and int64 indices per choice (2 elements each); the same bytes under bf16 autocast (the stream and
+        the copies stay fp32). bench/checkpointing.py's tracker measures what a block keeps."""
         if not self.sparse:
             return 0.0
         k = self.top_k
