@@ -153,3 +153,19 @@ def test_what_peft_could_not_read_is_refused(folders):
         cuboid.load(folder, lora="r=2,alpha=4,targets=gate")
     with pytest.raises(ValueError, match="has no mixture of experts"):
         cuboid.load("llama-debug", lora="r=2,alpha=4,targets=experts")
+
+
+def test_checkpoint_save_writes_experts_only_adapters(folders, tmp_path):
+    """``checkpoint.save`` of a model whose only adapters are on the experts (every linear plain) writes the
+    adapter folder, which loads back to the same logits."""
+    from cuboid.zoo import checkpoint as ckpt
+
+    folder = folders["MixtralForCausalLM"]
+    model = _with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=experts")).eval()
+    assert not plora.adapted(model) and plora.adapted_experts(model)
+    out = ckpt.save(model, tmp_path / "a")
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    ckpt.verify(out)
+    ids = _ids(model, 7)
+    with torch.no_grad():
+        assert torch.equal(cuboid.load(folder, lora=out).eval()(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -62,9 +62,9 @@ __all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve"
 def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None):
     """:func:`.writer.save` (its docstring says what is written); a LoRA model's adapters (and ``tokenizer``)
     as a peft folder under its commit file (:func:`.lora_state.save_adapters`)."""
-    from cuboid.parallel import lora as plora
+    from .adapters import has_adapters
 
-    if plora.adapted(model):
+    if has_adapters(model):
         if optimizer is not None or scheduler is not None or state is not None:
             raise CheckpointError("a LoRA model's optimizer, scheduler and state are saved by "
                                   "cuboid.zoo.lora.save_checkpoint(model, path, optimizer=..., ...)")

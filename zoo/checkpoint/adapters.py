@@ -29,6 +29,13 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters (``cuboid.zoo.lora.attach``): read off its config ``model.lora``,
+    the same on every rank, not off the layers this rank holds (a pipeline stage may hold no adapted layer,
+    an experts-only adapter leaves every linear plain)."""
+    return getattr(model, "lora", None) is not None
+
+
 def hf_modules(model: nn.Module) -> dict:
     """zoo weight name -> (HF module names, in the row's order) for the model's architecture."""
     family = family_of(model)

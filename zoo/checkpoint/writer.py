@@ -28,11 +28,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from cuboid.parallel import lora as plora
 from cuboid.parallel import zero
 
 from ..families import family_of
 from . import folder as folder_mod
+from .adapters import has_adapters
 from .format import (COMMIT_KEY, HASH_PLACEHOLDER, HEADER_PLACEHOLDER, INDEX, OPTIMIZER_INDEX, TRAINER_STATE,
                      CheckpointError, FileRecord, StreamWriter, fsync_file, layout, sha256_file, write_json)
 from .shards import ShardPlan, Size, Source, model_sources, plan_shards
@@ -265,7 +265,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     holds); its training state goes through ``cuboid.zoo.lora.save_checkpoint``.
     """
     path = folder_mod.real(path)
-    if plora.adapted(model):
+    if has_adapters(model):
         raise CheckpointError("a LoRA model is saved by cuboid.zoo.checkpoint.save (its adapters) or "
                               "cuboid.zoo.lora.save_checkpoint (with its optimizer and state)")
     rank, world = dist_info()
