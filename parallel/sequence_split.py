@@ -32,7 +32,7 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
    backward is scaled by ``sp`` (the mean over ``dp`` of the sum over ``sp``). Logits and hidden states are gathered
    over ``sp`` (and put back in order) only when read;
 6. a mixture of experts records the router statistics of the rank's tokens (the padding excluded); their aux
-   loss is that of the statistics summed over ``sp`` (:meth:`SequenceSplit.balance`, or the plan's
+   loss is that of the statistics summed over ``sp`` (:class:`~.experts.BalanceReduce` over ``sp``, or the plan's
    ``balance_reduce`` over ``dp x sp``), added to the loss as on one device; ``router_logits`` are gathered
    over ``sp`` when read (:class:`~.moe_stream.GatheredLogits`).
 """
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .experts import BalanceReduce
 from .mask import Mask
 from .moe_stream import Routing, recording_of
 from .sequence import (ZigzagDocs, all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
@@ -114,28 +115,6 @@ class _SumOverSp(torch.autograd.Function):
         return g * ctx.sp, None, None
 
 
-class _BalanceOverSp(torch.autograd.Function):
-    """The auxiliary loss of router statistics spread over ``sp``: counts, probsum and tokens (each rank's
-    tokens, summed over its layers) summed over the group in one all-reduce, the loss of the sums out
-    (:func:`~.moe.balance_loss`). Backward: this rank's ``probsum`` term's gradient (``n_experts * counts /
-    tokens ** 2``, with the summed counts and tokens) times ``sp``, as :class:`_SumOverSp`'s."""
-
-    @staticmethod
-    def forward(ctx, probsum, counts, tokens, group, sp, n_experts):
-        E = counts.shape[0]
-        whole = torch.cat([counts.float(), probsum.detach().float(), tokens.reshape(1).float()]).contiguous()
-        comm.all_reduce_(whole, group)
-        counts, probsum, tokens = whole[:E], whole[E:2 * E], whole[2 * E]
-        ctx.save_for_backward(counts * (n_experts / (tokens * tokens)))
-        ctx.sp = sp
-        return n_experts * torch.sum(counts * probsum) / (tokens * tokens)
-
-    @staticmethod
-    def backward(ctx, g):
-        weight, = ctx.saved_tensors
-        return g * ctx.sp * weight, None, None, None, None, None
-
-
 class _FromFirstRank(torch.autograd.Function):
     """Forward: sp rank 0's tensor on every rank. Backward: the gradients summed on rank 0 (zero elsewhere)."""
 
@@ -178,6 +157,8 @@ class SequenceSplit:
         self.shifted = bool(getattr(spec, "shifted_labels", False))
         self.pooled_first = bool(getattr(spec, "pooled_first", False))
         self.routing = Routing.of(model)  # a mixture of experts: its router statistics are recorded
+        # under sp alone, the recorder's reduce: the aux loss of the statistics summed over sp
+        self.balance = BalanceReduce(self.group) if self.routing is not None else None
 
     def swap_attention(self, mode: str) -> int:
         """Replace every attention core of the model by the sp one; returns how many."""
@@ -290,14 +271,9 @@ class SequenceSplit:
         keep = F.pad(keep.to(torch.bool), (0, tokens * self.sp - keep.shape[1]), value=False)
         return self._split(keep).reshape(-1)
 
-    def balance(self, counts, probsum, tokens, n_experts: int) -> torch.Tensor:
-        """The recorder's reduce under sp: the auxiliary loss of the statistics summed over ``sp``, this
-        rank's ``probsum`` term differentiated (the data-parallel average over ``dp x sp`` then sums them)."""
-        return _BalanceOverSp.apply(probsum, counts, tokens, self.group, self.sp, n_experts)
-
     def reduce_for(self) -> Callable:
         """The statistics' reduction: the plan's ``balance_reduce`` on the model (``dp x sp``, set by prepare
-        where data parallelism spreads a forward's tokens too), else the sum over ``sp``."""
+        where data parallelism spreads a forward's tokens too), else the sum over ``sp`` (:attr:`balance`)."""
         return getattr(self.model, "balance_reduce", None) or self.balance
 
     def gather_router(self, logits: torch.Tensor, tokens: int, length: int) -> torch.Tensor:
