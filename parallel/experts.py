@@ -62,7 +62,8 @@ from . import comm
 from .layers import Placement
 
 __all__ = ["ExpertParallel", "shard_experts", "expert_modules", "expert_parameters", "all_to_all_v",
-           "exchange_counts", "dispatch_bytes", "ExpertGrads", "BalanceReduce", "install_balance_reduce"]
+           "exchange_counts", "dispatch_bytes", "ExpertGrads", "average_grads", "BalanceReduce",
+           "install_balance_reduce"]
 
 ROLE = "experts"  # the spec role of a mixture-of-experts layer's experts
 
@@ -288,23 +289,32 @@ class ExpertGrads:
     def set_sync(self, enabled: bool) -> None:
         self.sync = bool(enabled)
 
-    @torch.no_grad()
     def _reduce(self) -> None:
         self._queued = False
-        params = self.params
-        if not params:
-            return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        comm.all_reduce_(flat, self.group)
-        flat /= comm.group_size(self.group)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p.grad))
-            off += n
+        average_grads(self.params, self.group)
+
+
+@torch.no_grad()
+def average_grads(params: list, group) -> None:
+    """The gradients of the trainable ``params`` averaged over ``group``, one flat all-reduce per dtype. The
+    list must be the same on every rank of the group: a parameter without a gradient sends zeros."""
+    by_dtype: dict = {}
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    size = comm.group_size(group)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce_(flat, group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
 
 
 # ----------------------------------------------------------------- the load-balancing loss under plans

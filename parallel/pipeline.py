@@ -48,7 +48,7 @@ from . import comm
 from cuboid.kernels.flash_attention import doc_ids_from_positions
 
 from .batch import pad_batch, split_batch
-from .experts import expert_modules, expert_parameters
+from .experts import average_grads, expert_modules, expert_parameters
 from .mask import Mask
 from .moe_stream import Routing, recording_of
 from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
@@ -586,26 +586,6 @@ class Pipeline:
         if group is None or self.zero is not None or self.fsdp:  # ZeRO reduce-scatters (1, 2: at the step)
             return
         experts = {id(p) for p in expert_parameters(self.model)}
-        _average([p for p in self.params if id(p) not in experts], group, self.mesh.size(axis))
+        average_grads([p for p in self.params if id(p) not in experts], group)
         if experts and self.mesh.group("edp") is not None:
-            _average([p for p in self.params if id(p) in experts], self.mesh.group("edp"), self.mesh.size("edp"))
-
-
-def _average(params: list, group, size: int) -> None:
-    """The gradients of ``params`` averaged over ``group`` of ``size`` ranks, one flat all-reduce per dtype."""
-    by_dtype: dict = {}
-    for p in params:  # the same list on every rank of the group: a parameter without a gradient sends zeros
-        if not p.requires_grad:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        comm.all_reduce_(flat, group)
-        flat /= size
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+            average_grads([p for p in self.params if id(p) in experts], self.mesh.group("edp"))
