@@ -141,6 +141,18 @@ def _check_triton(op: str, device: torch.device) -> str:
     raise ValueError(f"{op}: backend='triton' cannot run on {device.type} tensors")
 
 
+def on_device(t: torch.Tensor):
+    """A context that makes ``t``'s CUDA device current for a kernel launch (nothing for other devices)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def dot_options(dtype: torch.dtype) -> dict:
+    """``UPCAST`` and ``PRECISION`` for kernels' ``tl.dot``: fp32 operands take "ieee" dots (as torch's fp32
+    matmul without TF32); bf16 tiles are upcast under the interpreter, whose bf16 arithmetic is broken."""
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_active())
+    return dict(UPCAST=upcast, PRECISION="ieee" if upcast else "tf32")
+
+
 def check_floating(op: str, name: str, t: torch.Tensor,
                    dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)) -> None:
     """Raise a ``TypeError`` naming ``name`` when ``t`` is not one of ``dtypes``."""

@@ -62,7 +62,7 @@ import torch
 import triton
 from torch.library import custom_op, register_autograd, register_fake
 
-from ._backend import interpreter_active, picked, resolve_backend
+from ._backend import dot_options, interpreter_active, picked, resolve_backend
 from .attention_torch import (  # noqa: F401 (re-exported)
     attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
 from .flash_attention_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
@@ -168,12 +168,6 @@ def _grid(seq: int, block: int, heads: int) -> tuple:
     return (n,)
 
 
-def _dot_options(dtype: torch.dtype) -> dict:
-    # bf16 arithmetic is broken in the interpreter: upcast the tiles there.
-    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_active())
-    return dict(UPCAST=upcast, PRECISION="ieee" if upcast else "tf32")
-
-
 def _mask_args(mask: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple:
     if mask is None:
         return fallback, 0, 0
@@ -234,7 +228,7 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
         H, H // Hkv, Sq, Sk, D, scale * _LOG2E, 0 if win_lo is None else win_lo,
         IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, HAS_WINDOW=win_lo is not None,
-        **_dot_options(q.dtype), **cfg,
+        **dot_options(q.dtype), **cfg,
     )
     return out, lse
 
@@ -265,7 +259,7 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
               H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
-                 HAS_WINDOW=win_lo is not None, **_dot_options(q.dtype))
+                 HAS_WINDOW=win_lo is not None, **dot_options(q.dtype))
     cfg = _config(D, q.dtype, "dkdv")
     attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags, **cfg)

@@ -56,7 +56,6 @@ import or launch time).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -65,7 +64,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, register_autograd, register_fake
 
-from ._backend import check_floating, check_same_dtype, interpreter_active, picked, resolve_backend
+from ._backend import check_floating, check_same_dtype, dot_options, on_device, picked, resolve_backend
 from .library import empty_output
 
 Tensor = torch.Tensor
@@ -182,14 +181,6 @@ def _gmm_dw_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _on_device(t: Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _dot_flags(dtype: torch.dtype) -> dict:
-    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreter_active())
-    return dict(UPCAST=upcast, PRECISION="ieee" if dtype == torch.float32 else "tf32")
-
 
 def _cfg(table: dict, dtype: torch.dtype, tensors, *sizes: int) -> Tuple[int, int, int, int, int]:
     """The picked entry of ``table``'s row for ``dtype``, the operands' alignment and the strides and sizes the
@@ -225,10 +216,10 @@ def _mm_triton(a: Tensor, b: Tensor, counts: Tensor, transpose_b: bool) -> Tenso
     stride_br, stride_bc = (b.stride(2), b.stride(1)) if transpose_b else (b.stride(1), b.stride(2))
     block_m, block_n, block_k, warps, stages = _cfg(_MM_CFG, a.dtype, (a, b), C)
     grid = (triton.cdiv(M, block_m) + G, triton.cdiv(C, block_n))
-    with _on_device(a):
+    with on_device(a):
         _gmm_kernel[grid](a, b, out, _offsets(counts), _offsets(counts, block_m), M, R, C, G,
                           a.stride(0), a.stride(1), b.stride(0), stride_br, stride_bc, out.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_dot_flags(a.dtype),
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot_options(a.dtype),
                           num_warps=warps, num_stages=stages)
     return out
 
@@ -243,10 +234,10 @@ def _dw_triton(dy: Tensor, x: Tensor, counts: Tensor) -> Tensor:
     dw = torch.empty((G, N, K), dtype=x.dtype, device=x.device)
     block_m, block_n, block_k, warps, stages = _cfg(_DW_CFG, x.dtype, (dy, x), K)
     grid = (triton.cdiv(N, block_n) * triton.cdiv(K, block_k), G)
-    with _on_device(x):
+    with on_device(x):
         _gmm_dw_kernel[grid](dy, x, dw, _offsets(counts), M, N, K, dy.stride(0), dy.stride(1), x.stride(0),
                              x.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                             **_dot_flags(x.dtype), num_warps=warps, num_stages=stages)
+                             **dot_options(x.dtype), num_warps=warps, num_stages=stages)
     return dw
 
 

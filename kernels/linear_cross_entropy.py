@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, register_fake
 
-from ._backend import check_floating, check_same_dtype, resolve_backend
+from ._backend import check_floating, check_same_dtype, on_device, resolve_backend
 
 Tensor = torch.Tensor
 Reduce = Callable[[Tensor, str], Tensor]
@@ -142,9 +142,6 @@ def _lce_grad_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _on_device(t: Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
 
 def _launch_cfg(n_cols: int) -> tuple:
     """(BLOCK_V, num_warps) of the row programs: one heuristic, no autotune."""
@@ -156,7 +153,7 @@ def _stats_triton(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_in
     stats = torch.empty((z.shape[0], 3), dtype=torch.float32, device=z.device)
     if z.shape[0]:
         block, warps = _launch_cfg(z.shape[1])
-        with _on_device(z):
+        with on_device(z):
             _lce_stats_kernel[(z.shape[0],)](z, labels, stats, z.shape[1], n_valid, start, ignore_index, z.stride(0),
                                              BLOCK_V=block, num_warps=warps)
     return stats
@@ -165,7 +162,7 @@ def _stats_triton(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_in
 def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
     if z.shape[0]:
         block, warps = _launch_cfg(z.shape[1])
-        with _on_device(z):
+        with on_device(z):
             _lce_grad_kernel[(z.shape[0],)](z, labels, lse, z.shape[1], n_valid, start, ignore_index, z.stride(0),
                                             BLOCK_V=block, num_warps=warps)
 

@@ -44,7 +44,6 @@ kernels/norm_wide.py; their launchers are here.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional, Tuple, Union
 
@@ -54,7 +53,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, register_autograd, register_fake
 
-from ._backend import check_floating, picked, resolve_backend
+from ._backend import check_floating, on_device, picked, resolve_backend
 from .library import empty_output, or_none
 from .norm_wide import norm_bwd_dwdb_kernel, norm_bwd_wide_kernel, norm_fwd_wide_kernel
 
@@ -247,9 +246,6 @@ def _num_bwd_programs(device: torch.device, M: int, block_m: int) -> int:
     return max(1, min(target, triton.cdiv(M, block_m)))
 
 
-def _on_device(t: Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
 
 def _rows(t: Tensor, N: int) -> Tensor:
     """View ``t`` as (M, N) rows with unit column stride (copying only if needed)."""
@@ -270,7 +266,7 @@ def _norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], resid
     mean = None if is_rms else torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M > 0 and block_n > MAX_ONE_PASS:
-        with _on_device(x):
+        with on_device(x):
             norm_fwd_wide_kernel[(M,)](
                 x2, r2, weight, bias, y, h, mean, rstd, M, N,
                 x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
@@ -278,7 +274,7 @@ def _norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], resid
                 HAS_B=bias is not None, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_WARPS,
             )
     elif M > 0:
-        with _on_device(x):
+        with on_device(x):
             _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
                 x2, r2, weight, bias, y, h, mean, rstd, M, N,
                 x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
@@ -308,7 +304,7 @@ def _norm_bwd(dy: Optional[Tensor], dh: Optional[Tensor], xin: Tensor, weight: O
     grid = max(1, triton.cdiv(M, rows_per_prog))
     dw_part = torch.empty((grid, N), dtype=torch.float32, device=xin.device) if compute_dw else None
     db_part = torch.empty((grid, N), dtype=torch.float32, device=xin.device) if compute_db else None
-    with _on_device(xin):
+    with on_device(xin):
         _norm_bwd_kernel[(grid,)](
             dy2, dh2, xin, weight, mean, rstd, dx, dw_part, db_part, M, N, rows_per_prog,
             dy2.stride(0), dh2.stride(0) if dh2 is not None else 0,
@@ -324,7 +320,7 @@ def _norm_bwd(dy: Optional[Tensor], dh: Optional[Tensor], xin: Tensor, weight: O
 def _norm_bwd_wide(dy2, dh2, xin, weight, mean, rstd, dx, is_rms: bool, compute_dw: bool, compute_db: bool):
     """The backward for rows wider than MAX_ONE_PASS: dx row by row, dweight / dbias column-parallel."""
     M, N = xin.shape
-    with _on_device(xin):
+    with on_device(xin):
         norm_bwd_wide_kernel[(M,)](
             dy2, dh2, xin, weight, mean, rstd, dx, M, N,
             dy2.stride(0), dh2.stride(0) if dh2 is not None else 0,
@@ -339,7 +335,7 @@ def _norm_bwd_wide(dy2, dh2, xin, weight, mean, rstd, dx, is_rms: bool, compute_
     groups = max(1, triton.cdiv(M, rows_per_prog))
     dw_part = torch.empty((groups, N), dtype=torch.float32, device=xin.device) if compute_dw else None
     db_part = torch.empty((groups, N), dtype=torch.float32, device=xin.device) if compute_db else None
-    with _on_device(xin):
+    with on_device(xin):
         norm_bwd_dwdb_kernel[(col_blocks, groups)](
             dy2, xin, mean, rstd, dw_part, db_part, M, N, rows_per_prog, dy2.stride(0),
             IS_RMS=is_rms, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,

@@ -33,7 +33,6 @@ of ``BLOCK_H`` x ``D / 2`` so any head count fits.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Mapping, Optional, Tuple
 
@@ -42,7 +41,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, register_autograd, register_fake
 
-from ._backend import check_floating, check_same_dtype, picked, resolve_backend
+from ._backend import check_floating, check_same_dtype, on_device, picked, resolve_backend
 
 Tensor = torch.Tensor
 _OP = "rope"
@@ -127,9 +126,6 @@ def _rope_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _on_device(t: Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
 
 def _table3(t: Tensor, B: int) -> Tuple[Tensor, Tuple[int, int, int]]:
     """A (T, D) / (1, T, D) / (B, T, D) table and its (batch, token, dim) strides (batch 0 when shared)."""
@@ -156,7 +152,7 @@ def _rope_launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool)
     num_warps = picked(_OP, (num_warps, 2 * num_warps))
     cos, cs = _table3(cos, B)
     sin, ss = _table3(sin, B)
-    with _on_device(q):
+    with on_device(q):
         _rope_kernel[(B * T,)](
             q, k, qo, ko, cos, sin,
             *q.stride(), *k.stride(), *qo.stride(), *ko.stride(), *cs, *ss,

@@ -23,7 +23,6 @@ tiles the columns so any N fits.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, register_autograd, register_fake
 
-from ._backend import check_floating, check_same_dtype, picked, resolve_backend
+from ._backend import check_floating, check_same_dtype, on_device, picked, resolve_backend
 
 Tensor = torch.Tensor
 _OP = "swiglu"
@@ -94,9 +93,6 @@ def _swiglu_bwd_kernel(
 # ----------------------------------------------------------------------------
 
 
-def _on_device(t: Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
 
 def _rows(t: Tensor, N: int) -> Tensor:
     """View ``t`` as (M, N) rows with unit column stride (copying only if needed)."""
@@ -116,7 +112,7 @@ def _swiglu_fwd(g2: Tensor, u2: Tensor) -> Tensor:
     y = torch.empty((M, N), dtype=g2.dtype, device=g2.device)
     if M * N:
         block_n, col_progs, num_warps = _launch_cfg(N)
-        with _on_device(g2):
+        with on_device(g2):
             _swiglu_fwd_kernel[(M, col_progs)](g2, u2, y, N, g2.stride(0), u2.stride(0),
                                                BLOCK_N=block_n, num_warps=num_warps)
     return y
@@ -128,7 +124,7 @@ def _swiglu_bwd(dy2: Tensor, g2: Tensor, u2: Tensor) -> Tuple[Tensor, Tensor]:
     du = torch.empty((M, N), dtype=u2.dtype, device=u2.device)
     if M * N:
         block_n, col_progs, num_warps = _launch_cfg(N)
-        with _on_device(g2):
+        with on_device(g2):
             _swiglu_bwd_kernel[(M, col_progs)](dy2, g2, u2, dg, du, N, dy2.stride(0), g2.stride(0), u2.stride(0),
                                                BLOCK_N=block_n, num_warps=num_warps)
     return dg, du
