@@ -189,9 +189,7 @@ def _cfg(table: dict, dtype: torch.dtype, tensors, *sizes: int) -> Tuple[int, in
     if dtype == torch.float32:
         return picked(_OP, table["fp32"])
     ints = [s for t in tensors for s in t.stride()] + list(sizes)
-    # traced (torch.compile) pointers have no address: assumed aligned, as fresh allocations are
-    ptrs_ok = torch.compiler.is_compiling() or all(t.data_ptr() % 16 == 0 for t in tensors)
-    aligned = ptrs_ok and all(s == 1 or s % 16 == 0 for s in ints)
+    aligned = all(t.data_ptr() % 16 == 0 for t in tensors) and all(s == 1 or s % 16 == 0 for s in ints)
     return picked(_OP, table["half" if aligned else "half-unaligned"])
 
 
@@ -355,8 +353,6 @@ def _grouped_mm_setup(ctx, inputs, output):
 def _grouped_mm_grad(ctx, dy):
     x, w, counts = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    if not (need_dx or need_dw):
-        return None, None, None, None
     dx, dw = _grouped_mm_backward(dy.to(x.dtype), x, w, counts, ctx.use_triton, need_dx, need_dw)
     return (dx if need_dx else None), (dw if need_dw else None), None, None
 
