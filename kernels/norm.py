@@ -391,8 +391,6 @@ def _norm_setup(ctx, inputs, output):
     xin = h if residual is not None else x
     ctx.save_for_backward(xin, weight, mean, rstd)
     ctx.is_rms, ctx.shape, ctx.has_residual = is_rms, x.shape, residual is not None
-    ctx.has_bias = bias is not None
-    ctx.weight_dtype = None if weight is None else weight.dtype
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no weight gradient from h alone
@@ -409,11 +407,11 @@ def _norm_grad(ctx, dy, dh, dmean, drstd):
                                                                                    device=xin.device)
         return (dx if need_x else None), None, None, (dx if need_r else None), None, None
     compute_dw = weight is not None and need_w
-    compute_db = ctx.has_bias and need_b
+    compute_db = ctx.bias_dtype is not None and need_b
     dx, dw, db = _norm_backward(dy, dh, xin.reshape(-1, n).contiguous(), weight, or_none(mean), rstd, ctx.is_rms,
                                 compute_dw, compute_db)
     dx = dx.view(ctx.shape)
-    dw = dw.to(ctx.weight_dtype) if compute_dw else None
+    dw = dw.to(weight.dtype) if compute_dw else None
     db = db.to(ctx.bias_dtype) if compute_db else None
     return (dx if need_x else None), dw, db, (dx if need_r else None), None, None
 
