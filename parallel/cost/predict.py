@@ -192,8 +192,10 @@ def _timed_traffic(s: _Setting, rank: int, params: dict, stage: Stage, group_ran
     return timed, by_group
 
 
-def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks: dict, layout: str) -> dict:
-    """The step time parts of one rank (seconds), with its traffic."""
+def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks: dict, layout: str,
+                experts: list) -> dict:
+    """The step time parts of one rank (seconds), with its traffic; ``experts``: those of ``params`` that are a
+    mixture of experts' experts (:func:`.memory.expert_parameters`)."""
     plan, hw, shape = s.plan, s.hw, s.shape
     ps = trainable(params.values())
     timed, by_group = _timed_traffic(s, rank, params, stage, group_ranks)
@@ -207,9 +209,9 @@ def _rank_times(s: _Setting, rank: int, params: dict, stage: Stage, group_ranks:
     # an idle stage's core goes to the other ranks when there are more ranks than cores (CPU profiles)
     idle = max(0.0, 2.0 - s.per_node / hw.cores) if hw.cores and s.per_node > hw.cores else 1.0
     bubble_s = compute_s * bubble_fraction(plan) * min(idle, 1.0)
-    experts = {id(p) for p in expert_parameters(params, s.spec)} if plan.ep > 1 else set()
+    mine = {id(p) for p in experts} if plan.ep > 1 else set()
     shards = (plan.dp * plan.sp if plan.zero else 1, plan.dp * plan.sp // plan.ep if plan.zero else 1)
-    opt_bytes = sum(p.numel() / shards[id(p) in experts] for p in ps) * ADAMW_TOUCHED_BYTES
+    opt_bytes = sum(p.numel() / shards[id(p) in mine] for p in ps) * ADAMW_TOUCHED_BYTES
     optimizer_s = opt_bytes / hw.memory_bytes_per_s * s.crowd
     return dict(compute_s=compute_s, comm_s=comm_s, optimizer_s=optimizer_s, bubble_s=bubble_s,
                 step_s=compute_s + bubble_s + comm_s + optimizer_s, comm_total_s=sum(timed.values()),
@@ -293,7 +295,7 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         if peak["total"] > fullest:
             fullest = peak["total"]
             _take_memory(est, s, stage, peak, states, rank, lay)
-        times = _rank_times(s, rank, params, stage, mesh.group_ranks, lay)
+        times = _rank_times(s, rank, params, stage, mesh.group_ranks, lay, experts)
         if times["step_s"] > slowest:
             slowest = times["step_s"]
             _take_time(est, s, stage, times)

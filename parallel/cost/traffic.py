@@ -57,7 +57,7 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
     if plan.dp * plan.sp > 1:
         _add_gradients(out, shape, plan, params, [p for p in ps if id(p) not in experts], spec)
     if experts and plan.dp * plan.sp // plan.ep > 1:
-        _add_expert_gradients(out, plan, {n: p for n, p in params.items() if id(p) in experts}, ps, experts)
+        _add_expert_gradients(out, plan, {n: p for n, p in params.items() if id(p) in experts})
     if plan.pp > 1:
         _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
     if shape.sparse and plan.dp * plan.sp > 1:
@@ -205,12 +205,12 @@ def _add_balance(out: dict, shape: Shape, plan: Plan, stage: Stage) -> None:
     _add(out, ("all_reduce", "dpsp" if plan.sp > 1 else "dp"), m * _all_reduce(n, (2 * shape.experts + 1) * 4), m)
 
 
-def _add_expert_gradients(out: dict, plan: Plan, named: dict, ps: list, experts: set) -> None:
-    """The experts' gradients over ``edp`` (the ``dp x sp / ep`` ranks holding the same experts): one flat
-    all-reduce under plain data parallelism, ZeRO-1/2's buckets of their own, or FSDP2 units of their own (one
-    per expert layer)."""
+def _add_expert_gradients(out: dict, plan: Plan, named: dict) -> None:
+    """The gradients of the experts' parameters ``named`` over ``edp`` (the ``dp x sp / ep`` ranks holding the
+    same experts): one flat all-reduce under plain data parallelism, ZeRO-1/2's buckets of their own, or FSDP2
+    units of their own (one per expert layer)."""
     n = plan.dp * plan.sp // plan.ep
-    mine = [p for p in ps if id(p) in experts]
+    mine = trainable(named.values())
     if plan.zero == 0:
         _add(out, ("all_reduce", "edp"), _all_reduce(n, sum(p.numel() * p.element_size() for p in mine)))
     elif plan.zero in (1, 2):
