@@ -137,12 +137,13 @@ def read_config(folder) -> tuple:
 
 
 def check_record(folder) -> None:
-    """An adapter folder cuboid wrote (its commit file ``lora-adapters.json``) is checked against the SHA-256s
-    it records before anything is read; a peft folder from elsewhere has no record and is read as data."""
-    from .checkpoint.format import ADAPTERS_COMMIT
+    """A folder cuboid wrote (an adapter folder's ``lora-adapters.json`` or a training checkpoint's
+    ``lora-checkpoint.json``) is checked against the SHA-256s its commit file records before anything is read;
+    a peft folder from elsewhere has no record and is read as data."""
+    from .checkpoint.format import lora_commit
     from .checkpoint.lora_state import verify_lora
 
-    if (Path(folder) / ADAPTERS_COMMIT).is_file():
+    if lora_commit(Path(folder)) is not None:
         verify_lora(folder)
 
 

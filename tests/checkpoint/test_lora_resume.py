@@ -144,6 +144,11 @@ def test_an_adapter_rank_beyond_the_weights_is_refused_before_allocation(run, tm
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'r' must be a whole number"):
         cuboid.load(str(model), lora=str(folder))
+    ckpt = tmp_path / "checkpoint"  # a training checkpoint given as the adapters: its own record is checked
+    shutil.copytree(out / "checkpoint-2", ckpt)
+    (ckpt / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="adapter_config.json"):
+        cuboid.load(str(model), lora=str(ckpt))
 
 
 def _flat(folder):

@@ -78,10 +78,9 @@ def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, s
 def verify(path, *, require_checksums: bool = True) -> dict:
     """Check every file of a checkpoint against its recorded size and SHA-256 (:func:`.reader.verify`); a LoRA
     training checkpoint or adapter folder against its own commit file (:func:`.lora_state.verify_lora`)."""
-    from .format import ADAPTERS_COMMIT, LORA_COMMIT
+    from .format import lora_commit
     from .lora_state import verify_lora
 
-    root = resolve(path)
-    if (root / LORA_COMMIT).is_file() or (root / ADAPTERS_COMMIT).is_file():
+    if lora_commit(resolve(path)) is not None:
         return verify_lora(path)
     return verify_folder(path, require_checksums=require_checksums)

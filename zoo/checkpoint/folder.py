@@ -51,8 +51,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from .format import (ADAPTERS_COMMIT, INDEX, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError,
-                     read_header)
+from .format import INDEX, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, lora_commit, read_header
 
 # Fault-injection point for the crash tests: called with a stage name at every
 # step of a save on the writing rank ("begin", "file:<name>", "written",
@@ -113,8 +112,7 @@ def commit_record(path: Path) -> dict:
         files = dict(index["metadata"]["files"], **{INDEX: {}})
         wm = index.get("weight_map")
         files.update({f: {} for f in (wm.values() if isinstance(wm, dict) else ()) if isinstance(f, str)})
-    elif (path / LORA_COMMIT).is_file() or (path / ADAPTERS_COMMIT).is_file():  # a LoRA checkpoint or adapters
-        name = LORA_COMMIT if (path / LORA_COMMIT).is_file() else ADAPTERS_COMMIT
+    elif (name := lora_commit(path)) is not None:  # a LoRA checkpoint or adapters
         record = _json(path / name)
         if isinstance(record, dict) and isinstance(record.get("files"), dict):
             files = dict(record["files"], **{name: {}})

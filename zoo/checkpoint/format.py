@@ -55,6 +55,12 @@ ADAPTERS_COMMIT = "lora-adapters.json"  # a LoRA adapter folder's commit file (a
 _CHUNK = 8 << 20
 
 
+def lora_commit(root: Path) -> Optional[str]:
+    """The name of the LoRA commit file in the folder ``root`` (a training checkpoint's, else an adapter
+    folder's), or None."""
+    return next((n for n in (LORA_COMMIT, ADAPTERS_COMMIT) if (Path(root) / n).is_file()), None)
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete, corrupt, or does not fit the model."""
 

@@ -35,7 +35,7 @@ import torch
 from . import folder as folder_mod
 from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config, adapter_state
 from .format import (ADAPTERS_COMMIT, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord,
-                     parse_json, read_header, write_json)
+                     lora_commit, parse_json, read_header, write_json)
 from .shards import Source, meta, plan_shards
 from .stages import merge_optimizer_info, stage_layout
 from .state import dist_info, optimizer_sources, training_record
@@ -178,9 +178,9 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
 def commit_name(root: Path) -> str:
     """The LoRA commit file of the folder ``root`` (a training checkpoint's, else an adapter folder's), or a
     :class:`CheckpointError` when it has none."""
-    for name in COMMITS:
-        if (root / name).is_file():
-            return name
+    name = lora_commit(root)
+    if name is not None:
+        return name
     old = " (an older cuboid's LoRA checkpoint with pickled state, which cuboid no longer reads: " \
           "restart the run)" if (root / OLD_RANK_STATE).exists() else ""
     raise CheckpointError(f"{root}: not a LoRA training checkpoint: no {LORA_COMMIT}{old}")
