@@ -66,19 +66,8 @@ try:  # run as a script, tests/kernels is on sys.path; imported, the package pat
     import compile_gate_drivers as drivers
 except ImportError:
     from tests.kernels import compile_gate_drivers as drivers
-from_drivers = ("DRIVERS", "DRIVEN_BY", "_torch_names", "_dn", "_meta", "_backward", "_pick", "drive_flash_attention",
-                "drive_norm", "drive_rope", "drive_swiglu", "drive_optim", "drive_linear_cross_entropy",
-                "drive_grouped_gemm")
 DRIVERS, DRIVEN_BY = drivers.DRIVERS, drivers.DRIVEN_BY  # the drivers' own dicts: an entry added here counts there
-_torch_names, _dn, _meta, _backward, _pick = (drivers._torch_names, drivers._dn, drivers._meta, drivers._backward,
-                                              drivers._pick)
-
-
-def __getattr__(name):
-    """The drivers' helpers and dtype names (F32, F16, BF16, DTYPES: set once :func:`_torch_names` ran)."""
-    if name in from_drivers or name in ("F32", "F16", "BF16", "DTYPES"):
-        return getattr(drivers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_torch_names = drivers._torch_names
 
 TARGETS = {80: 163 * 1024, 90: 227 * 1024}  # arch -> max shared memory per block (bytes, opt-in)
 GRID_MAX = (2 ** 31 - 1, 65535, 65535)  # CUDA grid limits: x, y, z

@@ -7,7 +7,7 @@ alone by a subprocess (the test process has ``TRITON_INTERPRET=1``, whose kernel
 
     python tests/kernels/test_grouped_gemm_gate.py [--json out.json] [--full] [--jobs N]
 
-:func:`drive_grouped_gemm` is the module's driver (``DRIVERS["grouped_gemm"]`` in compile_gate.py can take it).
+:func:`drive_grouped_gemm` is the module's driver (``DRIVERS["grouped_gemm"]`` of compile_gate_drivers.py calls it).
 Launch configurations depend on the config row (half with 16-multiple strides, half without, fp32) and the
 autotune entry; the shapes select the rows and add the specializations Triton makes (one group). CI: every entry
 of every row (bf16 on an aligned MoE shape and an unaligned one, fp32), fp16 on entry 0, bf16 on one group;
@@ -50,10 +50,9 @@ def drive_grouped_gemm(gate, mod) -> None:
 
 
 def run(jobs=None, full=False) -> dict:
-    """compile_gate.run_gate over this module alone (its driver registered where the gate has none)."""
+    """compile_gate.run_gate over this module alone."""
     from tests.kernels import compile_gate as G
 
-    G.DRIVERS.setdefault("grouped_gemm", drive_grouped_gemm)
     return G.run_gate(jobs, full, only=["grouped_gemm"])
 
 
