@@ -84,11 +84,6 @@ class Shape:
         """One expert's MLP width."""
         return self.expert_hidden or self.hidden
 
-    @property
-    def expert_matrices(self) -> int:
-        """Weight matrices of one expert: gate, up and down (the experts are gated MLPs)."""
-        return 3
-
     def linear_macs(self) -> float:
         """Multiply-adds per token of all blocks' linears: attention's q, k, v, o, and per layer the dense MLP or,
         on a sparse layer, the router (``h E``) and the ``top_k`` experts a token goes to (``k 3 h I``: active
@@ -105,8 +100,9 @@ class Shape:
         return self.dim * self.experts if self.sparse else 0.0
 
     def expert_macs(self) -> float:
-        """Multiply-adds per token of one sparse layer's experts: its ``top_k`` experts' gate, up and down."""
-        return self.top_k * self.expert_matrices * self.dim * self.expert_width if self.sparse else 0.0
+        """Multiply-adds per token of one sparse layer's experts: its ``top_k`` experts' gate, up and down (the
+        experts are gated MLPs: three matrices each)."""
+        return self.top_k * 3 * self.dim * self.expert_width if self.sparse else 0.0
 
     def routed_elements(self) -> float:
         """fp32 elements per token a block keeps for backward beyond a dense one, averaged over the layers: a
