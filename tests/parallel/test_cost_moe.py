@@ -107,8 +107,8 @@ def _kept_by_a_forward(**fields) -> int:
 @pytest.mark.parametrize("k, width", [(2, 64), (4, 32)])
 def test_routed_activations_are_what_a_sparse_layer_keeps(k, width):
     """A sparse layer keeps, beyond a dense gated MLP of width k x I, Shape.routed_elements fp32 elements a token
-    (the routed copies, the experts' outputs, the router's logits, the indices), and at most 32 more: measured
-    1 to 25 elements a token and layer above it (3 k h is 1536 here), which the formula leaves out."""
+    (the routed copies, the experts' outputs, the router's logits, the indices), and at most 32 more: small
+    per-token tensors the formula leaves out (3 k h is 1536 here)."""
     from cuboid import zoo
     from cuboid.parallel.cost import Shape
 
