@@ -30,7 +30,8 @@ __all__ = ["BACKEND", "compile_blocks", "compiled_blocks"]
 BACKEND = "inductor"  # what the plan's ``compile`` uses; tests on CPU set "aot_eager" (no C++ code generation)
 
 
-def _blocks(model: nn.Module, blocks: str) -> nn.Module:
+def _blocks(model: nn.Module, blocks: str) -> list:
+    """The blocks of ``model.<blocks>``, in order."""
     try:
         container = model.get_submodule(blocks)
     except AttributeError:
@@ -38,7 +39,7 @@ def _blocks(model: nn.Module, blocks: str) -> nn.Module:
             from None
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         raise ValueError(f"compile: {blocks!r} is a {type(container).__name__}, not a list of blocks")
-    return container
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 
 
 def compile_blocks(model: nn.Module, blocks: str = "blocks", *, backend: Optional[str] = None,
@@ -51,9 +52,7 @@ def compile_blocks(model: nn.Module, blocks: str = "blocks", *, backend: Optiona
     again does nothing more. Under a pipeline plan only the blocks this rank holds are present; each is
     compiled the same way.
     """
-    container = _blocks(model, blocks)
-    children = container.values() if isinstance(container, nn.ModuleDict) else list(container)
-    for block in children:
+    for block in _blocks(model, blocks):
         if getattr(block, "_compiled_call_impl", None) is None:
             block.compile(backend=backend or BACKEND, options=options)
     return model
@@ -61,6 +60,4 @@ def compile_blocks(model: nn.Module, blocks: str = "blocks", *, backend: Optiona
 
 def compiled_blocks(model: nn.Module, blocks: str = "blocks") -> list[bool]:
     """Per block of ``model.<blocks>``: whether it runs compiled."""
-    container = _blocks(model, blocks)
-    children = container.values() if isinstance(container, nn.ModuleDict) else list(container)
-    return [getattr(b, "_compiled_call_impl", None) is not None for b in children]
+    return [getattr(b, "_compiled_call_impl", None) is not None for b in _blocks(model, blocks)]
