@@ -122,7 +122,7 @@ def run_checks(checks: list, K, cfg, dev, dtypes, section_s: dict) -> None:
 
 def run_timing(t: dict, K, cfg, dev, dry: bool, anchors: dict, peaks: tuple, tune: bool, timing: bool,
                section_s: dict) -> None:
-    """Parts 5 and 6 into ``t`` (rows, skipped, tune_rows, timing_errors, ceil)."""
+    """Parts 6 and 7 (timing, tune) into ``t`` (rows, skipped, tune_rows, timing_errors, ceil)."""
     bench = make_bench(dry)
     if dry:
         flash_ctx = contextlib.nullcontext  # no sdpa flash backend on CPU
@@ -181,8 +181,9 @@ def main(argv=None) -> int:
     print(header, flush=True)
     anchors = load_anchors(dry)
     peaks = device_peaks(dry)
-    plan = print_plan(anchors, peaks) + plan_lines(dry)
-    for line in plan_lines(dry):
+    lines = plan_lines(dry)
+    plan = print_plan(anchors, peaks) + lines
+    for line in lines:
         print(f"  - {line}")
     if dry:
         print("\n(dry run: the same code paths follow on CPU at tiny sizes; anchors that need CUDA are skipped)")
