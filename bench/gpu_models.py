@@ -131,18 +131,19 @@ def liger_patched(arch: str):
         patch()
         yield
     finally:
-        for name in set(vars(mod)) - set(saved):
-            delattr(mod, name)
-        for name, value in saved.items():
-            if vars(mod).get(name) is not value:
-                setattr(mod, name, value)
+        _restore(mod, saved)
         for name, attrs in classes.items():
-            cls = saved[name]
-            for key in set(vars(cls)) - set(attrs):
-                delattr(cls, key)
-            for key, value in attrs.items():
-                if vars(cls).get(key) is not value:
-                    setattr(cls, key, value)
+            _restore(saved[name], attrs)
+
+
+def _restore(obj, saved: dict) -> None:
+    """Give ``obj`` back the attributes ``saved`` (``dict(vars(obj))`` taken earlier): added ones removed,
+    changed ones set back."""
+    for key in set(vars(obj)) - set(saved):
+        delattr(obj, key)
+    for key, value in saved.items():
+        if vars(obj).get(key) is not value:
+            setattr(obj, key, value)
 
 
 def unavailable(impl: str) -> Optional[str]:
