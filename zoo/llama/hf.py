@@ -68,16 +68,29 @@ def config_from_hf(d: dict, arch_name: str) -> LlamaConfig:
         return config_from_gemma3(d, arch_name, spec["head"])
     if arch in MOE:
         return config_from_moe(d, arch_name, arch)
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
-    window = d.get("sliding_window")
-    if arch != "mistral" and not d.get("use_sliding_window", False):
-        window = None
+    _check_silu(d, arch_name)
+    window = _window(d, arch == "mistral")
     bias = d.get("attention_bias", arch == "qwen2")
     return LlamaConfig(**_common(d, arch_name, spec["head"]), rope_theta=_rope_theta(d), rope_scaling=_rope_scaling(d),
                        attention_bias=bool(bias), mlp_bias=bool(d.get("mlp_bias", False)), arch=arch,
                        qk_norm=arch == "qwen3", sliding_window=window, layer_types=_layer_types(d, arch, window))
+
+
+def _check_silu(d: dict, arch_name: str) -> None:
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
+
+
+def _window(d: dict, always: bool):
+    """The sliding window: on every layer for Mistral and Mixtral (``always``), else where use_sliding_window."""
+    return d.get("sliding_window") if always or d.get("use_sliding_window", False) else None
+
+
+def _gemma_options(c: LlamaConfig) -> bool:
+    """Whether ``c`` uses an option only a Gemma 3 export has (or a non-SiLU MLP)."""
+    return c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None \
+        or c.logit_softcap is not None or c.rope_local_theta is not None
 
 
 def _common(d: dict, arch_name: str, head: str) -> dict:
@@ -110,13 +123,11 @@ def _decoder_keys(c: LlamaConfig) -> dict:
 def config_from_moe(d: dict, arch_name: str, arch: str) -> LlamaConfig:
     """Qwen3MoeConfig, MixtralConfig, OlmoeConfig: the experts' fields; a window on every layer (Qwen3-MoE with
     use_sliding_window, Mixtral) or none (OLMoE)."""
-    act = d.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{arch_name} hidden_act {act!r} is not supported (silu)")
+    _check_silu(d, arch_name)
     for key in ("router_jitter_noise", "clip_qkv"):  # Mixtral's training noise, OLMoE's clipping
         if d.get(key):
             raise ValueError(f"{arch_name} with {key}={d[key]!r} is not supported (set it to 0 or null)")
-    window = d.get("sliding_window") if arch == "mixtral" or d.get("use_sliding_window", False) else None
+    window = _window(d, arch == "mixtral")
     experts = d.get("num_local_experts") if arch == "mixtral" else d.get("num_experts", d.get("num_local_experts"))
     # absent keys take transformers' config defaults (Mixtral always normalises its top-k weights)
     moe = dict(n_experts=experts, experts_per_token=d.get("num_experts_per_tok", 2 if arch == "mixtral" else 8),
@@ -134,8 +145,7 @@ def config_from_moe(d: dict, arch_name: str, arch: str) -> LlamaConfig:
 def config_to_moe(c: LlamaConfig) -> dict:
     """Qwen3MoeConfig, MixtralConfig or OlmoeConfig of a mixture-of-experts config."""
     want_norm = {"qwen3_moe": (True, "head"), "mixtral": (False, "head"), "olmoe": (True, "full")}[c.arch]
-    if c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None or c.logit_softcap is not None \
-            or c.rope_local_theta is not None or c.mlp_bias or c.layer_types is not None \
+    if _gemma_options(c) or c.mlp_bias or c.layer_types is not None \
             or (c.qk_norm, c.qk_norm_width if c.qk_norm else "head") != want_norm:
         raise ValueError(f"a {MOE[c.arch]} export has SwiGLU experts, no Gemma options, no mlp_bias, the same "
                          f"window on every layer, and qk_norm/qk_norm_width {want_norm}")
@@ -168,8 +178,7 @@ def config_to_hf(c: LlamaConfig) -> dict:
             raise ValueError(f"{MOE[c.arch]} exports a causal LM head only, got head {c.head!r}")
         return config_to_moe(c)
     d = _decoder_keys(c)
-    if c.act != "silu" or c.gemma_norms or c.embed_scale or c.query_scale is not None or c.logit_softcap is not None \
-            or c.rope_local_theta is not None or c.qk_norm != (c.arch == "qwen3"):
+    if _gemma_options(c) or c.qk_norm != (c.arch == "qwen3"):
         raise ValueError(f"a {_NAMES[c.arch]} export has no Gemma options, and q/k norms only for Qwen3")
     if c.arch == "llama":
         if c.sliding_window is not None:
