@@ -102,7 +102,7 @@ def grouped_gemm(sizes, reps: int) -> list[dict]:
 
 def moe_worker(config_fields: dict, plans: list, batch: int, seq: int, steps: int) -> dict:
     """Part 2 and 3 on one rank: per plan, the median step seconds, the all-to-all bytes over the expert group
-    this rank sent in one counted step, and the (token, choice) pairs its routers sent to another rank."""
+    this rank sent in one counted step, and the routing its routers made in that step (:class:`RoutedPairs`)."""
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import comm
@@ -116,7 +116,7 @@ def moe_worker(config_fields: dict, plans: list, batch: int, seq: int, steps: in
         with comm.count() as tally, RoutedPairs(model, plan, model.parallel.mesh) as routed:
             cuboid.train_step(model, opt, data)
         sent = sum(b for (op, group), (_, b) in tally.items().items() if op == "all_to_all" and group == "ep")
-        out[spec] = {"step_s": median_step(model, opt, data, steps), "a2a_bytes": sent, "off_rank_pairs": routed.pairs,
+        out[spec] = {"step_s": median_step(model, opt, data, steps), "a2a_bytes": sent, "routed": routed.result(config),
                      "ep": plan.ep}
     return out
 
@@ -124,6 +124,7 @@ def moe_worker(config_fields: dict, plans: list, batch: int, seq: int, steps: in
 def expert_parallel(size: str, world: int) -> list[dict]:
     """Parts 2 and 3: tokens/s and all-to-all bytes of ``dp=world,ep=e`` for e in 1, 2, 4 (those dividing)."""
     from cuboid.parallel.cost.traffic import expert_exchange_bytes
+    from tests.parallel.cost_checks import routed_bytes
     from tests.parallel.launch import run_world
 
     fields, (batch, seq), steps = MOE[size], BATCH[size], STEPS[size]
@@ -136,7 +137,7 @@ def expert_parallel(size: str, world: int) -> list[dict]:
         took = max(r[spec]["step_s"] for r in reports)
         measured = sum(r[spec]["a2a_bytes"] for r in reports)
         counts = world * layers * (e - 1) / e * 8 * fields["n_experts"]  # each rank's counts exchange per layer
-        routed = 4 * sum(r[spec]["off_rank_pairs"] for r in reports) * dim * elem + counts
+        routed = routed_bytes([r[spec]["routed"] for r in reports])
         even = 4 * layers * world * expert_exchange_bytes(batch // world * seq, k, dim, elem, e) + counts
         rows.append({"plan": spec, "ep": e, "ranks": world, "step_s": took, "tokens_per_s": batch * seq / took,
                      "a2a_bytes_measured": measured, "a2a_bytes_routed_formula": routed,
