@@ -44,11 +44,10 @@ from torch import nn
 from cuboid.parallel import lora as plora
 from cuboid.parallel.lora import LoraConfig
 
-from .checkpoint.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config,  # noqa: F401
-                                  adapter_state)
-from .checkpoint.lora_state import save_adapters  # noqa: F401
-from .checkpoint.adapters import expert_adapter_name, expert_from_peft
+from .checkpoint.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_EXPERT_WEIGHTS, PEFT_PREFIX,  # noqa: F401
+                                  adapter_config, adapter_state, expert_adapter_name, expert_from_peft)
 from .checkpoint.adapters import hf_modules as _rows
+from .checkpoint.lora_state import save_adapters  # noqa: F401
 from .families import family_of
 
 
@@ -209,8 +208,6 @@ def attach(model: nn.Module, lora, *, seed: int = 0, quiet: bool = False) -> nn.
 def _expert_weights_of(folder, cfg: dict, model: nn.Module) -> tuple:
     """The stacked expert weights a peft config's ``target_parameters`` adapt (``mlp.experts.gate_up_proj``,
     ``mlp.experts.down_proj``: every sparse layer's), in module order; a one-line error for anything else."""
-    from .checkpoint.adapters import PEFT_EXPERT_WEIGHTS
-
     targets = cfg.get("target_parameters") or []
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: target_parameters must be a list of parameter names")
@@ -232,7 +229,7 @@ def describe(model: nn.Module) -> str:
     percent by accident)."""
     from .common import count_parameters
 
-    conf, weights = model.lora, getattr(model, "lora_experts", ())
+    conf, weights = model.lora, model.lora_experts
     whole = model
     if any(True for _ in _placeholders(model)):  # a pipeline stage holds part of the model: count a meta build
         from . import build

@@ -107,7 +107,7 @@ def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dic
     conf = model.lora
     family = family_of(model)
     head = getattr(model.config, "head", None)
-    experts = [f"mlp.experts.{PEFT_EXPERT_WEIGHTS[n]}" for n in getattr(model, "lora_experts", ())]
+    experts = [f"mlp.experts.{PEFT_EXPERT_WEIGHTS[n]}" for n in model.lora_experts]
     return ({"target_parameters": experts} if experts else {}) | {
             "peft_type": "LORA", "task_type": "CAUSAL_LM" if head == "lm" else None, "r": conf.r,
             "lora_alpha": conf.alpha, "lora_dropout": conf.dropout, "target_modules": sorted(modules),
