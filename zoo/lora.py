@@ -215,8 +215,7 @@ def _expert_weights_of(folder, cfg: dict, model: nn.Module) -> tuple:
     found = set()
     for t in targets:
         name = t.rpartition(".")[2]
-        if not _has_experts(model) or name not in by_peft or not t.endswith(f"experts.{name}") \
-                or t.startswith("model.layers."):
+        if not _has_experts(model) or name not in by_peft or t not in (f"experts.{name}", f"mlp.experts.{name}"):
             raise ValueError(f"{Path(folder) / ADAPTER_CONFIG}: target parameter {t!r} is not one cuboid adapts "
                              "(mlp.experts.gate_up_proj or mlp.experts.down_proj of a mixture of experts)")
         found.add(by_peft[name])

@@ -145,8 +145,15 @@ def test_the_printed_count_says_whether_the_experts_train(folders, capsys):
             assert "the experts are NOT adapted" in line and "add the target 'experts'" in line, line
 
 
-def test_what_peft_could_not_read_is_refused(folders):
+def test_what_peft_could_not_read_is_refused(folders, tmp_path):
     folder = folders["Qwen3MoeForCausalLM"]
+    adapters = zlora.save_adapters(cuboid.load(folder, lora="r=2,alpha=4,targets=experts"), tmp_path / "a")
+    (adapters / "lora-adapters.json").unlink()  # a peft folder from elsewhere
+    cfg = json.loads((adapters / "adapter_config.json").read_text())
+    for one_layer in ("layers.0.mlp.experts.down_proj", "model.layers.2.mlp.experts.down_proj"):
+        (adapters / "adapter_config.json").write_text(json.dumps(dict(cfg, target_parameters=[one_layer])))
+        with pytest.raises(ValueError, match=f"target parameter '{one_layer}' is not one cuboid adapts"):
+            cuboid.load(folder, lora=adapters)
     with pytest.raises(ValueError, match="peft's adapters on stacked expert weights.*have none"):
         cuboid.load(folder, lora="r=2,alpha=4,dropout=0.1,targets=experts")
     with pytest.raises(ValueError, match="LoRA target 'gate' on a mixture of experts"):
