@@ -113,16 +113,15 @@ def _kept(t: torch.Tensor, param: Optional[torch.Tensor], amp: tuple, copy_now: 
     None, or its storage) is kept as a :class:`_Kept`, or, with ``copy_now`` (its storage is released after
     use: ZeRO-3), copied (cast under autocast) now. :func:`_kept_value` reads either.
 
-    Traced by ``torch.compile`` the value is kept as it is (cast under autocast): the version counter and
-    the optimizer hook are host-side bookkeeping a graph cannot hold, so compiled logits are made from the
-    head's weight as it is when they are read (read them before the optimizer step)."""
+    Traced by ``torch.compile`` a parameter is kept as it is (cast under autocast; copied with ``copy_now``):
+    the version counter and the optimizer hook are host-side bookkeeping a graph cannot hold, so compiled
+    logits are made from the head's weight as it is when they are read (read them before the optimizer step)."""
+    cast = amp[1] and t.is_floating_point() and t.dtype != amp[2]
     if torch.compiler.is_compiling():
-        return t.to(amp[2]) if amp[1] and t.is_floating_point() and t.dtype != amp[2] else t
+        return t.to(amp[2]) if cast else t.clone() if copy_now else t
     temporary = param is not None and t.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
     if temporary or copy_now:
-        if amp[1] and t.is_floating_point() and t.dtype != amp[2]:
-            return t.to(amp[2])
-        return t if temporary else t.clone()
+        return t.to(amp[2]) if cast else t if temporary else t.clone()
     return _Kept(t)
 
 
