@@ -179,10 +179,11 @@ def test_sparse_layers_follow_step_and_dense_list():
         model = Llama(c)
     assert [type(b.mlp).__name__ for b in model.blocks] == ["GatedMLP", "SparseMLP", "GatedMLP", "GatedMLP",
                                                             "GatedMLP", "SparseMLP"]
-    for bad, message in [({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported")]:
-        mixtral = {**config_to_hf(PRESETS["mixtral-debug"]), **bad}
-        with pytest.raises(ValueError, match=message):
-            config_from_hf(mixtral, "MixtralForCausalLM")
+    for preset, arch, bad in [("mixtral-debug", "MixtralForCausalLM", {"router_jitter_noise": 0.1}),
+                              ("olmoe-debug", "OlmoeForCausalLM", {"clip_qkv": 8.0}),
+                              ("olmoe-debug", "OlmoeForCausalLM", {"hidden_act": "gelu"})]:
+        with pytest.raises(ValueError, match=f"{arch} .*{next(iter(bad.values()))!r} is not supported"):
+            config_from_hf({**config_to_hf(PRESETS[preset]), **bad}, arch)
     with pytest.raises(ValueError, match="experts_per_token must be between 1 and n_experts 8, got 9"):
         PRESETS["olmoe-debug"].replace(experts_per_token=9)
     with pytest.raises(ValueError, match="mlp_only_layers must be layer indices below n_layers 2"):
