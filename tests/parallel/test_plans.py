@@ -6,7 +6,8 @@ same set for gpt-debug, bert-debug with its MLM head, vit-debug and the Llama
 family's llama-debug, qwen3-debug and gemma3-debug with as many key/value heads
 as query heads: asserted),
 then the ready plans of that size the enumeration does not hold (a toggle
-on, such as ``dp2-ckpt``) and EXTRA. A plan the enumeration gains (a
+on, such as ``dp2-ckpt``), EXTRA, and COMPILED (plans with ``compile=true``,
+each on one family: every block compiled, with ``aot_eager``). A plan the enumeration gains (a
 composition built, a clause gone from ``Plan.unimplemented``) is tested here
 with no edit. For each plan and family, ``cuboid.load(name, plan, seed=0,
 mesh=mesh)`` is compared with one device's run of the same seed (computed
@@ -306,7 +307,9 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
 
     import cuboid
     from cuboid.parallel import Mesh, Plan, comm
+    from cuboid.parallel.compile import compiled_blocks
     from cuboid.parallel.optim import clip_grad_norm_
+    from cuboid.parallel.spec import blocks_of
     from cuboid.zoo import READY_PLANS
 
     report = {}
@@ -326,8 +329,13 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
                 want = reference(name, kind, pipelined, size, extra, packs(plan), micro, dp)
                 dist.barrier()
                 start = time.perf_counter()
+                if plan.compile:  # each model's blocks compiled afresh, not left to Dynamo's recompile limit
+                    torch._dynamo.reset()
+                    torch._dynamo.utils.counters.clear()
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
                 assert model.parallel.plan == plan and model.parallel.mesh is mesh
+                if plan.compile:
+                    assert all(compiled_blocks(model, blocks_of(model.parallel.spec))), (label, name)
                 errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
                 opt = make_optimizer(kind, model.parameters())
                 for step in range(STEPS):
@@ -350,6 +358,8 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
                         loss = cuboid.train_step(model, opt, batch, max_grad_norm=1.0).loss
                     errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
                 errs["params"] = _params_err(model, want["params"])
+                if plan.compile:  # the steps ran Dynamo's graphs
+                    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, (label, name)
                 # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
                 odd = want["odd"]
                 model.eval()
@@ -453,10 +463,23 @@ def one_family(world: int, plans) -> bool:
     return len(FAMILIES) * len(plans) > RUN_BUDGET[world]
 
 
+# plans with compile=true, each on one family (a block's compile costs seconds a model on CI's cores), beside
+# tests/test_compile_plans.py's (GPT-2 and Llama under dp, ZeRO-3, tp and pp): an encoder with its MLM head and a
+# Llama-family preset with q/k norms through the public path, one device's eager run as the reference
+COMPILED = {2: [("dp=2,compile=true", "bert-debug"), ("pp=2,microbatches=2,compile=true", "qwen3-debug")]}
+# their backend: Dynamo and AOTAutograd trace as under inductor, without inductor's C++ code generation
+COMPILE_BACKEND = "aot_eager"
+
+
 def generated_worker(world: int):
+    from cuboid.parallel import compile as pc
+
     plans, others = generated(world)
     report = plan_parity_worker(plans, rotate=True, one_family=one_family(world, plans))
     report.update(plan_parity_worker(others, rotate=True))
+    pc.BACKEND = COMPILE_BACKEND
+    for spec, family in COMPILED.get(world, []):
+        report.update(plan_parity_worker([spec], rotate=True, families=(family,)))
     return report
 
 
@@ -480,8 +503,9 @@ def run_generated(world: int, timeout: float, *extra_work):
                    "wall_s": took, "per_run_s": seconds, "errors": reports[0]}, fh, indent=1)
     check(reports)
     families = 2 if one_family(world, plans) else len(FAMILIES)
-    assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others)
+    assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others) + len(COMPILED.get(world, []))
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
+    assert {"/".join(k.split("/")[:2]) for k in reports[0]} >= {"/".join(c) for c in COMPILED.get(world, [])}
     print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} families + "
           f"{len(others)} ready/extra x {len(FAMILIES)} = {len(seconds)} runs in {took:.0f} s "
           f"({sum(seconds.values()) / len(seconds):.2f} s a run)")
