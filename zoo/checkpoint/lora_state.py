@@ -125,9 +125,14 @@ def _modules(adapters: dict) -> set:
     return {m for m in found if not m.endswith((".experts", ".experts.base_layer"))}
 
 
-def _all_adapters(model, world: int) -> dict:
-    """Every rank's adapters under their peft names (pipeline stages' too): a collective."""
-    return {k: v for part in _gather(adapter_state(model), world) for k, v in part.items()}
+def _all_adapters(model, rank: int, world: int) -> dict:
+    """Every stage's adapters under their peft names: a collective. Every rank of a stage holds them whole
+    (:func:`~.adapters.adapter_state`), so only the stage's writing rank sends its copy."""
+    mine = adapter_state(model)
+    if world == 1:
+        return mine
+    sent = mine if stage_layout(model, rank).writes else {}
+    return {k: v for part in _gather(sent, world) for k, v in part.items()}
 
 
 def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None) -> Path:
@@ -140,7 +145,7 @@ def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None) ->
 
     path = folder_mod.real(path)
     rank, world = dist_info()
-    adapters = _all_adapters(model, world)
+    adapters = _all_adapters(model, rank, world)
 
     def body(job, files: dict) -> None:
         write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
@@ -157,7 +162,7 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
 
     path = folder_mod.real(path)
     rank, world = dist_info()
-    adapters = _all_adapters(model, world)
+    adapters = _all_adapters(model, rank, world)
     otensors, oinfo = _optimizer_tensors(model, optimizer, rank, world)
     trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
 
