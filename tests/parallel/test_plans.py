@@ -507,7 +507,8 @@ def run_generated(world: int, timeout: float, *extra_work):
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
     assert {"/".join(k.split("/")[:2]) for k in reports[0]} >= {"/".join(c) for c in COMPILED.get(world, [])}
     print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} families + "
-          f"{len(others)} ready/extra x {len(FAMILIES)} = {len(seconds)} runs in {took:.0f} s "
+          f"{len(others)} ready/extra x {len(FAMILIES)} + {len(COMPILED.get(world, []))} compiled = {len(seconds)} "
+          f"runs in {took:.0f} s "
           f"({sum(seconds.values()) / len(seconds):.2f} s a run)")
     return results
 
