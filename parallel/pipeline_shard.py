@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .zero import shard_experts_over_edp
 
 
 def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False, *, experts=(),
@@ -27,7 +28,7 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
 
     Expert-parallel layers (``experts``) are units of their own over ``expert_group`` (``edp``: the ranks
     holding the same experts), made before the blocks' units; with ``edp`` of one rank (None) they are left
-    out of every unit (their gradients are complete), as :func:`~.zero.shard_parameters` does.
+    out of every unit (their gradients are complete): :func:`~.zero.shard_experts_over_edp`.
     """
     import warnings
 
@@ -42,13 +43,7 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
                 p.data = p.data.contiguous()
     reshard = False if split_backward else None  # None: FSDP2's default (blocks freed after forward, roots kept)
-    ignored: set = set()
-    if experts and expert_group is not None:
-        expert_mesh = DeviceMesh.from_group(expert_group, mesh.device_type)
-        for e in experts:
-            fully_shard(e, mesh=expert_mesh, reshard_after_forward=reshard)
-    elif experts:
-        ignored = {p for e in experts for p in e.parameters()}
+    ignored = shard_experts_over_edp(experts, expert_group, mesh.device_type, reshard)
     for block in (b for m in modules for b in m.blocks.values()):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
     sharded: set = set()  # ids of end modules an earlier stage module of this rank shards

@@ -409,6 +409,22 @@ def unscale_(scaler, optimizer) -> None:
 # ------------------------------------------------------------------ stage 3
 
 
+def shard_experts_over_edp(experts, expert_group, device_type: str, reshard_after_forward=None) -> set:
+    """ZeRO-3 of expert-parallel layers (``experts``): an FSDP2 unit each over ``expert_group`` (``edp``, the
+    ranks holding the same experts), made before the units that enclose them. With ``edp`` of one rank (None)
+    they stay whole (their gradients are complete): returns their parameters, for the enclosing units to
+    leave out (``ignored_params``); else an empty set."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not experts or expert_group is None:
+        return {p for m in experts for p in m.parameters()}
+    mesh = DeviceMesh.from_group(expert_group, device_type)
+    for m in experts:
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return set()
+
+
 def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts=(),
                      expert_group=None) -> nn.Module:
     """ZeRO-3: FSDP2 ``fully_shard`` over the dp ``group``, one unit per block and the root.
@@ -434,13 +450,7 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts
     for m in model.modules():
         if hasattr(m, "weights_released_after_use"):  # an LM head's lazy logits copy the gathered table in forward
             m.weights_released_after_use = True
-    ignored: set = set()
-    if experts and expert_group is not None:
-        expert_mesh = DeviceMesh.from_group(expert_group, p0.device.type)
-        for m in experts:
-            fully_shard(m, mesh=expert_mesh)
-    elif experts:
-        ignored = {p for m in experts for p in m.parameters()}
+    ignored = shard_experts_over_edp(experts, expert_group, p0.device.type)
     for block in getattr(model, blocks, ()):
         fully_shard(block, mesh=mesh, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
