@@ -63,7 +63,7 @@ from .layers import Placement
 
 __all__ = ["ExpertParallel", "shard_experts", "expert_modules", "expert_parameters", "all_to_all_v",
            "exchange_counts", "dispatch_bytes", "ExpertGrads", "average_grads", "BalanceReduce",
-           "install_balance_reduce"]
+           "balance_reduce_for"]
 
 ROLE = "experts"  # the spec role of a mixture-of-experts layer's experts
 
@@ -347,10 +347,9 @@ class BalanceReduce:
         return value + (mine - mine.detach())
 
 
-def install_balance_reduce(model: nn.Module, group) -> bool:
-    """Give a mixture-of-experts ``model`` (one with router statistics: ``config.n_experts``) the plan's
-    :class:`BalanceReduce` over ``group`` (None: one rank sees every token, nothing to do); whether it did."""
+def balance_reduce_for(model: nn.Module, group) -> Optional[BalanceReduce]:
+    """The plan's :class:`BalanceReduce` over ``group`` for a mixture-of-experts ``model`` (one with router
+    statistics: ``config.n_experts``); None for a dense model or without a group (one rank sees every token)."""
     if group is None or not getattr(getattr(model, "config", None), "n_experts", 0):
-        return False
-    model.balance_reduce = BalanceReduce(group)
-    return True
+        return None
+    return BalanceReduce(group)

@@ -54,6 +54,7 @@ from .moe_stream import Routing, recording_of
 from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
 from .sequence_split import SequenceSplit, TensorSequenceSplit
 from .stages import stage_ids
+from .state import planned
 
 
 @dataclass
@@ -245,7 +246,10 @@ class StageModule(nn.Module):
 
     def reduce(self):
         """The router statistics' sum over the ranks sharing a forward's tokens (None: this rank's alone)."""
-        return self.sp.reduce_for() if self.sp is not None else getattr(self.model, "balance_reduce", None)
+        if self.sp is not None:
+            return self.sp.reduce_for()
+        state = planned(self.model)
+        return state.balance_reduce if state is not None else None
 
 
 @dataclass

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel  # only to unwrap models u
 
 from . import comm, zero
 from .batch import BatchSplit
-from .experts import install_balance_reduce
+from .experts import balance_reduce_for
 from .mesh import Mesh
 from .plan import Plan
 from .recompute import recompute_blocks
@@ -91,7 +91,7 @@ def prepare(model: nn.Module, plan: Plan, mesh: Optional[Mesh] = None, spec: Opt
     # mixture of experts: the load-balancing statistics of each forward summed over the ranks sharing its tokens
     # (dp x sp; under sp alone the sequence split sums them over sp itself)
     if mesh.size("dp") > 1:
-        install_balance_reduce(model, zero.group_of(mesh))
+        state.balance_reduce = balance_reduce_for(model, zero.group_of(mesh))
     if plan.checkpoint != "none":
         recompute_blocks(model, blocks_of(spec), plan.checkpoint)
     if plan.compile:  # torch.compile each block in place (torchtitan's per-block compile)

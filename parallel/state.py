@@ -41,6 +41,8 @@ class ParallelState:
     sequence_split: Any = None  # parallel.sequence_split.SequenceSplit / TensorSequenceSplit
     batch_split: Any = None     # parallel.batch.BatchSplit under 2D / 2.5D / 3D
     gradient_sync: Optional[Callable[[bool], None]] = None  # turns the dp gradient reduction on / off
+    # mixture of experts under dp: the router statistics of a forward summed over dp x sp (experts.BalanceReduce)
+    balance_reduce: Optional[Callable] = None
 
     @classmethod
     def single(cls) -> "ParallelState":

@@ -76,5 +76,6 @@ def test_compile_plans_match_one_device():
         for key, errs in report.items():
             assert errs["compiled"] and all(errs["compiled"]), f"rank {rank} {key}: blocks not compiled {errs}"
             assert errs["graphs"] > 0, f"rank {rank} {key}: no compiled graph ran {errs}"
+            assert errs["breaks"] == 0, f"rank {rank} {key}: graph breaks inside the compiled blocks {errs}"
             assert errs["loss"] < 1e-5, f"rank {rank} {key}: {errs}"
             assert errs["params"] < 1e-6, f"rank {rank} {key}: {errs}"
