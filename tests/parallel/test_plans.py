@@ -47,15 +47,18 @@ Budget: each world writes its count and per-run seconds to
 ``/tmp/cuboid-plan-parity/world{N}.json`` and prints them (``pytest -s``).
 When a world's enumeration times the 6 families passes RUN_BUDGET runs, each
 enumerated plan runs on one Llama-family preset (llama-debug, qwen3-debug,
-gemma3-debug) and one other family, each turned by its index
-(:func:`families_of`; the CI machine has 2 cores; the suite must stay under
-30 minutes); the ready and EXTRA plans run on all six. The Llama family runs
+gemma3-debug) and one other family, each turned by its index, and past twice
+the budget on one family turned by ``index // 3`` (:func:`families_of`; the
+CI machine has 2 cores; the suite must stay under 40 minutes); the ready and
+EXTRA plans run on all six. The Llama family runs
 with 1, 2 or 4 key/value heads for its 4 query heads, turned by the plan's
 index (:func:`family_options`): multi-query, grouped (under tp=4 1D each rank
 then holds a copy of one key/value head) and plain.
 The 8-rank world also runs test_cost's 2.5D/3D cost check and the
 groups-made-once check (200 loads, threads and groups unchanged).
 """
+from types import SimpleNamespace
+
 import torch
 
 from .launch import run_world
@@ -89,7 +92,7 @@ def family_options(name, plan, index):
         return {"vocab_size": 510}
     # every other run of three and every 2D/3D grid (rows cut over ranks), a plan whose forward passes input_ids
     # to the head takes the classification head
-    cls = {"head": "cls", "num_labels": 3} if ((index // 3) % 2 or plan.tp_mode in ("2d", "3d")) \
+    cls = {"head": "cls", "num_labels": 3} if ((index // 3 + index // 18) % 2 or plan.tp_mode in ("2d", "3d")) \
         and plan.pp == 1 and plan.sp == 1 and not plan.tp_sequence else {}
     for kv in KV_HEADS[index % 3:] + KV_HEADS[:index % 3]:
         try:
@@ -100,14 +103,18 @@ def family_options(name, plan, index):
     raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
 
 
-def families_of(index, one_family):
-    """The families plan number ``index`` runs on: all, or (``one_family``) one of OTHERS turned by the index and
-    one Llama-family preset turned by ``index // 3``, so over 9 plans each preset meets each key/value head
-    count of :func:`family_options` (turned by ``index % 3``) and over 18 each with and without its
-    classification head."""
-    if not one_family:
+def families_of(index, per_plan=len(FAMILIES)):
+    """The families plan number ``index`` runs on, ``per_plan`` of them (:func:`families_per_plan`): all (6); one
+    of OTHERS turned by the index and one Llama-family preset turned by ``index // 3`` (2); or one of the six
+    turned by ``index // 3`` (1). Three consecutive plans share a family, so over 3 plans (1) or 9 (2) each
+    Llama-family preset meets each key/value head count of :func:`family_options` (turned by ``index % 3``)
+    and with and without its classification head (on by ``(index // 3 + index // 18) % 2``)."""
+    if per_plan == len(FAMILIES):
         return FAMILIES + MOE + MOE_OTHERS
-    return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
+    if per_plan == 2:
+        return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
+    assert per_plan == 1, per_plan
+    return (FAMILIES[index // 3 % len(FAMILIES)],)
 
 
 def global_batch(name, model, size=8):
@@ -248,6 +255,10 @@ def micro_order(size: int, dp: int, micro: int) -> torch.Tensor:
     return torch.arange(size).reshape(dp, micro, -1).transpose(0, 1).reshape(-1)
 
 
+def _ref_key(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1) -> tuple:
+    return (name, kind, pipelined, size, tuple(sorted(extra.items())), packed, micro, dp)
+
+
 def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
@@ -256,7 +267,7 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = (name, kind, pipelined, size, tuple(sorted(extra.items())), packed, micro, dp)
+    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp)
     if key in _REFS:
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
@@ -283,8 +294,37 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
         evaluated = ref(**odd)
         free = ref(**{k: v for k, v in odd.items() if k != "labels"})
     _REFS[key] = dict(init=init, params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
-                      first=first, eval=evaluated, free=free, odd=odd)
+                      first=_plain(first), eval=_plain(evaluated), free=_plain(free), odd=odd)
     return _REFS[key]
+
+
+OUTPUT_FIELDS = ("loss", "logits", "last_hidden_state", "pooler_output")
+
+
+def _plain(out) -> SimpleNamespace:
+    """A model output's compared fields, detached (a reference crosses processes: see :func:`share_references`)."""
+    return SimpleNamespace(**{f: None if getattr(out, f, None) is None else getattr(out, f).detach()
+                              for f in OUTPUT_FIELDS})
+
+
+def share_references(keys: list) -> None:
+    """One device's runs of ``keys`` (:func:`reference`'s arguments) not yet cached, each computed by one rank
+    and gathered by all: the ranks share a machine's cores, so each computing every run would take
+    world-size times the CPU for the same numbers (the runs are deterministic)."""
+    import torch.distributed as dist
+
+    from cuboid.parallel.mesh import init_distributed
+
+    todo = list({_ref_key(*k): k for k in keys if _ref_key(*k) not in _REFS}.values())
+    if not todo:
+        return
+    rank, world = init_distributed()
+    mine = {i: reference(*todo[i]) for i in range(rank, len(todo), world)}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    for part in everyone:
+        for i, value in part.items():
+            _REFS[_ref_key(*todo[i])] = value
 
 
 def _params_err(model, want) -> float:
@@ -292,12 +332,12 @@ def _params_err(model, want) -> float:
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
 
 
-def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=False, families=FAMILIES):
+def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(FAMILIES), families=FAMILIES):
     """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
 
     ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
-    index, so each plan meets AdamW, LAMB and LARS over its families. ``one_family``: each plan runs on
-    the Llama family and one other, turned by its index (the CI budget, see RUN_BUDGET). A pipeline plan trains through
+    index, so each plan meets AdamW, LAMB and LARS over its families. ``per_plan``: the families each plan
+    runs on (:func:`families_of`; the CI budget, see RUN_BUDGET). A pipeline plan trains through
     ``cuboid.train_step`` only (its forward with gradients is refused); the others alternate the natural loop
     and ``train_step``. Returns {key: errors} with each plan's seconds (load, 3 steps, evaluation) under
     ``seconds``."""
@@ -306,76 +346,90 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, one_family=Fa
     import torch.distributed as dist
 
     import cuboid
-    from cuboid.parallel import Mesh, Plan, comm
+    from cuboid.parallel import Mesh, comm
     from cuboid.parallel.compile import compiled_blocks
     from cuboid.parallel.optim import clip_grad_norm_
     from cuboid.parallel.spec import blocks_of
-    from cuboid.zoo import READY_PLANS
 
     report = {}
+    runs = list(_runs(plans, optimizers, rotate, per_plan, families))
+    share_references([args for *_, args in runs])
+    mesh_of = None  # (plan index, its mesh): one mesh for a plan's runs
+    for index, label, plan, name, extra, kind, args in runs:
+        if mesh_of is None or mesh_of[0] != index:
+            mesh_of = (index, Mesh.build(plan))
+        mesh = mesh_of[1]
+        _, _, pipelined, size, _, _, _, dp = args
+        want = reference(*args)
+        dist.barrier()
+        start = time.perf_counter()
+        if plan.compile:  # each model's blocks compiled afresh, not left to Dynamo's recompile limit
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+        model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
+        assert model.parallel.plan == plan and model.parallel.mesh is mesh
+        if plan.compile:
+            assert all(compiled_blocks(model, blocks_of(model.parallel.spec))), (label, name)
+        errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
+        opt = make_optimizer(kind, model.parameters())
+        for step in range(STEPS):
+            if not pipelined and step % 2 == 0:  # the natural loop
+                share = cuboid.rank_share(model, even_batch(name, model, size))
+                out = model(**share)
+                out.loss.backward()
+                loss = out.loss.detach().clone().reshape(1)
+                comm.all_reduce_(loss, mesh.group("dp"))
+                loss = loss.item() / dp
+                if step == 0:
+                    start_row = mesh.coords["dp"] * len(share["labels"])
+                    rows = slice(start_row, start_row + len(share["labels"]))
+                    errs["outputs"] = outputs_err(out, want["first"], rows)
+                clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            else:
+                batch = step_batch(name, model, step, packs(plan))
+                loss = cuboid.train_step(model, opt, batch, max_grad_norm=1.0).loss
+            errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
+        errs["params"] = _params_err(model, want["params"])
+        if plan.compile:  # the steps ran Dynamo's graphs
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, (label, name)
+        # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
+        odd = want["odd"]
+        model.eval()
+        fields = ("logits", "last_hidden_state", "pooler_output")
+        with torch.no_grad():  # every schedule (ZBV too) and every plan: one device's outputs
+            out = model(**odd)
+            errs["eval_outputs"] = outputs_err(out, want["eval"], fields=fields)
+            errs["eval_loss"] = worst(abs(out.loss.item() - want["eval"].loss.item())
+                                      / abs(want["eval"].loss.item()))
+            free = model(**{k: v for k, v in odd.items() if k != "labels"})
+            assert free.loss is None, label
+            errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
+        dist.barrier()
+        errs["seconds"] = time.perf_counter() - start
+        report[f"{label}/{name}/{kind}"] = errs
+    return report
+
+
+def _runs(plans, optimizers, rotate, per_plan, families):
+    """(plan index, label, Plan, family, config overrides, optimizer, :func:`reference`'s arguments) of each run
+    of :func:`plan_parity_worker`, in order."""
+    from cuboid.parallel import Plan
+    from cuboid.zoo import READY_PLANS
+
     for index, spec in enumerate(plans):
         plan = Plan.parse(spec, READY_PLANS)
         label = spec if isinstance(spec, str) else plan.describe()
-        mesh = Mesh.build(plan)
-        dp, pipelined = mesh.size("dp"), plan.pp > 1
-        size = _batch_size(dp)
         for f, name in enumerate(families):
-            if name not in families_of(index, one_family):
+            if name not in families_of(index, per_plan):
                 continue
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
                 micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
-                want = reference(name, kind, pipelined, size, extra, packs(plan), micro, dp)
-                dist.barrier()
-                start = time.perf_counter()
-                if plan.compile:  # each model's blocks compiled afresh, not left to Dynamo's recompile limit
-                    torch._dynamo.reset()
-                    torch._dynamo.utils.counters.clear()
-                model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra).train()
-                assert model.parallel.plan == plan and model.parallel.mesh is mesh
-                if plan.compile:
-                    assert all(compiled_blocks(model, blocks_of(model.parallel.spec))), (label, name)
-                errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
-                opt = make_optimizer(kind, model.parameters())
-                for step in range(STEPS):
-                    if not pipelined and step % 2 == 0:  # the natural loop
-                        share = cuboid.rank_share(model, even_batch(name, model, size))
-                        out = model(**share)
-                        out.loss.backward()
-                        loss = out.loss.detach().clone().reshape(1)
-                        comm.all_reduce_(loss, mesh.group("dp"))
-                        loss = loss.item() / dp
-                        if step == 0:
-                            start_row = mesh.coords["dp"] * len(share["labels"])
-                            rows = slice(start_row, start_row + len(share["labels"]))
-                            errs["outputs"] = outputs_err(out, want["first"], rows)
-                        clip_grad_norm_(model.parameters(), 1.0)
-                        opt.step()
-                        opt.zero_grad()
-                    else:
-                        batch = step_batch(name, model, step, packs(plan))
-                        loss = cuboid.train_step(model, opt, batch, max_grad_norm=1.0).loss
-                    errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
-                errs["params"] = _params_err(model, want["params"])
-                if plan.compile:  # the steps ran Dynamo's graphs
-                    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, (label, name)
-                # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
-                odd = want["odd"]
-                model.eval()
-                fields = ("logits", "last_hidden_state", "pooler_output")
-                with torch.no_grad():  # every schedule (ZBV too) and every plan: one device's outputs
-                    out = model(**odd)
-                    errs["eval_outputs"] = outputs_err(out, want["eval"], fields=fields)
-                    errs["eval_loss"] = worst(abs(out.loss.item() - want["eval"].loss.item())
-                                              / abs(want["eval"].loss.item()))
-                    free = model(**{k: v for k, v in odd.items() if k != "labels"})
-                    assert free.loss is None, label
-                    errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
-                dist.barrier()
-                errs["seconds"] = time.perf_counter() - start
-                report[f"{label}/{name}/{kind}"] = errs
-    return report
+                yield index, label, plan, name, extra, kind, (name, kind, plan.pp > 1, _batch_size(plan.dp), extra,
+                                                              packs(plan), micro, plan.dp)
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
@@ -451,16 +505,17 @@ def with_fields(plans: list) -> list:
     return [dataclasses.replace(Plan.parse(p, READY_PLANS), **fields) for p in plans]
 
 
-# runs (plan x family) a world may take on CI's 2 cores: above it, each enumerated plan runs on one Llama-family
-# preset and one other family, turned by its index. Measured on this 2-core machine, quiet: about 1.05 s a run at
-# 8 ranks, 0.55 s at 4, 0.2 s at 2. With six families, 12 plans at 2 ranks run on all (72 runs), 61 at 4 ranks
-# (366) and 177 at 8 (1062) pass the budget: 122 and 354 runs, which keeps the suite near its 30-minute bound
-# with the kernels' compile gate in it
-RUN_BUDGET = {2: 120, 4: 200, 8: 600}
+# runs (plan x family) a world's enumeration may take on all six families on CI's 2 cores (the suite's 40-minute
+# bound; seconds per run in bench/RESULTS.md): above it each plan runs on two families, above twice it on one.
+# The 2-rank enumeration runs on all six, the 4-rank one on two, the 8-rank one on one (the 8-rank world's
+# time goes to test_moe_plans' whole MoE enumeration)
+RUN_BUDGET = {2: 120, 4: 200, 8: 400}
 
 
-def one_family(world: int, plans) -> bool:
-    return len(FAMILIES) * len(plans) > RUN_BUDGET[world]
+def families_per_plan(world: int, plans) -> int:
+    """6 (every family) within RUN_BUDGET[world] runs, 2 within twice it, else 1 (:func:`families_of`)."""
+    runs = len(FAMILIES) * len(plans)
+    return len(FAMILIES) if runs <= RUN_BUDGET[world] else 2 if runs <= 2 * RUN_BUDGET[world] else 1
 
 
 # plans with compile=true, each on one family (a block's compile costs seconds a model on CI's cores), beside
@@ -475,7 +530,7 @@ def generated_worker(world: int):
     from cuboid.parallel import compile as pc
 
     plans, others = generated(world)
-    report = plan_parity_worker(plans, rotate=True, one_family=one_family(world, plans))
+    report = plan_parity_worker(plans, rotate=True, per_plan=families_per_plan(world, plans))
     report.update(plan_parity_worker(others, rotate=True))
     pc.BACKEND = COMPILE_BACKEND
     for spec, family in COMPILED.get(world, []):
@@ -499,10 +554,10 @@ def run_generated(world: int, timeout: float, *extra_work):
     os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
     with open(f"/tmp/cuboid-plan-parity/world{world}.json", "w") as fh:
         json.dump({"world": world, "plans": len(plans), "ready_and_extra": len(others), "runs": len(seconds),
-                   "one_family_per_plan": one_family(world, plans),
+                   "families_per_plan": families_per_plan(world, plans),
                    "wall_s": took, "per_run_s": seconds, "errors": reports[0]}, fh, indent=1)
     check(reports)
-    families = 2 if one_family(world, plans) else len(FAMILIES)
+    families = families_per_plan(world, plans)
     assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others) + len(COMPILED.get(world, []))
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
     assert {"/".join(k.split("/")[:2]) for k in reports[0]} >= {"/".join(c) for c in COMPILED.get(world, [])}
