@@ -89,3 +89,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+
+# folders whose tests run models, not kernels: on CPU they take a user's path, the torch reference kernels
+# (a user's CPU run has no interpreter), not the Triton interpreter this process switches on for tests/kernels.
+# Set around each phase (setup too: a module's fixture runs models in its first test's setup). A test there
+# that wants the interpreted kernels asks for them with use_backend("triton").
+MODEL_FOLDERS = ("checkpoint", "front", "parallel", "zoo")
+
+
+def _user_kernels(item) -> bool:
+    folder = os.path.relpath(str(item.path), os.path.dirname(os.path.abspath(__file__))).split(os.sep)[0]
+    return folder in MODEL_FOLDERS and "gpu" not in item.keywords and not COMPILED_GPU_RUN
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _kernels_for(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _kernels_for(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    with _kernels_for(item):
+        yield
+
+
+def _kernels_for(item):
+    import contextlib
+
+    if not _user_kernels(item):
+        return contextlib.nullcontext()
+    from cuboid.kernels import use_backend
+
+    return use_backend("torch")
