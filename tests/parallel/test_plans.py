@@ -433,7 +433,7 @@ def _runs(plans, optimizers, rotate, per_plan, families):
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
-KNOWN_BROKEN: dict = {}  # (found: BERT under tp=2,sp=4 had NaN gradients; fixed by layers.mean_of)
+KNOWN_BROKEN: dict = {}
 TOLERANCE = {"loss": 1e-5, "outputs": 1e-5, "eval_outputs": 1e-5, "eval_loss": 1e-5, "free_outputs": 1e-5,
              "params": 1e-6}
 
