@@ -5,7 +5,9 @@ environment (:func:`rank_env`: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a
 free MASTER_PORT), calls ``fn(*args)`` in each (``fn`` must be importable: a
 module-level function), and returns the list of return values by rank. An
 exception in any rank, or a timeout, fails the caller with that rank's
-traceback.
+traceback; a rank whose process exits without returning or raising (killed,
+``os._exit``, a crash) fails it within seconds, naming the rank and its exit
+code, rather than at the timeout.
 
 :func:`gather_world` is the same launch for a caller that wants what
 finished when something did not (a benchmark reports the cases that ran
@@ -15,6 +17,7 @@ soon as it is yielded, and the outcome is returned, not raised.
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
 import sys
 import time
@@ -97,9 +100,18 @@ def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool 
         p.start()
     out = Gathered(parts=[[] for _ in range(world)], finished=[False] * world)
     deadline = time.monotonic() + timeout
+    gone: dict = {}  # rank -> when it was first seen exited without its "done"
     try:
         while not all(out.finished):
-            rank, status, value = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                rank, status, value = queue.get(timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
+            except queue_module.Empty:
+                if time.monotonic() >= deadline:
+                    raise
+                out.failed_rank, out.error = _exited(procs, out.finished, gone)
+                if out.error is not None:
+                    break
+                continue
             if status == "error":
                 out.failed_rank, out.error = rank, value
                 break
@@ -115,6 +127,23 @@ def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool 
             if p.is_alive():
                 p.kill()
     return out
+
+
+POLL_S = 2.0  # how often the parent looks for a rank that exited without a word
+GRACE_S = 5.0  # how long an exited rank's last messages may take to arrive before it counts as dead
+
+
+def _exited(procs, finished, gone: dict) -> tuple:
+    """(rank, error) for a rank whose process exited without sending "done" or an error (killed, os._exit, a
+    crash in the interpreter) and stayed silent for GRACE_S since: the others would wait for it until the
+    timeout. (None, None) while every unfinished rank lives."""
+    now = time.monotonic()
+    for rank, p in enumerate(procs):
+        if finished[rank] or p.exitcode is None:
+            continue
+        if now - gone.setdefault(rank, now) >= GRACE_S:
+            return rank, f"rank {rank}'s process exited with code {p.exitcode} before it returned or raised"
+    return None, None
 
 
 def run_world(fn, world: int, *args, timeout: float = 180.0):

@@ -168,3 +168,22 @@ if __name__ == "__main__":  # a rank of one case's world (see _run_world)
     import os
 
     child(int(os.environ["RANK"]))
+
+
+def _one_rank_dies(code: int):
+    """Rank 1 leaves without a word (as a killed or crashed process does); rank 0 waits far past the test."""
+    import os
+
+    if int(os.environ["RANK"]) == 1:
+        os._exit(code)
+    time.sleep(600)
+
+
+def test_the_launcher_names_a_rank_that_exits_without_a_result():
+    """tests/parallel/launch.py: a rank gone silent ends the world with its rank and exit code, not at the
+    timeout (which would say only "timed out")."""
+    from .launch import run_world
+
+    with pytest.raises(AssertionError, match=r"rank 1 failed:\nrank 1's process exited with code 3 before it "
+                                             r"returned or raised"):
+        run_world(_one_rank_dies, 2, 3, timeout=300)
