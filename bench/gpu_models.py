@@ -419,7 +419,6 @@ def plan_lines(dry: bool) -> list:
     return lines
 
 
-
 def versus(rows: list, row: ModelRow, peer: str) -> Optional[float]:
     """row's tokens/s over ``peer``'s at the same model, length and batch (> 1: row faster)."""
     for r in rows:

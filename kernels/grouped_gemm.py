@@ -181,7 +181,6 @@ def _gmm_dw_kernel(
 # ----------------------------------------------------------------------------
 
 
-
 def _cfg(table: dict, dtype: torch.dtype, tensors, *sizes: int) -> Tuple[int, int, int, int, int]:
     """The picked entry of ``table``'s row for ``dtype``, the operands' alignment and the strides and sizes the
     kernel multiplies with (see _MM_CFG): "half" when every pointer is 16-byte aligned and every stride and size

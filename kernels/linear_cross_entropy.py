@@ -142,7 +142,6 @@ def _lce_grad_kernel(
 # ----------------------------------------------------------------------------
 
 
-
 def _launch_cfg(n_cols: int) -> tuple:
     """(BLOCK_V, num_warps) of the row programs: one heuristic, no autotune."""
     block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_V)

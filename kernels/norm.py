@@ -246,7 +246,6 @@ def _num_bwd_programs(device: torch.device, M: int, block_m: int) -> int:
     return max(1, min(target, triton.cdiv(M, block_m)))
 
 
-
 def _rows(t: Tensor, N: int) -> Tensor:
     """View ``t`` as (M, N) rows with unit column stride (copying only if needed)."""
     t2 = t.reshape(-1, N)

@@ -126,7 +126,6 @@ def _rope_kernel(
 # ----------------------------------------------------------------------------
 
 
-
 def _table3(t: Tensor, B: int) -> Tuple[Tensor, Tuple[int, int, int]]:
     """A (T, D) / (1, T, D) / (B, T, D) table and its (batch, token, dim) strides (batch 0 when shared)."""
     if t.dim() == 2:

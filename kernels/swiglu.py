@@ -93,7 +93,6 @@ def _swiglu_bwd_kernel(
 # ----------------------------------------------------------------------------
 
 
-
 def _rows(t: Tensor, N: int) -> Tensor:
     """View ``t`` as (M, N) rows with unit column stride (copying only if needed)."""
     t2 = t.reshape(-1, N)

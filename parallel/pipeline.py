@@ -54,7 +54,7 @@ from .moe_stream import Routing, recording_of
 from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
 from .sequence_split import SequenceSplit, TensorSequenceSplit
 from .stages import stage_ids
-from .state import planned
+from .state import balance_reduce_of
 
 
 @dataclass
@@ -246,10 +246,7 @@ class StageModule(nn.Module):
 
     def reduce(self):
         """The router statistics' sum over the ranks sharing a forward's tokens (None: this rank's alone)."""
-        if self.sp is not None:
-            return self.sp.reduce_for()
-        state = planned(self.model)
-        return state.balance_reduce if state is not None else None
+        return self.sp.reduce_for() if self.sp is not None else balance_reduce_of(self.model)
 
 
 @dataclass

@@ -50,7 +50,7 @@ from . import comm
 from .experts import BalanceReduce
 from .mask import Mask
 from .moe_stream import Routing, recording_of
-from .state import planned
+from .state import balance_reduce_of
 from .sequence import (ZigzagDocs, all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
                        zigzag_split)
 
@@ -275,8 +275,7 @@ class SequenceSplit:
     def reduce_for(self) -> Callable:
         """The statistics' reduction: the plan's ``balance_reduce`` on the model (``dp x sp``, set by prepare
         where data parallelism spreads a forward's tokens too), else the sum over ``sp`` (:attr:`balance`)."""
-        state = planned(self.model)
-        return (state.balance_reduce if state is not None else None) or self.balance
+        return balance_reduce_of(self.model) or self.balance
 
     def gather_router(self, logits: torch.Tensor, tokens: int, length: int) -> torch.Tensor:
         """One layer's router logits (B * ``tokens``, E) of this rank's tokens -> one device's (B * ``length``,

@@ -95,3 +95,10 @@ def planned(model: nn.Module) -> Optional[ParallelState]:
     """``model``'s state if a plan was given to it (load / prepare), else None."""
     state = model.__dict__.get(ATTRIBUTE)
     return state if isinstance(state, ParallelState) else None
+
+
+def balance_reduce_of(model: nn.Module) -> Optional[Callable]:
+    """The plan's reduction of a mixture of experts' router statistics (:attr:`ParallelState.balance_reduce`),
+    or None: unplanned, or each forward's tokens on one rank."""
+    state = planned(model)
+    return state.balance_reduce if state is not None else None

@@ -94,39 +94,18 @@ def pytest_collection_modifyitems(config, items):
 
 # folders whose tests run models, not kernels: on CPU they take a user's path, the torch reference kernels
 # (a user's CPU run has no interpreter), not the Triton interpreter this process switches on for tests/kernels.
-# Set around each phase (setup too: a module's fixture runs models in its first test's setup). A test there
-# that wants the interpreted kernels asks for them with use_backend("triton").
+# Set around a test's whole protocol (its setup too: a module's fixture runs models in its first test's setup).
+# A test there that wants the interpreted kernels asks for them with use_backend("triton").
 MODEL_FOLDERS = ("checkpoint", "front", "parallel", "zoo")
 
 
-def _user_kernels(item) -> bool:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     folder = os.path.relpath(str(item.path), os.path.dirname(os.path.abspath(__file__))).split(os.sep)[0]
-    return folder in MODEL_FOLDERS and "gpu" not in item.keywords and not COMPILED_GPU_RUN
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    with _kernels_for(item):
+    if folder not in MODEL_FOLDERS or "gpu" in item.keywords or COMPILED_GPU_RUN:
         yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    with _kernels_for(item):
-        yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    with _kernels_for(item):
-        yield
-
-
-def _kernels_for(item):
-    import contextlib
-
-    if not _user_kernels(item):
-        return contextlib.nullcontext()
+        return
     from cuboid.kernels import use_backend
 
-    return use_backend("torch")
+    with use_backend("torch"):
+        yield

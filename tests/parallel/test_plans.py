@@ -11,7 +11,7 @@ each on one family: every block compiled, with ``aot_eager``). A plan the enumer
 composition built, a clause gone from ``Plan.unimplemented``) is tested here
 with no edit. For each plan and family, ``cuboid.load(name, plan, seed=0,
 mesh=mesh)`` is compared with one device's run of the same seed (computed
-once per process for each family, optimizer and path, since every plan is
+once per world for each family, optimizer and path, each by one rank, since every plan is
 held to the same run), with one optimizer built the plain way
 (``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB and LARS by
 the plan's index, so each plan meets all three over its families. Three
@@ -58,6 +58,7 @@ The 8-rank world also runs test_cost's 2.5D/3D cost check and the
 groups-made-once check (200 loads, threads and groups unchanged).
 """
 from types import SimpleNamespace
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -241,7 +242,7 @@ def make_optimizer(kind, params):
 
 
 OPTIMIZERS = ("adamw", "lamb", "lars")
-_REFS: dict = {}  # one device's run, per (family, optimizer, path, batch size), computed once per process
+_REFS: dict = {}  # one device's run, per RefArgs, computed once per world (share_references)
 
 
 def _batch_size(dp: int) -> int:
@@ -255,8 +256,21 @@ def micro_order(size: int, dp: int, micro: int) -> torch.Tensor:
     return torch.arange(size).reshape(dp, micro, -1).transpose(0, 1).reshape(-1)
 
 
-def _ref_key(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1) -> tuple:
-    return (name, kind, pipelined, size, tuple(sorted(extra.items())), packed, micro, dp)
+class RefArgs(NamedTuple):
+    """What one device's run (:func:`reference`) depends on."""
+    name: str
+    kind: str
+    pipelined: bool
+    size: int
+    extra: dict
+    packed: bool = True
+    micro: int = 1
+    dp: int = 1
+
+
+def _ref_key(*args) -> tuple:
+    a = RefArgs(*args)
+    return a._replace(extra=tuple(sorted(a.extra.items())))
 
 
 def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
@@ -298,13 +312,14 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
     return _REFS[key]
 
 
-OUTPUT_FIELDS = ("loss", "logits", "last_hidden_state", "pooler_output")
+def _plain(out) -> Optional[SimpleNamespace]:
+    """A model output's fields, detached (a reference crosses processes: see :func:`share_references`); None
+    for None (a pipeline's reference has no natural-loop output)."""
+    from cuboid.zoo.common import Output
 
-
-def _plain(out) -> SimpleNamespace:
-    """A model output's compared fields, detached (a reference crosses processes: see :func:`share_references`)."""
-    return SimpleNamespace(**{f: None if getattr(out, f, None) is None else getattr(out, f).detach()
-                              for f in OUTPUT_FIELDS})
+    if out is None:
+        return None
+    return SimpleNamespace(**{f: None if getattr(out, f) is None else getattr(out, f).detach() for f in Output.FIELDS})
 
 
 def share_references(keys: list) -> None:
@@ -359,7 +374,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
         if mesh_of is None or mesh_of[0] != index:
             mesh_of = (index, Mesh.build(plan))
         mesh = mesh_of[1]
-        _, _, pipelined, size, _, _, _, dp = args
+        pipelined, size, dp = args.pipelined, args.size, args.dp
         want = reference(*args)
         dist.barrier()
         start = time.perf_counter()
@@ -428,8 +443,8 @@ def _runs(plans, optimizers, rotate, per_plan, families):
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
                 micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
-                yield index, label, plan, name, extra, kind, (name, kind, plan.pp > 1, _batch_size(plan.dp), extra,
-                                                              packs(plan), micro, plan.dp)
+                yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, _batch_size(plan.dp),
+                                                                     extra, packs(plan), micro, plan.dp)
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail

@@ -13,7 +13,7 @@ from cuboid.parallel import layers as L
 from cuboid.parallel.head import lazy
 from cuboid.parallel.mask import Mask
 from cuboid.parallel.moe import recording
-from cuboid.parallel.state import planned
+from cuboid.parallel.state import balance_reduce_of
 from cuboid.zoo.common import Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, pre_norm
 
 from .config import LlamaConfig
@@ -169,9 +169,8 @@ class Llama(Decoder):
         mask = attention_mask_of(input_ids, attention_mask, position_ids)
         routed = self.config.output_router_logits if output_router_logits is None else output_router_logits
         # a plan that spreads the forward's tokens over ranks sums the statistics over them (its balance_reduce)
-        state = planned(self)
         recorder = recorder_for(self.config, input_ids, attention_mask, keep_logits=routed,
-                                reduce=state.balance_reduce if state is not None else None)
+                                reduce=balance_reduce_of(self))
         if recorder is None:
             x, residual = self.run_blocks(x, mask)
             return self.head(x, residual, labels, last=self.last_tokens(input_ids))
