@@ -52,6 +52,15 @@ gains :class:`LoraExperts`, whose ``project`` adds ``s (x A_e^T) B_e^T`` to
 each grouped GEMM: two more grouped GEMMs of rank ``r``, no ``E x out x in``
 update materialised. peft has no dropout there, so neither has cuboid.
 
+**Off.** :func:`adapters_off` (peft's ``disable_adapter``, what TRL runs the
+reference policy of DPO and GRPO under) makes every adapted layer compute its
+base alone, no copy of the weights: the hook adds nothing and ``project``
+skips its low-rank term. Each layer holds one flag, ``lora_off``, that the
+context sets and restores, so the plan's machinery (sequence splits,
+pipeline stages, ZeRO units, compiled blocks, which recompile once for the
+other value) runs unchanged; adapters skipped on every rank take no
+collective with them (1D's ``copy_to`` and A's all-reduce go together).
+
 Initialisation is peft's: A uniform in ``[-1/sqrt(in), 1/sqrt(in)]`` (kaiming
 uniform with a = sqrt(5)), B zero, each full tensor drawn from a generator
 seeded by the model seed and the parameter's name, so every plan starts from
@@ -61,6 +70,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -74,7 +84,7 @@ from cuboid.parallel import layers as L
 
 __all__ = ["LoraConfig", "add_adapters", "add_expert_adapters", "init_adapters", "freeze_base", "adapted",
            "adapted_experts", "adapter_parameters", "merged_weight", "merge_adapters", "LoraExperts", "ADAPTER_NAMES",
-           "EXPERT_WEIGHTS"]
+           "EXPERT_WEIGHTS", "adapters_off", "carries_adapters"]
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
 EXPERT_WEIGHTS = ("gate_up", "down")  # the stacked expert parameters adapters may target, in module order
@@ -220,6 +230,8 @@ def _row_dropout(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _hook(base: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    if base.lora_off:
+        return out
     return out + _delta(base, args[0]) * base.lora_scaling
 
 
@@ -229,7 +241,7 @@ class LoraExperts:
 
     def project(self, name: str, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         y = super().project(name, x, counts)
-        if name not in self.lora_weights:
+        if name not in self.lora_weights or self.lora_off:
             return y
         z = kernels.grouped_mm(x, getattr(self, f"lora_{name}_A"), counts)  # (M, r)
         return y + kernels.grouped_mm(z, getattr(self, f"lora_{name}_B"), counts) * self.lora_scaling
@@ -271,9 +283,10 @@ def add_expert_adapters(model: nn.Module, paths: Iterable[str], names: Iterable[
         experts.lora_plain_class = type(experts)
         experts.__class__ = _lora_class(type(experts))
         experts.lora_weights, experts.lora_scaling = names, config.scaling
-        experts.lora_r, experts.lora_alpha = config.r, config.alpha
+        experts.lora_r, experts.lora_alpha, experts.lora_off = config.r, config.alpha, False
         experts.tag_placements()  # the adapters take the experts' placement (their ep group)
         done.append(path)
+    _record(model, paths)
     return done
 
 
@@ -306,9 +319,48 @@ def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> 
         base.lora_A, base.lora_B = A, B
         base.lora_dropout = L.Dropout(config.dropout)
         base.lora_kind, base.lora_scaling, base.lora_r, base.lora_alpha = kind, config.scaling, config.r, config.alpha
+        base.lora_off = False
         base.lora_handle = base.register_forward_hook(_hook)
         done.append(path)
+    _record(model, paths)
     return done
+
+
+def _record(model: nn.Module, paths: Iterable[str]) -> None:
+    """Note on ``model`` the paths adapters were asked for: the same on every rank, whichever pipeline stage
+    (and so whichever adapted layers) it holds, so :func:`carries_adapters` answers alike everywhere."""
+    model.lora_targets = tuple(getattr(model, "lora_targets", ())) + tuple(p for p in paths)
+
+
+def carries_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters: asked for on it (every rank of a plan answers alike, even one
+    whose pipeline stages hold no adapted layer) or held by one of its layers (a part of a model)."""
+    return bool(getattr(model, "lora_targets", ())) or bool(adapted(model)) or bool(adapted_experts(model))
+
+
+@contextmanager
+def adapters_off(model: nn.Module):
+    """Within the block, ``model`` computes its base model's outputs: every adapter is skipped (no merged or
+    copied weights), under every plan; on exit (or an exception) each layer gets back the state it had, so
+    nested blocks and the adapters' outputs come back exactly. The reference policy of DPO and GRPO:
+    ``with torch.no_grad(), adapters_off(model): ref = model(**batch)``.
+
+    The base is frozen, so a forward inside needs no gradients (nothing in it requires one). A model without
+    adapters is refused (``ValueError``): its "base" would be the trained model itself, and a reference policy
+    equal to the policy trains nothing without a word. Decided from what every rank was asked to adapt, so
+    every rank of a plan raises or enters alike; entering and leaving make no collective."""
+    if not carries_adapters(model):
+        raise ValueError(f"adapters_off: the {type(model).__name__} carries no LoRA adapters (load it with "
+                         "lora=...); a fully trained model's base is a separate copy of the base weights")
+    layers = [m for _, m in adapted(model)] + [m for _, m in adapted_experts(model)]
+    saved = [m.lora_off for m in layers]
+    for m in layers:
+        m.lora_off = True
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, saved):
+            m.lora_off = was
 
 
 def _seed(seed: int, name: str) -> int:
@@ -371,12 +423,13 @@ def merge_adapters(model: nn.Module) -> nn.Module:
                 w.copy_((w.float() + experts.lora_scaling * torch.bmm(b.float(), a.float())).to(w.dtype))
                 del experts._parameters[f"lora_{name}_A"], experts._parameters[f"lora_{name}_B"]
         experts.__class__ = experts.lora_plain_class
-        for attr in ("lora_weights", "lora_scaling", "lora_r", "lora_alpha", "lora_plain_class"):
+        for attr in ("lora_weights", "lora_scaling", "lora_r", "lora_alpha", "lora_plain_class", "lora_off"):
             delattr(experts, attr)
     for _, base in adapted(model):
         base.load_full("weight", merged_weight(base))
         base.lora_handle.remove()
         for name in ("lora_A", "lora_B", "lora_dropout", "lora_handle", "lora_kind", "lora_scaling", "lora_r",
-                     "lora_alpha"):
+                     "lora_alpha", "lora_off"):
             delattr(base, name)
+    model.lora_targets = ()
     return model

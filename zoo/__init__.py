@@ -4,7 +4,9 @@ Hugging Face interop.
 - :func:`build` makes a model from a preset name or a config, on the meta
   device by default (no memory, exact parameter counts);
 - :func:`materialize` allocates it on a device and runs its ``init_weights``;
-- :func:`from_hf` / :func:`to_hf` read and write local ``transformers`` folders.
+- :func:`from_hf` / :func:`to_hf` read and write local ``transformers`` folders;
+- :func:`adapters_off`: a LoRA model (``cuboid.load(..., lora=...)``) computes its base model's outputs
+  within the block (:mod:`cuboid.parallel.lora`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
+
+from cuboid.parallel.lora import adapters_off
 
 from . import hf_io
 from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
@@ -35,7 +39,8 @@ _CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT, LlamaConfig: Llama
 Config = Union[GPTConfig, BertConfig, ViTConfig, LlamaConfig]
 
 __all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "Llama", "GPTConfig", "BertConfig", "ViTConfig", "LlamaConfig",
-           "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of"]
+           "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of",
+           "adapters_off"]
 
 
 def config_of(name_or_config: Union[str, Config], **overrides) -> Config:
