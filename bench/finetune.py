@@ -29,7 +29,7 @@ def build(job: str):
     import torch
 
     import cuboid
-    from cuboid import data as D
+    from cuboid.data import formats as D
 
     if job == "digits-vit":
         ds = D.load_source("digits")
@@ -52,10 +52,10 @@ def worker(kind: str, job: str, steps: int, out: str) -> None:
     model, tensors = build(job)
     cfg = JOBS[job]
     if kind == "cuboid":
-        from cuboid import data as D
+        from cuboid.data import formats as D
         from cuboid.parallel import Mesh, Plan, prepare
-        from cuboid.step import train_step
-        from cuboid.trainer import make_optimizer
+        from cuboid.train.step import train_step
+        from cuboid.train.loop import make_optimizer
 
         plan = Plan(dp=world)
         mesh = Mesh.build(plan, model.config)

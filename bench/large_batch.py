@@ -10,10 +10,10 @@ a global batch of 64, 256, 1024, 4096 or 16384, so a larger batch means
 fewer steps (gradient accumulation in micro-batches of ``--micro-batch``).
 
 Optimizers (cuboid's own, built as the fine-tune loop builds them:
-``cuboid.trainer.make_optimizer``, biases and norms without decay or trust
+``cuboid.train.loop.make_optimizer``, biases and norms without decay or trust
 ratio), each with linear warmup over ``--warmup`` of the steps and the
 LAMB paper's polynomial decay (power 1), learning rates from
-``cuboid.schedule``:
+``cuboid.train.schedule``:
 
 - ``adamw-linear``: AdamW, lr scaled by ``B / 64`` (Goyal et al.);
 - ``adamw-sqrt``: AdamW, lr scaled by ``sqrt(B / 64)``;
@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.trainer import make_optimizer
+from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
+from cuboid.train.loop import make_optimizer
 
 REFERENCE_BATCH = 64
 BATCHES = (64, 256, 1024, 4096, 16384)
@@ -312,7 +312,7 @@ def main() -> None:
     meta.update(reference_batch=REFERENCE_BATCH, largest_class_share=float(shares.max()),
                 optimizers={n: dict(zip(("cuboid_optimizer", "lr_scaling", "base_lr_grid", "weight_decay"), v))
                             for n, v in OPTIMIZERS.items() if n in names},
-                schedule="linear warmup then poly decay, power 1 (cuboid.schedule.lr_lambda('poly'))")
+                schedule="linear warmup then poly decay, power 1 (cuboid.train.schedule.lr_lambda('poly'))")
     for b in batches:
         for n in names:
             runs += sweep_cell(n, b, data, test, args, 2 * float(shares.max()), cache)

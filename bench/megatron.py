@@ -5,7 +5,7 @@
 Each row of the paper gives a GPT model (heads, hidden, layers; vocabulary 51,200, sequence 2048), its
 tensor and pipeline sizes, the GPU count and the global batch, and the per-GPU TFLOP/s Megatron-LM reached on
 Selene (DGX A100 80 GB, 8 per node, 8 HDR InfiniBand HCAs per node). Here every row is priced by
-:func:`cuboid.planner.estimate` on the ``a100`` profile with nothing fitted per row: dp = GPUs / (tp x pp),
+:func:`cuboid.loading.planner.estimate` on the ``a100`` profile with nothing fitted per row: dp = GPUs / (tp x pp),
 bf16 weights with fp32 masters (the ``half`` layout, Megatron's), full activation recomputation (the paper's
 FLOP count, ``96 B s l h^2 (1 + s / 6h + V / 16 l h)``, includes it), and the search the planner makes over
 what the paper leaves open: micro-batch counts (without a pipeline: gradient accumulation, as Megatron
@@ -43,7 +43,7 @@ def predict_row(row, hw, schedules=("1f1b", "interleaved")):
     from cuboid import zoo
     from cuboid.parallel import Plan
     from cuboid.parallel.cost.space import refusal
-    from cuboid.planner import _Shards, estimate, microbatch_counts
+    from cuboid.loading.planner import _Shards, estimate, microbatch_counts
 
     _, heads, h, layers, tp, pp, gpus, batch, _ = row
     config = zoo.config_of("gpt-debug", dim=h, n_layers=layers, n_heads=heads, vocab_size=VOCAB, n_positions=SEQ,
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--json", default=str(HERE / "megatron.json"))
     args = ap.parse_args()
     from cuboid.parallel import cost
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
 
     hw = cost.load_hardware(args.hardware)
     t0, rows, out = time.time(), [], []

@@ -8,7 +8,7 @@ also counts) once the process group is up, then samples it in a thread (``bench/
 ``AnonPeak``) while it loads the model and takes three ``cuboid.train_step`` calls with AdamW (the second and
 third hold the optimizer state), with glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``: a
 freed tensor's pages leave RssAnon). Measured: the highest rank's peak above its own baseline. Predicted:
-:func:`cuboid.planner.estimate`'s ``memory`` (the fullest rank's peak: model states, activations as the code
+:func:`cuboid.loading.planner.estimate`'s ``memory`` (the fullest rank's peak: model states, activations as the code
 keeps them, autocast's copies, the loss head) for the same plan, layout, batch and sequence. The model is a
 GPT of hidden 512, 8 blocks, vocabulary 8192 (29M parameters; bf16 rows a smaller batch, CPU bf16 matmuls are
 slow).
@@ -66,7 +66,7 @@ def predicted(spec: str, ranks: int, layout: str, batch: int, seq: int):
 
     from cuboid import zoo
     from cuboid.parallel import Plan, cost
-    from cuboid.planner import _Shards, estimate
+    from cuboid.loading.planner import _Shards, estimate
 
     config = zoo.config_of("gpt-debug", **MODEL)
     plan = Plan.parse(spec, zoo.READY_PLANS)
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--only", type=int, default=None, help="run the first N rows")
     ap.add_argument("--measured", default=None, help="a JSON this script wrote: its measurements again, new predictions")
     args = ap.parse_args()
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
     from tests.parallel.launch import run_world
 
     # big tensors mmapped and unmapped on free: glibc's dynamic threshold would otherwise serve them from the

@@ -146,7 +146,7 @@ def expert_parallel(size: str, world: int) -> list[dict]:
 
 
 def print_tables(gemm: list, ep: list) -> None:
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
 
     if gemm:
         print("grouped GEMM (cuboid.kernels.grouped_mm, CPU torch path) against a loop over experts, median ms")

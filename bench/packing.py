@@ -2,7 +2,7 @@
 
 The same documents both ways: lengths drawn like instruction data (lognormal,
 median 150 tokens, sigma 1, cut to 1..2048), token ids random. Packed: rows
-of 2048 filled by :func:`cuboid.packing.pack` (best-fit-decreasing), one row a
+of 2048 filled by :func:`cuboid.data.packing.pack` (best-fit-decreasing), one row a
 step, positions restarting per document (the model keeps attention inside each
 document). Padded: the documents in a seeded order, ``docs_per_step`` of them a
 step (as many as fill one packed row on average), padded to the longest of the
@@ -56,7 +56,7 @@ def documents(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def packed_batches(docs: list[list[int]]) -> list[dict]:
-    from cuboid.packing import pack
+    from cuboid.data.packing import pack
 
     rows = pack(docs, ROW, pad_id=0)
     n = rows["input_ids"].shape[0]

@@ -70,7 +70,7 @@ def main() -> None:
                     entry["sweep"][f"dim{dim}-batch{batch}"] = (step_time(m, case["plans"][base], hw)[0]
                                                                 / step_time(m, case["plans"][new], hw)[0])
         out.append(entry)
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
 
     print(table(rows, ("paper", "speedup", "hardware", "reported", "predicted", "off", "step ms (base/new)",
                         "comm share (base/new)")))

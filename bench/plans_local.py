@@ -3,12 +3,12 @@
     python bench/plans_local.py                 # calibrate, time 17 plans on 1-4 gloo ranks, print, bench/plans_local.json
     python bench/plans_local.py --steps 5
 
-Calibrates the ``local`` profile in-process (``cuboid.calibrate``: a
+Calibrates the ``local`` profile in-process (``cuboid.loading.calibrate``: a
 reference GPT's training step, an AdamW step, a gloo all-reduce probe),
 then times ``cuboid.train_step`` of a different GPT (``TIMED`` in
 ``tests/parallel/cost_checks.py``: dim 256, 4 layers, batch 8 x 128) under
 each plan, the slowest rank's median step, beside
-:func:`cuboid.planner.estimate`'s prediction. The test
+:func:`cuboid.loading.planner.estimate`'s prediction. The test
 (``tests/parallel/test_cost.py``) asserts five of these within 30%.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ def main() -> None:
     import torch
 
     from cuboid import zoo
-    from cuboid.calibrate import calibrate
-    from cuboid.tables import table
+    from cuboid.loading.calibrate import calibrate
+    from cuboid.cli.tables import table
     from cuboid.parallel import Plan
-    from cuboid.planner import estimate
+    from cuboid.loading.planner import estimate
     from tests.parallel.cost_checks import TIMED, TIMED_BATCH, TIMED_SEQ, time_worker
     from tests.parallel.launch import run_world
 

@@ -328,7 +328,7 @@ class BalanceReduce:
     loss of the global micro-batch, ``n_experts * sum(counts * probsum) / tokens ** 2`` of the sums, on
     every rank. Its gradient is each rank's own term, ``n_experts * sum(counts_global * probsum_local) /
     tokens_global ** 2``, times the group's size: the gradient average over the group (data parallelism)
-    then gives the sum of the terms, the single-device gradient. (:func:`cuboid.step.train_step` weighs
+    then gives the sum of the terms, the single-device gradient. (:func:`cuboid.train.step.train_step` weighs
     the auxiliary loss by its micro-batch's share of the global batch, not by this rank's share.)"""
 
     def __init__(self, group) -> None:

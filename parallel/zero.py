@@ -370,7 +370,7 @@ def unscale_(scaler, optimizer) -> None:
     reduce-scatter, stage 2's leftovers), then each rank checks and unscales
     its pieces with torch's own kernel and records the flags where
     ``scaler.step`` reads them. The flags see only this rank's pieces: make
-    them agree over the world (:func:`cuboid.step.sync_found_inf`) before
+    them agree over the world (:func:`cuboid.train.step.sync_found_inf`) before
     stepping. Without ZeRO parameters this is ``scaler.unscale_``.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]

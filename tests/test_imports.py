@@ -116,9 +116,9 @@ PROBES = {  # name: (files added to the mirror, the contract it breaks, what the
     "reader-writer": ({"cuboid/zoo/checkpoint/reader.py": (ROOT / "zoo/checkpoint/reader.py").read_text()
                        + "\nfrom . import writer  # noqa: E402\n"},
                       "checkpoint-read-write", "cuboid.zoo.checkpoint.reader is not allowed to import"),
-    "root-loop": ({"cuboid/planner.py": (ROOT / "cuboid/planner.py").read_text()
-                   + "\nimport cuboid  # noqa: E402 - cuboid.load -> cuboid.planner -> cuboid\n"},
-                  "no-root-imports", "cuboid.planner -> cuboid (l."),
+    "root-loop": ({"cuboid/loading/planner.py": (ROOT / "cuboid/loading/planner.py").read_text()
+                   + "\nimport cuboid  # noqa: E402 - cuboid.load -> cuboid.loading.planner -> cuboid\n"},
+                  "no-root-imports", "cuboid.loading.planner -> cuboid (l."),
     "private-module": ({"cuboid/zoo/_probe.py": "from cuboid.kernels import _backend  # noqa\n"},
                        "private-modules", "cuboid.zoo._probe -> cuboid.kernels._backend"),
     "private-name": ({"cuboid/parallel/_probe.py": "def f():\n    from .plan import _probe_name  # noqa\n"},

@@ -367,7 +367,7 @@ def load_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, v
     """Restore the adapters, the optimizer (resharded by parameter name: any plan or world size), the
     scheduler and (same world size) every rank's RNG from :func:`save_checkpoint`'s folder; returns the saved
     ``state``. Every recorded file is checked against its SHA-256 first (``verify=False``: the caller did,
-    as :mod:`cuboid.resume` does once on rank 0); nothing in the folder is unpickled."""
+    as :mod:`cuboid.train.resume` does once on rank 0); nothing in the folder is unpickled."""
     from .checkpoint.folder import resolve
     from .checkpoint.lora_state import verify_lora
     from .checkpoint.resume import load_training_state

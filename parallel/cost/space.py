@@ -12,7 +12,7 @@ not name. Nothing else decides: a combination this walk leaves out is one that
 removed from :meth:`Plan.unimplemented` when a composition is built shows up
 here with no edit. Spellings of one plan with fields that mean nothing in it
 (``sp_mode`` without sp, ``zero`` without dp, ...) are enumerated once
-(:func:`canonical`). ``cuboid plans --gpus N`` (:func:`cuboid.planner.candidate_plans`)
+(:func:`canonical`). ``cuboid plans --gpus N`` (:func:`cuboid.loading.planner.candidate_plans`)
 lists this enumeration, and ``tests/parallel/test_plan_space.py`` and
 ``tests/parallel/test_plans.py`` walk it.
 

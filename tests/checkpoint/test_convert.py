@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cuboid
-from cuboid.convert_cmd import main
+from cuboid.cli.convert import main
 from cuboid.zoo import checkpoint
 
 convert_mod = importlib.import_module("cuboid.zoo.checkpoint.convert")  # the module, not the function

@@ -4,7 +4,7 @@
     python -m tests.front.fault_job finetune [cuboid finetune flags]
 
 ``CUBOID_FAULT=rank:step:where[,rank:step:where...]`` (:class:`Fault`) says which rank dies where;
-:class:`FaultCallback` does it through the trainer's callbacks (:mod:`cuboid.callbacks`).
+:class:`FaultCallback` does it through the trainer's callbacks (:mod:`cuboid.train.callbacks`).
 
 The first form is a fine-tune with dropout through the Python API. The CLI's models train without
 dropout, so nothing in their step draws from the global RNG. This job's ViT drops with p = 0.1: a resume
@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from cuboid.callbacks import TrainerCallback
+from cuboid.train.callbacks import TrainerCallback
 
 STEPS, BATCH, SAVE_EVERY, LR = 6, 8, 2, 5e-3
 FAULT_ENV = "CUBOID_FAULT"

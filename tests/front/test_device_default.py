@@ -11,10 +11,11 @@ import sys
 import pytest
 import torch
 
-import cuboid.trainer
-from cuboid import finetune_cli, kernels
+import cuboid.train.loop
+from cuboid import kernels
+from cuboid.cli import finetune as finetune_cli
 from cuboid.cli import main
-from cuboid.finetune_config import FinetuneConfig
+from cuboid.train.config import FinetuneConfig
 from cuboid.parallel import Plan
 
 
@@ -30,7 +31,7 @@ def choose(monkeypatch, capsys, gpus: int, *flags: str, env: dict | None = None)
     started = []
     monkeypatch.setattr(finetune_cli, "_launch",
                         lambda nproc, argv, restarts=0, module="cuboid": started.append(("launch", nproc, argv)) or 0)
-    monkeypatch.setattr(cuboid.trainer, "run", lambda cfg: started.append(("run", cfg)))
+    monkeypatch.setattr(cuboid.train.loop, "run", lambda cfg: started.append(("run", cfg)))
     argv = ["finetune", *flags]
     monkeypatch.setattr(sys, "argv", ["cuboid", *argv])
     assert main(argv) == 0
@@ -94,6 +95,6 @@ def test_one_gpu_choice_runs_the_default_job(monkeypatch, capsys, tmp_path):
                          "--output-dir", str(tmp_path / "run"))
     monkeypatch.undo()  # the real CUDA probes and trainer: this machine's CPU
     with kernels.use_backend("torch"):  # a user's CPU kernels (this test process runs the Triton interpreter)
-        result = cuboid.trainer.run(cfg)
+        result = cuboid.train.loop.run(cfg)
     assert result["step"] == 3 and 0.0 <= result["accuracy"] <= 1.0
     assert (tmp_path / "run" / "final" / "config.json").is_file()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cuboid
-from cuboid.eval_cmd import perplexity, sliding_windows
+from cuboid.cli.eval import perplexity, sliding_windows
 from cuboid.kernels import use_backend
 
 from . import fixtures as F

@@ -171,7 +171,7 @@ def test_two_launchers_end_like_one_node(data, reference_dp, tmp_path):
 
 
 def test_latest_skips_interrupted_and_incomplete_saves(tmp_path):
-    from cuboid.resume import interrupted, resolve_resume
+    from cuboid.train.resume import interrupted, resolve_resume
 
     def folder(name: str, *files: str) -> None:
         (tmp_path / name).mkdir()
@@ -206,7 +206,7 @@ def test_callbacks_see_every_event_in_order(tmp_path):
     """The trainer's callbacks: each event once per step or save, in the loop's order, with the step, the
     checkpoint path and, on the writing rank, each file as it lands in the save's temporary folder."""
     import cuboid
-    from cuboid.callbacks import TrainerCallback
+    from cuboid.train.callbacks import TrainerCallback
     from cuboid.kernels import use_backend
 
     class Record(TrainerCallback):

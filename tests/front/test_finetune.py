@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuboid import data as D
+from cuboid.data import formats as D
 from cuboid.cli import main
 
 from . import fixtures as F

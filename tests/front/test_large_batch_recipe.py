@@ -1,6 +1,6 @@
 """The large-batch recipe in `cuboid finetune` / `cuboid.finetune`: lr scaling, warmup, polynomial decay.
 
-The formulas (cuboid/schedule.py) against their definitions, the schedule a
+The formulas (cuboid/train/schedule.py) against their definitions, the schedule a
 ``LambdaLR`` then applies to a real optimizer, the Python API's LARS run with
 linear scaling, bad values as one-line errors, and the embedded default job
 under ``--optimizer lamb --lr-scaling sqrt`` for a few steps.
@@ -14,7 +14,7 @@ import torch
 
 import cuboid
 from cuboid.cli import main
-from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
+from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 
 from . import fixtures as F
 from .test_finetune import cli, metrics

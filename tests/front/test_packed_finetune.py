@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuboid import data as D
-from cuboid.finetune_config import FinetuneConfig, checked
+from cuboid.data import formats as D
+from cuboid.train.config import FinetuneConfig, checked
 from cuboid.kernels import use_backend
 
 from . import fixtures as F

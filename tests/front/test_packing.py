@@ -1,11 +1,11 @@
-"""The packer (cuboid/packing.py): best-fit-decreasing rows as TRL packs them, and the packed layout's
+"""The packer (cuboid/data/packing.py): best-fit-decreasing rows as TRL packs them, and the packed layout's
 promises (every token once, rows within length, positions and labels per document)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cuboid.packing import best_fit_decreasing, pack, pack_dataset, padding_fraction, plan_rows
+from cuboid.data.packing import best_fit_decreasing, pack, pack_dataset, padding_fraction, plan_rows
 
 
 def documents(n: int, seed: int, cap: int = 300) -> list[list[int]]:

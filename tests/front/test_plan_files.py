@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cuboid.cli import main
-from cuboid.loading import LOCAL_PROCESSES_ENV, check_local_processes, local_process_limit, plan_of
+from cuboid.loading.model import LOCAL_PROCESSES_ENV, check_local_processes, local_process_limit, plan_of
 from cuboid.parallel import Plan
 
 from ..checkpoint import fuzz

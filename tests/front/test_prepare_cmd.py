@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from cuboid import data as D
+from cuboid.data import formats as D
 from cuboid.cli import main
 
 from . import chat_fixtures as CF

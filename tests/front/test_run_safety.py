@@ -11,7 +11,7 @@ import pytest
 
 import cuboid
 from cuboid.cli import main
-from cuboid.resume import RUN_FILE, run_id_of
+from cuboid.train.resume import RUN_FILE, run_id_of
 
 from . import fixtures as F
 
@@ -95,7 +95,7 @@ def test_an_elastic_restart_with_no_checkpoint_starts_from_step_0(images, tmp_pa
 def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
     import datasets
 
-    from cuboid.data import DataError
+    from cuboid.data.formats import DataError
 
     rows = F.sentences(16)
     labels = [y for _, y in rows]
@@ -105,7 +105,7 @@ def test_a_stray_label_is_refused_before_a_head_is_built(tmp_path):
     with pytest.raises(DataError, match="class id 1000000000.*0..2.*ClassLabel"):
         cuboid.finetune("bert-debug", data, task="seqcls", output_dir=str(tmp_path / "out"), steps=1, **OPTS)
     assert time.perf_counter() - t0 < 10 and not (tmp_path / "out" / "final").exists()
-    from cuboid.data import num_classes
+    from cuboid.data.formats import num_classes
 
     split = datasets.Dataset.from_dict
     assert num_classes(split({"label": [0, 1, 1]}), "label", split({"label": [2]})) == 3  # over both splits

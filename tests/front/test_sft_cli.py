@@ -55,8 +55,8 @@ def test_sft_flags_and_config_keys(tmp_path, capsys):
     """The SFT flags reach FinetuneConfig by their names, from the command line and from a --config file
     (max_length is seq_len's other spelling there too), and --help shows the data formats."""
     from cuboid.cli import build_parser
-    from cuboid.finetune_cli import resolve
-    from cuboid.finetune_config import FinetuneConfig
+    from cuboid.cli.finetune import resolve
+    from cuboid.train.config import FinetuneConfig
 
     parser = build_parser()
     args = parser.parse_args(["finetune", "--model", "m", "--task", "sft", "--max-length", "512", "--train-on-prompt",

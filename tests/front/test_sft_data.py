@@ -7,10 +7,10 @@ import types
 import pytest
 import torch
 
-from cuboid.chat import (encode_conversation, has_generation_markers, prompt_ids, render_prompt,
+from cuboid.data.chat import (encode_conversation, has_generation_markers, prompt_ids, render_prompt,
                          stop_token_ids)
-from cuboid.data import DataError, GlobalBatches, prepare
-from cuboid.sft import SFTOptions, SFTStats, detect_format, tokenize_dataset, tokenize_example
+from cuboid.data.formats import DataError, GlobalBatches, prepare
+from cuboid.data.sft import SFTOptions, SFTStats, detect_format, tokenize_dataset, tokenize_example
 from tests.front.chat_fixtures import (alpaca_rows, chat_tokenizer, conversations, messages_rows,
                                        prompt_completion_rows, sharegpt_rows)
 
@@ -220,7 +220,7 @@ def test_packed_sft_rows_keep_the_masks(tokenizers):
 
 
 def test_a_prepared_folder_is_used_as_is(tokenizers, tmp_path):
-    from cuboid.packing import pack_dataset
+    from cuboid.data.packing import pack_dataset
 
     tok = tokenizers["qwen2", True]
     tokens, _ = tokenize_dataset(datasets.Dataset.from_list(messages_rows(8, seed=9)), tok, SFTOptions())
@@ -249,8 +249,8 @@ def test_render_prompt_and_stop_tokens(tokenizers):
 
 
 def test_finetune_config_checks_and_data_options():
-    from cuboid.data import eval_batches
-    from cuboid.finetune_config import FinetuneConfig, checked, data_options, task_fits_head
+    from cuboid.data.formats import eval_batches
+    from cuboid.train.config import FinetuneConfig, checked, data_options, task_fits_head
 
     with pytest.raises(ValueError, match="unknown --template 'vicuna'; templates: alpaca"):
         checked(FinetuneConfig(task="sft", template="vicuna"))

@@ -1,5 +1,5 @@
 """``--streaming``: local files read as a stream per dp rank, shuffled, tokenized and packed on the fly, and
-resumed exactly (cuboid/streaming.py).
+resumed exactly (cuboid/data/streaming.py).
 
 - in one process: a stream resumed from its position at any step (mid-block, mid-packing-window, past an
   epoch's end, and resumed again from a resumed stream) gives the batches the uninterrupted stream gives;
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cuboid.data import DataError
-from cuboid.streaming import StreamBatches, StreamData, example_tokenizer, setup, stream_files
+from cuboid.data.formats import DataError
+from cuboid.data.streaming import StreamBatches, StreamData, example_tokenizer, setup, stream_files
 
 from . import chat_fixtures as C
 from .test_faults import ROOT, assert_identical, launch

@@ -30,7 +30,7 @@ def cost_worker(plans, preset: str = "gpt-debug", fields: dict = HELD_OUT) -> di
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import comm, cost, state_of, zero
-    from cuboid.planner import meta_shards
+    from cuboid.loading.planner import meta_shards
 
     config = zoo.config_of(preset, **fields)
     report = {}

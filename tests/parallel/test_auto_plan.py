@@ -39,7 +39,7 @@ def _h100():
 
 def _ranked(model, plans, batch=256, seq=1024):
     from cuboid.parallel import Plan
-    from cuboid.planner import rank_plans
+    from cuboid.loading.planner import rank_plans
 
     return rank_plans(model, 64, _h100(), batch, seq, dtype="bf16", plans=[Plan.parse(p + ",dtype=bf16") for p in plans])
 
@@ -173,7 +173,7 @@ def test_half_weights_layout_states_after_a_step_are_exact():
 def test_auto_specs_sizes_and_refusals():
     from cuboid import zoo
     from cuboid.parallel import cost
-    from cuboid.planner import auto_plan, check_batch, choice_line, is_auto, parse_auto, parse_size
+    from cuboid.loading.planner import auto_plan, check_batch, choice_line, is_auto, parse_auto, parse_size
 
     assert is_auto("auto") and is_auto("auto,tp=2") and not is_auto("dp=2") and not is_auto(None)
     assert parse_auto("auto,tp=2,batch=16,memory=8G") == ({"tp": 2}, {"batch": "16", "memory": "8G"})
@@ -252,7 +252,7 @@ def _states_worker(plans) -> dict:
     from cuboid import zoo
     from cuboid.parallel import cost, state_of, zero
     from cuboid.parallel.optim import AdamW
-    from cuboid.planner import _Shards
+    from cuboid.loading.planner import _Shards
 
     config = zoo.config_of("gpt-debug", **HELD)
     ids = torch.randint(0, config.vocab_size, (HELD_BATCH, HELD_SEQ), generator=torch.Generator().manual_seed(1))

@@ -108,7 +108,7 @@ def _qkv(model):
 def _skipped(plan_text):
     """Overflowing steps are skipped on every rank; what each rank's own inf check saw before the sync."""
     import cuboid
-    import cuboid.step as step_mod
+    import cuboid.train.step as step_mod
     from cuboid.parallel import Mesh, Plan
     from cuboid.parallel.optim import AdamW
 

@@ -75,7 +75,7 @@ def test_bubble_and_candidates():
     from cuboid import zoo
     from cuboid.parallel import Plan
     from cuboid.parallel.cost import bubble_fraction
-    from cuboid.planner import candidate_plans
+    from cuboid.loading.planner import candidate_plans
 
     assert bubble_fraction(Plan()) == 0.0
     assert bubble_fraction(Plan(pp=4, microbatches=8)) == pytest.approx(3 / 8)
@@ -103,7 +103,7 @@ def _run(args, capsys):
 
 
 def test_plans_command_table_json_and_misfits(capsys):
-    from cuboid.plans_cmd import FIELDS
+    from cuboid.cli.plans import FIELDS
 
     code, out, _ = _run(["plans", "--model", "gpt-debug", "--gpus", "4", "--batch", "8", "--seq", "32"], capsys)
     assert code == 0 and "gpt-debug on 4 x h100" in out and "dp=4" in out

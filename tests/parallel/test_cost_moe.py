@@ -125,7 +125,7 @@ def test_exchange_formula_and_traffic():
     """The planner's ep traffic is the docstring's formula; the experts' gradients go over edp."""
     from cuboid import zoo
     from cuboid.parallel import Plan, cost
-    from cuboid.planner import meta_shards
+    from cuboid.loading.planner import meta_shards
 
     config = zoo.config_of("qwen3-moe-debug", **MOE_HELD_OUT)
     assert cost.expert_exchange_bytes(32, 2, 64, 4, 4) == 32 * 2 * 64 * 4 * 3 / 4
@@ -174,7 +174,7 @@ def test_qwen3_30b_a3b_on_8_ranks_has_ep_plans_and_the_command_lists_them(capsys
     takes minutes on a CI core), with the model's total and active parameters above the table."""
     from cuboid import zoo
     from cuboid.cli import main
-    from cuboid.planner import candidate_plans
+    from cuboid.loading.planner import candidate_plans
 
     plans = candidate_plans(zoo.config_of("qwen3-30b-a3b"), 8, 16)
     assert {p.ep for p in plans} == {1, 2, 4, 8}
@@ -195,7 +195,7 @@ def test_auto_picks_expert_parallelism_where_it_is_fastest():
     """On 8 H200s under ZeRO-3, sharding the experts over ep (their all-to-all moves tokens) beats gathering
     every expert's weights over dp each step: ``plan="auto"`` takes an ep plan."""
     from cuboid.parallel import cost
-    from cuboid.planner import auto_plan
+    from cuboid.loading.planner import auto_plan
 
     plan, ests = auto_plan("qwen3-30b-a3b", "auto,dp=8,zero=3,dtype=bf16", world=8, batch=16, seq=1024,
                            hw=cost.load_hardware("h200"), memory=141e9)

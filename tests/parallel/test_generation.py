@@ -40,7 +40,7 @@ def generation_worker(folders: dict, expected: dict):
             out[f"{spec}/{name}"] = (torch.equal(greedy, expected[name][0]), torch.equal(sampled, expected[name][1]))
     # ZeRO-3 gathers over dp in every forward: dp ranks with different prompts must stop at the same step (rank
     # 0's one row ends early here), and perplexity must run as many windows on each (3 windows over 2 ranks)
-    from cuboid.eval_cmd import perplexity
+    from cuboid.cli.eval import perplexity
 
     plan = Plan.parse("dp=2,tp=2,zero=3")
     mesh = Mesh.build(plan)

@@ -1,7 +1,7 @@
 """A loss weighted by trained tokens under every way a step is cut: a packed SFT batch gives one device's gradient.
 
 The batch (:func:`sft_batch`) is twelve packed rows of 256 tokens built with
-``cuboid.packing.pack`` from token lists whose labels are -100 except an
+``cuboid.data.packing.pack`` from token lists whose labels are -100 except an
 answer span, as SFT data is: its four micro-batches of three rows hold 5,
 194, 506 and 88 trained tokens (its dp / two micro-batch halves 199 and 594),
 a document of 400 tokens is split into two rows that fall into different
@@ -64,7 +64,7 @@ def _documents(spans, g):
 
 def sft_batch():
     """(the packed global batch, the document numbers in each row); MANY's documents numbered after FEW's."""
-    from cuboid.packing import pack, plan_rows
+    from cuboid.data.packing import pack, plan_rows
 
     g = torch.Generator().manual_seed(0)
     parts, row_docs = [], []

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cuboid
-from cuboid.convert_cmd import main as convert_main
+from cuboid.cli.convert import main as convert_main
 from cuboid.zoo import checkpoint, to_hf
 from cuboid.zoo.checkpoint import CheckpointError
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import cuboid
 from cuboid import zoo
 from cuboid.parallel import moe
-from cuboid.convert_cmd import main as convert_main
+from cuboid.cli.convert import main as convert_main
 from cuboid.zoo.llama.config import PRESETS
 from cuboid.zoo.llama.hf import architecture_of, config_from_hf, config_to_hf
 from cuboid.zoo.llama.model import Llama

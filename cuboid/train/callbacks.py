@@ -13,7 +13,7 @@ a no-op by default. Every rank calls every event, in the loop's order:
 - ``on_save(run, step, path)``: the checkpoint is committed and every rank has returned from the save;
 - ``on_train_end(run, summary)``: ``final/`` is written; ``summary`` is what ``finetune`` returns.
 
-``run`` is the loop's state (:class:`cuboid.trainer.Run`): ``cfg``, ``plan``, ``mesh``, ``restart`` (how
+``run`` is the loop's state (:class:`cuboid.train.loop.Run`): ``cfg``, ``plan``, ``mesh``, ``restart`` (how
 often the job was restarted), ``model``, ``optimizer``, ``scheduler``, ``output_dir``. Callbacks read it;
 changing it changes the run.
 """
@@ -59,7 +59,7 @@ class Callbacks:
         self.items = list(callbacks)
         for cb in self.items:
             if not isinstance(cb, TrainerCallback):
-                raise TypeError(f"callbacks are cuboid.callbacks.TrainerCallback instances, got {type(cb).__name__}")
+                raise TypeError(f"callbacks are cuboid.train.callbacks.TrainerCallback instances, got {type(cb).__name__}")
 
     def fire(self, event: str, run: Any, *args) -> None:
         if event not in EVENTS:

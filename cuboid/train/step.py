@@ -104,7 +104,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     ``mesh`` and ``dtype`` default to the model's (``model.parallel.mesh``,
     ``model.parallel.plan.dtype``); ``microbatches`` to the plan's. Clipping reduces the
     norm over every shard of every parameter (their placements say how). ``share=True``: the batch
-    is already this rank's share (a stream read per dp rank, :mod:`cuboid.streaming`); every rank of a
+    is already this rank's share (a stream read per dp rank, :mod:`cuboid.data.streaming`); every rank of a
     dp group passes the same one, and the loss is weighted by the step's targets over all ranks as ever.
     """
     core = unwrap(model)

@@ -1,5 +1,5 @@
 """A zoo model on the meta device, cut for a plan: what :func:`cuboid.load` builds before it allocates,
-and what the planner (:mod:`cuboid.planner`) prices for each rank without allocating anything.
+and what the planner (:mod:`cuboid.loading.planner`) prices for each rank without allocating anything.
 
 :func:`cut` shards a meta model for a plan's tensor mode and, under pipeline parallelism, keeps only the
 rank's stages. :class:`ModelBuilder` wraps a preset name, a model folder or a zoo config into the callable

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from cuboid.eval_cmd import add_model_arguments, load_model_and_tokenizer
+from cuboid.cli.eval import add_model_arguments, load_model_and_tokenizer
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def _encode(args: argparse.Namespace, prompts: list, tok):
             raise ValueError("--system and --chat-template go with --chat")
         enc = tok(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
         return enc["input_ids"], enc["attention_mask"], [tok.eos_token_id]
-    from cuboid.chat import prompt_ids, stop_token_ids
+    from cuboid.data.chat import prompt_ids, stop_token_ids
 
     ids = [prompt_ids(_conversation(p), tok, system=args.system, chat_template=args.chat_template) for p in prompts]
     enc = tok.pad({"input_ids": ids}, padding=True, return_tensors="pt")

@@ -8,20 +8,20 @@ dp coordinate: whole files when their number is a multiple of dp, else every
 dp-th row), so the tensor, pipeline and sequence ranks of one dp group read
 the same rows and every dp rank different ones. A step takes ``rows`` examples
 (or packed rows) from each dp rank's stream: the rank's share of the global
-batch, given to :func:`cuboid.step.train_step` with ``share=True``.
+batch, given to :func:`cuboid.train.step.train_step` with ``share=True``.
 
 The pipeline of one rank, each stage pulling from the one before:
 
 1. :class:`Source`: the rank's raw rows, epoch after epoch (a stream has no
    length: the run needs ``--steps``);
-2. :class:`Shuffled`: rows tokenized (:func:`cuboid.sft.tokenize_example` for
+2. :class:`Shuffled`: rows tokenized (:func:`cuboid.data.sft.tokenize_example` for
    ``sft``; text + EOS for ``causal``) and shuffled in blocks of
    ``shuffle_buffer`` rows, each block in an order drawn from (seed, rank,
    epoch, the block's first row); an epoch's end closes a block, so each
    epoch gives every row of the rank once;
 3. :class:`Packed` (``--packing``): windows of documents (at least two steps'
    rows, and 16, worth of tokens) packed into rows by
-   :func:`cuboid.packing.pack` (best-fit-decreasing); without packing each
+   :func:`cuboid.data.packing.pack` (best-fit-decreasing); without packing each
    example is a row and a batch is padded to its longest row, rounded up to
    ``width_multiple``.
 
@@ -62,7 +62,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from cuboid.data import DATA_FILE_KINDS, DataError
+from cuboid.data.formats import DATA_FILE_KINDS, DataError
 
 __all__ = ["EVAL_EXAMPLES", "StreamData", "Source", "Shuffled", "Packed", "StreamBatches", "stream_files",
            "open_stream", "example_tokenizer", "collate", "setup", "gather_positions", "saved_position"]
@@ -214,7 +214,7 @@ class Packed(_Pieces):
         self._restore(position)
 
     def _fill(self) -> None:
-        from cuboid.packing import pack
+        from cuboid.data.packing import pack
 
         self.start = self.examples.position()
         docs, tokens = [], 0
@@ -338,7 +338,7 @@ class StreamBatches:
 def example_tokenizer(task: str, tokenizer, row_length: int, *, text_column: str = "text", sft=None,
                       packing: bool = False) -> Callable[[dict], Optional[dict]]:
     """One raw row -> {"input_ids", "labels"} (None: nothing to learn). ``sft``: the row through
-    :func:`cuboid.sft.tokenize_example` with ``sft`` (an ``SFTOptions`` whose ``max_length`` is
+    :func:`cuboid.data.sft.tokenize_example` with ``sft`` (an ``SFTOptions`` whose ``max_length`` is
     ``row_length``; the format is detected from the first row's columns unless given, and the chat template
     read once then). ``causal``: the text column's tokens + EOS, labels the tokens, cut to ``row_length``
     unless packing (the packer splits a long document into row-sized pieces)."""
@@ -361,7 +361,7 @@ def example_tokenizer(task: str, tokenizer, row_length: int, *, text_column: str
 
 
 def _sft_tokenizer(tokenizer, opts) -> Callable[[dict], Optional[dict]]:
-    from cuboid.sft import detect_format, resolve_options, tokenize_example
+    from cuboid.data.sft import detect_format, resolve_options, tokenize_example
 
     resolved: list = []  # (format, options) once the first row is seen
 
@@ -380,7 +380,7 @@ def _sft_tokenizer(tokenizer, opts) -> Callable[[dict], Optional[dict]]:
 def setup(prep: dict, data: Any, task: str, *, rank: int, world: int, rows: int, shuffle_buffer: int = 1000,
           seed: int = 0, width_multiple: int = 1, eval_examples: int = EVAL_EXAMPLES) -> tuple:
     """(this dp rank's :class:`StreamBatches`, the eval tensors, the eval examples) for streaming ``data``;
-    ``prep`` is what :func:`cuboid.data.prepare` is given (config, tokenizer, seq_len, text_column,
+    ``prep`` is what :func:`cuboid.data.formats.prepare` is given (config, tokenizer, seq_len, text_column,
     packing, sft). Eval: the data's eval file, else the stream's first ``eval_examples`` rows (module
     docstring)."""
     import dataclasses
@@ -394,8 +394,8 @@ def setup(prep: dict, data: Any, task: str, *, rank: int, world: int, rows: int,
                         "or pass --tokenizer PATH")
     kind, train, held = stream_files(data)
     sft = None
-    if task == "sft":  # as cuboid.data.prepare: the max length is the row length, within the model's positions
-        from cuboid.sft import SFTOptions
+    if task == "sft":  # as cuboid.data.formats.prepare: the max length is the row length, within the model's positions
+        from cuboid.data.sft import SFTOptions
 
         text_column = prep.get("text_column", "text")
         sft = prep.get("sft") or SFTOptions(max_length=prep.get("seq_len") or 1024,
@@ -415,7 +415,7 @@ def setup(prep: dict, data: Any, task: str, *, rank: int, world: int, rows: int,
     if not examples:
         raise DataError(f"data {data}: none of the {len(raw)} eval rows has a token to learn from")
     if packing:
-        from cuboid.packing import pack
+        from cuboid.data.packing import pack
 
         eval_tensors = pack([e["input_ids"] for e in examples], row_length,
                             labels=[e["labels"] for e in examples], pad_id=pad_id)

@@ -3,9 +3,9 @@
     cuboid prepare --model FOLDER --data chat.jsonl --output prepared/ [--packing] [--max-length 1024]
     cuboid finetune --model FOLDER --data prepared/ --task sft [--packing] ...
 
-The rows are made by the code ``cuboid finetune`` runs (:mod:`cuboid.sft` for
-``--task sft``, :func:`cuboid.data.prepare` for ``--task clm``, and the packer
-of :mod:`cuboid.packing`), split into train and validation as finetune splits
+The rows are made by the code ``cuboid finetune`` runs (:mod:`cuboid.data.sft` for
+``--task sft``, :func:`cuboid.data.formats.prepare` for ``--task clm``, and the packer
+of :mod:`cuboid.data.packing`), split into train and validation as finetune splits
 (the data's own validation split, or a seeded ``--eval-fraction``), and
 written with ``save_to_disk``: a folder that ``cuboid finetune --data`` reads
 as it is (columns ``input_ids`` and ``labels``; packed rows also
@@ -35,7 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from cuboid.data import DataError
+from cuboid.data.formats import DataError
 
 TASKS = ("sft", "clm", "causal")
 DEFAULT_MAX_LENGTH = {"sft": 1024, "causal": 128}  # finetune's --seq-len defaults
@@ -76,7 +76,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cuboid.data import load_source, train_eval_split
+    from cuboid.data.formats import load_source, train_eval_split
 
     output = Path(args.output)
     if output.exists() and not args.overwrite:
@@ -108,7 +108,7 @@ def _task(name: str) -> str:
 
 def _tokenizer_and_positions(args: argparse.Namespace):
     """(tokenizer, the model's positions or None) of ``--model`` / ``--tokenizer``."""
-    from cuboid.data import load_tokenizer
+    from cuboid.data.formats import load_tokenizer
 
     if args.model is None and args.tokenizer is None:
         raise ValueError("give --model FOLDER (its tokenizer and chat template) or --tokenizer PATH")
@@ -135,7 +135,7 @@ def model_positions(folder: Optional[str]) -> Optional[int]:
 
 
 def sft_options(args: argparse.Namespace, max_length: int):
-    from cuboid.sft import FORMATS, TEMPLATES, SFTOptions
+    from cuboid.data.sft import FORMATS, TEMPLATES, SFTOptions
 
     if args.template is not None and args.template not in TEMPLATES:
         raise ValueError(f"unknown --template {args.template!r}; templates: {', '.join(TEMPLATES)}")
@@ -151,7 +151,7 @@ def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int, trai
     import datasets
 
     if _task(args.task) == "sft":
-        from cuboid import sft
+        from cuboid.data import sft
 
         opts = sft_options(args, max_length)
         rows, stats = sft.tokenize_dataset(ds, tokenizer, opts)
@@ -160,12 +160,12 @@ def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int, trai
                             "check the data format and --max-length")
         counts = {"format": sft.detect_format(ds.column_names, opts, ds.features), "examples": stats.examples,
                   "dropped": stats.dropped, "truncated": stats.truncated}
-        if args.packing:  # as finetune packs them (cuboid.sft.prepared_tensors)
-            from cuboid.packing import pack_dataset
+        if args.packing:  # as finetune packs them (cuboid.data.sft.prepared_tensors)
+            from cuboid.data.packing import pack_dataset
 
             rows = pack_dataset(rows, max_length, labels_column="labels", pad_id=_pad_id(tokenizer))
     else:
-        from cuboid.data import prepare
+        from cuboid.data.formats import prepare
 
         if args.train_on_prompt or args.template or args.data_format or args.chat_template:
             raise ValueError("--train-on-prompt, --template, --data-format and --chat-template are for --task sft")
@@ -207,12 +207,12 @@ def row_counts(rows, batch_size: Optional[int], seed: int) -> dict:
 
 def padding_fraction(lengths, batch_size: int, seed: int, width_multiple: int = WIDTH_MULTIPLE) -> float:
     """The padding of rows of ``lengths`` tokens over one epoch of finetune's batches: ``batch_size`` rows drawn
-    in :class:`cuboid.data.GlobalBatches`' seeded order, each batch as wide as its longest row rounded up to
-    ``width_multiple`` (:func:`cuboid.data.trim_padding`). A split smaller than a batch is one batch."""
+    in :class:`cuboid.data.formats.GlobalBatches`' seeded order, each batch as wide as its longest row rounded up to
+    ``width_multiple`` (:func:`cuboid.data.formats.trim_padding`). A split smaller than a batch is one batch."""
     import numpy as np
     import torch
 
-    from cuboid.data import GlobalBatches
+    from cuboid.data.formats import GlobalBatches
 
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
@@ -260,7 +260,7 @@ def write(prepared: dict, report: dict, output: Path, overwrite: bool) -> None:
 
 def format_report(report: dict, output: Path) -> str:
     """The printed report: the settings, one table row per split, and what the padding is of."""
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
 
     def n(v):
         return "-" if v is None else f"{v:,}"

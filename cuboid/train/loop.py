@@ -1,7 +1,7 @@
 """The fine-tune loop: a zoo model, a plan, a dataset -> a trained, checkpointed model.
 
 ``cuboid.finetune(model, data, plan=..., ...)`` is the Python API; ``cuboid finetune``
-(cuboid/cli.py) calls it with the flags. Every rank runs this same code; rank 0
+(cuboid/cli/__init__.py) calls it with the flags. Every rank runs this same code; rank 0
 prints, logs and draws. Outputs in ``output_dir``:
 
 - ``checkpoint-<step>/``: sharded safetensors + optimizer + training state
@@ -9,24 +9,24 @@ prints, logs and draws. Outputs in ``output_dir``:
   (a LoRA run's: the adapters and their state, :mod:`cuboid.zoo.checkpoint.lora_state`);
   every one records the run's id, so pruning and ``--resume latest`` leave other runs'
   checkpoints alone, and a fresh run refuses a folder an earlier run used unless
-  ``overwrite_output_dir`` (:mod:`cuboid.resume`);
+  ``overwrite_output_dir`` (:mod:`cuboid.train.resume`);
 - ``cuboid-run.json``: the id of the run that last started here;
 - ``final/``: the trained model as a Hugging Face folder (config.json +
   safetensors [+ tokenizer]) that ``transformers`` loads, or a LoRA run's adapters (+ tokenizer) that
   ``peft`` loads; either written atomically under a commit record of every file's SHA-256;
 - ``metrics.jsonl``: one JSON object per logged step and per eval;
-- ``curves.png``: train/eval loss and the task metric (needs matplotlib, :mod:`cuboid.curves`).
+- ``curves.png``: train/eval loss and the task metric (needs matplotlib, :mod:`cuboid.train.curves`).
 
 :func:`run` reads as its steps: the plan and the mesh (:func:`start`), the data and the model
 (:func:`load_data_and_model`), the batching (:func:`batching`), the optimizer (:func:`optimization`),
 resuming (:func:`resume`), the loop (:func:`train`, one :func:`train_one_step` each) and the final
 save (:func:`finish`). The run's state is one :class:`Run`, which callbacks
-(:mod:`cuboid.callbacks`) see at each event.
+(:mod:`cuboid.train.callbacks`) see at each event.
 
 Surviving faults: under torch's elastic launcher with ``--max-restarts`` a
 dead rank makes the agent restart every worker; a restarted worker resumes
 from the newest *complete* checkpoint of its run in ``output_dir`` (model, optimizer,
-scheduler, RNG, data position; checksums verified; :mod:`cuboid.resume`),
+scheduler, RNG, data position; checksums verified; :mod:`cuboid.train.resume`),
 so the run ends with the parameters of an uninterrupted one. ``timeout_s``
 bounds every collective, so a hang becomes an error, and so a restart.
 """
@@ -48,18 +48,18 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from cuboid.callbacks import Callbacks
-from cuboid.curves import plot_curves
-from cuboid.data import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, model_inputs,
+from cuboid.train.callbacks import Callbacks
+from cuboid.train.curves import plot_curves
+from cuboid.data.formats import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, model_inputs,
                          num_classes, prepare as prepare_data, real_tokens, train_eval_split)
-from cuboid.finetune_config import (HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked, data_options,
+from cuboid.train.config import (HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked, data_options,
                                      task_fits_head)
-from cuboid.loading import load, plan_of
+from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
-from cuboid.resume import (check_output_dir, decided_on_rank0, interrupted, load_checkpoint, own_checkpoints,
+from cuboid.train.resume import (check_output_dir, decided_on_rank0, interrupted, load_checkpoint, own_checkpoints,
                            restart_count, resume_folder, run_id_of, write_run_file)
-from cuboid.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.step import all_reduce_sum, evaluate, train_step
+from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
+from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
 
 __all__ = ["FinetuneConfig", "Run", "finetune", "run", "make_optimizer"]
@@ -99,7 +99,7 @@ class Run:
     cfg: FinetuneConfig
     plan: Plan
     mesh: Mesh
-    restart: int                          # how often the job was restarted (cuboid.resume.restart_count)
+    restart: int                          # how often the job was restarted (cuboid.train.resume.restart_count)
     device: torch.device
     callbacks: Callbacks
     output_dir: Path
@@ -121,7 +121,7 @@ class Run:
     scaler: Any = None
     start: int = 0                        # the step training starts after (resumed runs: the checkpoint's)
     resumed_from: Optional[Path] = None
-    run_id: Optional[str] = None          # this run's id (a resumed run keeps its checkpoint's; cuboid.resume)
+    run_id: Optional[str] = None          # this run's id (a resumed run keeps its checkpoint's; cuboid.train.resume)
     last_eval: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
 
@@ -170,7 +170,7 @@ def start(cfg: FinetuneConfig) -> Run:
         raise ValueError("--streaming needs --steps (and no --epochs): a stream has no length to count epochs in")
     if cfg.timeout_s is not None and not cfg.timeout_s > 0:
         raise ValueError(f"--timeout-s {cfg.timeout_s}: the process-group timeout must be positive seconds")
-    from cuboid.planner import is_auto
+    from cuboid.loading.planner import is_auto
 
     if is_auto(cfg.plan) and cfg.timeout_s is not None:  # the search may start the process group
         init_distributed(timeout_s=cfg.timeout_s)
@@ -219,8 +219,8 @@ def width_multiple(plan: Plan) -> int:
 
 def load_stream_and_model(r: Run) -> None:
     """:func:`load_data_and_model` for ``--streaming``: the model first (a stream is a text task's), then
-    this dp rank's stream and the eval rows (:mod:`cuboid.streaming`)."""
-    from cuboid.streaming import setup
+    this dp rank's stream and the eval rows (:mod:`cuboid.data.streaming`)."""
+    from cuboid.data.streaming import setup
 
     cfg = r.cfg
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, None, r.device, r.plan, r.mesh)
@@ -237,7 +237,7 @@ def load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[in
     """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own.
 
     Presets and folders are built on meta and sharded for ``plan`` before
-    allocation (:func:`cuboid.loading.load`); a module passed in is sharded as it is.
+    allocation (:func:`cuboid.loading.model.load`); a module passed in is sharded as it is.
     """
     from cuboid.parallel import shard
 
@@ -323,7 +323,7 @@ def resume(r: Run) -> None:
             raise ValueError(f"--steps {r.steps} is below step {r.start} of {r.resumed_from}, which this run "
                              f"resumes from: nothing is left to train; give --steps above {r.start}")
         if r.streaming:
-            from cuboid.streaming import saved_position
+            from cuboid.data.streaming import saved_position
 
             r.batches.position = saved_position(saved["data"], r.mesh)
         elif "position" not in saved["data"]:
@@ -348,7 +348,7 @@ def resume(r: Run) -> None:
 def run_of(r: Run, restart: int) -> str:
     """This run's id: the resumed checkpoint's; a fresh run's, the one :func:`start` recorded; a restart's
     that found no checkpoint, the one its first attempt recorded in the output folder; else a new one."""
-    from cuboid.resume import folder_run_id
+    from cuboid.train.resume import folder_run_id
 
     found = run_id_of(r.resumed_from) if r.resumed_from is not None else None
     return found or r.run_id or (folder_run_id(r.output_dir) if restart else None) or uuid.uuid4().hex
@@ -431,7 +431,7 @@ def train(r: Run) -> None:
 
 def train_one_step(r: Run, step: int, gen: torch.Generator):
     """Optimizer step ``step`` (1-based) on the next global batch (masked for MLM), the lr schedule
-    stepped: (the :class:`cuboid.step.StepResult`, the samples or real tokens it trained on)."""
+    stepped: (the :class:`cuboid.train.step.StepResult`, the samples or real tokens it trained on)."""
     r.model.train()
     batch = r.batches.next()
     if r.task == "mlm":
@@ -474,7 +474,7 @@ def save(r: Run, step: int) -> Path:
 
     path = r.output_dir / f"checkpoint-{step}"
     if r.streaming:  # every dp rank's stream position (a collective), so each resumes where it was
-        from cuboid.streaming import gather_positions
+        from cuboid.data.streaming import gather_positions
 
         data = {"stream": gather_positions(r.batches, r.mesh)}
     else:

@@ -28,8 +28,8 @@ __all__ = ["DataError", "template_of", "require_template", "has_generation_marke
 
 class DataError(ValueError):
     """Bad data or a bad column: one line that says what is wrong. Defined in this, the lowest of the data
-    modules, so that :mod:`cuboid.data`, :mod:`cuboid.sft` and this one raise the same class;
-    :mod:`cuboid.data` is its public home."""
+    modules, so that :mod:`cuboid.data.formats`, :mod:`cuboid.data.sft` and this one raise the same class;
+    :mod:`cuboid.data.formats` is its public home."""
 
 
 _MARKER = re.compile(r"{%-?\s*generation\s*-?%}")

@@ -18,7 +18,7 @@ hardware and free memory, with a one-line account (:func:`choice_line`).
 
 What it plans for, ``model`` below, is a model builder: a callable ``build(plan, mesh)`` that returns
 the meta model ``mesh.rank`` holds under ``plan`` and has the model's ``config`` and ``name``
-(:class:`cuboid.builder.ModelBuilder`); a preset name, a model folder or a zoo config is wrapped
+(:class:`cuboid.loading.builder.ModelBuilder`); a preset name, a model folder or a zoo config is wrapped
 into one (:func:`builder_of`). The planner builds meta models only through it.
 """
 from __future__ import annotations
@@ -75,14 +75,14 @@ def search_space(config, plans: Iterable[Plan], batch: int, world: int) -> list[
 
 
 def builder_of(model: Any, dtype=None):
-    """``model`` as a model builder: a :class:`~cuboid.builder.ModelBuilder` (in ``dtype`` when one is
+    """``model`` as a model builder: a :class:`~cuboid.loading.builder.ModelBuilder` (in ``dtype`` when one is
     given), any other callable with ``config`` and ``name`` as it is, a preset name, a model folder or a zoo
     config wrapped into a builder of parameters in ``dtype``."""
     from dataclasses import replace
 
     from torch import nn
 
-    from cuboid.builder import ModelBuilder
+    from cuboid.loading.builder import ModelBuilder
 
     if isinstance(model, ModelBuilder):
         return model if dtype is None else replace(model, dtype=dtype)

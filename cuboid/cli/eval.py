@@ -94,8 +94,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def load_model_and_tokenizer(args: argparse.Namespace):
     """(model, tokenizer) of ``add_model_arguments``' flags: the process group first under torchrun with a
     plan, then the tokenizer (a one-line error where there is none), then the model under the plan."""
-    from cuboid import data as D
-    from cuboid.loading import load
+    from cuboid.data import formats as D
+    from cuboid.loading.model import load
     from cuboid.parallel import init_distributed
 
     if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -123,7 +123,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _text_of(source: str, column: str) -> str:
-    from cuboid import data as D
+    from cuboid.data import formats as D
 
     if os.path.isfile(source) and source.endswith(".txt"):
         with open(source, encoding="utf-8") as fh:

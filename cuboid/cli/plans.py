@@ -52,11 +52,11 @@ def _gb(x: float) -> str:
 
 
 def cmd_plans(args: argparse.Namespace) -> int:
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
     from cuboid.parallel import cost
 
     if args.calibrate:
-        from cuboid.calibrate import calibrate
+        from cuboid.loading.calibrate import calibrate
 
         hw, path = calibrate(progress=not args.json)
         print(f"saved the local profile to {path}", file=sys.stderr)
@@ -77,7 +77,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     from dataclasses import replace
 
-    from cuboid.planner import check_batch, config_of, default_seq, parse_size, rank_plans
+    from cuboid.loading.planner import check_batch, config_of, default_seq, parse_size, rank_plans
 
     hw = cost.load_hardware(args.hardware)
     if args.gpu_memory:

@@ -3,10 +3,10 @@
 Subcommands: ``finetune`` (the main job; with no arguments it trains a small
 ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
 processes), ``info`` (environment and kernel backends), ``plans`` (the ready
-plans, or every plan ranked for a model and a cluster: :mod:`cuboid.plans_cmd`), ``eval`` (loss and
-perplexity of a causal LM on a text: :mod:`cuboid.eval_cmd`), ``generate`` (text from a causal LM:
-:mod:`cuboid.generate_cmd`), ``prepare`` (a dataset tokenized as finetune would, with a report:
-:mod:`cuboid.prepare_cmd`) and ``convert``. Bad values are one line on stderr
+plans, or every plan ranked for a model and a cluster: :mod:`cuboid.cli.plans`), ``eval`` (loss and
+perplexity of a causal LM on a text: :mod:`cuboid.cli.eval`), ``generate`` (text from a causal LM:
+:mod:`cuboid.cli.generate`), ``prepare`` (a dataset tokenized as finetune would, with a report:
+:mod:`cuboid.cli.prepare`) and ``convert``. Bad values are one line on stderr
 and exit code 2.
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def model_rows(model: str) -> list[tuple[str, str]]:
     ones (what a token uses: the router and ``experts_per_token`` of each sparse layer's experts) and its
     experts. Counted on the meta device: nothing is allocated or read but the config."""
     from cuboid.parallel.cost import Shape
-    from cuboid.planner import config_of
-    from cuboid.tables import count
+    from cuboid.loading.planner import config_of
+    from cuboid.cli.tables import count
 
     shape = Shape.of(config_of(model))
     rows = [("layers", str(shape.n_layers)), ("parameters", count(shape.parameters))]
@@ -84,7 +84,7 @@ def model_rows(model: str) -> list[tuple[str, str]]:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from cuboid.kernels import interpreter_active
-    from cuboid.tables import table
+    from cuboid.cli.tables import table
 
     if args.model:
         print(table(model_rows(args.model), ("model", args.model)))
@@ -101,7 +101,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cuboid.finetune_cli import add_parser as add_finetune
+    from cuboid.cli.finetune import add_parser as add_finetune
 
     parser = argparse.ArgumentParser(
         prog="cuboid", description="cuboid: fine-tune and convert GPT, BERT and ViT models under parallel plans "
@@ -113,18 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_info.add_argument("--model", default=None, help="a preset name or a model folder: print its parameter "
                                                       "counts (total, and active per token for experts) instead")
     p_info.set_defaults(func=cmd_info)
-    from cuboid.plans_cmd import add_parser as add_plans
+    from cuboid.cli.plans import add_parser as add_plans
 
     add_plans(sub)
-    from cuboid.eval_cmd import add_parser as add_eval
-    from cuboid.generate_cmd import add_parser as add_generate
-    from cuboid.prepare_cmd import add_parser as add_prepare
+    from cuboid.cli.eval import add_parser as add_eval
+    from cuboid.cli.generate import add_parser as add_generate
+    from cuboid.cli.prepare import add_parser as add_prepare
 
     add_eval(sub)
     add_generate(sub)
     add_prepare(sub)
     try:
-        from cuboid.convert_cmd import add_parser as add_convert
+        from cuboid.cli.convert import add_parser as add_convert
     except ImportError:  # pragma: no cover - arrives with the checkpoint package
         pass
     else:
@@ -136,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), modu
     """Run the ``cuboid`` command ``argv`` (default: ``sys.argv[1:]``); its exit code.
 
     A program that wraps the command (``python -m mywrapper finetune ...``) passes its fine-tune
-    ``callbacks`` (:mod:`cuboid.callbacks`) and its own ``module`` name, so that the processes a
+    ``callbacks`` (:mod:`cuboid.train.callbacks`) and its own ``module`` name, so that the processes a
     multi-process ``finetune`` launches run the wrapper too and install the same callbacks.
     """
     parser = build_parser()

@@ -14,7 +14,7 @@ with ``--nproc-per-node`` processes on this machine (loopback rendezvous).
 ``--max-restarts N`` goes to that launcher (and launches even a one-process
 plan through it): when a worker dies, all are restarted, up to N times, and
 resume from the newest complete checkpoint in ``--output-dir`` (see
-cuboid/trainer.py). Under ``torchrun`` use its own ``--max-restarts``.
+cuboid/train/loop.py). Under ``torchrun`` use its own ``--max-restarts``.
 ``--timeout-s`` bounds every collective, so a hung rank fails (and restarts).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cuboid.finetune_config import PYTHON_ONLY, FinetuneConfig
+from cuboid.train.config import PYTHON_ONLY, FinetuneConfig
 
 # the embedded default job (no --model, no --data); its plan is chosen for the devices present (device_default)
 DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "steps": 400, "batch_size": 64, "lr": 1e-2,
@@ -237,9 +237,9 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
 def cmd_finetune(args: argparse.Namespace) -> int:
     """The plan is read here, once (an ``auto`` one searched for the processes about to start), and passed
     on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
-    from cuboid.loading import check_local_processes
-    from cuboid.planner import is_auto
-    from cuboid.trainer import run
+    from cuboid.loading.model import check_local_processes
+    from cuboid.loading.planner import is_auto
+    from cuboid.train.loop import run
 
     values = resolve(args)
     nproc = values.pop("nproc_per_node", None)
@@ -314,9 +314,9 @@ def device_default(values: dict, nproc, batch_given: bool = False) -> str:
 def _door_plan(values: dict, nproc):
     """The run's plan: ``auto`` searched for ``nproc`` processes (the command line the workers get names
     the chosen plan), anything else parsed."""
-    from cuboid.builder import ModelBuilder
-    from cuboid.loading import plan_of
-    from cuboid.planner import default_seq, is_auto
+    from cuboid.loading.builder import ModelBuilder
+    from cuboid.loading.model import plan_of
+    from cuboid.loading.planner import default_seq, is_auto
 
     if not is_auto(values.get("plan")):
         return plan_of(values.get("plan"))

@@ -1,7 +1,7 @@
 """``cuboid.load``: a zoo model by preset name or folder, built for a plan and ready to train.
 
 The steps, in order: the plan read once at the door (:func:`plan_of`), the model built on the meta device
-and cut for the plan (:mod:`cuboid.builder`), allocated or read from the folder (only this rank's
+and cut for the plan (:mod:`cuboid.loading.builder`), allocated or read from the folder (only this rank's
 slices), LoRA adapters attached, and :func:`cuboid.parallel.prepare` for training. A ``device="meta"``
 load stops before allocating and carries its plan in its parallel state
 (:mod:`cuboid.parallel.state`).
@@ -15,7 +15,7 @@ from torch import nn
 
 from cuboid.zoo import READY_PLANS, build, from_hf, materialize
 import cuboid.zoo as zoo  # zoo.spec_of looked up at call time (a test swaps it)
-from cuboid.builder import ModelBuilder, cut, is_folder
+from cuboid.loading.builder import ModelBuilder, cut, is_folder
 from cuboid.parallel import Mesh, Plan, prepare
 from cuboid.parallel.state import ParallelState, attach
 
@@ -60,15 +60,15 @@ def _has_cuda() -> bool:
 def plan_of(spec: Any, model: Any = None, *, dtype=None, **search) -> Plan:
     """The plan at the door, checked against what this build implements: a :class:`Plan` as it is; ``None``
     one device; a ready-plan name, a .json / .toml file, ``"dp=2,tp=2"`` or a dict parsed;
-    ``"auto[,...]"`` searched for ``model`` (a preset, folder or :class:`~cuboid.builder.ModelBuilder`) by
-    :func:`cuboid.planner.resolve` with ``search``'s options (``batch``, ``seq``, ``world``). Lower layers
+    ``"auto[,...]"`` searched for ``model`` (a preset, folder or :class:`~cuboid.loading.builder.ModelBuilder`) by
+    :func:`cuboid.loading.planner.resolve` with ``search``'s options (``batch``, ``seq``, ``world``). Lower layers
     take the Plan this returns and never parse again."""
     if isinstance(spec, Plan):
         return spec.require_implemented()
-    from cuboid.planner import is_auto
+    from cuboid.loading.planner import is_auto
 
     if is_auto(spec):
-        from cuboid.planner import resolve
+        from cuboid.loading.planner import resolve
 
         if not isinstance(dtype, (str, type(None))):  # a torch dtype: the plan's name for it
             dtype = _PLAN_DTYPES.get(str(dtype).replace("torch.", ""))
@@ -101,7 +101,7 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
     ``None`` for one device; ``"auto"``: the fastest plan the cost model finds
     for the world size, the detected hardware and free memory, constrained by
-    any fields given, ``"auto,tp=2,batch=16,seq=512"``: :func:`cuboid.planner.resolve`).
+    any fields given, ``"auto,tp=2,batch=16,seq=512"``: :func:`cuboid.loading.planner.resolve`).
     The model is built on the meta device, sharded
     for the plan's tensor mode, and only then allocated, so each rank holds and
     initialises (or reads from the folder) just its own slices, with the same

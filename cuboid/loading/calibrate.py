@@ -62,7 +62,7 @@ PROBE_BATCH, PROBE_SEQ = 8, 64
 def _probe_step():
     """The reference model's forward + backward on one thread, and the FLOPs it counts as."""
     from cuboid.kernels import use_backend
-    from cuboid.loading import load
+    from cuboid.loading.model import load
     from cuboid.zoo import config_of
     from cuboid.parallel.cost import Shape, step_flops
 

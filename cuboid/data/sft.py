@@ -3,7 +3,7 @@
 Formats (:data:`FORMATS`; :func:`detect_format` picks one from the columns unless told):
 
 - ``messages``: a list of ``{"role", "content"}`` turns rendered with the chat template
-  (:mod:`cuboid.chat`); the loss is on the assistant's turns (their content and end-of-turn text).
+  (:mod:`cuboid.data.chat`); the loss is on the assistant's turns (their content and end-of-turn text).
   ShareGPT's ``conversations`` of ``{"from", "value"}`` turns are read as messages (keys renamed as
   TRL's ``maybe_convert_to_chatml`` does; roles ``human``/``gpt`` read as ``user``/``assistant``).
   A ``tools`` column is passed to the template.
@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cuboid.chat import DataError
+from cuboid.data.chat import DataError
 
 __all__ = ["FORMATS", "TEMPLATES", "SFTOptions", "SFTStats", "detect_format", "format_columns",
            "tokenize_example", "tokenize_dataset", "resolve_options", "alpaca_prompt", "sft_tensors",
@@ -188,7 +188,7 @@ def _tools(example: dict):
 def resolve_options(opts: SFTOptions, tokenizer, fmt: str, conversational: bool = True) -> SFTOptions:
     """``opts`` with the chat template read once (its text in ``chat_template``) when ``fmt`` renders
     conversations; a one-line DataError when the tokenizer has none."""
-    from cuboid.chat import require_template
+    from cuboid.data.chat import require_template
 
     if fmt == "messages" or (fmt == "prompt_completion" and conversational):
         return dataclasses.replace(opts, chat_template=require_template(tokenizer, opts.chat_template))
@@ -196,7 +196,7 @@ def resolve_options(opts: SFTOptions, tokenizer, fmt: str, conversational: bool 
 
 
 def _template(tokenizer, opts: SFTOptions) -> str:
-    from cuboid.chat import require_template
+    from cuboid.data.chat import require_template
 
     return require_template(tokenizer, opts.chat_template)
 
@@ -236,7 +236,7 @@ def _mask_after(prompt_ids: Sequence[int], ids: Sequence[int]) -> list:
 
 def _encode(example: dict, tokenizer, opts: SFTOptions, fmt: str) -> tuple[list, list]:
     """(input ids, 0/1 trained mask) of one record, before truncation and ``train_on_prompt``."""
-    from cuboid.chat import encode_conversation
+    from cuboid.data.chat import encode_conversation
 
     if fmt == "text":
         ids = tokenizer(_with_eos(example[opts.text_column or "text"] or "", tokenizer))["input_ids"]
@@ -403,7 +403,7 @@ def prepared_tensors(ds, *, packing: bool, row_length: int, pad_id: int) -> dict
     """Tensors of a dataset that is already tokenized (a ``cuboid prepare`` folder): packed rows
     (with ``position_ids``) as they are; other rows packed into ``row_length`` with ``packing``, else
     padded to the longest row."""
-    from cuboid.packing import PACKED_KEYS, pack_dataset
+    from cuboid.data.packing import PACKED_KEYS, pack_dataset
 
     cols = ds.column_names
     if "position_ids" in cols:

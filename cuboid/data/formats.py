@@ -11,14 +11,14 @@ handwritten digits that ship with scikit-learn (the embedded default).
 - ``causal``: tokenized text, concatenated and cut into blocks of
   ``seq_len`` (labels = inputs; the model shifts); with ``packing`` each
   record is a document of its own instead, rows of ``seq_len`` filled by
-  :func:`cuboid.packing.pack` (best-fit-decreasing, ``position_ids``
+  :func:`cuboid.data.packing.pack` (best-fit-decreasing, ``position_ids``
   restarting per document, so no document attends to another);
   a split that is already tokenized (an ``input_ids`` column: a ``cuboid prepare`` folder) is used as
   it is for ``causal`` and ``sft`` (packed rows kept; other rows padded to the longest, or packed);
 - ``sft``: instruction and chat records (messages, prompt/completion, alpaca, text; see
-  :mod:`cuboid.sft`) tokenized with loss masks; rows padded to the longest in the split (with an
+  :mod:`cuboid.data.sft`) tokenized with loss masks; rows padded to the longest in the split (with an
   ``attention_mask``), or with ``packing`` packed into rows of the max length by
-  :func:`cuboid.packing.pack` with their labels;
+  :func:`cuboid.data.packing.pack` with their labels;
 - ``mlm``: tokenized, padded/truncated to ``seq_len``; masking happens per
   batch (:func:`mask_tokens`) so every step sees new masks;
 - ``seqcls``: tokenized, padded/truncated, one label per example;
@@ -42,7 +42,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from cuboid.chat import DataError  # defined below the data modules (sft and chat raise it too); public here
+from cuboid.data.chat import DataError  # defined below the data modules (sft and chat raise it too); public here
 
 TASKS = ("causal", "sft", "mlm", "seqcls", "imgcls")
 DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
@@ -185,8 +185,8 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
             label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None,
             packing: bool = False, sft=None, sft_stats=None) -> dict:
     """A split as a dict of equal-length tensors for ``task`` (see module docstring). ``sft``: the
-    :class:`cuboid.sft.SFTOptions` of task ``sft`` (default: formats from the columns, ``seq_len`` as
-    the max length); ``sft_stats``, a :class:`cuboid.sft.SFTStats`, takes its counts."""
+    :class:`cuboid.data.sft.SFTOptions` of task ``sft`` (default: formats from the columns, ``seq_len`` as
+    the max length); ``sft_stats``, a :class:`cuboid.data.sft.SFTStats`, takes its counts."""
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if packing and task not in ("causal", "sft"):
@@ -197,7 +197,7 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
     if task == "imgcls":
         return _prepare_images(ds, config, image_column, label_column, num_labels)
     if task in ("causal", "sft") and "input_ids" in ds.column_names:
-        from cuboid.sft import prepared_tensors
+        from cuboid.data.sft import prepared_tensors
 
         return prepared_tensors(ds, packing=packing, row_length=min(seq_len or 1024, config.n_positions),
                                 pad_id=_pad_id(tokenizer))
@@ -242,7 +242,7 @@ def _pad_id(tokenizer) -> int:
 
 
 def _prepare_sft(ds, config, tokenizer, seq_len, text_column: str, packing: bool, sft, stats) -> dict:
-    from cuboid.sft import SFTOptions, sft_tensors
+    from cuboid.data.sft import SFTOptions, sft_tensors
 
     if sft is None:
         sft = SFTOptions(max_length=seq_len or 1024, text_column=None if text_column == "text" else text_column)
@@ -252,7 +252,7 @@ def _prepare_sft(ds, config, tokenizer, seq_len, text_column: str, packing: bool
 
 def _packed_documents(ids: list, eos: Optional[int], pad_id: Optional[int], seq_len: int) -> dict:
     """Each non-empty text a document (its tokens, then EOS), packed into rows of ``seq_len``."""
-    from cuboid.packing import pack
+    from cuboid.data.packing import pack
 
     docs = [[*seq, eos] if eos is not None else seq for seq in ids if seq]
     if not docs:

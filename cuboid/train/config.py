@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cuboid.data import TASKS
-from cuboid.schedule import LR_SCALINGS, SCHEDULES, lr_lambda
+from cuboid.data.formats import TASKS
+from cuboid.train.schedule import LR_SCALINGS, SCHEDULES, lr_lambda
 
 TASK_OF_HEAD = {("gpt", "lm"): "causal", ("bert", "mlm"): "mlm", ("bert", "cls"): "seqcls", ("vit", "cls"): "imgcls",
                 ("llama", "lm"): "causal", ("llama", "cls"): "seqcls"}
@@ -24,7 +24,7 @@ class FinetuneConfig:
 
     model: Any = "vit-debug"              # a preset, a local Hugging Face folder, or a zoo module
     data: Any = "digits"
-    plan: Any = None                      # a Plan, or what cuboid.loading.plan_of reads (names, files, "auto")
+    plan: Any = None                      # a Plan, or what cuboid.loading.model.plan_of reads (names, files, "auto")
     task: Optional[str] = None            # default: from the model's head
     steps: Optional[int] = None           # optimizer steps; default from epochs
     epochs: Optional[float] = None        # default 1 when steps is not given
@@ -34,7 +34,7 @@ class FinetuneConfig:
     optimizer: str = "adamw"              # adamw | lamb | lars (1-D params: no decay, no trust ratio)
     weight_decay: float = 0.01
     warmup: float = 0.1                   # fraction of steps (< 1) or a step count (>= 1)
-    schedule: str = "cosine"              # after warmup: cosine | linear | constant | poly (cuboid/schedule.py)
+    schedule: str = "cosine"              # after warmup: cosine | linear | constant | poly (cuboid/train/schedule.py)
     decay_power: float = 1.0              # poly: lr * (1 - progress) ** decay_power
     lr_scaling: str = "none"              # none | linear | sqrt: lr * (batch_size / reference_batch) [** 0.5]
     reference_batch: int = 256            # the global batch lr was tuned at
@@ -50,7 +50,7 @@ class FinetuneConfig:
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
     seq_len: Optional[int] = None         # tokens per row of a text task (packing: the packed row's length)
-    packing: bool = False                 # causal LM / sft: each record a document, packed into rows (cuboid.packing)
+    packing: bool = False                 # causal LM / sft: each record a document, packed into rows (cuboid.data.packing)
     train_on_prompt: bool = False         # sft: train every token, not only the answers
     template: Optional[str] = None        # sft: a named prompt template for instruction data (alpaca)
     data_format: Optional[str] = None     # sft: messages | prompt_completion | alpaca | text; default from the columns
@@ -65,7 +65,7 @@ class FinetuneConfig:
     log_every: int = 10
     progress: bool = True
     plot: bool = True
-    callbacks: Sequence[Any] = ()         # cuboid.callbacks.TrainerCallback instances (Python API only)
+    callbacks: Sequence[Any] = ()         # cuboid.train.callbacks.TrainerCallback instances (Python API only)
 
 
 def checked(cfg: FinetuneConfig) -> FinetuneConfig:
@@ -90,7 +90,7 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
 
 
 def _check_sft(cfg: FinetuneConfig) -> None:
-    from cuboid.sft import FORMATS, TEMPLATES
+    from cuboid.data.sft import FORMATS, TEMPLATES
 
     if cfg.template is not None and cfg.template not in TEMPLATES:
         raise ValueError(f"unknown --template {cfg.template!r}; templates: {', '.join(TEMPLATES)}")
@@ -112,8 +112,8 @@ def task_fits_head(task: str, inferred: Optional[str]) -> bool:
 
 
 def data_options(cfg: FinetuneConfig, config, tokenizer=None) -> dict:
-    """The keyword arguments of :func:`cuboid.data.prepare` for this run (the task is passed beside them):
-    the columns, the row length, packing, and for sft the :class:`cuboid.sft.SFTOptions`."""
+    """The keyword arguments of :func:`cuboid.data.formats.prepare` for this run (the task is passed beside them):
+    the columns, the row length, packing, and for sft the :class:`cuboid.data.sft.SFTOptions`."""
     out = dict(config=config, tokenizer=tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
                label_column=cfg.label_column, image_column=cfg.image_column,
                num_labels=getattr(config, "num_labels", None), packing=cfg.packing)
@@ -123,9 +123,9 @@ def data_options(cfg: FinetuneConfig, config, tokenizer=None) -> dict:
 
 
 def sft_options(cfg: FinetuneConfig, config=None):
-    """The :class:`cuboid.sft.SFTOptions` of a run: max length ``seq_len`` (default 1024, at most the
+    """The :class:`cuboid.data.sft.SFTOptions` of a run: max length ``seq_len`` (default 1024, at most the
     model's positions), the text column when it is not the default ``text``."""
-    from cuboid.sft import SFTOptions
+    from cuboid.data.sft import SFTOptions
 
     max_length = cfg.seq_len or 1024
     if config is not None and getattr(config, "n_positions", None):

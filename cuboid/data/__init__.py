@@ -1,0 +1,1 @@
+"""Data: dataset formats into rows, chat templates, SFT rows, packing, streaming."""

@@ -1,0 +1,1 @@
+"""The training objectives: one small class per task (see base.py)."""
