@@ -81,45 +81,58 @@ MAX_BLOCK_V = 4096  # vocab columns per step of a row program
 def _lce_stats_kernel(
     Z,  # (C, Vl) logits of the chunk, row stride stride_z, unit column stride, input dtype
     LABELS,  # (C,) int64 global labels
-    STATS,  # (C, 3) fp32 out: local max, sum of exp(z - local max), target logit (0 when not on this slice)
+    STATS,  # (C, 3) fp32 out: local max m, sum of exp(z - m), target logit (0 when not on this slice);
+            # (C, 4) with ENTROPY: and sum of exp(z - m) * (z - m) (the entropy's numerator)
     n_cols,  # Vl: local columns
     n_valid,  # local columns that are real classes (the rest is padding)
     start,  # global class of local column 0
     ignore_index,
     stride_z,
+    stride_s,  # 3, or 4 with ENTROPY
     BLOCK_V: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    u = tl.zeros((), tl.float32)
     for off in range(0, n_cols, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         z = tl.load(z_row + cols, mask=cols < n_valid, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, 0))
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of padding only: nothing to add
-        s = s * tl.exp(m - base) + tl.sum(tl.exp(z - base), 0)
+        alpha = tl.exp(m - base)
+        if ENTROPY:  # u moves to the new max as s does, plus (m - base) s; padding (z = -inf) adds nothing
+            d = tl.where(cols < n_valid, z - base, 0.0)
+            e = tl.where(cols < n_valid, tl.exp(d), 0.0)
+            u = alpha * (u + tl.where(s > 0, m - base, 0.0) * s) + tl.sum(e * d, 0)
+        s = s * alpha + tl.sum(tl.exp(z - base), 0)
         m = m_new
     label = tl.load(LABELS + row)
     local = label - start
     here = (label != ignore_index) & (local >= 0) & (local < n_valid)
     target = tl.load(z_row + tl.where(here, local, 0), mask=here, other=0.0).to(tl.float32)
-    tl.store(STATS + row * 3, m)
-    tl.store(STATS + row * 3 + 1, s)
-    tl.store(STATS + row * 3 + 2, tl.where(here, target, 0.0))
+    tl.store(STATS + row * stride_s, m)
+    tl.store(STATS + row * stride_s + 1, s)
+    tl.store(STATS + row * stride_s + 2, tl.where(here, target, 0.0))
+    if ENTROPY:
+        tl.store(STATS + row * stride_s + 3, u)
 
 
 @triton.jit
 def _lce_grad_kernel(
-    Z,  # (C, Vl) logits of the chunk, overwritten with their gradient softmax - onehot (input dtype)
+    Z,  # (C, Vl) logits of the chunk, overwritten with their gradient (softmax - onehot) * scale (input dtype)
     LABELS,  # (C,) int64 global labels
     LSE,  # (C,) fp32 log-sum-exp of each row over the whole vocabulary
+    SCALE,  # (C,) fp32 each row's upstream gradient (read with HAS_SCALE only; else 1)
     n_cols,
     n_valid,
     start,
     ignore_index,
     stride_z,
     BLOCK_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
@@ -127,13 +140,15 @@ def _lce_grad_kernel(
     lse = tl.load(LSE + row)
     valid = label != ignore_index
     local = label - start
+    factor = tl.where(valid, 1.0, 0.0)
+    if HAS_SCALE:
+        factor = factor * tl.load(SCALE + row)
     for off in range(0, n_cols, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         in_row = cols < n_cols
         z = tl.load(z_row + cols, mask=in_row, other=0.0).to(tl.float32)
         p = tl.where(cols < n_valid, tl.exp(z - lse), 0.0)  # padding columns: probability 0
-        g = p - tl.where(cols == local, 1.0, 0.0)
-        g = tl.where(valid, g, 0.0)
+        g = (p - tl.where(cols == local, 1.0, 0.0)) * factor
         tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=in_row)
 
 
@@ -148,22 +163,26 @@ def _launch_cfg(n_cols: int) -> tuple:
     return block, 8 if block >= 2048 else 4 if block >= 512 else 2
 
 
-def _stats_triton(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int) -> Tensor:
-    stats = torch.empty((z.shape[0], 3), dtype=torch.float32, device=z.device)
+def _stats_triton(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int,
+                  entropy: bool = False) -> Tensor:
+    width = 4 if entropy else 3
+    stats = torch.empty((z.shape[0], width), dtype=torch.float32, device=z.device)
     if z.shape[0]:
         block, warps = _launch_cfg(z.shape[1])
         with on_device(z):
             _lce_stats_kernel[(z.shape[0],)](z, labels, stats, z.shape[1], n_valid, start, ignore_index, z.stride(0),
-                                             BLOCK_V=block, num_warps=warps)
+                                             width, BLOCK_V=block, ENTROPY=entropy, num_warps=warps)
     return stats
 
 
-def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
+def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int,
+                 scale: Optional[Tensor] = None) -> None:
     if z.shape[0]:
         block, warps = _launch_cfg(z.shape[1])
         with on_device(z):
-            _lce_grad_kernel[(z.shape[0],)](z, labels, lse, z.shape[1], n_valid, start, ignore_index, z.stride(0),
-                                            BLOCK_V=block, num_warps=warps)
+            _lce_grad_kernel[(z.shape[0],)](z, labels, lse, lse if scale is None else scale, z.shape[1], n_valid,
+                                            start, ignore_index, z.stride(0), BLOCK_V=block,
+                                            HAS_SCALE=scale is not None, num_warps=warps)
 
 
 # ----------------------------------------------------------------------------
@@ -172,24 +191,28 @@ def _grad_triton(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: in
 
 
 @custom_op("cuboid::lce_stats", mutates_args=())
-def _lce_stats(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int) -> Tensor:
-    """(C, 3) fp32 (row max, sum of exp relative to it, target logit) of a chunk of logits."""
-    return _stats_triton(z, labels, n_valid, start, ignore_index)
+def _lce_stats(z: Tensor, labels: Tensor, n_valid: int, start: int, ignore_index: int,
+               entropy: bool = False) -> Tensor:
+    """(C, 3) fp32 (row max m, sum of exp(z - m), target logit) of a chunk of logits; with ``entropy``
+    (C, 4), and the sum of exp(z - m) * (z - m)."""
+    return _stats_triton(z, labels, n_valid, start, ignore_index, entropy)
 
 
 @register_fake("cuboid::lce_stats")
-def _lce_stats_fake(z, labels, n_valid, start, ignore_index):
-    return z.new_empty((z.shape[0], 3), dtype=torch.float32)
+def _lce_stats_fake(z, labels, n_valid, start, ignore_index, entropy=False):
+    return z.new_empty((z.shape[0], 4 if entropy else 3), dtype=torch.float32)
 
 
 @custom_op("cuboid::lce_grad_", mutates_args=("z",))
-def _lce_grad(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int) -> None:
-    """The chunk's logits ``z`` overwritten by their gradient (softmax minus the one-hot target)."""
-    _grad_triton(z, labels, lse, n_valid, start, ignore_index)
+def _lce_grad(z: Tensor, labels: Tensor, lse: Tensor, n_valid: int, start: int, ignore_index: int,
+              scale: Optional[Tensor] = None) -> None:
+    """The chunk's logits ``z`` overwritten by their gradient (softmax minus the one-hot target), each row times
+    its ``scale`` (C,) fp32 when given."""
+    _grad_triton(z, labels, lse, n_valid, start, ignore_index, scale)
 
 
 @register_fake("cuboid::lce_grad_")
-def _lce_grad_fake(z, labels, lse, n_valid, start, ignore_index):
+def _lce_grad_fake(z, labels, lse, n_valid, start, ignore_index, scale=None):
     return None
 
 
@@ -299,22 +322,48 @@ def _fp32_addmm(g: Tensor) -> bool:
     return _FP32_ADDMM[key]
 
 
+def grad_buffers(x: Tensor, weight: Tensor, need: tuple, acc: torch.dtype) -> tuple:
+    """(dx, dW, db) buffers for :func:`add_chunk_grads` (None where ``need`` does not ask): dx like x, dW in
+    weight's dtype promoted to ``acc`` (fp32 for half weights, accumulated into; written by the first chunk's
+    product when that is weight's own dtype), db in ``acc`` zeros."""
+    need_x, need_w, need_b = need
+    dx = torch.empty_like(x) if need_x else None
+    dw = None
+    dw_dtype = torch.promote_types(weight.dtype, acc)
+    if need_w:
+        first_writes = dw_dtype == weight.dtype and x.shape[0] > 0
+        dw = (torch.empty if first_writes else torch.zeros)(weight.shape, dtype=dw_dtype, device=weight.device)
+    db = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
+    return dx, dw, db
+
+
+def add_chunk_grads(g: Tensor, xc: Tensor, weight: Tensor, s: int, grads: tuple) -> None:
+    """Add one chunk's share to ``grads`` (:func:`grad_buffers`) from ``g`` (C, Vl), the gradient of the chunk's
+    logits (rows ``s`` .. ``s + C`` of x, ``xc`` (C, H)): its rows of dx, and its products into dW and db."""
+    dx, dw, db = grads
+    if dx is not None:
+        torch.mm(g, weight, out=dx[s:s + g.shape[0]])
+    if dw is not None:
+        if dw.dtype == weight.dtype and s == 0:
+            torch.mm(g.t(), xc, out=dw)
+        elif dw.dtype == weight.dtype:
+            dw.addmm_(g.t(), xc)
+        elif _fp32_addmm(g):
+            torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum
+        else:
+            dw += g.t() @ xc  # the chunk's product rounded to the half dtype, then added in fp32
+    if db is not None:
+        db += g.sum(0, dtype=db.dtype)
+
+
 def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int, vocab_start: int,
            vocab_size: int, reduce: Optional[Reduce], chunk: int, backend: str, need: tuple):
     """(sum of the rows' losses, dx, dW, db) of (N, H) ``x``; the gradients those ``need`` asks for (else None)."""
     N, _ = x.shape
-    n_local = weight.shape[0]
-    n_valid = max(0, min(n_local, vocab_size - vocab_start))
+    n_valid = max(0, min(weight.shape[0], vocab_size - vocab_start))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    need_x, need_w, need_b = need
     grad = any(need)
-    dx = torch.empty_like(x) if need_x else None
-    dw = None
-    dw_dtype = torch.promote_types(weight.dtype, acc)  # fp32 for half-precision weights, accumulated into
-    same = dw_dtype == weight.dtype  # dW in the logits' dtype (x and W share one): the first chunk's product writes it
-    if need_w:
-        dw = (torch.empty if same and N else torch.zeros)(weight.shape, dtype=dw_dtype, device=weight.device)
-    db = torch.zeros(n_local, dtype=acc, device=x.device) if need_b else None
+    grads = grad_buffers(x, weight, need, acc)
     total = torch.zeros((), dtype=acc, device=x.device)
     for s in range(0, N, chunk):
         xc, yc = x[s:s + chunk], labels[s:s + chunk]
@@ -325,23 +374,10 @@ def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ig
         else:
             rows, g = _chunk_torch(z, yc, valid, n_valid, vocab_start, reduce, acc, grad)
         total += rows.sum()
-        if not grad:
-            continue
-        if need_x:
-            torch.mm(g, weight, out=dx[s:s + chunk])
-        if need_w:
-            if same and s == 0:
-                torch.mm(g.t(), xc, out=dw)
-            elif same:
-                dw.addmm_(g.t(), xc)
-            elif _fp32_addmm(g):
-                torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum
-            else:
-                dw += g.t() @ xc  # the chunk's product rounded to the half dtype, then added in fp32
-        if need_b:
-            db += g.sum(0, dtype=acc)
+        if grad:
+            add_chunk_grads(g, xc, weight, s, grads)
         del z, g
-    return total, dx, dw, db
+    return (total, *grads)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -455,14 +491,18 @@ def default_chunk(n_rows: int, n_local: int, device_type: str = "cpu", dtype: to
 def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Optional[Tensor] = None, *,
                          ignore_index: int = -100, reduction: str = "mean", chunk: Optional[int] = None,
                          vocab_start: int = 0, vocab_size: Optional[int] = None, reduce: Optional[Reduce] = None,
-                         backend: Optional[str] = None) -> Tensor:
+                         backend: Optional[str] = None, return_entropy: bool = False):
     """Cross-entropy of ``x @ weight.T + bias`` against ``labels`` without holding the whole logits.
 
     Args:
         x: (..., H) hidden states; weight: (Vl, H); bias: (Vl,) or None; labels: (...) integer classes,
             ``ignore_index`` rows counting for nothing.
         reduction: "mean" over the counted rows (NaN with zero gradients when there are none, as
-            ``F.cross_entropy``) or "sum".
+            ``F.cross_entropy``), "sum", or "none": each row's ``-log p(label)``, shaped like ``labels`` (0 on
+            ``ignore_index`` rows), differentiable with any upstream gradient per row
+            (:mod:`cuboid.kernels.linear_cross_entropy_rows`).
+        return_entropy: with "none" only: also each row's entropy of the softmax (shaped like ``labels``, every
+            row, no gradient), from the same pass.
         chunk: rows per chunk (default :func:`default_chunk`: about 64 MiB of fp32 logits on CPU, 512 MiB of
             logits in their dtype on CUDA).
         vocab_start, vocab_size, reduce: the vocab-parallel form (module docstring): weight holds global
@@ -472,10 +512,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Option
             sum over slices). Labels are global classes in [0, vocab_size).
         backend: "triton", "torch" or None (automatic, see :func:`cuboid.kernels.resolve_backend`).
 
-    Returns a 0-d tensor (fp32; float64 for float64 inputs), differentiable w.r.t. x, weight and bias.
+    Returns a 0-d tensor ("mean", "sum") or the rows ("none"; with ``return_entropy`` the pair (rows,
+    entropy)), fp32 (float64 for float64 inputs), differentiable w.r.t. x, weight and bias.
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"{_OP}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{_OP}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if return_entropy and reduction != "none":
+        raise ValueError(f"{_OP}: return_entropy needs reduction='none' (the entropy is per row)")
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -492,14 +535,19 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Option
     chunk = chunk or default_chunk(x2.shape[0], n_local, x2.device.type, x2.dtype)
     grad = torch.is_grad_enabled()
     need = (grad and x.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad)
+    args = (ignore_index, vocab_start, vocab_size, reduce, chunk, chosen, need)
     with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else contextlib.nullcontext():
+        if reduction == "none":
+            from .linear_cross_entropy_rows import per_row
+
+            rows, ent = per_row(x2, weight, bias, y, *args, return_entropy)
+            rows = rows.view(labels.shape)
+            return (rows, ent.view(labels.shape)) if return_entropy else rows
         if any(need):
-            total = _LinearCrossEntropy.apply(x2, weight, bias, y, ignore_index, vocab_start, vocab_size, reduce,
-                                              chunk, chosen, need)
+            total = _LinearCrossEntropy.apply(x2, weight, bias, y, *args)
         else:
             with torch.no_grad():
-                total = _fused(x2, weight, bias, y, ignore_index, vocab_start, vocab_size, reduce, chunk, chosen,
-                               need)[0]
+                total = _fused(x2, weight, bias, y, *args)[0]
     if reduction == "sum":
         return total
     return _mean(total, (y != ignore_index).sum())

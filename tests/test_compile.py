@@ -206,6 +206,9 @@ def test_rope_attention_and_loss_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.cuboid.lce_stats.default, (z, y, 33, 0, -100))
     lse = torch.logsumexp(z, -1)
     torch.library.opcheck(torch.ops.cuboid.lce_grad_.default, (z.clone(), y, lse, 33, 0, -100))
+    torch.library.opcheck(torch.ops.cuboid.lce_stats.default, (z, y, 30, 3, -100, True))  # the entropy's form
+    scale = torch.randn(5, generator=g)  # reduction="none": each row's upstream gradient
+    torch.library.opcheck(torch.ops.cuboid.lce_grad_.default, (z.clone(), y, lse, 33, 0, -100, scale))
 
 
 def _block(x, w, wq, wk, wg, wu, head, labels, cos, sin):
@@ -239,5 +242,33 @@ def test_a_block_of_triton_ops_compiles_in_one_graph():
         grads1 = torch.autograd.grad(loss1, params)
     assert counts == {"forward": 1, "backward": 1}
     torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads1, grads0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _token_logps(x, head, labels, up):
+    """Per-row log-probabilities and entropies (reduction="none") and a loss weighted per row."""
+    rows, entropy = kernels.linear_cross_entropy(x, head, labels, reduction="none", return_entropy=True, chunk=3)
+    return (rows * up).sum(), entropy
+
+
+@needs_interpreter
+def test_per_row_loss_compiles_in_one_graph_with_the_scaled_gradient_op():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g, requires_grad=True)
+    head = torch.randn(40, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 5), generator=g)
+    labels[0, 1] = -100
+    up = torch.randn(2, 5, generator=g)
+    with kernels.use_backend(None):
+        loss0, ent0 = _token_logps(x, head, labels, up)
+        grads0 = torch.autograd.grad(loss0, (x, head))
+        backend, counts, ops = _counting_backend()
+        loss1, ent1 = torch.compile(_token_logps, backend=backend, fullgraph=True)(x, head, labels, up)
+        grads1 = torch.autograd.grad(loss1, (x, head))
+    assert counts == {"forward": 1, "backward": 1}
+    assert {"cuboid.lce_stats.default", "cuboid.lce_grad_.default"} <= ops, sorted(ops)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent1, ent0, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads1, grads0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -210,7 +210,8 @@ def drive_optim(gate, mod) -> None:
 
 def drive_linear_cross_entropy(gate, mod) -> None:
     # local vocab widths that select each row of _launch_cfg (BLOCK_V 4096 / 1024 / 128: 8, 4, 2 warps), the
-    # GPT-2 vocab with a bias, and the vocab-parallel form (a slice with padding, a reduce callable)
+    # GPT-2 vocab with a bias, the vocab-parallel form (a slice with padding, a reduce callable), and the per-row
+    # form with its entropy (whole vocabulary and a slice)
     import torch
     for dtype in (BF16,) if gate.tuning and not gate.full else DTYPES:
         for vocab, bias in ((50257, True), (1000, False), (100, False)):
@@ -224,6 +225,14 @@ def drive_linear_cross_entropy(gate, mod) -> None:
             labels = torch.empty(1024, dtype=torch.int64, device="meta")
             _backward([mod.linear_cross_entropy(x, w, labels, vocab_start=37704, vocab_size=50257,
                                                 reduce=lambda t, op: t)])
+        # reduction="none": the statistics kernel's ENTROPY form, the gradient kernel's per-row scale
+        for vocab, start in ((50257, 0), (12568, 37704)):
+            with gate.case(f"linear_cross_entropy {_dn(dtype)} per row, entropy, vocab {vocab}"):
+                x, w = _meta(1024, 256, dtype=dtype), _meta(vocab, 256, dtype=dtype)
+                labels = torch.empty(1024, dtype=torch.int64, device="meta")
+                rows, _ = mod.linear_cross_entropy(x, w, labels, reduction="none", return_entropy=True,
+                                                   vocab_start=start, vocab_size=50257, reduce=lambda t, op: t)
+                _backward([rows])
 
 
 def drive_grouped_gemm(gate, mod) -> None:

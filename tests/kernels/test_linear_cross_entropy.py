@@ -1,7 +1,9 @@
 """cuboid.kernels.linear_cross_entropy: the chunked torch path and the Triton path (interpreter on CPU) against
 the unfused head (``F.linear`` then ``F.cross_entropy``), and that against float64; forward and backward (x,
 weight, bias), with ignored rows and chunks that do not divide the rows; the vocab-parallel form (slices of a
-padded vocabulary, the statistics reduced by a callable) with one thread per slice.
+padded vocabulary, the statistics reduced by a callable) with one thread per slice. ``reduction="none"`` (per-row
+log-probabilities, any upstream gradient per row) and the per-row entropy against ``log_softmax`` in float64, on
+one device and vocab-parallel.
 """
 import importlib
 import threading
@@ -154,7 +156,9 @@ def test_errors():
     with pytest.raises(ValueError, match="one label per row"):
         linear_cross_entropy(x, w, y[:5])
     with pytest.raises(ValueError, match="reduction"):
-        linear_cross_entropy(x, w, y, reduction="none")
+        linear_cross_entropy(x, w, y, reduction="max")
+    with pytest.raises(ValueError, match="return_entropy needs reduction='none'"):
+        linear_cross_entropy(x, w, y, return_entropy=True)
     with pytest.raises(TypeError, match="one dtype"):
         linear_cross_entropy(x, w.double(), y, backend="torch")
     with pytest.raises(ValueError, match="chunk"):
@@ -287,3 +291,116 @@ def test_vocab_parallel_slices_equal_the_whole_head(v, p, backend):
     assert all(rel(a, r) < 1e-5 for a, r in zip(grads, ref_g))
     assert all(torch.equal(t, torch.zeros_like(t)) for t in pads)  # padding rows: exactly zero gradient
     assert calls == 2 * -(-23 // 6)  # per chunk: the max, then (sum of exponentials, target)
+
+
+# ---------------------------------------------------------------- reduction="none": per-row log-probabilities
+
+
+def float64_rows(x, w, b, y):
+    """(-log p(label) per row, 0 where ignored; entropy per row; grads of sum(rows * up)) from float64 logits,
+    as ``log_softmax(logits.double()).gather``; ``up`` the rows' upstream gradient, seeded."""
+    d = [t.detach().double().requires_grad_() for t in leaves(x, w, b)]
+    x64, w64, b64 = d[0], d[1], (d[2] if b is not None else None)
+    logp = torch.log_softmax(torch.nn.functional.linear(x64, w64, b64), -1)
+    valid = y != -100
+    rows = torch.where(valid, -logp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    entropy = -(logp.exp() * logp).sum(-1)
+    up = upstream_rows(y)
+    return rows.detach(), entropy.detach(), torch.autograd.grad((rows * up.double()).sum(), d)
+
+
+def upstream_rows(y):
+    return torch.randn(y.shape, generator=torch.Generator().manual_seed(7)) * 2
+
+
+def rows_and_grads(x, w, b, y, **kw):
+    rows, entropy = linear_cross_entropy(x, w, y, b, reduction="none", return_entropy=True, **kw)
+    assert not entropy.requires_grad
+    return rows.detach(), entropy, torch.autograd.grad((rows * upstream_rows(y)).sum(), leaves(x, w, b))
+
+
+NONE_TOL = {F32: (1e-6, 1e-5), F16: (2e-3, 5e-3)}  # (rows and entropy: relative; gradients: relative norm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("n,h,v,chunk", CASES[:3], ids=[f"{n}x{h}x{v}-c{c}" for n, h, v, c in CASES[:3]])
+def test_none_equals_float64_log_softmax(n, h, v, chunk, dtype, backend):
+    x, w, b, y = make(n, h, v, dtype=dtype, ignore_every=3)
+    rows, entropy, grads = rows_and_grads(x, w, b, y, chunk=chunk, backend=backend)
+    ref, ref_entropy, ref_grads = float64_rows(x, w, b, y)
+    value_tol, grad_tol = NONE_TOL[dtype]
+    assert rows.dtype == F32 and rows.shape == (n,) and torch.all(rows[y == -100] == 0)
+    assert rel(rows, ref) < value_tol and rel(entropy, ref_entropy) < value_tol
+    assert all(g.dtype == dtype and rel(g, r) < grad_tol for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_none_keeps_the_labels_shape_and_sums_to_the_sum_reduction(backend):
+    x, w, b, y = make(24, 16, 70)
+    x3, y3 = x.detach().view(2, 12, 16).requires_grad_(), y.view(2, 12)  # (B, T, H) rows
+    rows = linear_cross_entropy(x3, w, y3, b, reduction="none", chunk=5, backend=backend)
+    total = linear_cross_entropy(x3, w, y3, b, reduction="sum", chunk=5, backend=backend)
+    assert rows.shape == (2, 12)
+    torch.testing.assert_close(rows.sum(), total, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        again = linear_cross_entropy(x3, w, y3, b, reduction="none", chunk=5, backend=backend)
+    assert again.grad_fn is None and torch.equal(again, rows.detach())
+
+
+def test_none_extreme_logits_and_long_rows_in_triton():
+    # two column blocks of the row programs (4096 wide), logits around +-80: the entropy's sum moves with the max
+    x, w, b, y = make(5, 8, 4100, scale=40.0, ignore_every=2)
+    rows, entropy, grads = rows_and_grads(x, w, b, y, chunk=3, backend="triton")
+    ref, ref_entropy, ref_grads = float64_rows(x, w, b, y)
+    assert rel(rows, ref) < 1e-6 and (entropy.double() - ref_entropy).abs().max() < 1e-4
+    assert all(rel(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
+
+
+def test_none_backward_twice_through_a_retained_graph():
+    x, w, b, y = make(20, 8, 30)
+    loss = (linear_cross_entropy(x, w, y, b, reduction="none", chunk=6) * upstream_rows(y)).sum()
+    first = torch.autograd.grad(loss, leaves(x, w, b), retain_graph=True)
+    second = torch.autograd.grad(loss, leaves(x, w, b))
+    assert all(torch.equal(a, c) for a, c in zip(first, second))
+
+
+def vocab_parallel_rows(x, w, b, y, p, chunk, backend):
+    """``p`` threads each holding a slice of the vocabulary padded to a multiple of p, reduction "none": (rows
+    and entropy per rank, (summed dx, whole dW, whole db) of sum(rows * up), reduces per rank)."""
+    v = w.shape[0]
+    n = -(-v // p)
+    wpad = torch.cat([w.detach(), torch.zeros(n * p - v, w.shape[1], dtype=w.dtype)])
+    bpad = torch.cat([b.detach(), torch.zeros(n * p - v, dtype=b.dtype)])
+    group, results = ThreadGroup(p), [None] * p
+
+    def rank(r):
+        xs = x.detach().clone().requires_grad_()
+        ws, bs = (t[r * n:(r + 1) * n].clone().requires_grad_() for t in (wpad, bpad))
+        rows, ent = linear_cross_entropy(xs, ws, y, bs, reduction="none", return_entropy=True, chunk=chunk,
+                                         vocab_start=r * n, vocab_size=v, reduce=group.reducer(r), backend=backend)
+        results[r] = (rows.detach(), ent, torch.autograd.grad((rows * upstream_rows(y)).sum(), (xs, ws, bs)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
+    with use_backend(None):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert all(r is not None for r in results), "a rank failed"
+    grads = (sum(r[2][0] for r in results), torch.cat([r[2][1] for r in results])[:v],
+             torch.cat([r[2][2] for r in results])[:v])
+    return [r[0] for r in results], [r[1] for r in results], grads, group.calls
+
+
+@pytest.mark.usefixtures("serial_interpreter")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("v,p", [(53, 2), (5, 4)], ids=["53-over-2", "5-over-4-pad-only-slice"])
+def test_none_vocab_parallel_slices_equal_float64(v, p, backend):
+    x, w, b, y = make(23, 8, v, ignore_every=3)
+    rows, entropies, grads, calls = vocab_parallel_rows(x, w, b, y, p, chunk=6, backend=backend)
+    ref, ref_entropy, ref_grads = float64_rows(x, w, b, y)
+    assert all(torch.equal(r, rows[0]) and torch.equal(e, entropies[0]) for r, e in zip(rows, entropies))
+    assert rel(rows[0], ref) < 1e-6 and rel(entropies[0], ref_entropy) < 1e-6
+    assert all(rel(g, r) < 1e-5 for g, r in zip(grads, ref_grads))
+    assert calls == 2 * -(-23 // 6)  # per chunk in forward: the max, then the sums; none in backward
