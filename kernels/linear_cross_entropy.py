@@ -14,6 +14,9 @@ Liger-Kernel's design (``fused_linear_cross_entropy``), re-derived here; it
 differs in that backward scales out of place (so a second backward through a
 retained graph, as torch's zero-bubble pipeline schedule makes, gets the same
 gradients), in accumulating ``dW`` in fp32 and in its vocab-parallel form.
+``reduction="none"`` (a per-row loss with any upstream gradient per row) and
+the rows' entropy form their gradients in backward instead:
+:mod:`cuboid.kernels.linear_cross_entropy_rows`.
 
 **Vocab-parallel.** W may be one slice of a vocabulary split over ranks: local
 column ``c`` is global class ``vocab_start + c``; global classes at or past
