@@ -286,7 +286,7 @@ def add_expert_adapters(model: nn.Module, paths: Iterable[str], names: Iterable[
         experts.lora_r, experts.lora_alpha, experts.lora_off = config.r, config.alpha, False
         experts.tag_placements()  # the adapters take the experts' placement (their ep group)
         done.append(path)
-    _record(model, paths)
+    _record(model, sorted(wanted))
     return done
 
 
@@ -322,7 +322,7 @@ def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> 
         base.lora_off = False
         base.lora_handle = base.register_forward_hook(_hook)
         done.append(path)
-    _record(model, paths)
+    _record(model, sorted(wanted))
     return done
 
 

@@ -5,10 +5,11 @@ The adapters are made to matter first (B drawn nonzero on one device and saved i
 with ``lora=folder`` under each plan), so "the base's logits" and "the adapters' logits" differ by far more than
 any tolerance. On one device (dense linears and a mixture of experts' per-expert adapters, eager and with
 compiled blocks) the logits inside equal those of the model loaded without LoRA bit for bit, and those after
-the block (nested, or left by an exception) equal the adapters' bit for bit. A 2-rank world runs tp1d, dp=2,
-pp=2, ZeRO-3 (dp=2) and the experts under dp=2 x ep=2: inside, the plan's base model's logits exactly (and one
-device's base within 1e-5), outside the adapters' (one device's within 1e-5); then a ``cuboid.train_step``
-after the block takes one device's step (loss 1e-5), and the base is still what ``adapters_off`` gives.
+the block (nested, or left by an exception) equal the adapters' bit for bit. A 2-rank world runs tp1d, dp=2
+and pp=2 on Llama, and ZeRO-3 with the experts under dp=2 x ep=2 on Qwen3-MoE: inside, the plan's base
+model's logits exactly (and one device's base within 1e-5), outside the adapters' (one device's within 1e-5);
+then a ``cuboid.train_step`` after the block takes one device's step (loss 1e-5), and the base is still what
+``adapters_off`` gives.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ from .test_plans import rel_max
 
 LORA = dict(r=4, alpha=8, targets=("attn", "mlp"))
 FAMILIES = {"llama-debug": LORA, "qwen3-moe-debug": dict(LORA, targets=("attn", "experts"))}
-PLANS = {"llama-debug": ["tp=2", "dp=2", "pp=2,microbatches=2", "dp=2,zero=3"],
-         "qwen3-moe-debug": ["dp=2,ep=2"]}
+PLANS = {"llama-debug": ["tp=2", "dp=2", "pp=2,microbatches=2"], "qwen3-moe-debug": ["dp=2,ep=2,zero=3"]}
 TOL = 1e-5  # a plan's logits against one device's (reduction order)
 
 
@@ -183,6 +183,24 @@ def test_no_adapters_is_refused():
     for model in (cuboid.load("gpt-debug"), merge_adapters(cuboid.load("gpt-debug", lora=LORA))):
         with pytest.raises(ValueError, match="carries no LoRA adapters"), adapters_off(model):
             pass
+
+
+def test_a_pipeline_rank_without_adapted_layers_decides_as_the_others():
+    """Under ZBV a rank's stages may hold no block (2 blocks, 4 stages): it holds no adapted layer, yet enters
+    the block as the ranks that do (the paths every rank was asked to adapt decide), and a model loaded the
+    same way without LoRA is refused there too."""
+    import cuboid
+    from cuboid.parallel import Mesh, Plan, adapters_off
+    from cuboid.parallel.lora import adapted
+
+    plan = Plan.parse("pp=2,microbatches=2,schedule=zbv")
+    stage = cuboid.load("llama-debug", plan, device="meta", mesh=Mesh.layout(plan), lora=LORA)
+    assert not adapted(stage) and not any(n.startswith("blocks.") for n, _ in stage.named_parameters())
+    with adapters_off(stage):
+        pass
+    with pytest.raises(ValueError, match="carries no LoRA adapters"), \
+            adapters_off(cuboid.load("llama-debug", plan, device="meta", mesh=Mesh.layout(plan))):
+        pass
 
 
 def test_compiled_blocks():
