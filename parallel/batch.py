@@ -16,6 +16,8 @@ from cuboid.kernels.flash_attention import doc_ids_from_positions
 
 from .mask import Mask
 
+HIDDEN_FIELDS = ("logits", "last_hidden_state", "pooler_output")  # activations: batch and hidden dim split
+
 if TYPE_CHECKING:
     from .mesh import Mesh
     from .plan import Plan
@@ -138,18 +140,30 @@ class BatchSplit:
 
         return gather_output(x, self.mesh, 0, layout="block", hidden=True)
 
+    def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row outputs of this rank's batch block (the head's rows, replicated over the vocab slices) ->
+        the whole batch on every rank."""
+        if self.plan.tp_mode in ("2d", "2.5d"):
+            from .tensor.grid import gather_output
+
+            return gather_output(x, self.mesh, 0)
+        from .tensor.d3 import gather_output
+
+        return gather_output(x, self.mesh, 0, layout="block")
+
     def after(self, module, args, kwargs, output):
         batch, pad = self._sizes.pop()
         return self.whole(output, batch, pad)
 
     def whole(self, output, batch: int = 0, pad: int = 0):
-        """``output``'s fields made whole when read: plain tensor fields (activations in the mode's layout)
-        gathered over the grid, ``pad`` padding rows cut (``batch`` rows kept); in place, returned."""
+        """``output``'s fields made whole when read: plain tensor fields (activations in the mode's layout;
+        per-token outputs, one value per row and position) gathered over the grid, ``pad`` padding rows cut
+        (``batch`` rows kept); in place, returned."""
         if not hasattr(output, "defer"):
             return output
-        for name in ("logits", "last_hidden_state", "pooler_output"):
+        for name in HIDDEN_FIELDS + ("token_logps", "token_entropy"):
             if not output.is_deferred(name):
-                output.defer(name, self._gather_hidden)
+                output.defer(name, self._gather_hidden if name in HIDDEN_FIELDS else self._gather_rows)
             if pad:
                 output.defer(name, lambda t: t[:batch])
         return output

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import cuboid.kernels as kernels
 from cuboid.parallel import comm
 
-__all__ = ["Deferred", "lazy", "TiedHead", "cross_entropy", "flat_rows", "mean_of"]
+__all__ = ["Deferred", "lazy", "TiedHead", "cross_entropy", "flat_rows", "logprob_targets", "mean_of"]
 
 
 class Deferred:
@@ -163,18 +163,45 @@ class TiedHead:
         x, w = self._head_input(h), self._head_weight()
         if labels is None:
             return None, lazy(self.gather_logits, F.linear(x, w, bias))
+        xs, ys, kw = self._fused_operands(x, labels, shift, ignore_index)
+        total = kernels.linear_cross_entropy(xs, w, ys, bias, reduction="sum", **kw)
+        loss = self._head_mean(total, (ys != ignore_index).sum())
+        return loss, self._deferred_logits(h, w, bias)
+
+    def lm_logprobs(self, h: torch.Tensor, labels: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                    ignore_index: int = -100) -> tuple:
+        """The causal LM head's per-token outputs on (B, T, dim) ``h`` against (B, T) ``labels`` (position t
+        predicting label t + 1): ``(loss, logits, token_logps, token_entropy)``.
+
+        ``token_logps`` (B', T - 1) fp32: ``log p(labels[:, 1:])``, 0 where the label is ``ignore_index``,
+        differentiable (any upstream gradient per token); ``token_entropy`` (B', T - 1) the softmax's entropy
+        at each position (every position, no gradient). Both from one pass of the fused linear cross-entropy
+        (``reduction="none"``), vocab-parallel under the tensor modes, never holding whole logits; B' is the
+        rows of ``h`` here (a 2D/3D batch block: the model's batch split gathers them). ``loss`` is the mean
+        over the labels of ``-token_logps`` (the same value as :meth:`lm_outputs`' loss), ``logits`` deferred as
+        there.
+        """
+        x, w = self._head_input(h), self._head_weight()
+        xs, ys, kw = self._fused_operands(x, labels, True, ignore_index)
+        rows, entropy = kernels.linear_cross_entropy(xs, w, ys, bias, reduction="none", return_entropy=True, **kw)
+        loss = self._head_mean(rows.sum(), (ys != ignore_index).sum())
+        return loss, self._deferred_logits(h, w, bias), -rows, entropy
+
+    def _fused_operands(self, x: torch.Tensor, labels: torch.Tensor, shift: bool, ignore_index: int) -> tuple:
+        """(rows of x, their int64 labels, the fused loss's keywords: chunk and vocab-parallel form)."""
         xs, ys = (x[:, :-1], labels[:, 1:]) if shift else (x, labels)
         start, vocab = self._vocab_slice()
         group = self._head_group()
         reduce = None if comm.group_size(group) <= 1 else (lambda t, op: comm.all_reduce_(t, group, op))
-        ys = ys.to(torch.long)
-        total = kernels.linear_cross_entropy(xs, w, ys, bias, ignore_index=ignore_index, reduction="sum",
-                                             chunk=self.lm_chunk, vocab_start=start, vocab_size=vocab, reduce=reduce)
-        loss = self._head_mean(total, (ys != ignore_index).sum())
+        kw = dict(ignore_index=ignore_index, chunk=self.lm_chunk, vocab_start=start, vocab_size=vocab, reduce=reduce)
+        return xs, ys.to(torch.long), kw
+
+    def _deferred_logits(self, h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> Deferred:
+        """The whole logits of this forward, made when read (:meth:`_late_logits`) from its kept operands."""
         amp = _autocast_state(h.device)
         w = _kept(w, self.weight, amp, self.weights_released_after_use)
         bias = _kept(bias, None, amp, self.weights_released_after_use) if bias is not None else None
-        return loss, lazy(self._late_logits, h, w, bias, amp)
+        return lazy(self._late_logits, h, w, bias, amp)
 
     def lm_logits(self, h: torch.Tensor, bias: Optional[torch.Tensor] = None, gather: bool = True) -> torch.Tensor:
         """``h @ W.T (+ bias)``: (.., dim) -> (.., vocab). ``gather=False`` may return a local slice."""
@@ -248,6 +275,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 g, = torch.autograd.grad(loss, block, grad)
             out[s:s + ctx.chunk] = g
         return out, None, None, None
+
+
+def logprob_targets(batch: dict) -> tuple:
+    """``(batch, drop_loss)`` for a forward asked for token log-probabilities: their targets are the batch's
+    ``labels``, or its ``input_ids`` when it has none (TRL's ``selective_log_softmax(logits[:, :-1],
+    input_ids[:, 1:])``), put in as labels; ``drop_loss`` then says the output's loss is not the caller's
+    (it asked for none)."""
+    if batch.get("labels") is not None:
+        return batch, False
+    if batch.get("input_ids") is None:
+        raise ValueError("logprobs=True needs input_ids or labels: the log-probabilities are of their next tokens")
+    return dict(batch, labels=batch["input_ids"]), True
 
 
 def flat_rows(logits: torch.Tensor, labels: torch.Tensor, vocab: int, ignore_index: int = -100):

@@ -25,6 +25,16 @@ travel with their micro-batch to the last stage, which returns the
 micro-batch's mean loss; the schedule's loss function weights it by its
 share of the global batch's label count, so a step is one device's step.
 
+**A loss of the caller's** (:class:`Objective`, :meth:`Pipeline.run`'s
+``loss``, ``targets``, ``head_kwargs``): the batch tensors named in
+``targets`` (per-row, not model inputs) travel whole (every rank of a
+2D/3D grid, sp or tp group holds its micro-batch's rows) after the labels,
+``(x, residual, mask, labels, *targets)``; the last stage calls
+``loss(out, targets)`` on the head's output in one device's layout (the
+batch blocks and sequence chunks gathered when read, differentiably) and
+returns that sum, which the schedule's loss function weights as it does the
+mean loss. Without one the stream is the one above.
+
 A mixture of experts whose aux loss joins the loss (``output_router_logits``)
 adds the router statistics of the stages so far to the stream, ``(stats,
 probsum)`` (:mod:`.moe_stream`): the last stage adds each micro-batch's aux
@@ -36,8 +46,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +59,7 @@ from cuboid.kernels.flash_attention import doc_ids_from_positions
 
 from .batch import pad_batch, split_batch
 from .experts import average_grads, expert_modules, expert_parameters
+from .head import logprob_targets
 from .mask import Mask
 from .moe_stream import Routing, recording_of
 from .pipeline_shard import check_tied_reduce, embedding_group, shard_stages
@@ -63,6 +74,18 @@ class StageInfo:
     stages: int
     blocks: range
     input_keys: tuple = ()    # the batch keys the first stage takes, in order
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a training step's last stage computes (:meth:`Pipeline.run`): the model's mean loss (``fn`` None),
+    or ``fn(out, targets)``, a 0-d sum over the micro-batch, of the head's output ``out`` in one device's
+    layout and ``targets``, the batch tensors (B, ...) named here, in this order, each carried whole through
+    the stream. ``head_kwargs``: the head's extra keyword arguments (``logprobs=True``)."""
+
+    targets: tuple = ()
+    fn: Optional[Callable] = None
+    head_kwargs: dict = field(default_factory=dict)
 
 
 def _stream_mask(keep: Optional[torch.Tensor], positions: Optional[torch.Tensor], rows: int, tokens: int,
@@ -95,8 +118,10 @@ class StageModule(nn.Module):
     of the first / last stage); the zoo model is referenced, not owned, so
     two stages of one rank (interleaved, ZBV) share it without sharing
     parameters. ``forward`` takes the batch tensors in ``input_keys`` order
-    on the first stage and the stream ``(x, residual, mask, labels)`` on the
-    others; the last stage returns the micro-batch's mean loss.
+    on the first stage and the stream ``(x, residual, mask, labels)`` (then
+    the :class:`Objective`'s targets and the router statistics, where there
+    are) on the others; the last stage returns the micro-batch's mean loss, or
+    the objective's sum.
     """
 
     def __init__(self, model: nn.Module, spec, info: StageInfo, keys_from=None, batch_split=None,
@@ -113,6 +138,7 @@ class StageModule(nn.Module):
                                    if isinstance(getattr(model, n, None), nn.Module)})
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
+        self.objective = Objective()  # a training step's (set by :meth:`Pipeline.run` for its schedule)
         seq = sequence_split
         self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
         self.sp = seq if isinstance(seq, SequenceSplit) else None  # sp: blocks on this rank's zigzag chunks
@@ -178,25 +204,28 @@ class StageModule(nn.Module):
         """A later stage's inputs split: ``(x, residual, mask, labels)`` and the carried router statistics."""
         return tuple(inputs[:4]), tuple(inputs[4:])
 
-    def head(self, x, residual, mask, labels):
-        """The model's head on the last stage (under tp_sequence after the sequence is gathered)."""
+    def head(self, x, residual, mask, labels, logprobs: bool = False):
+        """The model's head on the last stage (under tp_sequence after the sequence is gathered); ``logprobs``:
+        its per-token outputs too (the model's ``logprobs``)."""
         T = mask.shape[-1]  # the whole sequence (under sp and tp_sequence the mask is (B, T))
         if self.seq is not None:
             x = comm.gather_from(x, self.seq.group, 1)[:, :T]
             residual = comm.gather_from(residual, self.seq.group, 1)[:, :T]
         if self.sp is not None:  # the loss summed over sp, outputs gathered in order when read
             token = labels is not None and labels.dim() == 2
-            return self.sp.leave(x, residual, labels if token else None, labels, T)
-        return self.model.head(x, residual, labels)
+            return self.sp.leave(x, residual, labels if token else None, labels, T, logprobs=logprobs)
+        return self.model.head(x, residual, labels, **({"logprobs": True} if logprobs else {}))
 
     def forward(self, *inputs):
         """The schedule's call: the batch tensors (first stage) or the stream in; the stream or the
-        micro-batch's mean loss (last stage) out."""
+        micro-batch's loss (last stage: the model's mean loss, or the :class:`Objective`'s sum) out."""
         info = self.info
         if info.stage == 0:
-            x, residual, mask, labels = self.start(dict(zip(self._keys_from.input_keys, inputs)))
+            batch, targets = self.batch_targets(dict(zip(self._keys_from.input_keys, inputs)))
+            x, residual, mask, labels = self.start(batch)
             carried = self.routing.start(x.device) if self.routing is not None else ()
         else:
+            inputs, targets = self.stream_targets(inputs)
             (x, residual, mask, labels), carried = self.stream_in(inputs)
             x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
             if self.inferring:
@@ -206,33 +235,69 @@ class StageModule(nn.Module):
                 mask = torch.stack([torch.ones_like(mask[:, 0]), torch.zeros_like(mask[:, 1])], 1) if mask.dim() == 3 \
                     else torch.ones_like(mask)  # (positions all 0: each token its own document)
                 carried = tuple(torch.zeros_like(t) for t in carried)
+                targets = tuple(torch.zeros_like(t) for t in targets)
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if info.stage < info.stages - 1:
-            # outputs are handed on (to a stage on this rank, under ZBV and interleaving, without a copy) and
-            # detached in place there: each must be a tensor of its own, not a view, an input or a tensor that
-            # autograd saved (a norm saves its residual stream), and contiguous (p2p buffers copy its strides)
-            stream = (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
-            out = tuple(t.clone(memory_format=torch.contiguous_format) for t in stream)
-            if torch.is_grad_enabled():
-                # the stream always asks for a gradient: torch sizes the next stage's receive buffers, their
-                # requires_grad included, from these outputs, and a frozen first stage (LoRA's embedding)
-                # would leave the next one's inputs without it; ZBV's split backward then finds no path from
-                # that stage's inputs to its adapters and gives them no gradient (the same for the router
-                # statistics' probsum of a stage without a sparse layer)
-                for t in out[:2] + out[5:]:
-                    if not t.requires_grad:
-                        t.requires_grad_(True)
-            return out
-        out = self.head(x, residual, mask, labels)
-        if rec is None:
-            return out.loss
-        # the two parts apart: under dp the aux loss (the global micro-batch's) has a weight of its own
-        return torch.stack([out.loss, self.routing.aux_term(rec).to(out.loss.dtype)])
+            return self.stream_out((x, residual, mask, labels), targets, self.routing.carry(rec) if rec is not None else ())
+        return self.last_loss(self.head(x, residual, mask, labels, **self.objective.head_kwargs), targets, rec)
 
-    def forward_only(self, stream):
+    def batch_targets(self, batch: dict) -> tuple:
+        """The first stage's micro-batch split: ``(the model's inputs, the objective's target tensors)``; the
+        targets are not model inputs (with ``logprobs`` and no labels the input ids are the labels, as the
+        model's forward makes them)."""
+        names = self.objective.targets
+        targets = tuple(batch[k] for k in names)
+        batch = {k: v for k, v in batch.items() if k not in names}
+        if self.objective.head_kwargs.get("logprobs"):
+            batch, _ = logprob_targets(batch)
+        return batch, targets
+
+    def stream_targets(self, inputs: tuple) -> tuple:
+        """A later stage's inputs without the objective's targets (which follow the labels), and the targets."""
+        n = len(self.objective.targets)
+        return tuple(inputs[:4]) + tuple(inputs[4 + n:]), tuple(inputs[4:4 + n])
+
+    def stream_out(self, base: tuple, targets: tuple, carried: tuple) -> tuple:
+        """The stream a stage hands on: ``(x, residual, mask, labels, *targets, *router statistics)``.
+
+        Outputs are handed on (to a stage on this rank, under ZBV and
+        interleaving, without a copy) and detached in place there: each must
+        be a tensor of its own, not a view, an input or a tensor that autograd
+        saved (a norm saves its residual stream), and contiguous (p2p buffers
+        copy its strides). ``x``, ``residual`` and the statistics' probsum
+        always ask for a gradient: torch sizes the next stage's receive
+        buffers, their requires_grad included, from these outputs, and a
+        frozen first stage (LoRA's embedding) would leave the next one's
+        inputs without it; ZBV's split backward then finds no path from that
+        stage's inputs to its adapters and gives them no gradient (the same
+        for the probsum of a stage without a sparse layer).
+        """
+        out = tuple(t.clone(memory_format=torch.contiguous_format) for t in base + targets + carried)
+        if torch.is_grad_enabled():
+            for t in out[:2] + out[len(base + targets) + 1:]:  # (carried: stats without a gradient, probsum)
+                if not t.requires_grad:
+                    t.requires_grad_(True)
+        return out
+
+    def last_loss(self, out, targets: tuple, rec) -> torch.Tensor:
+        """The last stage's result for the schedule's loss function: the micro-batch's mean loss, or the
+        objective's sum of ``out`` in one device's layout (the 2D/3D batch blocks gathered when read); with
+        a routing, stacked with ``coef *`` the micro-batch's aux loss, which has a weight of its own."""
+        objective = self.objective
+        if objective.fn is None:
+            loss = out.loss
+        else:
+            whole = self.batch_split.whole(out) if self.batch_split is not None else out
+            loss = objective.fn(whole, dict(zip(objective.targets, targets))).float().reshape(())
+        if rec is None:
+            return loss
+        return torch.stack([loss, self.routing.aux_term(rec).to(loss.dtype)])
+
+    def forward_only(self, stream, logprobs: bool = False):
         """One stage of a forward without the schedule: ``stream`` is a micro-batch (first stage) or the
         previous stage's ``(x, residual, mask, labels)``; returns the next stream, or (last stage) the model's
-        Output, its loss without an aux loss, and the recorder of the router statistics (None: dense)."""
+        Output (with ``logprobs``, its per-token outputs), its loss without an aux loss, and the recorder of
+        the router statistics (None: dense)."""
         if self.info.stage == 0:
             x, residual, mask, labels = self.start(stream)
             carried = self.routing.start(x.device) if self.routing is not None else ()
@@ -241,7 +306,7 @@ class StageModule(nn.Module):
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if self.info.stage < self.info.stages - 1:
             return (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
-        out = self.head(x, residual, mask, labels)
+        out = self.head(x, residual, mask, labels, logprobs)
         return (self.batch_split.whole(out) if self.batch_split is not None else out), rec
 
     def reduce(self):
@@ -258,6 +323,8 @@ class PipelineOutput:
     loss: Optional[torch.Tensor] = None
     last_hidden_state: Optional[torch.Tensor] = None
     pooler_output: Optional[torch.Tensor] = None
+    token_logps: Optional[torch.Tensor] = None  # with logprobs=True: (B, T - 1), as the zoo model's
+    token_entropy: Optional[torch.Tensor] = None
 
     def __getattr__(self, name: str):
         if name in ("router_logits", "aux_loss"):
@@ -266,7 +333,7 @@ class PipelineOutput:
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
 
-FIELDS = ("logits", "last_hidden_state", "pooler_output")
+FIELDS = ("logits", "last_hidden_state", "pooler_output", "token_logps", "token_entropy")
 
 
 def _weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -414,16 +481,27 @@ class Pipeline:
         self.stream_size = 4 + (2 if self.modules[0].routing is not None else 0)  # + the router statistics
         self.zero = None  # ZeRO 1/2 buckets of this rank's stages (set by prepare)
 
-    def run(self, batch: dict, weights: torch.Tensor, aux_weights: Optional[torch.Tensor] = None
+    def run(self, batch: dict, weights: torch.Tensor, aux_weights: Optional[torch.Tensor] = None, *,
+            loss: Optional[Callable] = None, targets: Sequence[str] = (), head_kwargs: Optional[dict] = None
             ) -> Optional[torch.Tensor]:
         """Forward and backward of ``batch`` (this dp rank's share) in micro-batches; the rank running the
         last stage returns the sum of the weighted micro-batch losses, the others None. ``weights`` (M,): each
-        micro-batch's loss weight; ``aux_weights`` (M,): a mixture of experts' aux loss's (None: ``weights``)."""
-        self._fit_shapes(batch)  # (first: a batch with other keys resets the first stage's input keys)
+        micro-batch's loss weight; ``aux_weights`` (M,): a mixture of experts' aux loss's (None: ``weights``).
+
+        ``loss``: ``loss(out, targets) -> 0-d`` sum over a micro-batch, called on the last stage instead of
+        taking the model's mean loss; ``out`` is what the model's head returns there in one device's layout
+        (``model(**micro_batch, **head_kwargs)``'s fields), ``targets`` a dict of the batch tensors named in
+        ``targets`` (per-row, (B, ...), not model inputs; the same names on every rank), cut into the
+        micro-batch's rows. ``head_kwargs``: the head's keyword arguments (``logprobs=True``).
+        """
+        objective = self._objective(batch, loss, targets, head_kwargs)
+        self._fit_shapes(batch, objective)  # (first: a batch with other keys resets the first stage's input keys)
         args = self._first_args(batch)
         if self.modules[0].routing is not None:  # the last stage gives (loss, coef * aux) per micro-batch
             weights = torch.stack([weights, weights if aux_weights is None else aux_weights], 1)
         losses: list = []
+        for module in self.modules:
+            module.objective = objective
         try:
             with _timed_p2p(self.mesh.group("pp")):
                 if self.has_last:
@@ -432,6 +510,9 @@ class Pipeline:
                     self._schedule.step(*args, return_outputs=False)
         except Exception as e:
             raise self._failed(e, "") from e
+        finally:
+            for module in self.modules:
+                module.objective = Objective()
         for p in self.tied:  # every rank of the embedding group calls, whatever its stage's head used
             if not p.requires_grad:  # frozen (LoRA's base): the same on every rank, nothing to sum
                 continue
@@ -452,11 +533,26 @@ class Pipeline:
             return type(failure)(head + str(failure).split(": ", 1)[-1])
         return RuntimeError(f"{head}{type(e).__name__}: {e}")
 
-    def _fit_shapes(self, batch: dict) -> None:
-        """Have torch's stages infer shapes again when the batch's shapes changed since the last run
-        (a short last evaluation batch, a packed batch after a padded one): their p2p buffers are sized by the
-        first run; the first stage's input keys are read again."""
+    @staticmethod
+    def _objective(batch: dict, loss: Optional[Callable], targets: Sequence[str], head_kwargs) -> Objective:
+        """:meth:`run`'s :class:`Objective`, its targets checked: per-row tensors of ``batch`` (one sentence
+        otherwise, before any rank's schedule starts)."""
+        targets = tuple(targets)
+        if targets and loss is None:
+            raise ValueError(f"targets {list(targets)} travel to a loss on the last stage: give loss=")
+        rows = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+        bad = [k for k in targets if not isinstance(batch.get(k), torch.Tensor) or batch[k].dim() == 0
+               or batch[k].shape[0] != rows]
+        if bad:
+            raise ValueError(f"a loss's targets are per-row tensors of the batch ({rows} rows); {bad} are not")
+        return Objective(targets, loss, dict(head_kwargs or {}))
+
+    def _fit_shapes(self, batch: dict, objective: Objective) -> None:
+        """Have torch's stages infer shapes again when the batch's shapes or the stream's targets changed since
+        the last run (a short last evaluation batch, a packed batch after a padded one, another task): their
+        p2p buffers are sized by the first run; the first stage's input keys are read again."""
         key = tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
+        key += (objective.targets, tuple(sorted(objective.head_kwargs)))
         if self._shapes is not None and key != self._shapes:
             self.first.input_keys = ()
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",
@@ -475,9 +571,10 @@ class Pipeline:
         """``batch`` padded to a multiple of micro-batches x 2D/3D batch blocks, with rows that weigh nothing."""
         return pad_batch(batch, self.microbatches * self.parts)
 
-    def model_forward(self, *args, **kwargs) -> PipelineOutput:
+    def model_forward(self, *args, logprobs: bool = False, **kwargs) -> PipelineOutput:
         """``model(**batch)`` under pp (:meth:`~.state.ParallelState.install_forward`): :meth:`forward_only`,
-        the same outputs on every rank. Training runs through the schedule (``cuboid.train_step``)."""
+        the same outputs on every rank (``logprobs``: the per-token outputs too, as the zoo model's). Training
+        runs through the schedule (``cuboid.train_step``)."""
         if args:
             raise TypeError("a model under pipeline parallelism takes its inputs by name: model(**batch)")
         if torch.is_grad_enabled() and kwargs.get("labels") is not None:
@@ -485,13 +582,20 @@ class Pipeline:
                                "cuboid.train_step(model, optimizer, global_batch); a forward with labels runs "
                                "under torch.no_grad() (evaluation), one without labels anywhere (inference, "
                                "no gradients)")
-        return self.forward_only(kwargs)
+        if not logprobs:
+            return self.forward_only(kwargs)
+        batch, no_loss = logprob_targets(kwargs)
+        out = self.forward_only(batch, logprobs=True)
+        if no_loss:
+            out.loss = None
+        return out
 
     @torch.no_grad()
-    def forward_only(self, batch: dict, last=None) -> PipelineOutput:
+    def forward_only(self, batch: dict, last=None, *, logprobs: bool = False) -> PipelineOutput:
         """The model's forward of ``batch`` without gradients, under every schedule: every rank gets the
-        last stage's outputs (logits, hidden states, pooled output; with labels, the mean loss over the
-        label positions), the same everywhere. ``last(logits)``, when given, runs on the last stage and
+        last stage's outputs (logits, hidden states, pooled output, with ``logprobs`` the per-token
+        log-probabilities and entropies; with labels, the mean loss over the label positions), the same
+        everywhere. ``last(logits)``, when given, runs on the last stage and
         only its result is sent, as ``logits`` (generation: the stage samples, the ranks get the tokens).
 
         Not torch's schedule: micro-batches go through the stages in order,
@@ -518,7 +622,7 @@ class Pipeline:
                     module = self.modules[self.ids.index(s)]
                     if self.fsdp:  # the stage's own unit (embeddings, head): its forward hook is not run here
                         module.unshard()
-                    result = module.forward_only(mb if s == 0 else stream)
+                    result = module.forward_only(mb if s == 0 else stream, logprobs)
                     if s == total - 1:
                         result, rec = result
                         recorded += [rec] if rec is not None else []

@@ -48,6 +48,7 @@ from torch import nn
 
 from . import comm
 from .experts import BalanceReduce
+from .head import logprob_targets
 from .mask import Mask
 from .moe_stream import Routing, recording_of
 from .state import balance_reduce_of
@@ -114,6 +115,19 @@ class _SumOverSp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g * ctx.sp, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
 
 
 class _FromFirstRank(torch.autograd.Function):
@@ -222,10 +236,12 @@ class SequenceSplit:
         whole = Mask.of(None, position_ids, keep.shape[0])
         return Mask(keep, whole.positions, whole.docs)
 
-    def leave(self, x, residual, local_labels, labels, length: int, n_total: Optional[int] = None):
+    def leave(self, x, residual, local_labels, labels, length: int, n_total: Optional[int] = None,
+              logprobs: bool = False):
         """The model's head on this rank's tokens: the single-device loss (summed over sp) and outputs
         gathered in order, ``length`` tokens, when read. ``n_total``: the batch's token label positions
-        (None: counted here, a sum over sp)."""
+        (None: counted here, a sum over sp). ``logprobs``: the per-token outputs too, gathered likewise to
+        (B, ``length`` - 1) (:meth:`_gather_tokens`)."""
         model = self.model
         front = back = 0
         if self.pooled_first:  # the true first token (rank 0's position 0) in front of this rank's tokens
@@ -243,7 +259,7 @@ class SequenceSplit:
                 local_labels = F.pad(local_labels, (1, 0), value=-100)
             back = 1
         token = labels is not None and labels.dim() == 2
-        out = model.head(x, residual, local_labels if token else labels)
+        out = model.head(x, residual, local_labels if token else labels, **({"logprobs": True} if logprobs else {}))
         if labels is not None and out.loss is not None:
             if token:  # this rank's share of the label positions
                 n_local = int((local_labels != -100).sum())
@@ -264,7 +280,16 @@ class SequenceSplit:
             if value is None or (name == "logits" and not _is_per_token(model)):
                 continue
             out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, length))
+        for name in ("token_logps", "token_entropy") if logprobs else ():
+            out.defer(name, lambda t: self._gather_tokens(t, length - 1))
         return out
+
+    def _gather_tokens(self, t: torch.Tensor, length: int) -> torch.Tensor:
+        """Per-token outputs (B, T_pad / sp) of this rank's positions (the head paired each with its aligned
+        label) -> (B, ``length``) in sequence order. Backward keeps this rank's positions' gradient, times sp:
+        the data-parallel wrapper averages gradients over ``dp x sp``, where each sp rank's part is a share of
+        one device's (as :class:`_SumOverSp`)."""
+        return self._gather(_ScaleGrad.apply(t, self.sp), lambda u: u, length)
 
     def local_keep(self, keep: torch.Tensor, tokens: int) -> torch.Tensor:
         """(B * ``tokens``,) this rank's tokens that count in the router statistics, in the order the sparse
@@ -283,7 +308,18 @@ class SequenceSplit:
         whole = self._gather(logits.reshape(-1, tokens, logits.shape[-1]), lambda t: t, length)
         return whole.reshape(-1, whole.shape[-1])
 
-    def forward(self, output_router_logits: Optional[bool] = None, **batch):
+    def forward(self, output_router_logits: Optional[bool] = None, logprobs: bool = False, **batch):
+        """The model's forward under sp; ``logprobs`` as the zoo model's (its targets: the labels, or the
+        input ids without labels, and then no loss)."""
+        no_loss = False
+        if logprobs:
+            batch, no_loss = logprob_targets(batch)
+        out = self._forward(output_router_logits, logprobs, batch)
+        if no_loss:
+            out.loss = None
+        return out
+
+    def _forward(self, output_router_logits: Optional[bool], logprobs: bool, batch: dict):
         x, keep, local_labels, labels, n_total = self.enter(batch)
         mask = self.local_mask(self.whole_mask(keep, batch.get("position_ids")), x.shape[1] * self.sp)
         rec, routed = None, output_router_logits
@@ -295,7 +331,7 @@ class SequenceSplit:
             for block in getattr(self.model, self.spec.blocks):
                 x, residual = block(x, residual, mask)
         tokens, length = x.shape[1], keep.shape[1]
-        out = self.leave(x, residual, local_labels, labels, length, n_total)
+        out = self.leave(x, residual, local_labels, labels, length, n_total, logprobs)
         if rec is None:
             return out
         return self.routing.finish(out, rec, labels, routed, gather=lambda t: self.gather_router(t, tokens, length))
@@ -336,8 +372,11 @@ class TensorSequenceSplit:
                 elif isinstance(mod, (LayerNorm, RMSNorm)):
                     mod.seq_group = self.group
 
-    def forward(self, **batch):
+    def forward(self, logprobs: bool = False, **batch):
         model = self.model
+        no_loss = False
+        if logprobs:
+            batch, no_loss = logprob_targets(batch)
         x, keep = _embed_whole(model, self._embed_args, batch, "sequence-sharded tensor parallelism")
         B, T, _ = x.shape
         pad = (-T) % self.tp
@@ -349,7 +388,10 @@ class TensorSequenceSplit:
         x = comm.gather_from(x, self.group, 1)[:, :T]
         if residual is not None:
             residual = comm.gather_from(residual, self.group, 1)[:, :T]
-        return model.head(x, residual, batch.get("labels"))
+        out = model.head(x, residual, batch.get("labels"), **({"logprobs": True} if logprobs else {}))
+        if no_loss:
+            out.loss = None
+        return out
 
     @staticmethod
     def mask(keep: torch.Tensor, position_ids: Optional[torch.Tensor], tokens: int) -> Optional[Mask]:

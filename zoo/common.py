@@ -40,7 +40,10 @@ class Output:
 
     ``logits``: task logits, or the last hidden states for a base model;
     ``loss``: mean cross-entropy when ``labels`` were given (-100 ignored);
-    ``pooler_output``: BERT/ViT pooled vector where the model has a pooler.
+    ``pooler_output``: BERT/ViT pooled vector where the model has a pooler;
+    ``token_logps``, ``token_entropy``: a causal LM's (B, T - 1) log-probability
+    of each next token and entropy of each next-token distribution, when the
+    forward was asked for them (``logprobs=True``; see :func:`lm_output`).
 
     Fields may be stored as :class:`~cuboid.parallel.head.Deferred` and are
     made on first read: under tensor parallelism the whole logits are gathered
@@ -57,17 +60,20 @@ class Output:
     override ``__getattribute__``).
     """
 
-    FIELDS = ("logits", "loss", "last_hidden_state", "pooler_output")
+    FIELDS = ("logits", "loss", "last_hidden_state", "pooler_output", "token_logps", "token_entropy")
 
     logits = _field("logits")
     loss = _field("loss")
     last_hidden_state = _field("last_hidden_state")
     pooler_output = _field("pooler_output")
+    token_logps = _field("token_logps")
+    token_entropy = _field("token_entropy")
 
     def __init__(self, logits: torch.Tensor, loss: Optional[torch.Tensor] = None,
-                 last_hidden_state: Optional[torch.Tensor] = None, pooler_output: Optional[torch.Tensor] = None):
+                 last_hidden_state: Optional[torch.Tensor] = None, pooler_output: Optional[torch.Tensor] = None,
+                 token_logps: Optional[torch.Tensor] = None, token_entropy: Optional[torch.Tensor] = None):
         self._raw = {"logits": logits, "loss": loss, "last_hidden_state": last_hidden_state,
-                     "pooler_output": pooler_output}
+                     "pooler_output": pooler_output, "token_logps": token_logps, "token_entropy": token_entropy}
 
     def __repr__(self) -> str:
         def show(name):
@@ -177,6 +183,19 @@ class Block(nn.Module):
 
 
 FUSE_ROWS = 256  # below this many rows (a decoding step) stacking the weights costs more than it saves
+
+
+def lm_output(table: nn.Module, h: torch.Tensor, labels: Optional[torch.Tensor], logprobs: bool = False) -> Output:
+    """A causal LM's Output from its final hidden states ``h`` (B, T, C) and its head's ``table`` (a
+    :class:`~cuboid.parallel.head.TiedHead`): with ``labels`` (B, T) (token t predicts label t + 1) the loss of
+    the fused linear cross-entropy, vocab-parallel under tp, and the (B, T, V) logits made only when read;
+    with ``logprobs`` also ``token_logps`` and ``token_entropy`` (B, T - 1), from the same pass (``labels``
+    given: the forward puts ``input_ids`` in when the batch has none)."""
+    if not logprobs:
+        loss, logits = table.lm_outputs(h, labels, shift=True)
+        return Output(logits=logits, loss=loss, last_hidden_state=h)
+    loss, logits, logps, entropy = table.lm_logprobs(h, labels)
+    return Output(logits=logits, loss=loss, last_hidden_state=h, token_logps=logps, token_entropy=entropy)
 
 
 def linears(x: torch.Tensor, layers: tuple) -> list:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Decoder, Output, attention_mask_of, count_targets, init_parameters
+from cuboid.zoo.common import Block, Decoder, Output, attention_mask_of, count_targets, init_parameters, lm_output
 
 from .config import GPTConfig
 
@@ -49,13 +49,21 @@ class GPT(Decoder):
         init_parameters(self, rule, seed)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None) -> Output:
+                labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                logprobs: bool = False) -> Output:
+        """``logprobs``: also ``token_logps`` and ``token_entropy`` (B, T - 1) of ``labels[:, 1:]`` (of
+        ``input_ids[:, 1:]`` without labels, and then no loss): :func:`~cuboid.zoo.common.lm_output`."""
+        no_loss = logprobs and labels is None
+        labels = input_ids if no_loss else labels
         x = self.embed(input_ids, position_ids)  # (B, T, C)
         mask = attention_mask_of(input_ids, attention_mask, position_ids)  # packed rows: one document per restart
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)
-        return self.head(x, residual, labels)
+        out = self.head(x, residual, labels, logprobs=logprobs)
+        if no_loss:
+            out.loss = None
+        return out
 
     def embed(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token + position embeddings: (B, T) ids -> (B, T, C)."""
@@ -66,12 +74,12 @@ class GPT(Decoder):
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))
 
-    def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> Output:
+    def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
+             logprobs: bool = False) -> Output:
         """Final norm and the tied LM head on the blocks' output (x + residual): the model's Output."""
         h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, T, C)
         if self.config.head == "none":
+            if logprobs:
+                raise ValueError("logprobs=True needs the LM head; this GPT has none (head='none')")
             return Output(logits=h, last_hidden_state=h)
-        # the tied head; with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel
-        # under tp, and the (B, T, V) logits made only when read
-        loss, logits = self.tok_emb.lm_outputs(h, labels, shift=True)
-        return Output(logits=logits, loss=loss, last_hidden_state=h)
+        return lm_output(self.tok_emb, h, labels, logprobs)

@@ -14,7 +14,8 @@ from cuboid.parallel.head import lazy
 from cuboid.parallel.mask import Mask
 from cuboid.parallel.moe import recording
 from cuboid.parallel.state import balance_reduce_of
-from cuboid.zoo.common import Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, pre_norm
+from cuboid.zoo.common import (Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, lm_output,
+                               pre_norm)
 
 from .config import LlamaConfig
 from .moe import SparseMLP, recorder_for, with_router_outputs
@@ -159,12 +160,22 @@ class Llama(Decoder):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                output_router_logits: Optional[bool] = None) -> Output:
+                output_router_logits: Optional[bool] = None, logprobs: bool = False) -> Output:
         """``position_ids`` (B, T) or (1, T): the rotary positions (HF's), restarting at 0 at each document of a
         packed row (attention stays inside each document); 0 .. T-1 when not given.
 
         With sparse layers the output also has ``aux_loss`` and, when ``output_router_logits`` (default: the
-        config's), ``router_logits``, and ``loss`` includes ``router_aux_loss_coef * aux_loss`` (transformers')."""
+        config's), ``router_logits``, and ``loss`` includes ``router_aux_loss_coef * aux_loss`` (transformers').
+        ``logprobs``: also ``token_logps`` and ``token_entropy`` (B, T - 1) of ``labels[:, 1:]`` (of
+        ``input_ids[:, 1:]`` without labels, and then no loss): :func:`~cuboid.zoo.common.lm_output`."""
+        no_loss = logprobs and labels is None
+        labels = input_ids if no_loss else labels
+        out = self._forward(input_ids, attention_mask, labels, position_ids, output_router_logits, logprobs)
+        if no_loss:
+            out.loss = None
+        return out
+
+    def _forward(self, input_ids, attention_mask, labels, position_ids, output_router_logits, logprobs) -> Output:
         x = self.embed(input_ids)  # (B, T, C)
         mask = attention_mask_of(input_ids, attention_mask, position_ids)
         routed = self.config.output_router_logits if output_router_logits is None else output_router_logits
@@ -173,10 +184,10 @@ class Llama(Decoder):
                                 reduce=balance_reduce_of(self))
         if recorder is None:
             x, residual = self.run_blocks(x, mask)
-            return self.head(x, residual, labels, last=self.last_tokens(input_ids))
+            return self.head(x, residual, labels, last=self.last_tokens(input_ids), logprobs=logprobs)
         with recording(recorder):
             x, residual = self.run_blocks(x, mask)
-        out = self.head(x, residual, labels, last=self.last_tokens(input_ids))
+        out = self.head(x, residual, labels, last=self.last_tokens(input_ids), logprobs=logprobs)
         return with_router_outputs(self.config, out, recorder, labels, add_loss=routed)
 
     def run_blocks(self, x: torch.Tensor, mask: Optional[Mask]) -> tuple:
@@ -207,10 +218,13 @@ class Llama(Decoder):
         return (torch.arange(T, device=input_ids.device) * kept).argmax(-1)
 
     def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
-             last: Optional[torch.Tensor] = None) -> Output:
+             last: Optional[torch.Tensor] = None, logprobs: bool = False) -> Output:
         """Final norm and the LM or classification head on the blocks' output (x + residual)."""
         h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, T, C)
         c = self.config
+        if logprobs and (c.head != "lm" or c.logit_softcap is not None):
+            raise ValueError("logprobs=True needs the fused LM head: this model's head is "
+                             + (f"{c.head!r}" if c.head != "lm" else "softcapped (Gemma's final logit cap)"))
         if c.head == "none":
             return Output(logits=h, last_hidden_state=h)
         if c.head == "cls":
@@ -225,10 +239,7 @@ class Llama(Decoder):
         table = self.tok_emb if c.tie_embeddings else self.lm_head
         if c.logit_softcap is not None:
             return self._capped_lm(table, h, labels)
-        # with labels (token t predicts token t + 1) the fused linear cross-entropy, vocab-parallel under tp, and
-        # the (B, T, V) logits made only when read
-        loss, logits = table.lm_outputs(h, labels, shift=True)
-        return Output(logits=logits, loss=loss, last_hidden_state=h)
+        return lm_output(table, h, labels, logprobs)
 
     def _capped_lm(self, table, h: torch.Tensor, labels: Optional[torch.Tensor]) -> Output:
         """The LM head with final logit softcapping (``cap * tanh(logits / cap)``): whole logits, then the loss
