@@ -39,7 +39,8 @@ def train_step(model, optimizer, global_batch: dict, **options):
     gradients. Returns a :class:`cuboid.train.step.StepResult` whose ``loss`` is
     the single-device loss of the global batch. Options: ``microbatches``,
     ``max_grad_norm``, ``scaler`` (a ``torch.amp.GradScaler`` for fp16),
-    ``dtype`` (autocast: ``bf16`` / ``fp16``; default the plan's).
+    ``dtype`` (autocast: ``bf16`` / ``fp16``; default the plan's), ``task`` (a :class:`cuboid.tasks.Task`:
+    its count, inputs and, for a task with a loss of its own, its summed loss; default the model's loss).
     """
     from cuboid.train.step import train_step as _step
 
@@ -66,3 +67,11 @@ def finetune(model="vit-debug", data="digits", **options) -> dict:
     from cuboid.train.loop import finetune as _finetune
 
     return _finetune(model, data, **options)
+
+
+def adapters_off(model):
+    """A context under which a LoRA model computes its base model's outputs (no copy of the weights), under
+    any plan: :func:`cuboid.parallel.lora.adapters_off`."""
+    from cuboid.parallel.lora import adapters_off as _off
+
+    return _off(model)

@@ -37,8 +37,9 @@ FLAGS = [
     ("--model", str, "a preset (vit-debug, gpt2, bert-base, ...) or a local Hugging Face folder"),
     ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
     ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
-    ("--task", str, "sft | causal (or clm) | mlm | seqcls | imgcls (default: from the model's head; sft: instruction "
-                    "or chat data, see DATA FORMATS below)"),
+    ("--task", str, "a task and its options: sft[,train_on_prompt=true] | causal (or clm) | mlm | seqcls | imgcls "
+                    "(default: from the model's head; sft: instruction or chat data, see DATA FORMATS below; "
+                    "--task NAME --help lists its options)"),
     ("--steps", int, "optimizer steps (default: from --epochs)"),
     ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),
     ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),
@@ -106,8 +107,9 @@ Check the trained tokens before a long run: cuboid prepare --model FOLDER --data
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)",
+    p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)", add_help=False,
                        description=__doc__, epilog=DATA_FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help (after --task NAME: the task's options)")
     for flag, typ, help_ in FLAGS:
         if flag in ALIASES:
             p.add_argument(flag, ALIASES[flag], type=typ, default=None, help=help_)
@@ -129,6 +131,23 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="no curves.png")
     p.set_defaults(func=cmd_finetune, callbacks=(), module="cuboid")  # main() sets these for a wrapper
     return p
+
+
+class _Help(argparse.Action):
+    """``--help``: the command's help; after ``--task NAME``, that task's options instead."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from cuboid import tasks
+
+        spec = getattr(namespace, "task", None)
+        if spec is None:
+            parser.print_help()
+        else:
+            try:
+                print(tasks.class_of(spec).help())
+            except ValueError as e:
+                parser.exit(2, f"cuboid finetune: error: {e}\n")
+        parser.exit()
 
 
 LAUNCHER_KEYS = ("nproc_per_node", "max_restarts")  # for the launcher, not the trainer

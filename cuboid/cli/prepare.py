@@ -4,7 +4,7 @@
     cuboid finetune --model FOLDER --data prepared/ --task sft [--packing] ...
 
 The rows are made by the code ``cuboid finetune`` runs (:mod:`cuboid.data.sft` for
-``--task sft``, :func:`cuboid.data.formats.prepare` for ``--task clm``, and the packer
+``--task sft``, the task's rows (:mod:`cuboid.tasks`) for ``--task clm``, and the packer
 of :mod:`cuboid.data.packing`), split into train and validation as finetune splits
 (the data's own validation split, or a seeded ``--eval-fraction``), and
 written with ``save_to_disk``: a folder that ``cuboid finetune --data`` reads
@@ -35,10 +35,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from cuboid import tasks
 from cuboid.data.formats import DataError
 
-TASKS = ("sft", "clm", "causal")
-DEFAULT_MAX_LENGTH = {"sft": 1024, "causal": 128}  # finetune's --seq-len defaults
 WIDTH_MULTIPLE = 8        # finetune's batch width multiple on one device, dp, and tp or sp up to 4
 REPORT = "prepare_report.json"
 MARK = ("[[", "]]")
@@ -55,7 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--data", required=True, help="a jsonl/json/csv/parquet/txt file or a datasets folder")
     p.add_argument("--output", required=True, help="the folder to write (cuboid finetune --data reads it)")
-    p.add_argument("--task", default="sft", help="sft (default) | clm")
+    p.add_argument("--task", default=tasks.SFT.name, help=f"{tasks.SFT.name} (default) | {tasks.Causal.aliases[0]}, "
+                   "with options as finetune's --task")
     p.add_argument("--max-length", "--seq-len", dest="max_length", type=int,
                    help="tokens per example, or per packed row (default: sft 1024, clm 128; at most the model's)")
     p.add_argument("--packing", action="store_true", help="pack the examples into rows of --max-length")
@@ -81,15 +81,19 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.exists() and not args.overwrite:
         raise ValueError(f"--output {output} exists: choose another folder or pass --overwrite to replace it")
-    if args.task not in TASKS:
-        raise ValueError(f"unknown task {args.task!r} for prepare; tasks: sft, clm")
+    from cuboid.train.config import TASK_FLAGS, with_flags
+
+    task = with_flags(args.task, {k: getattr(args, k) for k in TASK_FLAGS})
+    if not hasattr(task, "dataset_rows"):
+        able = [n for n in tasks.names() if hasattr(tasks.get(n), "dataset_rows")]
+        raise ValueError(f"cuboid prepare writes rows for {', '.join(able)}, not for task {task.label}")
     tokenizer, positions = _tokenizer_and_positions(args)
-    max_length = min(args.max_length or DEFAULT_MAX_LENGTH[_task(args.task)], positions or math.inf)
+    max_length = task.row_length({"seq_len": args.max_length, "config": SimpleNamespace(n_positions=positions or math.inf)})
     splits = train_eval_split(load_source(args.data), args.eval_fraction, args.seed)
     prepared, stats = {}, {}
     for name, ds in zip(("train", "validation"), splits):
-        prepared[name], stats[name] = prepare_split(ds, args, tokenizer, max_length, training=name == "train")
-    report = {"data": str(args.data), "tokenizer": str(args.tokenizer or args.model), "task": _task(args.task),
+        prepared[name], stats[name] = prepare_split(ds, task, args, tokenizer, max_length, training=name == "train")
+    report = {"data": str(args.data), "tokenizer": str(args.tokenizer or args.model), "task": task.name,
               "max_length": max_length, "packing": args.packing, "train_on_prompt": args.train_on_prompt,
               "template": args.template, "data_format": stats["train"].pop("format", None),
               "batch_size": args.batch_size, "seed": args.seed, "splits": stats}
@@ -100,10 +104,6 @@ def run(args: argparse.Namespace) -> int:
     print(show_rows(prepared["train"], tokenizer, args.show, colour=sys.stdout.isatty() and "NO_COLOR" not in
                     os.environ))
     return 0
-
-
-def _task(name: str) -> str:
-    return "causal" if name in ("clm", "causal") else name
 
 
 def _tokenizer_and_positions(args: argparse.Namespace):
@@ -134,51 +134,12 @@ def model_positions(folder: Optional[str]) -> Optional[int]:
 # ---------------------------------------------------------------- rows
 
 
-def sft_options(args: argparse.Namespace, max_length: int):
-    from cuboid.data.sft import FORMATS, TEMPLATES, SFTOptions
-
-    if args.template is not None and args.template not in TEMPLATES:
-        raise ValueError(f"unknown --template {args.template!r}; templates: {', '.join(TEMPLATES)}")
-    if args.data_format is not None and args.data_format not in FORMATS:
-        raise ValueError(f"unknown --data-format {args.data_format!r}; formats: {', '.join(FORMATS)}")
-    return SFTOptions(format=args.data_format, template=args.template, train_on_prompt=args.train_on_prompt,
-                      max_length=max_length, text_column=args.text_column, chat_template=args.chat_template)
-
-
-def prepare_split(ds, args: argparse.Namespace, tokenizer, max_length: int, training: bool = True):
+def prepare_split(ds, task, args: argparse.Namespace, tokenizer, max_length: int, training: bool = True):
     """(the split's rows as a ``datasets.Dataset``, its numbers for the report; the padding of a training
     split as finetune's training batches cut it, of another as evaluation pads it: to the longest row)."""
-    import datasets
-
-    if _task(args.task) == "sft":
-        from cuboid.data import sft
-
-        opts = sft_options(args, max_length)
-        rows, stats = sft.tokenize_dataset(ds, tokenizer, opts)
-        if len(rows) == 0:
-            raise DataError(f"no example has anything to learn ({stats.dropped} of {stats.examples} dropped): "
-                            "check the data format and --max-length")
-        counts = {"format": sft.detect_format(ds.column_names, opts, ds.features), "examples": stats.examples,
-                  "dropped": stats.dropped, "truncated": stats.truncated}
-        if args.packing:  # as finetune packs them (cuboid.data.sft.prepared_tensors)
-            from cuboid.data.packing import pack_dataset
-
-            rows = pack_dataset(rows, max_length, labels_column="labels", pad_id=_pad_id(tokenizer))
-    else:
-        from cuboid.data.formats import prepare
-
-        if args.train_on_prompt or args.template or args.data_format or args.chat_template:
-            raise ValueError("--train-on-prompt, --template, --data-format and --chat-template are for --task sft")
-        tensors = prepare(ds, "causal", config=SimpleNamespace(n_positions=max_length), tokenizer=tokenizer,
-                          seq_len=max_length, text_column=args.text_column or "text", packing=args.packing)
-        rows = datasets.Dataset.from_dict({k: v.numpy() for k, v in tensors.items()})
-        counts = {"examples": len(ds), "dropped": None, "truncated": None}
+    rows, counts = task.dataset_rows(ds, tokenizer, max_length, text_column=args.text_column, packing=args.packing)
     batch_size = args.batch_size if training else None
     return rows, {**counts, **row_counts(rows, batch_size, args.seed)}
-
-
-def _pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
 
 def row_counts(rows, batch_size: Optional[int], seed: int) -> dict:

@@ -6,24 +6,16 @@ written by ``save_to_disk``; an ``imagefolder`` folder (one sub-folder per
 class); a folder of data files of one kind; or ``"digits"``, the 8x8
 handwritten digits that ship with scikit-learn (the embedded default).
 
-:func:`prepare` turns a split into a dict of equal-length tensors for a task:
-
-- ``causal``: tokenized text, concatenated and cut into blocks of
-  ``seq_len`` (labels = inputs; the model shifts); with ``packing`` each
-  record is a document of its own instead, rows of ``seq_len`` filled by
-  :func:`cuboid.data.packing.pack` (best-fit-decreasing, ``position_ids``
-  restarting per document, so no document attends to another);
-  a split that is already tokenized (an ``input_ids`` column: a ``cuboid prepare`` folder) is used as
-  it is for ``causal`` and ``sft`` (packed rows kept; other rows padded to the longest, or packed);
-- ``sft``: instruction and chat records (messages, prompt/completion, alpaca, text; see
-  :mod:`cuboid.data.sft`) tokenized with loss masks; rows padded to the longest in the split (with an
-  ``attention_mask``), or with ``packing`` packed into rows of the max length by
-  :func:`cuboid.data.packing.pack` with their labels;
-- ``mlm``: tokenized, padded/truncated to ``seq_len``; masking happens per
-  batch (:func:`mask_tokens`) so every step sees new masks;
-- ``seqcls``: tokenized, padded/truncated, one label per example;
-- ``imgcls``: images resized to the model's size, normalised (mean 0.5,
-  std 0.5, as HF's ViT image processor), one label per example.
+Rows (the tasks of :mod:`cuboid.tasks` choose among them): :func:`text_blocks`
+(tokenized text concatenated and cut into blocks, or with ``packing`` each
+record a document packed into rows by :func:`cuboid.data.packing.pack`, with
+``position_ids`` restarting per document), :func:`sft_rows` (instruction and
+chat records with loss masks, :mod:`cuboid.data.sft`), :func:`fixed_rows`
+(padded/truncated tokens, optionally one label per example),
+:func:`image_rows` (images resized and normalised as HF's ViT image
+processor, one label per example) and :func:`pretokenized_rows` (a split
+that is already tokenized: a ``cuboid prepare`` folder). :func:`mask_tokens`
+masks a batch BERT's way.
 
 :class:`GlobalBatches` draws global batches from the prepared tensors in a
 seeded order per epoch; each data-parallel rank takes its own contiguous share.
@@ -44,7 +36,6 @@ import torch
 
 from cuboid.data.chat import DataError  # defined below the data modules (sft and chat raise it too); public here
 
-TASKS = ("causal", "sft", "mlm", "seqcls", "imgcls")
 DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -149,7 +140,7 @@ def class_names(ds, label_column: str) -> Optional[list]:
 def num_classes(ds, label_column: str, *others, dense: bool = True) -> int:
     """K of a classification dataset: its ClassLabel's names, or integer ids 0..K-1 over ``ds`` and the
     ``others`` splits (each class present in one of them; ``dense=False``: the largest id + 1, for a model
-    whose head is already sized, against which :func:`prepare` checks the ids)."""
+    whose head is already sized, against which the rows' labels are checked)."""
     _need_column(ds, label_column, "--label-column")
     names = class_names(ds, label_column)
     if names:
@@ -181,50 +172,66 @@ def _check_labels(labels: torch.Tensor, n: int, column: str) -> None:
         raise DataError(f"label {bad} in column {column!r} is out of range for a model with {n} classes")
 
 
-def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = None, text_column: str = "text",
-            label_column: str = "label", image_column: str = "image", num_labels: Optional[int] = None,
-            packing: bool = False, sft=None, sft_stats=None) -> dict:
-    """A split as a dict of equal-length tensors for ``task`` (see module docstring). ``sft``: the
-    :class:`cuboid.data.sft.SFTOptions` of task ``sft`` (default: formats from the columns, ``seq_len`` as
-    the max length); ``sft_stats``, a :class:`cuboid.data.sft.SFTStats`, takes its counts."""
-    if task not in TASKS:
-        raise DataError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
-    if packing and task not in ("causal", "sft"):
-        raise DataError(f"packing puts whole documents into rows for language modelling (--task clm or sft), "
-                        f"not for task {task}")
+def check_split(ds) -> None:
+    """A one-line DataError for an empty split."""
     if len(ds) == 0:
         raise DataError("the dataset is empty")
-    if task == "imgcls":
-        return _prepare_images(ds, config, image_column, label_column, num_labels)
-    if task in ("causal", "sft") and "input_ids" in ds.column_names:
-        from cuboid.data.sft import prepared_tensors
 
-        return prepared_tensors(ds, packing=packing, row_length=min(seq_len or 1024, config.n_positions),
-                                pad_id=_pad_id(tokenizer))
+
+def need_tokenizer(tokenizer, task: str) -> None:
+    """A one-line DataError when a text task has no tokenizer."""
     if tokenizer is None:
         raise DataError(f"task {task} needs a tokenizer: load the model from a folder with tokenizer.json "
                         "or pass --tokenizer PATH")
-    if task == "sft":
-        return _prepare_sft(ds, config, tokenizer, seq_len, text_column, packing, sft, sft_stats)
+
+
+def pretokenized(ds) -> bool:
+    """Whether a split is already tokenized (an ``input_ids`` column: a ``cuboid prepare`` folder)."""
+    return "input_ids" in ds.column_names
+
+
+def pretokenized_rows(ds, config, tokenizer, seq_len: Optional[int], packing: bool) -> dict:
+    """A tokenized split's rows as they are (packed rows kept; other rows padded to the longest, or packed)."""
+    from cuboid.data.sft import prepared_tensors
+
+    return prepared_tensors(ds, packing=packing, row_length=min(seq_len or 1024, config.n_positions),
+                            pad_id=pad_id(tokenizer))
+
+
+def _texts(ds, text_column: str) -> list:
     _need_column(ds, text_column, "--text-column")
+    return [t if isinstance(t, str) else "" for t in ds[text_column]]
+
+
+def text_blocks(ds, config, tokenizer, seq_len: Optional[int], text_column: str = "text",
+                packing: bool = False) -> dict:
+    """Causal language modelling rows: the texts tokenized, concatenated (EOS between) and cut into blocks
+    of ``seq_len`` (labels = inputs; the model shifts); with ``packing`` each text is a document packed into
+    rows of ``seq_len`` (:func:`cuboid.data.packing.pack`)."""
     seq_len = min(seq_len or 128, config.n_positions)
-    texts = [t if isinstance(t, str) else "" for t in ds[text_column]]
-    if task == "causal":
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        eos = tokenizer.eos_token_id
-        if packing:
-            return _packed_documents(ids, eos, tokenizer.pad_token_id, seq_len)
-        flat = [tok for seq in ids for tok in ([*seq, eos] if eos is not None else seq)]
-        n_blocks = len(flat) // seq_len
-        if n_blocks == 0:
-            raise DataError(f"the text has {len(flat)} tokens: fewer than one block of seq_len {seq_len}")
-        block = torch.tensor(flat[:n_blocks * seq_len]).view(n_blocks, seq_len)
-        return {"input_ids": block, "labels": block.clone()}
-    enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
+    ids = tokenizer(_texts(ds, text_column), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if packing:
+        return _packed_documents(ids, eos, tokenizer.pad_token_id, seq_len)
+    flat = [tok for seq in ids for tok in ([*seq, eos] if eos is not None else seq)]
+    n_blocks = len(flat) // seq_len
+    if n_blocks == 0:
+        raise DataError(f"the text has {len(flat)} tokens: fewer than one block of seq_len {seq_len}")
+    block = torch.tensor(flat[:n_blocks * seq_len]).view(n_blocks, seq_len)
+    return {"input_ids": block, "labels": block.clone()}
+
+
+def fixed_rows(ds, config, tokenizer, seq_len: Optional[int], text_column: str = "text",
+               label_column: Optional[str] = None, num_labels: Optional[int] = None) -> dict:
+    """Texts tokenized, padded/truncated to ``seq_len`` (with ``token_type_ids`` for models with segments);
+    with ``label_column``, one class label per example, checked against the model's classes."""
+    seq_len = min(seq_len or 128, config.n_positions)
+    enc = tokenizer(_texts(ds, text_column), truncation=True, max_length=seq_len, padding="max_length",
+                    return_tensors="pt")
     out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
     if "token_type_ids" in enc and hasattr(config, "type_vocab_size"):  # only models with segments take them
         out["token_type_ids"] = enc["token_type_ids"]
-    if task == "seqcls":
+    if label_column is not None:
         _need_column(ds, label_column, "--label-column")
         labels = torch.tensor(ds[label_column])
         _check_labels(labels, num_labels or config.num_labels, label_column)
@@ -232,22 +239,22 @@ def prepare(ds, task: str, *, config, tokenizer=None, seq_len: Optional[int] = N
     return out
 
 
-def _pad_id(tokenizer) -> int:
+def sft_rows(ds, config, tokenizer, sft, packing: bool = False, stats=None) -> dict:
+    """Instruction and chat records as rows with loss masks (:func:`cuboid.data.sft.sft_tensors`), the
+    :class:`~cuboid.data.sft.SFTOptions` ``sft``'s max length cut to the model's positions."""
+    from cuboid.data.sft import sft_tensors
+
+    sft = dataclasses.replace(sft, max_length=min(sft.max_length, config.n_positions))
+    return sft_tensors(ds, tokenizer, sft, packing=packing, stats=stats)
+
+
+def pad_id(tokenizer) -> int:
     if tokenizer is None:
         return 0
     for tok_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if tok_id is not None:
             return int(tok_id)
     return 0
-
-
-def _prepare_sft(ds, config, tokenizer, seq_len, text_column: str, packing: bool, sft, stats) -> dict:
-    from cuboid.data.sft import SFTOptions, sft_tensors
-
-    if sft is None:
-        sft = SFTOptions(max_length=seq_len or 1024, text_column=None if text_column == "text" else text_column)
-    sft = dataclasses.replace(sft, max_length=min(sft.max_length, config.n_positions))
-    return sft_tensors(ds, tokenizer, sft, packing=packing, stats=stats)
 
 
 def _packed_documents(ids: list, eos: Optional[int], pad_id: Optional[int], seq_len: int) -> dict:
@@ -275,7 +282,10 @@ def real_tokens(batch: dict) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
-def _prepare_images(ds, config, image_column: str, label_column: str, num_labels: Optional[int]) -> dict:
+def image_rows(ds, config, image_column: str = "image", label_column: str = "label",
+               num_labels: Optional[int] = None) -> dict:
+    """Images resized to the model's size and normalised (mean 0.5, std 0.5, as HF's ViT processor), one
+    class label per example."""
     import numpy as np
 
     _need_column(ds, image_column, "--image-column")

@@ -69,7 +69,6 @@ __all__ = ["EVAL_EXAMPLES", "StreamData", "Source", "Shuffled", "Packed", "Strea
 
 EVAL_EXAMPLES = 100                    # rows held out for eval when the data has no eval file
 EVAL_WORDS = {"validation", "valid", "val", "eval", "dev", "test"}
-STREAM_TASKS = ("causal", "sft")
 
 
 # ---------------------------------------------------------------- files
@@ -335,14 +334,14 @@ class StreamBatches:
         return batch
 
 
-def example_tokenizer(task: str, tokenizer, row_length: int, *, text_column: str = "text", sft=None,
+def example_tokenizer(tokenizer, row_length: int, *, text_column: str = "text", sft=None,
                       packing: bool = False) -> Callable[[dict], Optional[dict]]:
-    """One raw row -> {"input_ids", "labels"} (None: nothing to learn). ``sft``: the row through
-    :func:`cuboid.data.sft.tokenize_example` with ``sft`` (an ``SFTOptions`` whose ``max_length`` is
-    ``row_length``; the format is detected from the first row's columns unless given, and the chat template
-    read once then). ``causal``: the text column's tokens + EOS, labels the tokens, cut to ``row_length``
-    unless packing (the packer splits a long document into row-sized pieces)."""
-    if task == "sft":
+    """One raw row -> {"input_ids", "labels"} (None: nothing to learn). With ``sft`` (an ``SFTOptions``
+    whose ``max_length`` is ``row_length``) the row goes through :func:`cuboid.data.sft.tokenize_example`
+    (the format detected from the first row's columns unless given, the chat template read once then);
+    without, the text column's tokens + EOS, labels the tokens, cut to ``row_length`` unless packing (the
+    packer splits a long document into row-sized pieces)."""
+    if sft is not None:
         return _sft_tokenizer(tokenizer, sft)
     eos = tokenizer.eos_token_id
 
@@ -377,35 +376,22 @@ def _sft_tokenizer(tokenizer, opts) -> Callable[[dict], Optional[dict]]:
     return tokenize_sft
 
 
-def setup(prep: dict, data: Any, task: str, *, rank: int, world: int, rows: int, shuffle_buffer: int = 1000,
+def setup(prep: dict, data: Any, task, *, rank: int, world: int, rows: int, shuffle_buffer: int = 1000,
           seed: int = 0, width_multiple: int = 1, eval_examples: int = EVAL_EXAMPLES) -> tuple:
     """(this dp rank's :class:`StreamBatches`, the eval tensors, the eval examples) for streaming ``data``;
-    ``prep`` is what :func:`cuboid.data.formats.prepare` is given (config, tokenizer, seq_len, text_column,
-    packing, sft). Eval: the data's eval file, else the stream's first ``eval_examples`` rows (module
-    docstring)."""
-    import dataclasses
+    ``prep`` is what the task's rows are made with (config, tokenizer, seq_len, text_column, packing);
+    ``task`` (a :class:`cuboid.tasks.Task`) gives the row length and the record -> row function. Eval: the
+    data's eval file, else the stream's first ``eval_examples`` rows (module docstring)."""
     from itertools import islice
 
-    if task not in STREAM_TASKS:
-        raise DataError(f"--streaming streams text for {' and '.join(STREAM_TASKS)}, not for task {task}")
-    tokenizer, config, packing = prep.get("tokenizer"), prep["config"], bool(prep.get("packing"))
+    task.check(streaming=True)
+    tokenizer, packing = prep.get("tokenizer"), bool(prep.get("packing"))
     if tokenizer is None:
-        raise DataError(f"task {task} needs a tokenizer: load the model from a folder with tokenizer.json "
+        raise DataError(f"task {task.label} needs a tokenizer: load the model from a folder with tokenizer.json "
                         "or pass --tokenizer PATH")
     kind, train, held = stream_files(data)
-    sft = None
-    if task == "sft":  # as cuboid.data.formats.prepare: the max length is the row length, within the model's positions
-        from cuboid.data.sft import SFTOptions
-
-        text_column = prep.get("text_column", "text")
-        sft = prep.get("sft") or SFTOptions(max_length=prep.get("seq_len") or 1024,
-                                            text_column=None if text_column == "text" else text_column)
-        sft = dataclasses.replace(sft, max_length=min(sft.max_length, config.n_positions))
-        row_length = sft.max_length
-    else:
-        row_length = min(prep.get("seq_len") or 128, config.n_positions)
-    tokenize = example_tokenizer(task, tokenizer, row_length, text_column=prep.get("text_column", "text"),
-                                 sft=sft, packing=packing)
+    row_length = task.row_length(prep)
+    tokenize = task.example(prep, row_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     raw = list(islice(iter(open_stream(kind, held or train)), eval_examples))
     if not held and len(raw) < eval_examples:

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 
-def plot_curves(metrics_path: Path, png: Path) -> Optional[str]:
-    """Train/eval loss and the task metric against steps; None (with a note) without matplotlib."""
+def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Optional[str]:
+    """Train/eval loss and the task's eval ``metric`` against steps; None (with a note) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -20,7 +20,6 @@ def plot_curves(metrics_path: Path, png: Path) -> Optional[str]:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows]
     evals = [r for r in rows if "eval_loss" in r]
-    metric = "accuracy" if any("accuracy" in r for r in evals) else "perplexity"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(*zip(*train), label="train loss")
     if evals:

@@ -50,10 +50,10 @@ from torch import nn
 
 from cuboid.train.callbacks import Callbacks
 from cuboid.train.curves import plot_curves
-from cuboid.data.formats import (GlobalBatches, eval_batches, load_source, load_tokenizer, mask_tokens, model_inputs,
-                         num_classes, prepare as prepare_data, real_tokens, train_eval_split)
-from cuboid.train.config import (HEAD_OF_TASK, OPTIMIZERS, TASK_OF_HEAD, FinetuneConfig, checked, data_options,
-                                     task_fits_head)
+from cuboid import tasks
+from cuboid.data.formats import (GlobalBatches, eval_batches, load_source, load_tokenizer, model_inputs, num_classes,
+                                 real_tokens, train_eval_split)
+from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_options
 from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.resume import (check_output_dir, decided_on_rank0, interrupted, load_checkpoint, own_checkpoints,
@@ -103,7 +103,7 @@ class Run:
     device: torch.device
     callbacks: Callbacks
     output_dir: Path
-    task: Optional[str] = None
+    task: Optional[tasks.Task] = None
     model: Any = None
     tokenizer: Any = None
     train_examples: int = 0               # examples in the training and eval splits
@@ -127,8 +127,8 @@ class Run:
 
     @property
     def unit(self) -> str:
-        """What the throughput counts: tokens (not padding) or samples."""
-        return "tokens" if self.task in ("causal", "sft", "mlm") else "samples"
+        """What the throughput counts: tokens (not padding) or samples (the task's unit)."""
+        return self.task.unit
 
     @property
     def metrics_path(self) -> Path:
@@ -199,14 +199,14 @@ def load_data_and_model(r: Run) -> None:
         return load_stream_and_model(r)
     train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
     num_labels = None
-    if cfg.task in ("seqcls", "imgcls") or (cfg.task is None and cfg.label_column in train_ds.column_names):
+    if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
         preset = isinstance(cfg.model, str) and not os.path.isdir(cfg.model)
         num_labels = num_classes(train_ds, cfg.label_column, eval_ds, dense=preset)
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
-    train_data = prepare_data(train_ds, r.task, **prep)
-    r.eval_data = model_inputs(prepare_data(eval_ds, r.task, **prep))
+    train_data = tasks.prepare(train_ds, r.task, **prep)
+    r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep))
     r.batches = GlobalBatches(train_data, cfg.batch_size, seed=cfg.seed, width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
 
@@ -232,7 +232,7 @@ def load_stream_and_model(r: Run) -> None:
     r.eval_data = model_inputs(eval_tensors)
 
 
-def load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[int], device, plan: Plan,
+def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Optional[int], device, plan: Plan,
                mesh: Mesh):
     """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own.
 
@@ -258,7 +258,7 @@ def load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[in
                              "or a local Hugging Face folder")
         overrides = {}
         if task is not None:
-            overrides["head"] = HEAD_OF_TASK[task]
+            overrides["head"] = task.heads[0]
         if num_labels is not None and hasattr(config_of(cfg.model), "num_labels"):
             overrides["num_labels"] = num_labels
         model = load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, **overrides)
@@ -266,18 +266,9 @@ def load_model(cfg: FinetuneConfig, task: Optional[str], num_labels: Optional[in
     return model, tokenizer, task_of(model, task)
 
 
-def task_of(model: nn.Module, task: Optional[str]) -> str:
-    """The task the model's head does; a one-sentence error when ``task`` (if given) is another."""
-    family = family_of(model).name
-    inferred = TASK_OF_HEAD.get((family, model.config.head))
-    if task is None:
-        if inferred is None:
-            raise ValueError(f"the {family} model has head {model.config.head!r}: no task to fine-tune; set --task")
-        return inferred
-    if not task_fits_head(task, inferred):
-        raise ValueError(f"task {task} does not fit the {family} model with head {model.config.head!r}"
-                         + (f" (it does {inferred})" if inferred else ""))
-    return task
+def task_of(model: nn.Module, task: Optional[tasks.Task]) -> tasks.Task:
+    """The task the model's head does (``task`` when given); a one-sentence error when it is another's."""
+    return tasks.for_model(family_of(model).name, model.config.head, task)
 
 
 def batching(r: Run) -> None:
@@ -361,7 +352,7 @@ def announce(r: Run) -> None:
     name = cfg.model if isinstance(cfg.model, str) else type(cfg.model).__name__
     timeout = f" (collective timeout {comm.timeout_s():g} s)" if r.mesh.world_size > 1 else ""
     train = "streamed" if r.streaming else str(r.train_examples)
-    log(f"cuboid finetune: {name} ({n_params:,} parameters), task {r.task}, plan {r.plan.describe()} "
+    log(f"cuboid finetune: {name} ({n_params:,} parameters), task {r.task.describe()}, plan {r.plan.describe()} "
         f"on {r.mesh.world_size} process(es){timeout}, {train} train / {r.eval_examples} eval examples, "
         f"{r.steps} steps of {cfg.batch_size} (micro-batch {r.micro} x {r.accumulate} per rank), {cfg.optimizer} "
         f"at peak lr {r.peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
@@ -402,11 +393,10 @@ def train(r: Run) -> None:
     if r.mesh.is_main and r.cfg.progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=r.steps, initial=r.start, desc="finetune", unit="step", dynamic_ncols=True)
-    gen = torch.Generator()
     t0, seen = time.perf_counter(), 0
     for step in range(r.start + 1, r.steps + 1):
         r.callbacks.fire("on_step_begin", r, step)
-        result, counted = train_one_step(r, step, gen)
+        result, counted = train_one_step(r, step)
         seen += counted
         rate = seen / max(time.perf_counter() - t0, 1e-9)
         row = {"step": step, "loss": result.loss, "lr": r.scheduler.get_last_lr()[0], "epoch": r.batches.epoch,
@@ -417,11 +407,11 @@ def train(r: Run) -> None:
             raise FloatingPointError(f"loss is {result.loss} at step {step}: lower --lr or use --dtype fp32")
         if step % r.eval_every == 0 or step == r.steps:
             r.last_eval = evaluate(r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"],
-                                                         r.mesh.size("dp")), r.mesh, r.plan.dtype)
+                                                         r.mesh.size("dp")), r.mesh, r.plan.dtype, task=r.task)
             row.update(r.last_eval)
         record(r, row)
         if bar is not None:
-            show_progress(bar, row, r.last_eval, r.unit, rate)
+            show_progress(bar, row, r.last_eval.get(r.task.metric), r.task.metric, r.unit, rate)
         r.callbacks.fire("on_step_end", r, step, row)
         if r.cfg.save_every and step % r.cfg.save_every == 0 and step < r.steps:
             save(r, step)
@@ -429,20 +419,17 @@ def train(r: Run) -> None:
         bar.close()
 
 
-def train_one_step(r: Run, step: int, gen: torch.Generator):
-    """Optimizer step ``step`` (1-based) on the next global batch (masked for MLM), the lr schedule
-    stepped: (the :class:`cuboid.train.step.StepResult`, the samples or real tokens it trained on)."""
+def train_one_step(r: Run, step: int):
+    """Optimizer step ``step`` (1-based) on the next global batch (as the task makes it: MLM masks it), the
+    lr schedule stepped: (the :class:`cuboid.train.step.StepResult`, the samples or real tokens it trained on)."""
     r.model.train()
-    batch = r.batches.next()
-    if r.task == "mlm":
-        gen.manual_seed(r.cfg.seed * 1_000_003 + step - 1)
-        batch = mask_tokens(batch, r.tokenizer, gen)
+    batch = r.task.before_step(r.batches.next(), step, tokenizer=r.tokenizer, seed=r.cfg.seed)
     counted = real_tokens(batch) if r.unit == "tokens" else r.cfg.batch_size
     if r.streaming:  # the batch is this dp rank's share: the step's tokens are summed over dp
         counted = int(all_reduce_sum([counted], r.mesh, r.device)[0])
     result = train_step(r.model, r.optimizer, model_inputs(batch), microbatches=r.accumulate,
                         max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh,
-                        share=r.streaming)
+                        share=r.streaming, task=r.task)
     r.scheduler.step()
     return result, counted
 
@@ -457,12 +444,11 @@ def record(r: Run, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def show_progress(bar, row: dict, last_eval: dict, unit: str, rate: float) -> None:
+def show_progress(bar, row: dict, figure: Optional[float], metric: str, unit: str, rate: float) -> None:
+    """The bar's step and its line: loss, lr, throughput and the last eval's ``metric`` (``figure``)."""
     post = {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}", unit[:3] + "/s": f"{rate:.0f}"}
-    if "accuracy" in last_eval:
-        post["acc"] = f"{last_eval['accuracy']:.3f}"
-    elif "perplexity" in last_eval:
-        post["ppl"] = f"{last_eval['perplexity']:.1f}"
+    if figure is not None:
+        post[metric] = f"{figure:.4g}"
     bar.set_postfix(post, refresh=False)
     bar.update(1)
 
@@ -513,11 +499,11 @@ def finish(r: Run) -> dict:
     else:
         ckpt.save(r.model, final, tokenizer=r.tokenizer)
     r.mesh.barrier()
-    summary = {"step": r.steps, "task": r.task, **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
+    summary = {"step": r.steps, "task": r.task.describe(), **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
                "model": str(final.resolve())}
     if r.mesh.is_main:
         if cfg.plot:
-            summary["plot"] = plot_curves(r.metrics_path, (r.output_dir / "curves.png").resolve())
+            summary["plot"] = plot_curves(r.metrics_path, (r.output_dir / "curves.png").resolve(), r.task.metric)
         log("done: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     r.callbacks.fire("on_train_end", r, summary)
     return summary

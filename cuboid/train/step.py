@@ -1,13 +1,18 @@
 """One optimizer step over a global batch, the same on one process and under every plan.
 
 Every rank passes the same global batch; :func:`train_step` takes this rank's
-dp share (:func:`rank_share`) and splits it into micro-batches. The loss of
-every micro-batch is a mean over its label positions; to take exactly the
-single-process step (the mean over *all* label positions of the global
-batch), each micro-batch loss is weighted by its share of the global count
-of positions before backward:
+dp share (:func:`rank_share`) and splits it into micro-batches. Each
+micro-batch's count ``n_i`` (its label positions, or what the task's
+:meth:`~cuboid.tasks.Task.count` counts) is known before the forward, and
+summed over micro-batches and ranks into the step's ``N``. The model's own
+loss of a micro-batch is a mean over its label positions, so to take exactly
+the single-process step (the mean over *all* label positions of the global
+batch) it is weighted by its share of the global count before backward;
+a task with a loss of its own (``own_loss``) returns a sum, weighted by
+``dp / N`` alone:
 
     backward(loss_i * n_i * dp / N)      N = sum of n_i over micro-batches and ranks
+    backward(sum_i * dp / N)             (a task's own summed loss)
 
 The model (prepared by ``cuboid.load``) averages gradients over the ``dp``
 ranks, so the gradient is ``grad(sum_i loss_i * n_i) / N``, the
@@ -18,8 +23,7 @@ blocks under 2D/3D) the model splits itself.
 from __future__ import annotations
 
 import contextlib
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -28,13 +32,25 @@ from torch import nn
 
 from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, state_of, unwrap, zero
 from cuboid.parallel.optim import clip_grad_norm_
+from cuboid.tasks import for_model
+from cuboid.zoo import family_of
 
 
 @dataclass
 class StepResult:
-    loss: float          # mean over the global batch's label positions
-    targets: int         # label positions in the global batch
+    loss: float          # mean over the global batch's label positions (the task's counted units)
+    targets: int         # label positions (counted units) in the global batch
     grad_norm: Optional[float]
+    metrics: dict = field(default_factory=dict)  # a task's own metrics, each a mean over the counted units
+
+
+def _count(task, core: nn.Module, batch: dict) -> int:
+    """A micro-batch's count (the step's denominator): the task's, or the model's label positions."""
+    return int(task.count(batch, core)) if task is not None else core.num_targets(batch)
+
+
+def _own(task) -> bool:
+    return task is not None and task.own_loss
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -98,7 +114,7 @@ def _mesh_of(model: nn.Module, mesh: Optional[Mesh]) -> Mesh:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch: dict, *,
                microbatches: Optional[int] = None, max_grad_norm: Optional[float] = None,
                dtype: Optional[str] = None, scaler: Optional[torch.amp.GradScaler] = None,
-               mesh: Optional[Mesh] = None, share: bool = False) -> StepResult:
+               mesh: Optional[Mesh] = None, share: bool = False, task=None) -> StepResult:
     """This rank's share of ``global_batch`` forward and backward in ``microbatches`` parts, then one step.
 
     ``mesh`` and ``dtype`` default to the model's (``model.parallel.mesh``,
@@ -106,6 +122,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     norm over every shard of every parameter (their placements say how). ``share=True``: the batch
     is already this rank's share (a stream read per dp rank, :mod:`cuboid.data.streaming`); every rank of a
     dp group passes the same one, and the loss is weighted by the step's targets over all ranks as ever.
+    ``task``: a :class:`cuboid.tasks.Task` whose count, model inputs and (``own_loss``) summed loss the step
+    takes; None: the model's own loss over its label positions.
     """
     core = unwrap(model)
     state = state_of(core)
@@ -114,16 +132,16 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     parts = microbatches or state.plan.microbatches or 1
     mine = global_batch if share else rank_share(global_batch, mesh)
     if state.pipeline is not None:
-        return _pipeline_step(core, state.pipeline, optimizer, mine, mesh, parts, max_grad_norm, dtype, scaler)
+        return _pipeline_step(core, state.pipeline, optimizer, mine, mesh, parts, max_grad_norm, dtype, scaler, task)
     micro_batches = split_batch(mine, parts) if parts > 1 else [mine]
     device = _device_of(model)
-    counts = [core.num_targets(b) for b in micro_batches]
+    counts = [_count(task, core, b) for b in micro_batches]
     globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
     total = sum(globals_)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp") if mesh is not None else 1
-    loss_sum = 0.0
+    loss_sum, metric_sums = 0.0, {}
     try:
         for i, (batch, n) in enumerate(zip(micro_batches, counts)):
             last = i == len(micro_batches) - 1
@@ -132,11 +150,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
             with sync:
                 batch = _to(batch, device)
                 with autocast_for(dtype, device):
-                    out = model(**batch)
-                loss = out.loss
-                weighted = _weighted(core, out, n * dp / total, globals_[i] / total)
+                    out = model(**(task.inputs(batch) if task is not None else batch))
+                if _own(task):
+                    summed, metrics = task.loss(out, batch)
+                    weighted = _weighted(core, out, dp / total, globals_[i] / total, summed)
+                    loss_sum += float(summed.detach())
+                    for k, v in metrics.items():
+                        metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                else:
+                    weighted = _weighted(core, out, n * dp / total, globals_[i] / total)
+                    loss_sum += float(out.loss.detach()) * n if n else 0.0  # (a mean over no target is NaN)
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
-            loss_sum += float(loss.detach()) * n if n else 0.0  # (a mean over no target is NaN)
     finally:
         set_gradient_sync(model, True)
     if scaler is not None:
@@ -151,27 +175,31 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    loss_total, = all_reduce_sum([loss_sum], mesh, device)
-    return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm)
+    keys = sorted(metric_sums)  # the task's, the same names on every rank
+    loss_total, *metric_totals = all_reduce_sum([loss_sum] + [metric_sums[k] for k in keys], mesh, device)
+    return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm,
+                      metrics={k: v / total for k, v in zip(keys, metric_totals)})
 
 
-def _weighted(core: nn.Module, out, share: float, global_share: float) -> torch.Tensor:
-    """What one micro-batch backpropagates: its loss times this rank's ``share`` of the step's targets; a
-    mixture-of-experts auxiliary loss added to it (``output_router_logits``) is the whole global
-    micro-batch's (:class:`cuboid.parallel.experts.BalanceReduce`), so it is weighed by that micro-batch's
-    ``global_share`` instead, whatever this rank's targets (none: the rank still joins every collective)."""
-    loss = out.loss.float()
+def _weighted(core: nn.Module, out, share: float, global_share: float,
+              summed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What one micro-batch backpropagates: its loss (the model's mean, or a task's ``summed`` loss) times
+    this rank's ``share`` of the step's targets; a mixture-of-experts auxiliary loss (``output_router_logits``:
+    in the model's loss, beside a task's) is the whole global micro-batch's
+    (:class:`cuboid.parallel.experts.BalanceReduce`), so it is weighed by that micro-batch's ``global_share``
+    instead, whatever this rank's targets (none: the rank still joins every collective)."""
+    loss = out.loss.float() if summed is None else summed.float()
     aux = getattr(out, "aux_loss", None)
     if aux is None or getattr(out, "router_logits", None) is None:  # no auxiliary loss in ``loss``
         return (loss.nan_to_num(0.0) * 0.0) if share == 0 else loss * share
     aux = core.config.router_aux_loss_coef * aux.float()
-    lm = loss - aux
+    lm = loss - aux if summed is None else loss
     lm = lm.nan_to_num(0.0) * 0.0 if share == 0 else lm * share
     return lm + aux * global_share
 
 
 def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype,
-                   scaler) -> StepResult:
+                   scaler, task=None) -> StepResult:
     """:func:`train_step` under pipeline parallelism: the schedule (``pipe``) runs the micro-batches."""
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
@@ -180,7 +208,9 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
         share = pipe.pad(share)
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
-    counts = [core.num_targets(b) for b in micro]
+    if _own(task):
+        raise NotImplementedError(f"task {task.label}: a task's own loss under pipeline parallelism")
+    counts = [_count(task, core, b) for b in micro]
     globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
     total = sum(globals_)
     if total == 0:
@@ -231,38 +261,38 @@ def rank_share(batch: dict, mesh: Optional[Mesh]) -> dict:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = None,
-             dtype: Optional[str] = None) -> dict:
-    """Mean loss over label positions and, for classification, accuracy, reduced over dp.
+             dtype: Optional[str] = None, task=None) -> dict:
+    """``eval_loss`` (the mean over counted units) and the task's metric (perplexity, accuracy), reduced
+    over dp. ``task``: a :class:`cuboid.tasks.Task` (default: the task of the model's head).
 
     ``batches`` are this rank's own (any size: the model pads what its plan
     splits); every rank of a tensor-parallel group must see the same ones.
+    The sums reduced are the task's declared ``eval_keys``, so a rank with no
+    batch (an uneven split) still joins the same collective.
     """
     core = unwrap(model)
     mesh = _mesh_of(model, mesh)
     dtype = dtype if dtype is not None else state_of(core).plan.dtype
+    task = task if task is not None else for_model(family_of(core).name, core.config.head)
     was_training = core.training
     core.eval()
     device = _device_of(model)
-    loss_sum = n_sum = correct = seen = 0.0
+    loss_sum = n_sum = 0.0
+    sums = dict.fromkeys(task.eval_keys, 0.0)
     for batch in batches:
         batch = _to(batch, device)
-        n = core.num_targets(batch)
+        n = _count(task, core, batch)
         with autocast_for(dtype, device):
-            out = core(**batch)
-        if n:
+            out = core(**task.inputs(batch))
+        if task.own_loss:
+            loss_sum += float(task.loss(out, batch)[0])
+        elif n:
             loss_sum += float(out.loss) * n
-            n_sum += n
-        labels = batch.get("labels")
-        if labels is not None and labels.dim() == 1:  # one label per example: accuracy
-            correct += float((out.logits.argmax(-1) == labels).sum())
-            seen += labels.numel()
-    loss_sum, n_sum, correct, seen = all_reduce_sum([loss_sum, n_sum, correct, seen], mesh, device)
+        n_sum += n
+        for k, v in task.eval_sums(out, batch).items():
+            sums[k] += float(v)
+    loss_sum, n_sum, *values = all_reduce_sum([loss_sum, n_sum, *(sums[k] for k in task.eval_keys)], mesh, device)
     zero.reshard(core)  # ZeRO-3: free the gathered root unit a forward without backward leaves behind
     if was_training:
         core.train()
-    metrics = {"eval_loss": loss_sum / max(n_sum, 1)}
-    if seen:
-        metrics["accuracy"] = correct / seen
-    else:
-        metrics["perplexity"] = math.exp(min(metrics["eval_loss"], 50.0))
-    return metrics
+    return task.eval_metrics(loss_sum / max(n_sum, 1), dict(zip(task.eval_keys, values)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cuboid import tasks
 from cuboid.data import formats as D
 from cuboid.train.config import FinetuneConfig, checked
 from cuboid.kernels import use_backend
@@ -36,7 +37,7 @@ def test_prepare_packs_each_record_as_a_document(qwen):
     config = type("C", (), {"n_positions": 64})()
     lines = texts(30) + [""]  # an empty record is no document
     ds = datasets.Dataset.from_dict({"text": lines})
-    rows = D.prepare(ds, "causal", config=config, tokenizer=tok, seq_len=64, packing=True)
+    rows = tasks.prepare(ds, "causal", config=config, tokenizer=tok, seq_len=64, packing=True)
     assert set(rows) == {"input_ids", "labels", "position_ids", "attention_mask"} and rows["input_ids"].shape[1] == 64
     want = sorted(tuple(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for t in lines if t)
     got = []
@@ -50,11 +51,11 @@ def test_prepare_packs_each_record_as_a_document(qwen):
     assert "attention_mask" not in D.model_inputs(rows) and "attention_mask" in D.model_inputs(
         {"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"]})
     # without packing: blocks of the concatenated text, as before
-    blocks = D.prepare(ds, "causal", config=config, tokenizer=tok, seq_len=32)
+    blocks = tasks.prepare(ds, "causal", config=config, tokenizer=tok, seq_len=32)
     assert set(blocks) == {"input_ids", "labels"} and blocks["input_ids"].numel() <= sum(map(len, want))
     with pytest.raises(D.DataError, match="not for task mlm"):
-        D.prepare(ds, "mlm", config=config, tokenizer=tok, seq_len=32, packing=True)
-    with pytest.raises(ValueError, match="--packing packs documents for causal"):
+        tasks.prepare(ds, "mlm", config=config, tokenizer=tok, seq_len=32, packing=True)
+    with pytest.raises(ValueError, match="--packing puts whole documents into rows for language modelling"):
         checked(FinetuneConfig(task="seqcls", packing=True))
 
 
@@ -67,7 +68,7 @@ def test_packed_loss_is_the_documents_loss(qwen):
     model = cuboid.load(qwen).eval()
     tok = D.load_tokenizer(qwen)
     ds = datasets.Dataset.from_dict({"text": texts(12)})
-    rows = D.prepare(ds, "causal", config=model.config, tokenizer=tok, seq_len=48, packing=True)
+    rows = tasks.prepare(ds, "causal", config=model.config, tokenizer=tok, seq_len=48, packing=True)
     batch = {k: v[:2] for k, v in D.model_inputs(rows).items()}
     with use_backend("torch"):  # the CPU path a user runs (this process has the Triton interpreter on)
         packed, across, weighted, total = packed_and_alone(model, rows, batch)

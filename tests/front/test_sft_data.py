@@ -9,7 +9,8 @@ import torch
 
 from cuboid.data.chat import (encode_conversation, has_generation_markers, prompt_ids, render_prompt,
                          stop_token_ids)
-from cuboid.data.formats import DataError, GlobalBatches, prepare
+from cuboid.data.formats import DataError, GlobalBatches
+from cuboid.tasks import SFT, prepare
 from cuboid.data.sft import SFTOptions, SFTStats, detect_format, tokenize_dataset, tokenize_example
 from tests.front.chat_fixtures import (alpaca_rows, chat_tokenizer, conversations, messages_rows,
                                        prompt_completion_rows, sharegpt_rows)
@@ -250,7 +251,7 @@ def test_render_prompt_and_stop_tokens(tokenizers):
 
 def test_finetune_config_checks_and_data_options():
     from cuboid.data.formats import eval_batches
-    from cuboid.train.config import FinetuneConfig, checked, data_options, task_fits_head
+    from cuboid.train.config import FinetuneConfig, checked, data_options
 
     with pytest.raises(ValueError, match="unknown --template 'vicuna'; templates: alpaca"):
         checked(FinetuneConfig(task="sft", template="vicuna"))
@@ -260,9 +261,11 @@ def test_finetune_config_checks_and_data_options():
         checked(FinetuneConfig(task="sft", data_format="chat"))
     cfg = checked(FinetuneConfig(task="sft", packing=True, seq_len=4096, template="alpaca", text_column="body"))
     opts = data_options(cfg, CONFIG, tokenizer=None)
-    assert opts["packing"] and opts["sft"] == SFTOptions(template="alpaca", max_length=256, text_column="body")
-    assert "sft" not in data_options(checked(FinetuneConfig(task="clm")), CONFIG)
-    assert task_fits_head("sft", "causal") and not task_fits_head("sft", "seqcls")
+    assert opts["packing"] and isinstance(cfg.task, SFT) and cfg.task.describe() == "sft,template=alpaca"
+    assert cfg.task.sft_options(256, opts["text_column"]) == SFTOptions(template="alpaca", max_length=256,
+                                                                        text_column="body")
+    assert checked(FinetuneConfig(task="clm")).task.name == "causal"
+    assert SFT.fits("gpt", "lm") and SFT.fits("llama", "lm") and not SFT.fits("bert", "cls")
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
     batch = next(eval_batches({"input_ids": mask * 7, "attention_mask": mask}, 2, width_multiple=2))
     assert batch["input_ids"].tolist() == [[7, 7, 0, 0], [7, 7, 7, 0]]

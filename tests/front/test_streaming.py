@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cuboid.data.formats import DataError
+from cuboid.tasks import SFT, MaskedLM
 from cuboid.data.streaming import StreamBatches, StreamData, example_tokenizer, setup, stream_files
 
 from . import chat_fixtures as C
@@ -46,7 +47,7 @@ def rows_file(path: Path, n: int = N_ROWS, start: int = 0) -> Path:
 
 def stream(files: list, packing: bool, rank: int = 0, world: int = 1, rows: int = 3, skip: int = 0,
            buffer: int = 8) -> StreamBatches:
-    tokenize = example_tokenizer("causal", RowTokenizer(), 16, packing=packing)
+    tokenize = example_tokenizer(RowTokenizer(), 16, packing=packing)
     data = StreamData("json", [str(f) for f in files], tokenize, pad_id=0, row_length=16, packing=packing, skip=skip,
                       shuffle_buffer=buffer, seed=7, width_multiple=4)
     return StreamBatches(data, rows, rank, world)
@@ -106,7 +107,7 @@ def test_setup_holds_out_eval_rows_or_reads_a_validation_file(tmp_path):
     config = type("Config", (), {"n_positions": 256})()
     data = C.write_jsonl(C.messages_rows(130), tmp_path / "chat" / "train.jsonl")
     prep = dict(config=config, tokenizer=tok, seq_len=128, packing=False)
-    batches, eval_tensors, n_eval = setup(prep, str(data), "sft", rank=0, world=1, rows=4, eval_examples=100)
+    batches, eval_tensors, n_eval = setup(prep, str(data), SFT(), rank=0, world=1, rows=4, eval_examples=100)
     assert n_eval == 100 and batches.data.skip == 100 and eval_tensors["labels"].shape[0] == 100
     batch = batches.next()
     assert (batch["labels"] != -100).any() and (batch["labels"] == -100).any()  # answers only
@@ -115,13 +116,13 @@ def test_setup_holds_out_eval_rows_or_reads_a_validation_file(tmp_path):
     assert eval_tensors["input_ids"][0, :len(first)].tolist() == first  # eval: the stream's first rows
     C.write_jsonl(C.messages_rows(20, seed=3), tmp_path / "chat" / "validation.jsonl")
     assert stream_files(tmp_path / "chat")[1:] == ([str(data)], [str(tmp_path / "chat" / "validation.jsonl")])
-    batches, eval_tensors, n_eval = setup({**prep, "packing": True}, str(tmp_path / "chat"), "sft", rank=0,
+    batches, eval_tensors, n_eval = setup({**prep, "packing": True}, str(tmp_path / "chat"), SFT(), rank=0,
                                           world=1, rows=2)
     assert n_eval == 20 and batches.data.skip == 0 and "position_ids" in batches.next()
     with pytest.raises(DataError, match="all held out for eval"):
-        setup(prep, str(data), "sft", rank=0, world=1, rows=4, eval_examples=500)
-    with pytest.raises(DataError, match="--streaming streams text for causal and sft, not for task mlm"):
-        setup(prep, str(data), "mlm", rank=0, world=1, rows=4)
+        setup(prep, str(data), SFT(), rank=0, world=1, rows=4, eval_examples=500)
+    with pytest.raises(ValueError, match="--streaming streams text for causal and sft, not for task mlm"):
+        setup(prep, str(data), MaskedLM(), rank=0, world=1, rows=4)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(DataError, match="--streaming reads"):
         stream_files(tmp_path / "weights.bin")
