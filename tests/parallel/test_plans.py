@@ -62,6 +62,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from cuboid import tasks
+
 from .launch import run_world
 from .test_data_parallel import global_batch as dp_batch
 
@@ -185,6 +187,50 @@ def step_batch(name, model, step, packed):
     return packed_batch(name, model) if packed and step == 1 else global_batch(name, model)
 
 
+class WeightedLM(tasks.Task):
+    """A user's task, as a test writes one: a per-token weighted causal-LM loss with a target tensor of its own
+    (``weights`` (B, T), not a model input), on the model's per-token log-probs (``logprobs=True``). Its loss is
+    ``sum(-log p(label) * weight)`` over label positions, its count those positions."""
+
+    heads = ("lm",)
+    targets = ("weights",)
+    forward_kwargs = {"logprobs": True}
+
+    def count(self, batch, model=None):
+        return int((batch["labels"][:, 1:] != -100).sum())
+
+    def loss(self, out, batch):
+        trained = batch["labels"][:, 1:] != -100
+        weights = batch["weights"][:, 1:].to(out.token_logps.dtype) * trained
+        return -(out.token_logps * weights).sum(), {"weight": weights.sum()}
+
+
+TASK_PIPELINED = False  # the pipeline's plans run the task too (its stream carries the weights)
+
+
+def with_weights(batch: dict) -> dict:
+    """``batch`` with WeightedLM's ``weights``: 0.25 to 1.25 by row and position, fixed."""
+    B, T = batch["input_ids"].shape
+    w = 0.25 + ((torch.arange(B).unsqueeze(1) * 7 + torch.arange(T).unsqueeze(0)) % 5) / 4
+    return dict(batch, weights=w)
+
+
+def uses_task(index: int, name: str, plan, extra: dict) -> bool:
+    """Whether the plan's train_step steps on ``name`` run :class:`WeightedLM` (every other plan of a causal LM,
+    turned by the index) instead of the model's loss."""
+    lm = not name.startswith(("bert", "vit")) and extra.get("head", "lm") == "lm"
+    return lm and index % 2 == 1 and (plan.pp == 1 or TASK_PIPELINED)
+
+
+def task_step(model, opt, batch, task: bool, **options):
+    """``cuboid.train_step`` of ``batch``, with :class:`WeightedLM` and its weights when ``task``."""
+    import cuboid
+
+    if task:
+        return cuboid.train_step(model, opt, with_weights(batch), task=WeightedLM(), **options)
+    return cuboid.train_step(model, opt, batch, **options)
+
+
 def rel_norm(a: torch.Tensor, b: torch.Tensor, drop: float = 0.001) -> float:
     """||a - b|| / ||b|| over flattened tensors, without the largest ``drop`` fraction of |a - b|."""
     d = (a.double() - b.double()).abs().flatten()
@@ -266,6 +312,7 @@ class RefArgs(NamedTuple):
     packed: bool = True
     micro: int = 1
     dp: int = 1
+    task: bool = False  # train_step runs WeightedLM (uses_task)
 
 
 def _ref_key(*args) -> tuple:
@@ -273,7 +320,7 @@ def _ref_key(*args) -> tuple:
     return a._replace(extra=tuple(sorted(a.extra.items())))
 
 
-def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
+def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task=False):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
@@ -281,7 +328,7 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp)
+    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task)
     if key in _REFS:
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
@@ -301,7 +348,7 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1):
             batch = step_batch(name, ref, step, packed)
             if micro > 1:  # (a mixture of experts: the plan's global micro-batches)
                 batch = {k: v[micro_order(size, dp, micro)] for k, v in batch.items()}
-            losses.append(cuboid.train_step(ref, opt, batch, max_grad_norm=1.0, microbatches=micro).loss)
+            losses.append(task_step(ref, opt, batch, task, max_grad_norm=1.0, microbatches=micro).loss)
     odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
     ref.eval()
     with torch.no_grad():
@@ -404,7 +451,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
                 opt.zero_grad()
             else:
                 batch = step_batch(name, model, step, packs(plan))
-                loss = cuboid.train_step(model, opt, batch, max_grad_norm=1.0).loss
+                loss = task_step(model, opt, batch, args.task, max_grad_norm=1.0).loss
             errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
         errs["params"] = _params_err(model, want["params"])
         if plan.compile:  # the steps ran Dynamo's graphs
@@ -444,7 +491,8 @@ def _runs(plans, optimizers, rotate, per_plan, families):
             for kind in kinds:
                 micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
                 yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, _batch_size(plan.dp),
-                                                                     extra, packs(plan), micro, plan.dp)
+                                                                     extra, packs(plan), micro, plan.dp,
+                                                                     uses_task(index, name, plan, extra))
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
