@@ -34,7 +34,7 @@ def build(job: str):
     if job == "digits-vit":
         ds = D.load_source("digits")
         model = cuboid.load("vit-debug", seed=0)
-        return model, D.prepare(ds, "imgcls", config=model.config)
+        return model, D.image_rows(ds, model.config)
     import random
 
     rng = random.Random(0)
