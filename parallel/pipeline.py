@@ -238,7 +238,8 @@ class StageModule(nn.Module):
                 targets = tuple(torch.zeros_like(t) for t in targets)
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if info.stage < info.stages - 1:
-            return self.stream_out((x, residual, mask, labels), targets, self.routing.carry(rec) if rec is not None else ())
+            carried = self.routing.carry(rec) if rec is not None else ()
+            return self.stream_out((x, residual, mask, labels), targets, carried)
         return self.last_loss(self.head(x, residual, mask, labels, **self.objective.head_kwargs), targets, rec)
 
     def batch_targets(self, batch: dict) -> tuple:
@@ -282,10 +283,15 @@ class StageModule(nn.Module):
     def last_loss(self, out, targets: tuple, rec) -> torch.Tensor:
         """The last stage's result for the schedule's loss function: the micro-batch's mean loss, or the
         objective's sum of ``out`` in one device's layout (the 2D/3D batch blocks gathered when read); with
-        a routing, stacked with ``coef *`` the micro-batch's aux loss, which has a weight of its own."""
+        a routing, stacked with ``coef *`` the micro-batch's aux loss, which has a weight of its own. The
+        objective's ``fn`` runs once per micro-batch of a step, never on the shape pass's noise, so it may
+        record what it computes: there the head's own loss, times 0, stands in (the same inputs reach it, so
+        torch's backward pass over the noise infers the same input gradients)."""
         objective = self.objective
         if objective.fn is None:
             loss = out.loss
+        elif self.inferring and out.loss is not None:
+            loss = (out.loss.float() * 0.0).reshape(())
         else:
             whole = self.batch_split.whole(out) if self.batch_split is not None else out
             loss = objective.fn(whole, dict(zip(objective.targets, targets))).float().reshape(())

@@ -200,39 +200,55 @@ def _weighted(core: nn.Module, out, share: float, global_share: float,
 
 def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, max_grad_norm, dtype,
                    scaler, task=None) -> StepResult:
-    """:func:`train_step` under pipeline parallelism: the schedule (``pipe``) runs the micro-batches."""
+    """:func:`train_step` under pipeline parallelism: the schedule (``pipe``) runs the micro-batches; a task
+    with its own loss has it called on the last stage (:func:`_task_objective`)."""
     if parts != pipe.microbatches:
         raise ValueError(f"this pipeline runs {pipe.microbatches} micro-batches per step (the plan's "
                          f"microbatches), not {parts}")
     if pipe.parts > 1:  # 2D/3D: every micro-batch must split into the batch blocks; padded rows weigh nothing
+        _check_unpadded(task, share, pipe)
         share = pipe.pad(share)
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
-    if _own(task):
-        raise NotImplementedError(f"task {task.label}: a task's own loss under pipeline parallelism")
     counts = [_count(task, core, b) for b in micro]
     globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
     total = sum(globals_)
     if total == 0:
         raise ValueError("the global batch has no labels to learn from (every label is -100)")
     dp = mesh.size("dp")
-    weights = torch.tensor([n * dp / total for n in counts], dtype=torch.float32, device=device)
+    # the model's mean loss weighs n_i dp / N; a task's summed loss dp / N
+    weights = torch.tensor([(1 if _own(task) else n) * dp / total for n in counts], dtype=torch.float32,
+                           device=device)
     # a mixture of experts' auxiliary loss is the global micro-batch's: weighed by its share (see _weighted)
     aux_weights = torch.tensor([g / total for g in globals_], dtype=torch.float32, device=device)
     scale = 1.0
     if scaler is not None:  # the schedule's loss function scales each micro-batch's loss through its weight
         scale_t = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
         weights, aux_weights, scale = weights * scale_t, aux_weights * scale_t, float(scale_t)
-    batch = _to(share, device)
+    sums: dict = {}  # a task's summed loss and metrics, recorded on the last stage
+    objective = _task_objective(task, sums) if _own(task) else {}
+    batch = _to(share if _own(task) or task is None else {k: v for k, v in share.items() if k not in task.targets},
+                device)
     with autocast_for(dtype, device):
-        local = pipe.run(batch, weights, aux_weights)
-    # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
-    loss = torch.zeros(1, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    if local is not None:
-        loss += float(local.detach()) / dp / scale
-    comm.all_reduce_(loss, mesh.group("dp"))
-    comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
-    if scaler is not None:  # every stage's inf check, agreed over the world: all skip or none
+        local = pipe.run(batch, weights, aux_weights, **objective)
+    if _own(task):  # the task's loss (the aux loss apart, as on one device) and metrics, means over N
+        loss, metrics = _last_stage_sums(sums, pipe, mesh, device)
+        loss, metrics = loss / total, {k: v / total for k, v in metrics.items()}
+    else:  # the last stage's sum of weighted losses is dp / N * sum(n_i loss_i): sum over dp, share over pp
+        loss = torch.zeros(1, dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+        if local is not None:
+            loss += float(local.detach()) / dp / scale
+        comm.all_reduce_(loss, mesh.group("dp"))
+        comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
+        loss, metrics = float(loss), {}
+    grad_norm = _pipeline_update(core, pipe, optimizer, mesh, max_grad_norm, scaler)
+    return StepResult(loss=loss, targets=int(total), grad_norm=grad_norm, metrics=metrics)
+
+
+def _pipeline_update(core, pipe, optimizer, mesh: Mesh, max_grad_norm, scaler) -> Optional[float]:
+    """The optimizer step after a pipeline's schedule (fp16: every stage's inf check agreed over the world,
+    all skip or none); returns the gradient norm before clipping (None: no clipping)."""
+    if scaler is not None:
         zero.unscale_(scaler, optimizer)  # (ZeRO: on the pieces the optimizer steps)
         sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
@@ -245,7 +261,47 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=float(loss), targets=int(total), grad_norm=grad_norm)
+    return grad_norm
+
+
+def _check_unpadded(task, share: dict, pipe) -> None:
+    """Refuse a task's own loss on a dp share that 2D/3D batch blocks would pad under pp: the padded rows
+    would reach the task's loss and count (the model's own loss ignores them by their labels)."""
+    rows = next(v for v in share.values() if isinstance(v, torch.Tensor)).shape[0]
+    if _own(task) and rows % (pipe.microbatches * pipe.parts):
+        raise ValueError(f"task {task.label} under pp with batch blocks needs a dp share of a multiple of "
+                         f"{pipe.microbatches * pipe.parts} rows (micro-batches x blocks), got {rows}")
+
+
+def _task_objective(task, sums: dict) -> dict:
+    """:meth:`~cuboid.parallel.pipeline.Pipeline.run`'s objective for a task with its own loss: its
+    targets, its forward's keyword arguments as the head's, and a loss that records its summed loss (key
+    None) and metrics in ``sums`` on the last stage (called once per micro-batch there)."""
+    def loss(out, targets: dict) -> torch.Tensor:
+        summed, metrics = task.loss(out, targets)
+        for key, value in ((None, summed), *metrics.items()):
+            sums[key] = sums.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
+        return summed
+
+    return dict(loss=loss, targets=tuple(task.targets), head_kwargs=dict(task.forward_kwargs))
+
+
+def _last_stage_sums(sums: dict, pipe, mesh: Mesh, device) -> tuple:
+    """``(loss sum, {metric: sum})`` of the last stage's recorded ``sums`` (:func:`_task_objective`) summed
+    over dp, on every rank: the metric names travel from the last stage's rank with the values."""
+    group, src = mesh.group("pp"), pipe.last_rank
+    names = "\n".join(sorted(k for k in sums if k is not None)).encode() if pipe.has_last else b""
+    size = comm.broadcast_(torch.tensor([len(names)], dtype=torch.int64, device=device), group, src)
+    text = torch.tensor(list(names), dtype=torch.uint8, device=device) if pipe.has_last else \
+        torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if int(size.item()):
+        text = comm.broadcast_(text, group, src)
+    keys = bytes(text.tolist()).decode().split("\n") if int(size.item()) else []
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    values = torch.tensor([sums.get(None, 0.0)] + [sums.get(k, 0.0) for k in keys], dtype=dtype, device=device)
+    comm.all_reduce_(values, mesh.group("dp"))
+    values = comm.broadcast_(values, group, src).tolist()
+    return values[0], dict(zip(keys, values[1:]))
 
 
 def rank_share(batch: dict, mesh: Optional[Mesh]) -> dict:
