@@ -26,14 +26,14 @@ micro-batch's mean loss; the schedule's loss function weights it by its
 share of the global batch's label count, so a step is one device's step.
 
 **A loss of the caller's** (:class:`Objective`, :meth:`Pipeline.run`'s
-``loss``, ``targets``, ``head_kwargs``): the batch tensors named in
-``targets`` (per-row, not model inputs) travel whole (every rank of a
-2D/3D grid, sp or tp group holds its micro-batch's rows) after the labels,
-``(x, residual, mask, labels, *targets)``; the last stage calls
-``loss(out, targets)`` on the head's output in one device's layout (the
-batch blocks and sequence chunks gathered when read, differentiably) and
-returns that sum, which the schedule's loss function weights as it does the
-mean loss. Without one the stream is the one above.
+``loss``, ``targets``, ``head_kwargs``): the micro-batch's per-row tensors
+(the model's inputs and the ``targets``, which are none) travel whole
+(every rank of a 2D/3D grid, sp or tp group holds its micro-batch's rows)
+after the labels, ``(x, residual, mask, labels, *micro-batch)``; the last
+stage calls ``loss(out, micro_batch)`` on the head's output in one device's
+layout (the batch blocks and sequence chunks gathered when read,
+differentiably) and returns that sum, which the schedule's loss function
+weights as it does the mean loss. Without one the stream is the one above.
 
 A mixture of experts whose aux loss joins the loss (``output_router_logits``)
 adds the router statistics of the stages so far to the stream, ``(stats,
@@ -79,13 +79,15 @@ class StageInfo:
 @dataclass(frozen=True)
 class Objective:
     """What a training step's last stage computes (:meth:`Pipeline.run`): the model's mean loss (``fn`` None),
-    or ``fn(out, targets)``, a 0-d sum over the micro-batch, of the head's output ``out`` in one device's
-    layout and ``targets``, the batch tensors (B, ...) named here, in this order, each carried whole through
-    the stream. ``head_kwargs``: the head's extra keyword arguments (``logprobs=True``)."""
+    or ``fn(out, micro_batch)``, a 0-d sum over the micro-batch, of the head's output ``out`` in one device's
+    layout and the micro-batch's tensors (B, ...) named in ``carried``, in this order, each carried whole
+    through the stream. ``targets`` (among them): those that are not model inputs. ``head_kwargs``: the
+    head's extra keyword arguments (``logprobs=True``)."""
 
     targets: tuple = ()
     fn: Optional[Callable] = None
     head_kwargs: dict = field(default_factory=dict)
+    carried: tuple = ()
 
 
 def _stream_mask(keep: Optional[torch.Tensor], positions: Optional[torch.Tensor], rows: int, tokens: int,
@@ -119,7 +121,7 @@ class StageModule(nn.Module):
     two stages of one rank (interleaved, ZBV) share it without sharing
     parameters. ``forward`` takes the batch tensors in ``input_keys`` order
     on the first stage and the stream ``(x, residual, mask, labels)`` (then
-    the :class:`Objective`'s targets and the router statistics, where there
+    the :class:`Objective`'s carried tensors and the router statistics, where there
     are) on the others; the last stage returns the micro-batch's mean loss, or
     the objective's sum.
     """
@@ -243,19 +245,18 @@ class StageModule(nn.Module):
         return self.last_loss(self.head(x, residual, mask, labels, **self.objective.head_kwargs), targets, rec)
 
     def batch_targets(self, batch: dict) -> tuple:
-        """The first stage's micro-batch split: ``(the model's inputs, the objective's target tensors)``; the
+        """The first stage's micro-batch split: ``(the model's inputs, the objective's carried tensors)``; the
         targets are not model inputs (with ``logprobs`` and no labels the input ids are the labels, as the
         model's forward makes them)."""
-        names = self.objective.targets
-        targets = tuple(batch[k] for k in names)
-        batch = {k: v for k, v in batch.items() if k not in names}
+        carried = tuple(batch[k] for k in self.objective.carried)
+        batch = {k: v for k, v in batch.items() if k not in self.objective.targets}
         if self.objective.head_kwargs.get("logprobs"):
             batch, _ = logprob_targets(batch)
-        return batch, targets
+        return batch, carried
 
     def stream_targets(self, inputs: tuple) -> tuple:
-        """A later stage's inputs without the objective's targets (which follow the labels), and the targets."""
-        n = len(self.objective.targets)
+        """A later stage's inputs without the objective's carried tensors (which follow the labels), and those."""
+        n = len(self.objective.carried)
         return tuple(inputs[:4]) + tuple(inputs[4 + n:]), tuple(inputs[4:4 + n])
 
     def stream_out(self, base: tuple, targets: tuple, carried: tuple) -> tuple:
@@ -294,7 +295,7 @@ class StageModule(nn.Module):
             loss = (out.loss.float() * 0.0).reshape(())
         else:
             whole = self.batch_split.whole(out) if self.batch_split is not None else out
-            loss = objective.fn(whole, dict(zip(objective.targets, targets))).float().reshape(())
+            loss = objective.fn(whole, dict(zip(objective.carried, targets))).float().reshape(())
         if rec is None:
             return loss
         return torch.stack([loss, self.routing.aux_term(rec).to(loss.dtype)])
@@ -494,11 +495,12 @@ class Pipeline:
         last stage returns the sum of the weighted micro-batch losses, the others None. ``weights`` (M,): each
         micro-batch's loss weight; ``aux_weights`` (M,): a mixture of experts' aux loss's (None: ``weights``).
 
-        ``loss``: ``loss(out, targets) -> 0-d`` sum over a micro-batch, called on the last stage instead of
-        taking the model's mean loss; ``out`` is what the model's head returns there in one device's layout
-        (``model(**micro_batch, **head_kwargs)``'s fields), ``targets`` a dict of the batch tensors named in
-        ``targets`` (per-row, (B, ...), not model inputs; the same names on every rank), cut into the
-        micro-batch's rows. ``head_kwargs``: the head's keyword arguments (``logprobs=True``).
+        ``loss``: ``loss(out, micro_batch) -> 0-d`` sum over a micro-batch, called on the last stage instead
+        of taking the model's mean loss; ``out`` is what the model's head returns there in one device's layout
+        (``model(**inputs, **head_kwargs)``'s fields), ``micro_batch`` the dict of the batch's per-row tensors
+        cut to the micro-batch's rows (one device's micro-batch). ``targets``: the keys of ``batch`` that are
+        not model inputs (per-row, (B, ...); the same on every rank). ``head_kwargs``: the head's keyword
+        arguments (``logprobs=True``).
         """
         objective = self._objective(batch, loss, targets, head_kwargs)
         self._fit_shapes(batch, objective)  # (first: a batch with other keys resets the first stage's input keys)
@@ -542,7 +544,8 @@ class Pipeline:
     @staticmethod
     def _objective(batch: dict, loss: Optional[Callable], targets: Sequence[str], head_kwargs) -> Objective:
         """:meth:`run`'s :class:`Objective`, its targets checked: per-row tensors of ``batch`` (one sentence
-        otherwise, before any rank's schedule starts)."""
+        otherwise, before any rank's schedule starts); with a loss every per-row tensor is carried, in
+        sorted order (the same on every rank)."""
         targets = tuple(targets)
         if targets and loss is None:
             raise ValueError(f"targets {list(targets)} travel to a loss on the last stage: give loss=")
@@ -551,14 +554,16 @@ class Pipeline:
                or batch[k].shape[0] != rows]
         if bad:
             raise ValueError(f"a loss's targets are per-row tensors of the batch ({rows} rows); {bad} are not")
-        return Objective(targets, loss, dict(head_kwargs or {}))
+        carried = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                               and v.shape[0] == rows)) if loss is not None else ()
+        return Objective(targets, loss, dict(head_kwargs or {}), carried)
 
     def _fit_shapes(self, batch: dict, objective: Objective) -> None:
         """Have torch's stages infer shapes again when the batch's shapes or the stream's targets changed since
         the last run (a short last evaluation batch, a packed batch after a padded one, another task): their
         p2p buffers are sized by the first run; the first stage's input keys are read again."""
         key = tuple((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor))
-        key += (objective.targets, tuple(sorted(objective.head_kwargs)))
+        key += (objective.targets, objective.carried, tuple(sorted(objective.head_kwargs)))
         if self._shapes is not None and key != self._shapes:
             self.first.input_keys = ()
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",

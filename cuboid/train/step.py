@@ -275,10 +275,11 @@ def _check_unpadded(task, share: dict, pipe) -> None:
 
 def _task_objective(task, sums: dict) -> dict:
     """:meth:`~cuboid.parallel.pipeline.Pipeline.run`'s objective for a task with its own loss: its
-    targets, its forward's keyword arguments as the head's, and a loss that records its summed loss (key
-    None) and metrics in ``sums`` on the last stage (called once per micro-batch there)."""
-    def loss(out, targets: dict) -> torch.Tensor:
-        summed, metrics = task.loss(out, targets)
+    targets, its forward's keyword arguments as the head's, and a loss of the outputs and the micro-batch
+    (one device's) that records the summed loss (key None) and metrics in ``sums`` on the last stage (called
+    once per micro-batch there)."""
+    def loss(out, micro_batch: dict) -> torch.Tensor:
+        summed, metrics = task.loss(out, micro_batch)
         for key, value in ((None, summed), *metrics.items()):
             sums[key] = sums.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
         return summed

@@ -2,12 +2,14 @@
 
 The task (:class:`WeightedLM`) weighs each next-token log-probability by a
 per-token float ``weights`` (B, T) the batch carries and the model does not
-read: its loss is ``-sum(token_logps * weights[:, 1:])`` (``logprobs=True``:
-0 where the label is -100), its count the label positions. The pipeline
-carries ``weights`` to the last stage in the stream and calls the task's
-loss there on one device's layout. :class:`LogitsLM` reads the lazily
-gathered whole ``logits`` and a second target instead (the labels under
-another key), so the gathers behind ``out.logits`` must be differentiable.
+read: its loss is ``-sum(token_logps * weights[:, 1:])`` over the label
+positions (``logprobs=True``; the labels read from the batch, as on one
+device), its count the label positions. The pipeline carries the
+micro-batch, ``weights`` with it, to the last stage in the stream and calls
+the task's loss there on one device's layout. :class:`LogitsLM` reads the
+lazily gathered whole ``logits`` and a second target instead (the labels
+under another key), so the gathers behind ``out.logits`` must be
+differentiable.
 
 For 1f1b, zbv and interleaved schedules, a routed mixture of experts under
 gpipe (router statistics in the stream beside the targets), pp=2 x tp=2,
@@ -39,8 +41,8 @@ class WeightedLM(Task):
         return int((batch["labels"][:, 1:] != -100).sum())
 
     def loss(self, out, batch: dict) -> tuple:
-        total = -(out.token_logps * batch["weights"][:, 1:]).sum()  # (token_logps 0 where the label is -100)
-        return total, {"weight": batch["weights"][:, 1:].sum()}
+        weights = batch["weights"][:, 1:] * (batch["labels"][:, 1:] != -100)  # (B, T - 1)
+        return -(out.token_logps * weights).sum(), {"weight": weights.sum()}
 
 
 class LogitsLM(WeightedLM):
@@ -105,7 +107,9 @@ def task_worker(cases) -> dict:
             batch = task_batch(name, ref, step, task)
             a = cuboid.train_step(ref, opt_ref, batch, task=task, microbatches=plan.microbatches)
             b = cuboid.train_step(model, opt, batch, task=task)
-            loss_err = worst(loss_err, abs(a.loss - b.loss) / abs(a.loss))
+            loss_err = worst(loss_err, abs(a.loss - b.loss) / abs(a.loss),
+                             *(abs(a.metrics[k] - b.metrics[k]) / abs(a.metrics[k]) for k in a.metrics))
+            assert set(a.metrics) == set(b.metrics) == ({"weight"} if task_cls is WeightedLM else set()), (a, b)
             counts.append((a.targets, b.targets))
         moved = rel_norm(torch.cat([p.detach().flatten() for p in ref.parameters()]), init)
         report[f"{plan_text}/{name}/{task_cls.__name__}"] = dict(
