@@ -205,9 +205,6 @@ class WeightedLM(tasks.Task):
         return -(out.token_logps * weights).sum(), {"weight": weights.sum()}
 
 
-TASK_PIPELINED = False  # the pipeline's plans run the task too (its stream carries the weights)
-
-
 def with_weights(batch: dict) -> dict:
     """``batch`` with WeightedLM's ``weights``: 0.25 to 1.25 by row and position, fixed."""
     B, T = batch["input_ids"].shape
@@ -215,11 +212,11 @@ def with_weights(batch: dict) -> dict:
     return dict(batch, weights=w)
 
 
-def uses_task(index: int, name: str, plan, extra: dict) -> bool:
+def uses_task(index: int, name: str, extra: dict) -> bool:
     """Whether the plan's train_step steps on ``name`` run :class:`WeightedLM` (every other plan of a causal LM,
-    turned by the index) instead of the model's loss."""
+    turned by the index; a pipeline's stream then carries the weights) instead of the model's loss."""
     lm = not name.startswith(("bert", "vit")) and extra.get("head", "lm") == "lm"
-    return lm and index % 2 == 1 and (plan.pp == 1 or TASK_PIPELINED)
+    return lm and index % 2 == 1
 
 
 def task_step(model, opt, batch, task: bool, **options):
@@ -492,7 +489,7 @@ def _runs(plans, optimizers, rotate, per_plan, families):
                 micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
                 yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, _batch_size(plan.dp),
                                                                      extra, packs(plan), micro, plan.dp,
-                                                                     uses_task(index, name, plan, extra))
+                                                                     uses_task(index, name, extra))
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
