@@ -232,6 +232,16 @@ class ThreadGroup:
         return reduce
 
 
+def run_threads(rank, p):
+    """``rank(r)`` for r in range(p), one thread each, the backend chosen by the automatic rule."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
+    with use_backend(None):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+
+
 def vocab_parallel(x, w, b, y, p, chunk, backend):
     """Each of ``p`` threads holds a slice of the vocabulary padded to a multiple of p: (loss per rank, summed
     dx, whole dW, whole db) and the number of reduces per rank."""
@@ -250,12 +260,7 @@ def vocab_parallel(x, w, b, y, p, chunk, backend):
                                     reduce=group.reducer(r), backend=backend)
         results[r] = (loss.detach(), *torch.autograd.grad(loss * 1.7, (xs, ws, bs)))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
-    with use_backend(None):
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    run_threads(rank, p)
     assert all(r is not None for r in results), "a rank failed"
     losses = [r[0] for r in results]
     dx = sum(r[1] for r in results)
@@ -381,12 +386,7 @@ def vocab_parallel_rows(x, w, b, y, p, chunk, backend):
                                          vocab_start=r * n, vocab_size=v, reduce=group.reducer(r), backend=backend)
         results[r] = (rows.detach(), ent, torch.autograd.grad((rows * upstream_rows(y)).sum(), (xs, ws, bs)))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(p)]
-    with use_backend(None):
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+    run_threads(rank, p)
     assert all(r is not None for r in results), "a rank failed"
     grads = (sum(r[2][0] for r in results), torch.cat([r[2][1] for r in results])[:v],
              torch.cat([r[2][2] for r in results])[:v])

@@ -62,14 +62,12 @@ def test_head_layer_equals_unfused_in_float64():
     torch.testing.assert_close(logits.resolve(), full, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_logits_are_made_when_read_with_the_forward_weights(name):
+def largest_rows():
+    """A dispatch mode (class) whose ``most`` is the most rows of any (contiguous) vocabulary-wide tensor made
+    while it is on (a chunk of logits; the whole logits would be every row)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cuboid.kernels import use_backend
-    from cuboid.parallel import layers as L
-
-    class Largest(TorchDispatchMode):  # the most rows of any (contiguous) vocabulary-wide tensor made
+    class Largest(TorchDispatchMode):
         most = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -79,6 +77,15 @@ def test_logits_are_made_when_read_with_the_forward_weights(name):
                     Largest.most = max(Largest.most, t.numel() // t.shape[-1])
             return out
 
+    return Largest
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_are_made_when_read_with_the_forward_weights(name):
+    from cuboid.kernels import use_backend
+    from cuboid.parallel import layers as L
+
+    Largest = largest_rows()
     model, free = _model(name), _model(name)
     batch = _batch(model)
     with use_backend("torch"):
