@@ -135,11 +135,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
         return _pipeline_step(core, state.pipeline, optimizer, mine, mesh, parts, max_grad_norm, dtype, scaler, task)
     micro_batches = split_batch(mine, parts) if parts > 1 else [mine]
     device = _device_of(model)
-    counts = [_count(task, core, b) for b in micro_batches]
-    globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
-    total = sum(globals_)
-    if total == 0:
-        raise ValueError("the global batch has no labels to learn from (every label is -100)")
+    counts, globals_, total = _global_counts(task, core, micro_batches, mesh, device)
     dp = mesh.size("dp") if mesh is not None else 1
     loss_sum, metric_sums = 0.0, {}
     try:
@@ -163,18 +159,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
                 (scaler.scale(weighted) if scaler is not None else weighted).backward()
     finally:
         set_gradient_sync(model, True)
-    if scaler is not None:
-        zero.unscale_(scaler, optimizer)  # ZeRO: the pieces the optimizer steps (scaler.unscale_ otherwise)
-        sync_found_inf(scaler, optimizer, mesh)
-    grad_norm = None
-    if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_(core.parameters(), max_grad_norm))  # (ZeRO: grads live in pieces)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = _update(core, optimizer, mesh, max_grad_norm, scaler)
     keys = sorted(metric_sums)  # the task's, the same names on every rank
     loss_total, *metric_totals = all_reduce_sum([loss_sum] + [metric_sums[k] for k in keys], mesh, device)
     return StepResult(loss=loss_total / total, targets=int(total), grad_norm=grad_norm,
@@ -210,11 +195,7 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
         share = pipe.pad(share)
     micro = split_batch(share, parts)  # also says when the share does not split
     device = _device_of(core)
-    counts = [_count(task, core, b) for b in micro]
-    globals_ = all_reduce_sum(counts, mesh, device)  # each micro-batch's targets over the dp ranks
-    total = sum(globals_)
-    if total == 0:
-        raise ValueError("the global batch has no labels to learn from (every label is -100)")
+    counts, globals_, total = _global_counts(task, core, micro, mesh, device)
     dp = mesh.size("dp")
     # the model's mean loss weighs n_i dp / N; a task's summed loss dp / N
     weights = torch.tensor([(1 if _own(task) else n) * dp / total for n in counts], dtype=torch.float32,
@@ -241,20 +222,21 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
         comm.all_reduce_(loss, mesh.group("dp"))
         comm.broadcast_(loss, mesh.group("pp"), pipe.last_rank)
         loss, metrics = float(loss), {}
-    grad_norm = _pipeline_update(core, pipe, optimizer, mesh, max_grad_norm, scaler)
+    grad_norm = _update(core, optimizer, mesh, max_grad_norm, scaler, sum_group=mesh.group("pp"),
+                        exclude={id(p) for p in pipe.counted_elsewhere})
     return StepResult(loss=loss, targets=int(total), grad_norm=grad_norm, metrics=metrics)
 
 
-def _pipeline_update(core, pipe, optimizer, mesh: Mesh, max_grad_norm, scaler) -> Optional[float]:
-    """The optimizer step after a pipeline's schedule (fp16: every stage's inf check agreed over the world,
-    all skip or none); returns the gradient norm before clipping (None: no clipping)."""
+def _update(core, optimizer, mesh: Mesh, max_grad_norm, scaler, **clip) -> Optional[float]:
+    """The optimizer step after the backward passes (fp16: the inf checks agreed over the world, all skip or
+    none; ZeRO: unscaled and clipped on the pieces the optimizer steps); returns the gradient norm before
+    clipping (None: no clipping). ``clip``: :func:`clip_grad_norm_`'s pipeline arguments."""
     if scaler is not None:
-        zero.unscale_(scaler, optimizer)  # (ZeRO: on the pieces the optimizer steps)
+        zero.unscale_(scaler, optimizer)
         sync_found_inf(scaler, optimizer, mesh)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm = float(clip_grad_norm_(list(core.parameters()), max_grad_norm, sum_group=mesh.group("pp"),
-                                          exclude={id(p) for p in pipe.counted_elsewhere}))
+        grad_norm = float(clip_grad_norm_(list(core.parameters()), max_grad_norm, **clip))
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -262,6 +244,17 @@ def _pipeline_update(core, pipe, optimizer, mesh: Mesh, max_grad_norm, scaler) -
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
+
+
+def _global_counts(task, core: nn.Module, micro_batches: list, mesh: Optional[Mesh], device) -> tuple:
+    """(each micro-batch's count here, each one's count over the dp ranks, the step's total N); a
+    ValueError when N is 0."""
+    counts = [_count(task, core, b) for b in micro_batches]
+    globals_ = all_reduce_sum(counts, mesh, device)
+    total = sum(globals_)
+    if total == 0:
+        raise ValueError("the global batch has no labels to learn from (every label is -100)")
+    return counts, globals_, total
 
 
 def _check_unpadded(task, share: dict, pipe) -> None:
