@@ -173,7 +173,7 @@ def lce_route(x, w) -> str:
     mod = kernel_module("linear_cross_entropy")  # (the package attribute is the function)
     try:
         chunk = mod.default_chunk(x.shape[0], w.shape[0], x.device.type, x.dtype)
-        fp32 = mod._fp32_addmm(w)
+        fp32 = mod.fp32_addmm(w)
     except (AttributeError, TypeError):
         return "-"
     how = "fp32 addmm (out_dtype)" if fp32 else "a half product per chunk added in fp32"

@@ -1,6 +1,6 @@
 """The LM head's training step, fused linear cross-entropy against the unfused head, on CPU.
 
-    python bench/lm_head.py [--tokens 4096,16384,32768] [--repeats 2] [--variants unfused,fused,layer]
+    python bench/lm_head.py [--tokens 4096,16384,32768] [--repeats 2] [--variants unfused,fused,layer,logprobs]
                             [--hidden 768] [--vocab 50257] [--threads 2] [--json bench/lm_head.json]
 
 A GPT-2-sized head (hidden 768, vocabulary 50257, fp32): hidden states x (N, 768) and weight W (50257, 768)
@@ -12,7 +12,11 @@ as leaves, N labels (5% of them -100), one forward and backward (the gradients o
   logits at a time);
 - ``layer``: the zoo's path, ``Embedding.lm_outputs(x, labels)`` with W as the table: the fused loss plus
   the copy of W it keeps so that the logits can be made when read (the deferred logits are held through
-  backward, as a training loop holds the model's output).
+  backward, as a training loop holds the model's output);
+- ``logprobs``: per-token log-probabilities, ``linear_cross_entropy(x, W, labels, reduction="none")``, and
+  the backward of their sum weighted by a random weight per token (DPO's and GRPO's use): the gradients are
+  formed in backward from recomputed chunks. The table gives its peak over ``fused``'s (the ``sum``
+  reduction's; issue 46 asks for at most 1.2).
 
 Each run is its own process (``--child``), so one run's freed memory cannot hide the next one's peak: it
 builds the inputs, makes one small step of the same variant (first-call costs), then measures the step:
@@ -53,6 +57,7 @@ def mem_available() -> int:
 
 def step_fn(variant: str, h: int, v: int):
     """``fn(x, w, labels) -> loss`` of ``variant``."""
+    import torch
     import torch.nn.functional as F
 
     from cuboid.kernels import linear_cross_entropy
@@ -61,6 +66,11 @@ def step_fn(variant: str, h: int, v: int):
         return lambda x, w, y: F.cross_entropy(F.linear(x, w), y)
     if variant == "fused":
         return lambda x, w, y: linear_cross_entropy(x, w, y)
+    if variant == "logprobs":
+        def logprobs(x, w, y):
+            up = torch.randn(y.shape, generator=torch.Generator().manual_seed(2))  # (N,) a weight per token
+            return (linear_cross_entropy(x, w, y, reduction="none") * up).sum()
+        return logprobs
     if variant == "layer":
         from cuboid.parallel import layers as L
 
@@ -136,11 +146,14 @@ def run_child(args, variant: str, n: int) -> dict:
 
 
 def table(runs: list, variants: list, tokens: list, vocab: int) -> str:
-    """Medians per token count: peaks above the step's start, the worst peak's ratio to unfused's, seconds and
-    the median over repeats of each repeat's time ratio to its unfused run."""
+    """Medians per token count: peaks above the step's start, the worst peak's ratio to unfused's (and
+    logprobs' to fused's), seconds and the median over repeats of each repeat's time ratio to its unfused
+    run."""
     others = [v for v in variants if v != "unfused"]
+    versus_sum = "logprobs" in variants and "fused" in variants  # the per-token form's peak over the sum's
     head = (["tokens", "fp32 logits GiB"] + [f"{v} peak GiB" for v in variants]
-            + [f"{v}/unfused peak" for v in others] + [f"{v} s" for v in variants]
+            + [f"{v}/unfused peak" for v in others] + ["logprobs/fused peak"] * versus_sum
+            + [f"{v} s" for v in variants]
             + [f"{v}/unfused time" for v in others])
     rows = ["| " + " | ".join(head) + " |", "| " + " | ".join(["---:"] * len(head)) + " |"]
     for n in tokens:
@@ -161,6 +174,9 @@ def table(runs: list, variants: list, tokens: list, vocab: int) -> str:
         cells += [med([p / GB for p in peak[v]], "{:.2f}") for v in variants]
         cells += [f"{max(peak[v]) / max(peak['unfused']):.3f}" if peak[v] and peak["unfused"] else "-"
                   for v in others]
+        if versus_sum:
+            cells.append(f"{max(peak['logprobs']) / max(peak['fused']):.3f}"
+                         if peak["logprobs"] and peak["fused"] else "-")
         cells += [med(secs[v], "{:.1f}") for v in variants]
         cells += [med(ratios[v], "{:.2f}") for v in others]
         rows.append("| " + " | ".join(cells) + " |")

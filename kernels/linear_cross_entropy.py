@@ -65,6 +65,7 @@ import triton.language as tl
 from torch.library import custom_op, register_fake
 
 from ._backend import check_floating, check_same_dtype, on_device, resolve_backend
+from .linear_cross_entropy_rows import add_chunk_grads, fp32_addmm, grad_buffers, per_row  # noqa: F401
 
 Tensor = torch.Tensor
 Reduce = Callable[[Tensor, str], Tensor]
@@ -297,68 +298,6 @@ def _chunk_triton(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int,
     return rows, z
 
 
-_FP32_ADDMM: dict = {}  # (device, dtype) -> whether torch.addmm(..., out_dtype=float32) accumulates into fp32
-
-
-def _fp32_addmm(g: Tensor) -> bool:
-    """Whether ``torch.addmm(dw, g.t(), xc, out_dtype=torch.float32, out=dw)`` works here: half-precision
-    CUDA inputs, an fp32 ``dw`` added to in place, the product made and summed in fp32 by cuBLAS without a
-    half-precision (V, H) temporary. ``out_dtype`` for mm/addmm is CUDA-only and recent (the
-    ``aten::addmm.dtype_out`` overload, pytorch PR 150812: not in torch 2.4-2.7, where the keyword is a
-    TypeError; some versions ask ``self`` to be in the input dtype, others allow it in ``out_dtype``), so
-    rather than a version test it is tried once per device and dtype on 1x1 tensors and the answer kept (the
-    refusals are host-side checks, before any GPU work); where it fails the caller adds a half product per
-    chunk."""
-    if g.device.type != "cuda" or g.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    key = (g.device, g.dtype)
-    if key not in _FP32_ADDMM:
-        try:
-            a = torch.ones((1, 1), dtype=g.dtype, device=g.device)
-            acc = torch.full((1, 1), 0.5, dtype=torch.float32, device=g.device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _FP32_ADDMM[key] = float(acc[0, 0]) == 1.5
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype keyword / no kernel / refused
-            _FP32_ADDMM[key] = False
-    return _FP32_ADDMM[key]
-
-
-def grad_buffers(x: Tensor, weight: Tensor, need: tuple, acc: torch.dtype) -> tuple:
-    """(dx, dW, db) buffers for :func:`add_chunk_grads` (None where ``need`` does not ask): dx like x, dW in
-    weight's dtype promoted to ``acc`` (fp32 for half weights, accumulated into; written by the first chunk's
-    product when that is weight's own dtype), db in ``acc`` zeros."""
-    need_x, need_w, need_b = need
-    dx = torch.empty_like(x) if need_x else None
-    dw = None
-    dw_dtype = torch.promote_types(weight.dtype, acc)
-    if need_w:
-        first_writes = dw_dtype == weight.dtype and x.shape[0] > 0
-        dw = (torch.empty if first_writes else torch.zeros)(weight.shape, dtype=dw_dtype, device=weight.device)
-    db = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
-    return dx, dw, db
-
-
-def add_chunk_grads(g: Tensor, xc: Tensor, weight: Tensor, s: int, grads: tuple) -> None:
-    """Add one chunk's share to ``grads`` (:func:`grad_buffers`) from ``g`` (C, Vl), the gradient of the chunk's
-    logits (rows ``s`` .. ``s + C`` of x, ``xc`` (C, H)): its rows of dx, and its products into dW and db."""
-    dx, dw, db = grads
-    if dx is not None:
-        torch.mm(g, weight, out=dx[s:s + g.shape[0]])
-    if dw is not None:
-        if dw.dtype == weight.dtype and s == 0:
-            torch.mm(g.t(), xc, out=dw)
-        elif dw.dtype == weight.dtype:
-            dw.addmm_(g.t(), xc)
-        elif _fp32_addmm(g):
-            torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum
-        else:
-            dw += g.t() @ xc  # the chunk's product rounded to the half dtype, then added in fp32
-    if db is not None:
-        db += g.sum(0, dtype=db.dtype)
-
-
 def _fused(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, ignore_index: int, vocab_start: int,
            vocab_size: int, reduce: Optional[Reduce], chunk: int, backend: str, need: tuple):
     """(sum of the rows' losses, dx, dW, db) of (N, H) ``x``; the gradients those ``need`` asks for (else None)."""
@@ -541,8 +480,6 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, labels: Tensor, bias: Option
     args = (ignore_index, vocab_start, vocab_size, reduce, chunk, chosen, need)
     with torch.autocast(x.device.type, enabled=False) if x.device.type in ("cpu", "cuda") else contextlib.nullcontext():
         if reduction == "none":
-            from .linear_cross_entropy_rows import per_row
-
             rows, ent = per_row(x2, weight, bias, y, *args, return_entropy)
             rows = rows.view(labels.shape)
             return (rows, ent.view(labels.shape)) if return_entropy else rows

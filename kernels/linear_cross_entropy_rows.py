@@ -28,6 +28,13 @@ collective (dx is this slice's partial sum, which the caller's collective sums
 as it does for the summed loss).
 
 Returns fp32 rows (float64 for float64 inputs), 0 on ``ignore_index`` rows.
+
+Also here, shared with the summed loss: the accumulation of a chunk's dx
+rows, dW and db (:func:`grad_buffers`, :func:`add_chunk_grads`). This module
+imports nothing of :mod:`~cuboid.kernels.linear_cross_entropy` (which imports
+it): the Triton path calls the ops that module registers,
+``torch.ops.cuboid.lce_stats`` and ``lce_grad_``, and is reached only
+through it.
 """
 from __future__ import annotations
 
@@ -36,9 +43,70 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear_cross_entropy import _lce_grad, _lce_stats, add_chunk_grads, grad_buffers
 
 Tensor = torch.Tensor
+
+
+_FP32_ADDMM: dict = {}  # (device, dtype) -> whether torch.addmm(..., out_dtype=float32) accumulates into fp32
+
+
+def fp32_addmm(g: Tensor) -> bool:
+    """Whether ``torch.addmm(dw, g.t(), xc, out_dtype=torch.float32, out=dw)`` works here: half-precision
+    CUDA inputs, an fp32 ``dw`` added to in place, the product made and summed in fp32 by cuBLAS without a
+    half-precision (V, H) temporary. ``out_dtype`` for mm/addmm is CUDA-only and recent (the
+    ``aten::addmm.dtype_out`` overload, pytorch PR 150812: not in torch 2.4-2.7, where the keyword is a
+    TypeError; some versions ask ``self`` to be in the input dtype, others allow it in ``out_dtype``), so
+    rather than a version test it is tried once per device and dtype on 1x1 tensors and the answer kept (the
+    refusals are host-side checks, before any GPU work); where it fails the caller adds a half product per
+    chunk."""
+    if g.device.type != "cuda" or g.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    key = (g.device, g.dtype)
+    if key not in _FP32_ADDMM:
+        try:
+            a = torch.ones((1, 1), dtype=g.dtype, device=g.device)
+            acc = torch.full((1, 1), 0.5, dtype=torch.float32, device=g.device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _FP32_ADDMM[key] = float(acc[0, 0]) == 1.5
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError):  # no out_dtype keyword / no kernel / refused
+            _FP32_ADDMM[key] = False
+    return _FP32_ADDMM[key]
+
+
+def grad_buffers(x: Tensor, weight: Tensor, need: tuple, acc: torch.dtype) -> tuple:
+    """(dx, dW, db) buffers for :func:`add_chunk_grads` (None where ``need`` does not ask): dx like x, dW in
+    weight's dtype promoted to ``acc`` (fp32 for half weights, accumulated into; written by the first chunk's
+    product when that is weight's own dtype), db in ``acc`` zeros."""
+    need_x, need_w, need_b = need
+    dx = torch.empty_like(x) if need_x else None
+    dw = None
+    dw_dtype = torch.promote_types(weight.dtype, acc)
+    if need_w:
+        first_writes = dw_dtype == weight.dtype and x.shape[0] > 0
+        dw = (torch.empty if first_writes else torch.zeros)(weight.shape, dtype=dw_dtype, device=weight.device)
+    db = torch.zeros(weight.shape[0], dtype=acc, device=x.device) if need_b else None
+    return dx, dw, db
+
+
+def add_chunk_grads(g: Tensor, xc: Tensor, weight: Tensor, s: int, grads: tuple) -> None:
+    """Add one chunk's share to ``grads`` (:func:`grad_buffers`) from ``g`` (C, Vl), the gradient of the chunk's
+    logits (rows ``s`` .. ``s + C`` of x, ``xc`` (C, H)): its rows of dx, and its products into dW and db."""
+    dx, dw, db = grads
+    if dx is not None:
+        torch.mm(g, weight, out=dx[s:s + g.shape[0]])
+    if dw is not None:
+        if dw.dtype == weight.dtype and s == 0:
+            torch.mm(g.t(), xc, out=dw)
+        elif dw.dtype == weight.dtype:
+            dw.addmm_(g.t(), xc)
+        elif fp32_addmm(g):
+            torch.addmm(dw, g.t(), xc, out_dtype=dw.dtype, out=dw)  # half inputs, fp32 product and sum
+        else:
+            dw += g.t() @ xc  # the chunk's product rounded to the half dtype, then added in fp32
+    if db is not None:
+        db += g.sum(0, dtype=db.dtype)
 
 
 def _targets(y: Tensor, valid: Tensor, n_valid: int, start: int) -> tuple:
@@ -77,7 +145,7 @@ def _stats_torch(z: Tensor, y: Tensor, valid: Tensor, n_valid: int, start: int, 
 def _stats_triton(z: Tensor, y: Tensor, n_valid: int, start: int, reduce, ignore_index: int,
                   entropy: bool) -> tuple:
     """As :func:`_stats_torch` with the Triton statistics kernel (``cuboid::lce_stats``), fp32."""
-    stats = _lce_stats(z, y, n_valid, start, ignore_index, entropy)
+    stats = torch.ops.cuboid.lce_stats(z, y, n_valid, start, ignore_index, entropy)
     m, s, target = stats[:, 0], stats[:, 1], stats[:, 2]
     u = stats[:, 3] if entropy else None
     if reduce is not None:
@@ -150,7 +218,8 @@ def rows_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Ten
         xc, yc = x[s:s + chunk], labels[s:s + chunk]
         z = F.linear(xc, weight, bias)
         if backend == "triton":
-            _lce_grad(z, yc, lse[s:s + chunk], n_valid, vocab_start, ignore_index, grad[s:s + chunk])
+            torch.ops.cuboid.lce_grad_(z, yc, lse[s:s + chunk], n_valid, vocab_start, ignore_index,
+                                       grad[s:s + chunk])
             g = z
         else:
             g = _grad_torch(z, yc, yc != ignore_index, lse[s:s + chunk], grad[s:s + chunk], n_valid, vocab_start,
