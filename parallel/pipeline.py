@@ -472,6 +472,7 @@ class Pipeline:
         kinds = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B, "interleaved": P.ScheduleInterleaved1F1B,
                  "zbv": P.ScheduleZBVZeroBubble}
         one = schedule in ("gpipe", "1f1b")
+        self._stages = stages
         self._schedule = kinds[schedule](stages[0] if one else stages, microbatches, loss_fn=_weighted,
                                          scale_grads=False)
         both = [r for r in range(pp) if {0, total - 1} <= set(stage_ids(schedule, r, pp))]  # ZBV's rank 0
@@ -570,6 +571,8 @@ class Pipeline:
                          "_stages_forward_initialized", "_stages_backward_initialized"):
                 if hasattr(self._schedule, flag):
                     setattr(self._schedule, flag, False)
+            for stage in self._stages:  # a stream of another length (a key the batch gained): torch makes the
+                stage.grad_send_info = None  # gradients' send list lazily, once, from the inputs it received
         self._shapes = key
 
     def _first_args(self, batch: dict) -> tuple:
