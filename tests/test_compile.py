@@ -131,6 +131,28 @@ def test_masks_trace_without_host_reads(name, variant):
     _assert_same(eager, compiled)
 
 
+@pytest.mark.parametrize("name", ["gpt-debug", "llama-debug"])
+def test_token_logps_compile_in_one_graph(name):
+    # model(**batch, logprobs=True): the per-row fused head (reduction="none") traced with the model, packed rows
+    torch.manual_seed(0)
+    model = _load(name, n_layers=1)
+    batch = _batch(model, name, "packed")
+    weights = torch.randn(batch["labels"][:, 1:].shape, generator=torch.Generator().manual_seed(2))
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        out = fn(**batch, logprobs=True)
+        loss = (out.token_logps * weights).sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager = run(model)
+    backend, counts, _ = _counting_backend()
+    compiled = run(torch.compile(model, backend=backend, fullgraph=True))
+    assert counts == {"forward": 1, "backward": 1}
+    _assert_same(eager, compiled)
+
+
 def test_compiled_output_keeps_deferred_logits():
     torch.manual_seed(0)
     model = cuboid.load("gpt-debug")
