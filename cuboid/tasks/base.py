@@ -162,7 +162,8 @@ class Task:
 
     def loss(self, out, batch: dict) -> tuple:
         """``(summed loss, {metric: summed value})`` of one micro-batch's outputs ``out`` (one device's
-        layout) and its ``batch``, for a task with ``own_loss`` (the others train on the model's loss)."""
+        layout) and its ``batch``, for a task with ``own_loss`` (the others train on the model's loss). The
+        metric names are the same for every batch: the step sums them over the ranks by name."""
         raise NotImplementedError(f"task {self.label} sets own_loss but defines no loss()")
 
     # ------------------------------------------------------------ evaluation
