@@ -34,7 +34,7 @@ def folders(tmp_path_factory):
     return out
 
 
-def _with_random_b(model, seed=1):
+def with_random_b(model, seed=1):
     """Adapters whose B is not zero (peft's and cuboid's initial B is), so the update shows in the logits."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -51,7 +51,7 @@ def _ids(model, seed=2):
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_peft_reads_adapters_on_attention_and_experts(folders, tmp_path, name):
     folder = folders[name]
-    model = _with_random_b(cuboid.load(folder, lora="r=2,alpha=6,targets=attn+experts")).eval()
+    model = with_random_b(cuboid.load(folder, lora="r=2,alpha=6,targets=attn+experts")).eval()
     assert plora.adapted_experts(model), "the experts carry adapters"
     out = zlora.save_adapters(model, tmp_path / "adapters", base=str(folder))
     cfg = json.loads((out / "adapter_config.json").read_text())
@@ -79,7 +79,7 @@ def test_gradients_equal_peft_s(folders, tmp_path):
 
     name = "Qwen3MoeForCausalLM"
     folder = folders[name]
-    model = _with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=attn+experts"))
+    model = with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=attn+experts"))
     out = zlora.save_adapters(model, tmp_path / "a", base=str(folder))
     theirs = peft.PeftModel.from_pretrained(MOE_CASES[name][0].from_pretrained(folder), out, is_trainable=True)
     ids = _ids(model, 3)
@@ -103,7 +103,7 @@ def test_cuboid_reads_peft_s_adapters_on_one_expert_weight(folders, tmp_path):
     folder, cls = folders[name], MOE_CASES[name][0]
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
     theirs = peft.get_peft_model(cls.from_pretrained(folder), config)
-    _with_random_b(theirs, seed=5)
+    with_random_b(theirs, seed=5)
     theirs.save_pretrained(tmp_path / "p")
     ours = cuboid.load(folder, lora=tmp_path / "p").eval()
     assert [e.lora_weights for _, e in plora.adapted_experts(ours)] == [("down",)] * 2
@@ -115,7 +115,7 @@ def test_cuboid_reads_peft_s_adapters_on_one_expert_weight(folders, tmp_path):
 def test_merged_experts_give_the_adapted_logits(folders, tmp_path):
     name = "MixtralForCausalLM"
     folder = folders[name]
-    model = _with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=experts")).eval()
+    model = with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=experts")).eval()
     zlora.save_adapters(model, tmp_path / "a", base=str(folder))
     merged = zlora.merge_to_hf(tmp_path / "a", tmp_path / "merged")
     ids = _ids(model, 6)
@@ -168,7 +168,7 @@ def test_checkpoint_save_writes_experts_only_adapters(folders, tmp_path):
     from cuboid.zoo import checkpoint as ckpt
 
     folder = folders["MixtralForCausalLM"]
-    model = _with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=experts")).eval()
+    model = with_random_b(cuboid.load(folder, lora="r=2,alpha=4,targets=experts")).eval()
     assert not plora.adapted(model) and plora.adapted_experts(model)
     out = ckpt.save(model, tmp_path / "a")
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()

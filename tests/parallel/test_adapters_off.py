@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..checkpoint.test_lora_moe import with_random_b
 from .launch import run_world
 from .test_data_parallel import global_batch
 from .test_plans import rel_max
@@ -24,16 +25,6 @@ LORA = dict(r=4, alpha=8, targets=("attn", "mlp"))
 FAMILIES = {"llama-debug": LORA, "qwen3-moe-debug": dict(LORA, targets=("attn", "experts"))}
 PLANS = {"llama-debug": ["tp=2", "dp=2", "pp=2,microbatches=2"], "qwen3-moe-debug": ["dp=2,ep=2,zero=3"]}
 TOL = 1e-5  # a plan's logits against one device's (reduction order)
-
-
-def _random_b(model, seed: int = 1):
-    """Nonzero B for every adapter (peft's initial B is zero, so the adapters would change nothing)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(("lora_B.weight", "_B")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return model
 
 
 def _opt(model):
@@ -55,7 +46,7 @@ def _references(root) -> dict:
     refs = {}
     for name, lora in FAMILIES.items():
         base = cuboid.load(name, seed=0)
-        model = _random_b(cuboid.load(name, seed=0, lora=lora))
+        model = with_random_b(cuboid.load(name, seed=0, lora=lora))
         folder = save_adapters(model, f"{root}/{name}")
         batch = global_batch(name, model)
         refs[name] = {"folder": str(folder), "base": _logits(base, batch), "on": _logits(model, batch),
@@ -136,7 +127,7 @@ def test_one_device_base_nesting_and_exceptions(name):
 
     with use_backend("torch"):
         base = cuboid.load(name, seed=0)
-        model = _random_b(cuboid.load(name, seed=0, lora=FAMILIES[name]))
+        model = with_random_b(cuboid.load(name, seed=0, lora=FAMILIES[name]))
         batch = global_batch(name, model)
         want, on = _logits(base, batch), _logits(model, batch)
         assert (on - want).abs().max() > 1e-2  # the adapters matter
@@ -160,7 +151,7 @@ def test_one_device_gradients_outside_unaffected():
 
     name = "llama-debug"
     with use_backend("torch"):
-        plain, visited = (_random_b(cuboid.load(name, seed=0, lora=LORA)) for _ in range(2))
+        plain, visited = (with_random_b(cuboid.load(name, seed=0, lora=LORA)) for _ in range(2))
         batch = global_batch(name, plain)
         with adapters_off(visited):
             _logits(visited, batch)
@@ -217,8 +208,8 @@ def test_compiled_blocks():
     try:
         with use_backend("torch"):
             base = cuboid.load(name, seed=0)
-            eager = _random_b(cuboid.load(name, seed=0, lora=LORA))
-            model = _random_b(cuboid.load(name, Plan(compile=True), seed=0, lora=LORA))
+            eager = with_random_b(cuboid.load(name, seed=0, lora=LORA))
+            model = with_random_b(cuboid.load(name, Plan(compile=True), seed=0, lora=LORA))
             assert all(pc.compiled_blocks(model))
             batch = global_batch(name, model)
             want, on = _logits(base, batch), _logits(eager, batch)
