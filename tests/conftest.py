@@ -15,7 +15,10 @@ expression is read from the command line (and PYTEST_ADDOPTS) here, since
 this has to happen before a conftest below imports `cuboid.kernels`;
 `pytest_configure` checks the decision against the parsed options.
 """
+import functools
+import json
 import os
+import re
 import shlex
 import sys
 
@@ -77,7 +80,188 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+# The quick tier, `python -m pytest -q -m "not slow"`, runs in under 10 minutes on CI's 2 cores (bench/RESULTS.md
+# has the figure); the full suite is the README's test command and CI's. The tests the quick tier leaves out are
+# marked slow here, in one place, by node id, not in their files. Each rule keeps a smaller relative in the quick
+# tier (the 2-rank world of a test that also runs on 4 or 8 ranks, one family of a per-family test, every k-th case
+# of a kernel's matrix), so the quick tier still touches every package; tests/test_quick_tier.py checks that, and
+# that every pattern still marks a test. A pattern is a node id in which `*` matches anything (nothing else is
+# special: brackets are a parametrization's), or a pair of one and
+#   a fixture name: the tests of the pattern that request that fixture;
+#   {parameter: values}: the tests of the pattern parametrized with one of those values;
+#   an int k: of each test function's cases that the pattern matches, all but the 1st, (k+1)-th, (2k+1)-th, ...
+SLOW = [
+    # (why, patterns...)
+    ("the generated plan parity on 4 and 8 ranks: every enumerated plan, 70-330 s each (its 2-rank worlds, dense "
+     "and MoE, stay: dp, ZeRO, tp1d, sp, pp and ep on every family)",
+     "tests/parallel/test_plans.py::test_every_enumerated_plan_on_4_ranks",
+     "tests/parallel/test_plans.py::test_every_enumerated_plan_on_8_ranks",
+     "tests/parallel/test_moe_plans.py::test_moe_plans_on_4_ranks",
+     "tests/parallel/test_moe_plans.py::test_moe_plans_on_8_ranks"),
+    ("a dedicated gloo world (2, 4 or 8 processes on 2 cores; 10-130 s each, 4 and 8 ranks the most): the quick "
+     "tier's worlds are the generated plan parity's on 2 ranks; the same files' single-process tests stay",
+     "tests/*_4_ranks", "tests/*_8_ranks",  # compose_zero, contract, cost(_moe), pipeline(_task), zero, lora, ...
+     "tests/parallel/test_adapters_off.py::test_adapters_off_under_plans_2_ranks",
+     "tests/parallel/test_auto_plan.py::test_*_on_two_ranks",
+     "tests/parallel/test_cross_plan_checkpoint.py::test_tp3d_checkpoint_loads_under_tp1d_single_and_hf",
+     "tests/parallel/test_data_parallel.py::test_dp_matches_single_process*",
+     "tests/parallel/test_dropout.py::test_dropout_masks_follow_the_layout",
+     "tests/parallel/test_exit.py::*",
+     "tests/parallel/test_experts.py::test_dispatch_matches_one_device*",
+     "tests/parallel/test_experts.py::test_step_gradients_match_one_device*",
+     "tests/parallel/test_experts.py::test_checkpoint_any_plan_writes_any_plan_reads",
+     "tests/parallel/test_generation.py::test_generation_under_plans_equals_one_device_and_transformers",
+     "tests/parallel/test_hang.py::test_a_stalled_peer_ends_in_collective_timeout_naming_rank_group_and_op",
+     "tests/parallel/test_hang.py::test_the_launcher_names_a_rank_that_exits_without_a_result",
+     "tests/parallel/test_head_norm.py::test_qwen3_gemma3_tensor_modes_match_one_device",
+     "tests/parallel/test_linear_ce_plans.py::test_fused_head_under_plans_equals_unfused_float64*",
+     "tests/parallel/test_lora.py::test_lora_on_experts_under_ep_2_ranks",
+     "tests/parallel/test_moe_plans.py::test_other_moe_families_on_2_ranks",
+     "tests/parallel/test_moe_split.py::test_moe_aux_loss_under_pp_and_sp_on_2_ranks",
+     "tests/parallel/test_optim_exclusion.py::test_exclusion_is_exact_under_tp2_and_zero2",
+     "tests/parallel/test_packed.py::test_no_gradient_crosses_a_document_under_tp1d",
+     "tests/parallel/test_pipeline.py::test_pp2_schedules_and_heads_on_2_ranks",
+     "tests/parallel/test_pipeline_task.py::test_task_loss_under_pp2_schedules_and_moe_on_2_ranks",
+     "tests/parallel/test_ring_attention.py::test_packed_rows_under_sequence_parallel_attention*",
+     "tests/parallel/test_ring_attention.py::test_sequence_parallel_attention_matches_single_device*",
+     "tests/parallel/test_selective_checkpoint.py::test_two_ranks_match_and_send_what_they_recompute",
+     "tests/parallel/test_sequence_model.py::test_sequence_parallel_bytes_and_bf16_on_2_ranks",
+     "tests/parallel/test_sequence_packed.py::test_packed_rows_under_sequence_plans_match_one_device",
+     "tests/parallel/test_sequence_window.py::test_sliding_window_under_sequence_parallelism_matches_one_device",
+     "tests/parallel/test_sft_loss.py::test_dp_pp_sp_take_one_devices_step_on_a_packed_sft_batch",
+     "tests/parallel/test_tensor_1d.py::test_tensor_1d_matches_single_device*",
+     "tests/parallel/test_tensor_2d.py::test_tensor_2*_matches_single_device",
+     "tests/parallel/test_tensor_3d.py::test_tensor_3d_matches_single_device",
+     "tests/parallel/test_token_logps.py::test_token_logps_under_plans_equal_float64*",
+     "tests/checkpoint/test_load_memory.py::test_tp4_folder_load_reads_only_this_ranks_slices",
+     "tests/checkpoint/test_pipeline_checkpoint.py::test_dp2_pp2_tp2_checkpoint_loads_everywhere",
+     "tests/checkpoint/test_pipeline_checkpoint.py::test_pp2_exact_resume",
+     "tests/checkpoint/test_distributed.py::test_two_rank_data_parallel_save_and_load",
+     "tests/checkpoint/test_tensor_parallel.py::test_tp2_save_matches_single_process_and_loads_back",
+     "tests/test_compile_plans.py::test_compile_plans_match_one_device"),
+    ("the compile gate: every kernel compiled for sm_80 and sm_90, minutes from a cold Triton cache (the gate's "
+     "checker and the interpreter tests in these files stay)",
+     ("tests/kernels/test_compile_gate.py::*", "gate"),
+     ("tests/kernels/test_grouped_gemm_gate.py::*", "gate")),
+    ("a kernel's matrix in the Triton interpreter: 1-7 s a case, hundreds of cases (every 10th case of each test "
+     "stays, so every kernel and test still runs)",
+     ("tests/kernels/*", 10)),
+    ("a model family matrix (a case per preset or family): every 4th case of each test stays; and Mistral's "
+     "greedy generation against transformers (30 s: GPT-2's stays)",
+     ("tests/zoo/*", 4),
+     "tests/zoo/test_generation.py::test_greedy_equals_transformers_generate[MistralForCausalLM]"),
+    ("a per-case matrix outside the kernels, 2-5 s a case: every 2nd or 3rd case stays (of the plan enumerations, "
+     "the 2- and 4-rank ones)",
+     ("tests/parallel/test_auto_plan.py::test_memory_model_against_what_a_forward_keeps[*]", 3),
+     ("tests/parallel/test_plan_space.py::*", {"world": (8,)}),
+     ("tests/test_compile.py::test_masks_trace_without_host_reads[*]", 2),
+     ("tests/checkpoint/test_lora_moe.py::*", 3)),
+    ("torch.compile of every family but GPT and Llama, of the Triton-op models but GPT, and inductor's C++ code "
+     "generation (a minute on 2 cores): GPT's and Llama's graphs and GPT's custom-op graph stay",
+     ("tests/test_compile.py::test_one_graph_and_eager_values[*]",
+      {"name": ("qwen3-moe-debug", "mixtral-debug", "olmoe-debug", "qwen3-debug", "gemma3-debug", "bert-debug",
+               "vit-debug")}),
+     ("tests/test_compile.py::test_triton_path_model_is_one_graph_of_custom_ops[*]",
+      {"name": ("llama-debug", "mixtral-debug")}),
+     "tests/test_compile.py::test_inductor_one_block_llama"),
+    ("a fresh interpreter importing transformers and cuboid from the repository root, 15 s each: the import "
+     "contracts and the one-liner in the root stay",
+     "tests/test_imports.py::test_a_script_in_the_root_imports_transformers_and_cuboid_as_anywhere_else",
+     "tests/test_imports.py::test_the_repository_root_shadows_no_installed_package"),
+    ("one loss checked against the step on one device beside the same check on three plans (10 s): the "
+     "batch-layout and 4-micro-batch checks stay",
+     "tests/parallel/test_sft_loss.py::test_a_mean_per_micro_batch_is_far_from_the_step"),
+    ("bench/gpu.py's dry run of its training and generation rows (a minute; its budget test stays)",
+     ("tests/test_gpu_bench.py::*", "models_run")),
+    ("an end-to-end run on 2+ processes (the launcher, torchrun) or a kill-and-restart loop, 10-70 s each: the "
+     "single-process command-line runs stay",
+     "tests/front/test_faults.py::test_*_survives_three_kills",
+     "tests/front/test_faults.py::test_two_launchers_end_like_one_node",
+     "tests/front/test_streaming.py::test_streaming_run_killed_twice_ends_like_the_uninterrupted_one",
+     "tests/front/test_finetune.py::test_dp2_through_the_launcher_resumes_exactly",
+     "tests/front/test_finetune.py::test_embedded_default_reaches_90_percent",
+     "tests/front/test_finetune.py::test_tp2d_on_4_processes_matches_single_and_loads_in_transformers",
+     "tests/front/test_finetune.py::test_text_tasks_dp2_under_the_launcher*",
+     "tests/front/test_finetune.py::test_bad_value_under_the_launcher_is_one_line",
+     "tests/front/test_large_batch_recipe.py::test_cli_default_job_with_lamb_and_sqrt_scaling",
+     "tests/front/test_packed_finetune.py::test_packing_from_the_cli_on_one_process_dp2_and_pp2",
+     "tests/front/test_lora_finetune.py::test_lora_finetune_saves_adapters_and_resumes_exactly",
+     "tests/front/test_lora_finetune.py::test_sft_lora_on_a_mixture_of_experts",
+     "tests/front/test_sft_cli.py::test_sft_packed_run_then_chat[dp2]",
+     "tests/front/test_sft_cli.py::test_sft_packed_run_then_chat[tp1d-lora]",
+     "tests/checkpoint/test_lora_resume.py::test_a_tp1d_lora_checkpoint_resumes_under_dp2_and_on_one_device"),
+    ("another single-process fine-tune, eval or generate through the command line, 5-17 s each, beside one like "
+     "it that stays (the causal-LM fine-tune, GPT-2's eval, the single-process SFT run, a chat answer, generate "
+     "on a merged LoRA folder)",
+     "tests/front/test_finetune.py::test_mlm_csv_and_seqcls_parquet_predictions_match_transformers",
+     "tests/front/test_finetune.py::test_qwen2_folder_clm_on_a_text_file_and_seqcls_load_in_transformers",
+     "tests/front/test_finetune.py::test_imagefolder_and_in_memory_api",
+     "tests/front/test_finetune.py::test_config_file_with_flag_override_and_bare_resume",
+     "tests/front/test_prepare_cmd.py::test_packed_rows_hold_each_example_once_and_finetune_trains_on_the_folder",
+     "tests/front/test_lora_finetune.py::test_sft_full_finetune_of_a_mixture_of_experts",
+     "tests/front/test_eval.py::test_perplexity_equals_transformers_recipe_and_the_cli_prints_it[qwen2]",
+     "tests/front/test_sft_families.py::test_sft_lora_then_peft[*]",  # LoRA to PEFT also in checkpoint/test_lora_peft
+     "tests/front/test_generate_chat.py::test_the_answer_ends_at_the_turns_end_or_at_eos[<|eot_id|>]",
+     "tests/front/test_generate_chat.py::test_prompts_file_holds_one_conversation_a_line",
+     "tests/front/test_generate_chat.py::test_chat_needs_a_template_and_system_needs_chat",
+     "tests/front/test_generate_cli.py::test_generate_streams_one_prompt_and_batches_a_file"),
+    ("a save killed mid-write, and the damaged-checkpoint fuzz loop, 12-19 s each: the failed-write test and the "
+     "fuzz harness's own tests stay",
+     "tests/checkpoint/test_atomic.py::test_killed_save_leaves_the_previous_checkpoint",
+     "tests/checkpoint/test_fuzz.py::test_fuzz"),
+]
+
+
+def _matches(pattern, item) -> bool:
+    glob, condition = (pattern, None) if isinstance(pattern, str) else pattern
+    if not _regex(glob).fullmatch(item.nodeid):
+        return False
+    if isinstance(condition, str):
+        return condition in item.fixturenames
+    if isinstance(condition, dict):
+        params = getattr(item, "callspec", None)
+        return params is not None and any(params.params.get(k, object()) in v for k, v in condition.items())
+    return True  # no condition, or a sample (its cases are counted in _mark_slow)
+
+
+@functools.lru_cache(maxsize=None)
+def _regex(glob: str) -> "re.Pattern":
+    return re.compile(".*".join(re.escape(part) for part in glob.split("*")))
+
+
+def _name(pattern) -> str:
+    return pattern if isinstance(pattern, str) else f"{pattern[0]} {pattern[1]}"
+
+
+def _mark_slow(items):
+    """Marks the SLOW rules' tests (the first matching rule's reason); with CUBOID_SLOW_REPORT set, writes there,
+    as JSON, the node ids each pattern marked among ``items``."""
+    hits = {_name(p): [] for _, *patterns in SLOW for p in patterns}
+    cases = {}  # (sample pattern, test file, function) -> cases seen so far
+    for item in items:
+        whys = []
+        for why, *patterns in SLOW:
+            for pattern in patterns:
+                if not _matches(pattern, item):
+                    continue
+                if not isinstance(pattern, str) and isinstance(pattern[1], int):
+                    key = (_name(pattern), str(item.path), item.originalname)
+                    cases[key] = cases.get(key, -1) + 1
+                    if cases[key] % pattern[1] == 0:
+                        continue  # a case the quick tier keeps
+                hits[_name(pattern)].append(item.nodeid)
+                whys.append(why)
+        if whys:
+            item.add_marker(pytest.mark.slow(reason=whys[0]))
+    report = os.environ.get("CUBOID_SLOW_REPORT")
+    if report:
+        with open(report, "w") as fh:
+            json.dump(hits, fh, indent=1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the marks
 def pytest_collection_modifyitems(config, items):
+    _mark_slow(items)
     if not torch.cuda.is_available():
         reason = "needs a CUDA GPU; runs in bench/gpu.py and on GPU machines"
     elif os.environ.get("TRITON_INTERPRET") == "1":  # a whole-suite run on a GPU machine: the CPU tests need it
