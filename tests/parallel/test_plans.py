@@ -206,7 +206,10 @@ class WeightedLM(tasks.Task):
 
 
 def with_weights(batch: dict) -> dict:
-    """``batch`` with WeightedLM's ``weights``: 0.25 to 1.25 by row and position, fixed."""
+    """``batch`` with WeightedLM's ``weights``: 0.25 to 1.25 by row and position, fixed (a batch that has them
+    keeps its own: one device's reference reorders the rows after drawing them)."""
+    if "weights" in batch:
+        return batch
     B, T = batch["input_ids"].shape
     w = 0.25 + ((torch.arange(B).unsqueeze(1) * 7 + torch.arange(T).unsqueeze(0)) % 5) / 4
     return dict(batch, weights=w)
@@ -343,6 +346,7 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
             first = out if first is None else first
         else:
             batch = step_batch(name, ref, step, packed)
+            batch = with_weights(batch) if task else batch  # (drawn by row before the reordering)
             if micro > 1:  # (a mixture of experts: the plan's global micro-batches)
                 batch = {k: v[micro_order(size, dp, micro)] for k, v in batch.items()}
             losses.append(task_step(ref, opt, batch, task, max_grad_norm=1.0, microbatches=micro).loss)
