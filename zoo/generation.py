@@ -108,8 +108,9 @@ def _swap_cores(model: nn.Module, capacity: int) -> list:
 
 
 def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float,
-            generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(B,) next tokens from (B, V) fp32 logits: argmax, or a draw after temperature, top-k and top-p."""
+            generator) -> torch.Tensor:
+    """(B,) next tokens from (B, V) fp32 logits: argmax, or a draw after temperature, top-k and top-p
+    (``generator``: one, or a list of one per row)."""
     if not do_sample:
         return logits.argmax(-1)
     logits = logits / max(temperature, 1e-6)
@@ -122,6 +123,8 @@ def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
+    if isinstance(generator, list):  # one generator a row: a row's draws do not depend on the others
+        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -149,11 +152,13 @@ def _over_dp(value: float, model: nn.Module, op: str) -> float:
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_token_id: Union[int, Sequence[int], None] = None,
-             pad_token_id: Optional[int] = None, seed: Optional[int] = None, streamer=None) -> torch.Tensor:
+             pad_token_id: Optional[int] = None, seed: Union[int, Sequence[int], None] = None,
+             streamer=None) -> torch.Tensor:
     """``input_ids`` (B, T) left-padded prompts (``attention_mask`` 0 on the padding) followed by up to
     ``max_new_tokens`` generated tokens each: (B, T + n). Greedy unless ``do_sample``; ``seed`` fixes the
-    draws (the same tokens under every plan). ``eos_token_id`` may be a list (transformers' convention: a chat
-    model's end-of-turn token beside its eos); a row stops at the first of them and then repeats the pad.
+    draws (the same tokens under every plan); a list of seeds, one per row, gives each row a generator of its own
+    (GRPO's rollouts: a completion's tokens do not depend on which rows share its batch). ``eos_token_id`` may be
+    a list (transformers' convention: a chat model's end-of-turn token beside its eos); a row stops at the first of them and then repeats the pad.
     ``streamer(tokens)`` is called with each step's (B,) tokens."""
     config = model.config
     if getattr(config, "head", None) != "lm":
@@ -171,7 +176,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
         where = "" if longest == ids.shape[1] else " (the longest prompt of the data-parallel ranks)"
         raise ValueError(f"{longest} prompt tokens{where} + {max_new_tokens} new exceed the model's "
                          f"{config.n_positions} positions")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if seed is not None and not isinstance(seed, int):
+        if len(seed) != ids.shape[0]:
+            raise ValueError(f"{len(seed)} seeds for {ids.shape[0]} rows: give one seed, or one a row")
+        generator = [torch.Generator().manual_seed(int(s)) for s in seed]
+    else:
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
     stops = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else \
         [int(t) for t in eos_token_id]
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
