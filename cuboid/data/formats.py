@@ -367,28 +367,29 @@ _PAD_FILL = {"labels": -100, "attention_mask": 0}
 
 
 def trim_padding(batch: dict, multiple: int = 1) -> dict:
-    """A batch of padded rows cut to its longest row, rounded up to ``multiple``: trailing columns of
+    """A batch of padded rows (or pairs of rows, (P, 2, L): :mod:`cuboid.data.pairs`) cut to its longest row,
+    rounded up to ``multiple``: trailing columns of
     padding go, and where the rounding passes the rows' width, columns of padding are added (the batch's
     pad token, labels -100, mask 0). Packed batches (``position_ids``) and batches without an
     ``attention_mask`` are returned as they are."""
     mask = batch.get("attention_mask")
-    if mask is None or "position_ids" in batch or mask.dim() != 2:
+    if mask is None or "position_ids" in batch or mask.dim() < 2:
         return batch
-    multiple, full = max(multiple, 1), mask.shape[1]
-    used = mask.any(dim=0).nonzero()
+    multiple, full = max(multiple, 1), mask.shape[-1]
+    used = mask.reshape(-1, full).any(dim=0).nonzero()  # (rows, or pairs of rows (P, 2, L): the last dim)
     width = -(-(int(used[-1]) + 1 if len(used) else 1) // multiple) * multiple
     if width == full:
         return batch
     out = {}
     for k, v in batch.items():
-        if v.dim() != 2 or v.shape[1] != full:
+        if v.dim() != mask.dim() or v.shape[-1] != full:
             out[k] = v
         elif width < full:
-            out[k] = v[:, :width]
+            out[k] = v[..., :width]
         else:
             pads = v[mask == 0]
             fill = _PAD_FILL.get(k, int(pads[0]) if k == "input_ids" and len(pads) else 0)
-            out[k] = torch.cat([v, v.new_full((v.shape[0], width - full), fill)], dim=1)
+            out[k] = torch.cat([v, v.new_full((*v.shape[:-1], width - full), fill)], dim=-1)
     return out
 
 

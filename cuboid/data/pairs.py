@@ -1,0 +1,197 @@
+"""Preference pairs: records with a prompt, a chosen and a rejected answer, made into tensors (TRL's layout).
+
+Records
+-------
+Columns ``prompt``, ``chosen``, ``rejected``, each a string or a
+conversation (a list of ``{"role", "content"}`` messages). Without a
+``prompt`` column (or with a string prompt beside conversational answers)
+the shared start of ``chosen`` and ``rejected`` is the prompt: the common
+leading messages of two whole dialogues, or the common leading characters of
+two strings (TRL 1.16's ``extract_prompt``). Tokenized as TRL 1.16's
+``DPOTrainer`` does:
+
+- plain text: the tokenizer's EOS is appended to an answer that does not end
+  with it; ``prompt`` and ``prompt + answer`` are tokenized as text;
+- conversations: rendered with the chat template (the tokenizer's, or
+  ``chat_template``): the prompt with the generation prompt, and
+  ``prompt + answer`` as one conversation;
+- the answer starts where the tokenized prompt and the tokenized prompt +
+  answer first differ (for either answer), so both rows share the prompt
+  tokens exactly;
+- ``max_length`` cuts each of the two sequences to its first ``max_length``
+  tokens (``keep_start``), and a pair whose prompt alone fills ``max_length``
+  is dropped (nothing of its answers would be left to learn).
+
+Tensors: a pair dimension
+-------------------------
+:func:`pair_rows` returns, for P pairs, tensors of shape (P, 2, L) (and
+(P, 2) per-sequence values), L the longest sequence of the split:
+
+- ``input_ids`` (P, 2, L) long: ``[:, 0]`` prompt + chosen, ``[:, 1]``
+  prompt + rejected, right-padded with the pad id;
+- ``attention_mask`` (P, 2, L) long: 1 on real tokens;
+- ``labels`` (P, 2, L) long: the answer's tokens, -100 on the prompt and the
+  padding (TRL's ``completion_mask`` is ``labels != -100``), so the model's
+  per-token log-probabilities (``logprobs=True``: of ``labels[..., 1:]``,
+  0 where -100) sum to each answer's log-probability.
+
+Drawing batches along dim 0 keeps every pair whole. A step's batch is the
+pairs made rows by :func:`flatten`: (P, 2, ...) -> (2P, ...) with the pairs
+**interleaved**, row ``2i`` the chosen and row ``2i + 1`` the rejected
+sequence of pair ``i`` (values of shape (P, 2), such as ``ref_logps``,
+become (2P,) the same way). Every split of a step (the dp shares, the
+micro-batches, the pipeline's micro-batches) cuts rows into equal
+contiguous parts, so a pair stays in one part whenever each part has an
+even number of rows; the preference tasks refuse a part with an odd one
+(:func:`pairs_of_rows`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from cuboid.data.chat import DataError, require_template
+
+__all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_rows", "flatten",
+           "pairs_of_rows", "PAIR_COLUMNS"]
+
+PAIR_COLUMNS = ("prompt", "chosen", "rejected")
+
+
+@dataclass
+class PairStats:
+    examples: int = 0
+    dropped: int = 0     # the prompt alone fills max_length
+    truncated: int = 0   # a sequence of the pair was cut to max_length
+
+
+def is_conversation(value) -> bool:
+    """Whether ``value`` is a list of chat messages (dicts with a role)."""
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], dict) \
+        and "role" in value[0]
+
+
+def extract_prompt(chosen, rejected) -> tuple:
+    """(prompt, chosen, rejected): the shared start of two whole answers taken as the prompt (messages of
+    two conversations, characters of two strings; a space before the first difference stays with the
+    answers), as TRL 1.16's ``extract_prompt``."""
+    n = min(len(chosen), len(rejected))
+    idx = max(n - 1, 0)  # (no difference within the shorter: TRL's loop ends on its last index)
+    for i in range(n):
+        if chosen[i] != rejected[i]:
+            idx = i - 1 if chosen[i - 1] == " " else i  # (i = 0 reads the last item, as TRL's does)
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _record(example: dict) -> tuple:
+    """(prompt, chosen, rejected) of a record, the prompt extracted where the record has none that fits."""
+    for key in ("chosen", "rejected"):
+        if key not in example:
+            raise DataError(f"a preference record needs chosen and rejected columns (and a prompt), got "
+                            f"{', '.join(example)}")
+    chosen, rejected = example["chosen"], example["rejected"]
+    prompt = example.get("prompt")
+    if prompt is None or is_conversation(prompt) != is_conversation(chosen):
+        return extract_prompt(chosen, rejected)
+    return prompt, chosen, rejected
+
+
+def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None) -> tuple:
+    """(prompt ids, chosen ids, rejected ids) of one record (module docstring): the answers' ids start
+    where the prompt's and the whole sequence's first differ."""
+    prompt, chosen, rejected = _record(example)
+    if is_conversation(chosen):
+        template = require_template(tokenizer, chat_template)
+        tools = example.get("tools")
+
+        def ids(messages, **kw):
+            out = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools, tokenize=True,
+                                                return_dict=True, **kw)
+            return list(out["input_ids"])
+
+        p = ids(prompt, add_generation_prompt=True)
+        pc, pr = ids(list(prompt) + list(chosen)), ids(list(prompt) + list(rejected))
+    else:
+        if not all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+            raise DataError("prompt, chosen and rejected must be all strings or all conversations (message lists)")
+        eos = tokenizer.eos_token
+        if eos is None:
+            raise DataError("plain-text preference pairs get the tokenizer's EOS appended: this tokenizer has none")
+        chosen = chosen if chosen.endswith(eos) else chosen + eos
+        rejected = rejected if rejected.endswith(eos) else rejected + eos
+        p = list(tokenizer(prompt)["input_ids"])
+        pc = list(tokenizer(prompt + chosen)["input_ids"])
+        pr = list(tokenizer(prompt + rejected)["input_ids"])
+    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    return p[:n], pc[n:], pr[n:]
+
+
+def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
+              pad_id: int = 0, stats: Optional[PairStats] = None) -> dict:
+    """The pairs of a split (rows with prompt/chosen/rejected) as tensors with a pair dimension (module
+    docstring): ``input_ids``, ``attention_mask``, ``labels`` (P, 2, L). ``stats`` (a :class:`PairStats`)
+    counts the examples, the dropped and the truncated ones."""
+    stats = stats if stats is not None else PairStats()
+    seqs = []  # per pair: ((ids, answer start) chosen, (ids, answer start) rejected)
+    for example in ds:
+        stats.examples += 1
+        p, c, r = tokenize_pair(example, tokenizer, chat_template)
+        if max_length is not None and len(p) >= max_length:
+            stats.dropped += 1
+            continue
+        pair = []
+        for answer in (c, r):
+            ids = p + answer
+            if max_length is not None and len(ids) > max_length:
+                ids = ids[:max_length]
+                stats.truncated += 1
+            pair.append((ids, len(p)))
+        seqs.append(pair)
+    if not seqs:
+        raise DataError(f"no preference pair is left ({stats.dropped} of {stats.examples} dropped: the prompt "
+                        "alone fills --max-length)")
+    width = max(len(ids) for pair in seqs for ids, _ in pair)
+    P = len(seqs)
+    input_ids = torch.full((P, 2, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((P, 2, width), dtype=torch.long)
+    labels = torch.full((P, 2, width), -100, dtype=torch.long)
+    for i, pair in enumerate(seqs):
+        for j, (ids, start) in enumerate(pair):
+            t = torch.tensor(ids, dtype=torch.long)
+            input_ids[i, j, :len(ids)] = t
+            mask[i, j, :len(ids)] = 1
+            labels[i, j, start:len(ids)] = t[start:]
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def flatten(batch: dict) -> dict:
+    """Pairs made rows: every tensor of shape (P, 2, ...) as (2P, ...), chosen and rejected interleaved (row
+    2i: pair i's chosen, 2i + 1: its rejected); a batch already in rows is returned as it is (decided by
+    ``input_ids`` having a pair dimension, (P, 2, L))."""
+    ids = batch.get("input_ids")
+    if ids is None or ids.dim() != 3:
+        return batch
+    P = ids.shape[0]
+    return {k: v.reshape(2 * P, *v.shape[2:]) if isinstance(v, torch.Tensor) and v.dim() >= 2
+            and v.shape[:2] == (P, 2) else v for k, v in batch.items()}
+
+
+def pairs_of_rows(rows: int, what: str = "a preference batch") -> int:
+    """The pairs in ``rows`` interleaved rows; a one-sentence ValueError when they are odd (a split cut a pair)."""
+    if rows % 2:
+        raise ValueError(f"{what} has {rows} rows: pairs are two interleaved rows (chosen, rejected), so every "
+                         "dp share and micro-batch must hold an even number of rows; choose a batch size that "
+                         "splits into whole pairs")
+    return rows // 2
