@@ -5,7 +5,8 @@ kind) is read as a ``datasets`` ``IterableDataset`` (``load_dataset(kind,
 data_files=..., streaming=True)``), nothing tokenized ahead. Each data-parallel
 rank reads its own rows (``datasets.distributed.split_dataset_by_node`` by its
 dp coordinate: whole files when their number is a multiple of dp, else every
-dp-th row), so the tensor, pipeline and sequence ranks of one dp group read
+dp-th row; every dp-th row too when the stream's first rows are held out for
+eval, so that the held-out rows are the same whatever the files), so the tensor, pipeline and sequence ranks of one dp group read
 the same rows and every dp rank different ones. A step takes ``rows`` examples
 (or packed rows) from each dp rank's stream: the rank's share of the global
 batch, given to :func:`cuboid.train.step.train_step` with ``share=True``.
@@ -103,6 +104,19 @@ def open_stream(kind: str, files: list[str]):
     import datasets
 
     return datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+
+
+def _by_examples() -> dict:
+    """``split_dataset_by_node``'s argument that deals rows, not files (``strategy``, where datasets has it)."""
+    import inspect
+
+    from datasets.distributed import split_dataset_by_node
+
+    if "strategy" not in inspect.signature(split_dataset_by_node).parameters:
+        raise DataError("--streaming with rows held out for eval over several data-parallel ranks needs "
+                        "datasets with split_dataset_by_node(strategy=...): upgrade datasets, or name an eval "
+                        "file validation.jsonl beside the training files")
+    return {"strategy": "examples"}
 
 
 # ---------------------------------------------------------------- the stages
@@ -286,9 +300,14 @@ class StreamBatches:
         from datasets.distributed import split_dataset_by_node
 
         ds = open_stream(self.data.kind, self.data.files)
-        if self.data.skip:
-            ds = ds.skip(self.data.skip)
-        return split_dataset_by_node(ds, rank=self.rank, world_size=self.world) if self.world > 1 else ds
+        if not self.data.skip:
+            return split_dataset_by_node(ds, rank=self.rank, world_size=self.world) if self.world > 1 else ds
+        ds = ds.skip(self.data.skip)
+        if self.world == 1:
+            return ds
+        # held-out rows are the stream's first rows in file order: dealt as whole files, each rank would skip
+        # a share of its own files' rows (datasets splits a skip per shard), training on eval rows
+        return split_dataset_by_node(ds, rank=self.rank, world_size=self.world, **_by_examples())
 
     def _open(self, position: Optional[dict]) -> None:
         d = self.data
