@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.parallel.head import Deferred
+from cuboid.parallel.head import Deferred, lazy
 from cuboid.parallel.mask import Mask
 
 
@@ -196,6 +196,31 @@ def lm_output(table: nn.Module, h: torch.Tensor, labels: Optional[torch.Tensor],
         return Output(logits=logits, loss=loss, last_hidden_state=h)
     loss, logits, logps, entropy = table.lm_logprobs(h, labels)
     return Output(logits=logits, loss=loss, last_hidden_state=h, token_logps=logps, token_entropy=entropy)
+
+
+def last_tokens(input_ids: torch.Tensor, pad_token_id: Optional[int]) -> torch.Tensor:
+    """(B,) index of each row's last token that is not padding, which a decoder's classification head reads
+    (transformers' ``*ForSequenceClassification``: the rightmost id that is not ``pad_token_id``, whatever the
+    side of the padding; the last position when there is no pad id)."""
+    T = input_ids.shape[1]
+    if pad_token_id is None:
+        return torch.full(input_ids.shape[:1], T - 1, device=input_ids.device)
+    kept = (input_ids != pad_token_id).long()
+    return (torch.arange(T, device=input_ids.device) * kept).argmax(-1)
+
+
+def classifier_output(classifier: nn.Module, h: torch.Tensor, last: Optional[torch.Tensor],
+                      labels: Optional[torch.Tensor], family: str) -> Output:
+    """A decoder's sequence-classification Output: ``classifier`` (HF's ``score``) on the final hidden states
+    ``h`` (B, T, C) at each row's ``last`` token (:func:`last_tokens`); with ``labels`` (B,) the mean
+    cross-entropy. ``last`` None: the plan did not hand the head the rows' last tokens (a one-sentence error)."""
+    if last is None:
+        raise ValueError(f"a {family} classification head reads each row's last token (from input_ids), which "
+                         "this forward did not pass to the head")
+    pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
+    local = classifier(pooled)  # (B, num_labels)
+    loss = classifier.loss_from_logits(local, labels) if labels is not None else None
+    return Output(logits=lazy(classifier.gather_logits, local), loss=loss, last_hidden_state=h)
 
 
 def linears(x: torch.Tensor, layers: tuple) -> list:

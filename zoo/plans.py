@@ -43,8 +43,9 @@ _LLAMA_BLOCK = {
 }
 
 SPECS = {
-    "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", **_BLOCK_ROLES},
-                        first=("tok_emb", "pos_emb"), last=("ln_f", "tok_emb"), shifted_labels=True),
+    "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", "classifier": "replicate",
+                               **_BLOCK_ROLES},
+                        first=("tok_emb", "pos_emb"), last=("ln_f", "classifier", "tok_emb"), shifted_labels=True),
     "bert": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "type_emb": "embedding",
                                 "ln_emb": "norm", "pooler": "replicate", "mlm_dense": "replicate",
                                 "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES},

@@ -32,7 +32,7 @@ class SequenceClassification(_Classification):
     """Text classification (GLUE-style): a class per text, the head on the first or last token."""
 
     name = "seqcls"
-    families = ("bert", "llama")
+    families = ("bert", "gpt", "llama")
 
     def rows(self, ds, *, config, tokenizer=None, seq_len=None, text_column="text", label_column="label",
              num_labels=None, **_) -> dict:

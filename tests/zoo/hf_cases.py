@@ -5,9 +5,9 @@ import transformers as T
 SEED = 0
 
 
-def gpt2_config():
+def gpt2_config(**kw):
     return T.GPT2Config(n_layer=2, n_embd=48, n_head=4, vocab_size=97, n_positions=32, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **kw)
 
 
 def bert_config(**kw):
@@ -74,6 +74,8 @@ MOE_CASES = {
 CASES = {
     "GPT2LMHeadModel": (T.GPT2LMHeadModel, gpt2_config, "causal"),
     "GPT2Model": (T.GPT2Model, gpt2_config, "base-text"),
+    "GPT2ForSequenceClassification": (T.GPT2ForSequenceClassification,
+                                      lambda: gpt2_config(num_labels=3, pad_token_id=0), "seqcls"),
     "BertForMaskedLM": (T.BertForMaskedLM, bert_config, "mlm"),
     "BertForSequenceClassification": (T.BertForSequenceClassification, lambda: bert_config(num_labels=3), "seqcls"),
     "BertModel": (T.BertModel, bert_config, "base-text"),

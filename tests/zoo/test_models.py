@@ -7,7 +7,7 @@ import cuboid
 from cuboid import kernels, zoo
 
 HF_CLASSES = {
-    "gpt": (T.GPT2Config, {"lm": T.GPT2LMHeadModel, "none": T.GPT2Model}),
+    "gpt": (T.GPT2Config, {"lm": T.GPT2LMHeadModel, "cls": T.GPT2ForSequenceClassification, "none": T.GPT2Model}),
     "bert": (T.BertConfig, {"mlm": T.BertForMaskedLM, "cls": T.BertForSequenceClassification, "none": T.BertModel}),
     "vit": (T.ViTConfig, {"cls": T.ViTForImageClassification, "none": T.ViTModel}),
     "llama": ({"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig, "qwen3": T.Qwen3Config,

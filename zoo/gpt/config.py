@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -15,14 +16,16 @@ class GPTConfig:
     eps: float = 1e-5            # layer-norm epsilon
     dropout: float = 0.0         # residual/embedding/attention-output dropout
     activation: str = "gelu_new" # "gelu_new" (tanh approximation, GPT-2) or "gelu"
-    head: str = "lm"             # "lm": tied LM head (GPT2LMHeadModel); "none": GPT2Model
+    head: str = "lm"             # "lm": tied LM head (GPT2LMHeadModel); "cls": GPT2ForSequenceClassification; "none": GPT2Model
+    num_labels: int = 2          # classes (outputs) for head="cls"
+    pad_token_id: Optional[int] = None  # head="cls" pools each row's last token that is not this id
     init_std: float = 0.02       # normal init std; residual projections scaled by 1/sqrt(2 n_layers)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
-        if self.head not in ("lm", "none"):
-            raise ValueError(f"head must be 'lm' or 'none', got {self.head!r}")
+        if self.head not in ("lm", "cls", "none"):
+            raise ValueError(f"head must be 'lm', 'cls' or 'none', got {self.head!r}")
         if self.activation not in ("gelu_new", "gelu"):
             raise ValueError(f"activation must be 'gelu_new' or 'gelu', got {self.activation!r}")
 

@@ -1,4 +1,5 @@
-"""GPT-2: learned positions, pre-LN blocks, causal attention, tied LM head."""
+"""GPT-2: learned positions, pre-LN blocks, causal attention, tied LM head (or a classification head on each
+row's last token that is not padding, GPT2ForSequenceClassification's ``score``)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,8 @@ import torch
 from torch import nn
 
 from cuboid.parallel import layers as L
-from cuboid.zoo.common import Block, Decoder, Output, attention_mask_of, count_targets, init_parameters, lm_output
+from cuboid.zoo.common import (Block, Decoder, Output, attention_mask_of, classifier_output, count_targets,
+                               init_parameters, last_tokens, lm_output)
 
 from .config import GPTConfig
 
@@ -28,10 +30,12 @@ class GPT(Decoder):
         )
         self.ln_f = L.LayerNorm(c.dim, c.eps)
         # the LM head is the token embedding, transposed (tied)
+        if c.head == "cls":
+            self.classifier = L.Linear(c.dim, c.num_labels, bias=False)  # HF's "score"
 
     def num_targets(self, batch: dict) -> int:
         """Label positions the loss of ``batch`` averages over (data parallelism weights by it)."""
-        return count_targets(batch.get("labels"), shift=True)
+        return count_targets(batch.get("labels"), shift=self.config.head == "lm")
 
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 init: N(0, 0.02); residual projections N(0, 0.02 / sqrt(2 n_layers)); norms 1/0."""
@@ -60,7 +64,7 @@ class GPT(Decoder):
         residual = None
         for block in self.blocks:
             x, residual = block(x, residual, mask)
-        out = self.head(x, residual, labels, logprobs=logprobs)
+        out = self.head(x, residual, labels, last=self.last_tokens(input_ids), logprobs=logprobs)
         if no_loss:
             out.loss = None
         return out
@@ -74,12 +78,20 @@ class GPT(Decoder):
             position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
         return self.drop(self.tok_emb(input_ids) + self.pos_emb(position_ids))
 
+    def last_tokens(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B,) index of each row's last token that is not padding, which a classification head reads
+        (:func:`~cuboid.zoo.common.last_tokens`); None for the other heads."""
+        return last_tokens(input_ids, self.config.pad_token_id) if self.config.head == "cls" else None
+
     def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
-             logprobs: bool = False) -> Output:
-        """Final norm and the tied LM head on the blocks' output (x + residual): the model's Output."""
+             last: Optional[torch.Tensor] = None, logprobs: bool = False) -> Output:
+        """Final norm and the tied LM head (or the classifier at each row's ``last`` token) on the blocks'
+        output (x + residual): the model's Output."""
         h, _ = self.ln_f(x, residual) if residual is not None else (self.ln_f(x), None)  # (B, T, C)
+        if self.config.head != "lm" and logprobs:
+            raise ValueError(f"logprobs=True needs the LM head; this GPT's head is {self.config.head!r}")
         if self.config.head == "none":
-            if logprobs:
-                raise ValueError("logprobs=True needs the LM head; this GPT has none (head='none')")
             return Output(logits=h, last_hidden_state=h)
+        if self.config.head == "cls":
+            return classifier_output(self.classifier, h, last, labels, "GPT")
         return lm_output(self.tok_emb, h, labels, logprobs)

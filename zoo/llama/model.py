@@ -14,8 +14,8 @@ from cuboid.parallel.head import lazy
 from cuboid.parallel.mask import Mask
 from cuboid.parallel.moe import recording
 from cuboid.parallel.state import balance_reduce_of
-from cuboid.zoo.common import (Decoder, Output, attention_mask_of, count_targets, init_parameters, linears, lm_output,
-                               pre_norm)
+from cuboid.zoo.common import (Decoder, Output, attention_mask_of, classifier_output, count_targets, init_parameters,
+                               last_tokens, linears, lm_output, pre_norm)
 
 from .config import LlamaConfig
 from .moe import SparseMLP, recorder_for, with_router_outputs
@@ -207,15 +207,9 @@ class Llama(Decoder):
         return x
 
     def last_tokens(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
-        """(B,) index of each row's last token that is not padding, which a classification head reads (as HF:
-        the rightmost id not ``pad_token_id``; the last position when there is none)."""
-        if self.config.head != "cls":
-            return None
-        T = input_ids.shape[1]
-        if self.config.pad_token_id is None:
-            return torch.full(input_ids.shape[:1], T - 1, device=input_ids.device)
-        kept = (input_ids != self.config.pad_token_id).long()
-        return (torch.arange(T, device=input_ids.device) * kept).argmax(-1)
+        """(B,) index of each row's last token that is not padding, which a classification head reads
+        (:func:`~cuboid.zoo.common.last_tokens`); None for the other heads."""
+        return last_tokens(input_ids, self.config.pad_token_id) if self.config.head == "cls" else None
 
     def head(self, x: torch.Tensor, residual: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
              last: Optional[torch.Tensor] = None, logprobs: bool = False) -> Output:
@@ -228,14 +222,7 @@ class Llama(Decoder):
         if c.head == "none":
             return Output(logits=h, last_hidden_state=h)
         if c.head == "cls":
-            if last is None:
-                raise ValueError("a Llama classification head reads each row's last token from input_ids, which "
-                                 "pipeline and sequence parallelism do not pass to the head: train it under dp, "
-                                 "tensor parallelism or ZeRO")
-            pooled = h[torch.arange(h.shape[0], device=h.device), last]  # (B, C)
-            local = self.classifier(pooled)  # (B, num_labels)
-            loss = self.classifier.loss_from_logits(local, labels) if labels is not None else None
-            return Output(logits=lazy(self.classifier.gather_logits, local), loss=loss, last_hidden_state=h)
+            return classifier_output(self.classifier, h, last, labels, "Llama")
         table = self.tok_emb if c.tie_embeddings else self.lm_head
         if c.logit_softcap is not None:
             return self._capped_lm(table, h, labels)
