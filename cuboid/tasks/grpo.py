@@ -1,0 +1,280 @@
+"""GRPO and its family (DAPO, Dr. GRPO, BNPO, CISPO, GSPO): online RL with verifiable rewards (TRL's ``GRPOTrainer``).
+
+A step samples ``num_generations`` (G) completions per prompt with the
+policy (:mod:`cuboid.train.rollout`), scores them with the reward functions,
+and turns the rewards into advantages against each prompt's group
+(:func:`advantages`). The loss is then a task loss on fixed rollouts: one
+row per completion, its prompt and completion tokens right-padded, the
+completion's tokens the targets. A test or a user builds the same batch by
+hand and calls ``cuboid.train_step(model, opt, batch, task=GRPO(...))``:
+
+- ``input_ids`` (B, T): the prompt's tokens, then the completion's, then padding;
+- ``attention_mask`` (B, T): 1 on the prompt and completion tokens;
+- ``labels`` (B, T): the completion's tokens where they are trained, -100 elsewhere
+  (``labels[:, 1:] != -100`` is TRL's ``completion_mask``, shifted as the head shifts);
+- ``advantages`` (B,): one advantage per completion (a target, not a model input);
+- ``old_logps`` (B, T) optional: ``log p_old(input_ids[:, t])`` at each completion position t
+  (position 0 unused); without it the old policy is the current one (``num_iterations`` 1: ratio 1);
+- ``ref_logps`` (B, T) with ``beta > 0``: the reference policy's log-probs, aligned the same way.
+
+The per-token loss and its aggregation follow TRL 1.16's ``_compute_loss``
+per ``loss_type``; the step (:func:`cuboid.train.step.train_step`) divides the
+summed loss by the step's count over micro-batches and dp ranks, so each
+aggregate is TRL's: ``dapo`` and ``cispo`` the sum over every completion
+token of the step over their number; ``dr_grpo`` that sum over
+rows x ``max_completion_length``; ``grpo`` the mean over rows of each row's
+token mean; ``bnpo`` the mean over micro-batches (and ranks) of each one's
+token mean (as TRL's, it depends on the micro-batching).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .base import Task, TaskError, register
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
+LEVELS = ("token", "sequence")
+
+
+def _option(default, text: str):
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """The options of task ``grpo`` (TRL's ``GRPOConfig`` names and defaults; ``--task grpo,beta=0.04``)."""
+
+    num_generations: int = _option(8, "completions sampled per prompt (G); the batch size counts completions")
+    max_completion_length: int = _option(256, "tokens a completion may have")
+    temperature: float = _option(1.0, "sampling temperature")
+    top_p: float = _option(1.0, "nucleus sampling: the smallest set of tokens of this probability mass")
+    top_k: int = _option(0, "sample among the k most likely tokens (0: all)")
+    loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo (TRL's aggregations)")
+    beta: float = _option(0.0, "KL coefficient to the reference policy (LoRA: the base, adapters off)")
+    epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below")
+    epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)")
+    scale_rewards: str = _option("group", "group | batch | none: what the advantages are divided by")
+    num_iterations: int = _option(1, "optimizer steps per generation (mu), the old log-probs kept")
+    importance_sampling_level: str = _option("token", "token | sequence (GSPO)")
+    mask_truncated_completions: bool = _option(False, "completions cut at max_completion_length train nothing")
+    reward_weights: Optional[str] = _option(None, "weights of the reward functions, comma-separated (default 1)")
+    log_completions: bool = _option(False, "write completions.jsonl in the output folder")
+    prompt_column: str = _option("prompt", "the column of the prompts (a string or a message list)")
+
+
+def _masked_seq(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) per-row token means of ``x`` (B, C) over ``mask`` (a row without tokens: 0)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def policy_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 o: GRPOOptions, ref_logps: Optional[torch.Tensor] = None) -> tuple:
+    """TRL's per-token loss: ``(per_token_loss, coef_1, per_token_kl or None)``.
+
+    ``logps``, ``old_logps``, ``ref_logps``, ``mask``: (B, C) over completion positions (``mask`` float, 1 on
+    trained tokens); ``advantages`` (B,). ``coef_1`` is the importance ratio, (B, C) at token level and (B, 1)
+    at sequence level (GSPO: the exponentiated mean log-ratio of the row)."""
+    adv = advantages.to(logps.dtype).unsqueeze(1)
+    log_ratio = logps - old_logps
+    if o.importance_sampling_level == "sequence":
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        log_weights = log_ratio
+    coef_1 = torch.exp(log_weights)
+    high = o.epsilon_high if o.epsilon_high is not None else o.epsilon
+    if o.loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=high).detach() * adv * logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - o.epsilon, 1 + high)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    kl = None
+    if o.beta != 0.0:  # the k3 estimator of KL(policy || reference), per token
+        diff = ref_logps - logps
+        kl = torch.exp(diff) - diff - 1
+        per_token = per_token + o.beta * kl
+    return per_token.expand_as(mask) if per_token.shape != mask.shape else per_token, coef_1, kl
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, o: GRPOOptions) -> torch.Tensor:
+    """One micro-batch's summed loss for the step to divide by :func:`count_of` summed over the step."""
+    if o.loss_type == "grpo":
+        return _masked_seq(per_token, mask).sum()
+    if o.loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    return (per_token * mask).sum()  # dapo, cispo, dr_grpo
+
+
+def count_of(mask: torch.Tensor, o: GRPOOptions) -> int:
+    """One micro-batch's share of the step's denominator (:func:`aggregate`'s): tokens (dapo, cispo), rows
+    (grpo), rows x max_completion_length (dr_grpo), one (bnpo: a mean of micro-batch means)."""
+    if o.loss_type in ("dapo", "cispo"):
+        return int(mask.sum())
+    if o.loss_type == "grpo":
+        return int(mask.shape[0])
+    if o.loss_type == "dr_grpo":
+        return int(mask.shape[0]) * o.max_completion_length
+    return 1
+
+
+def metric_sums(per_token_kl, coef_1: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, o: GRPOOptions) -> dict:
+    """Numerators and denominators of TRL's token means (``kl``, ``entropy``, the clip ratios) over one
+    micro-batch; :meth:`GRPO.step_metrics` divides them once the step summed them over micro-batches and ranks.
+    At sequence level (GSPO) the clip ratios are means over rows, as TRL's."""
+    adv = advantages.to(coef_1.dtype).unsqueeze(1)
+    sums = {"_tokens": mask.sum(), "_rows": torch.tensor(float(mask.shape[0])),
+            "_entropy": (entropy * mask).sum()}
+    if per_token_kl is not None:
+        sums["_kl"] = (per_token_kl * mask).sum()
+    high = o.epsilon_high if o.epsilon_high is not None else o.epsilon
+    if o.loss_type == "cispo":
+        clipped = {"cispo_clip_ratio": (coef_1 > high) & (adv > 0)}
+    else:
+        low_c, high_c = (coef_1 < 1 - o.epsilon) & (adv < 0), (coef_1 > 1 + high) & (adv > 0)
+        clipped = {"clip_ratio/low_mean": low_c, "clip_ratio/high_mean": high_c,
+                   "clip_ratio/region_mean": low_c | high_c}
+    for name, flags in clipped.items():
+        flags = flags.float()
+        sums["_" + name] = flags.sum() if flags.shape[1] == 1 else (flags * mask).sum()
+    return {k: v.detach().double() for k, v in sums.items()}
+
+
+def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+               scale_rewards: str = "group") -> tuple:
+    """TRL's advantages (``sum_then_normalize``): ``(rewards, advantages, std_is_zero)``, each (B,).
+
+    ``rewards_per_func`` (B, F) float64 with NaN where a function returned None; ``weights`` (F,). Rewards are
+    the weighted sums (NaN where every function returned None); ``group``: ``(r - mean(group)) / (std(group) +
+    1e-4)`` with the unbiased std; ``batch``: the std over the whole batch; ``none``: not divided. An unscorable
+    completion's advantage is 0."""
+    if scale_rewards not in SCALE_REWARDS:
+        raise TaskError(f"scale_rewards {scale_rewards!r}: one of {', '.join(SCALE_REWARDS)}")
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.to(rewards_per_func.dtype).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    elif num_generations > 1:
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    else:
+        std = torch.zeros_like(rewards)
+    adv = rewards - mean
+    if scale_rewards != "none":
+        adv = adv / (std + 1e-4)
+    return rewards, torch.nan_to_num(adv, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def nanstd(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """The unbiased standard deviation ignoring NaNs (NaN with fewer than two values)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = var * torch.where(n > 1, n / (n - 1), torch.full_like(var, float("nan")))
+    std = var.sqrt()
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def reward_metrics(rewards_per_func: torch.Tensor, names: Sequence[str], rewards: torch.Tensor,
+                   std_zero: torch.Tensor) -> dict:
+    """TRL's reward metrics of one generation: ``reward``, ``reward_std``, ``rewards/<fn>/mean`` and ``/std``,
+    ``frac_reward_zero_std``."""
+    out = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = _finite(torch.nanmean(rewards_per_func[:, i]))
+        out[f"rewards/{name}/std"] = _finite(nanstd(rewards_per_func[:, i]))
+    out["reward"] = _finite(torch.nanmean(rewards))
+    out["reward_std"] = _finite(nanstd(rewards))
+    out["frac_reward_zero_std"] = float(std_zero.float().mean())
+    return out
+
+
+def _finite(t: torch.Tensor) -> Optional[float]:
+    v = float(t)
+    return v if math.isfinite(v) else None
+
+
+@register
+class GRPO(Task):
+    """Online RL with verifiable rewards (TRL's GRPOTrainer): G sampled completions a prompt, advantages
+    against the group, the clipped policy loss (dapo by default)."""
+
+    name = "grpo"
+    heads = ("lm",)
+    unit = "tokens"
+    metric = "reward"
+    targets = ("advantages", "old_logps", "ref_logps")
+    forward_kwargs = {"logprobs": True}
+    own_loss = True
+    Options = GRPOOptions
+
+    def __init__(self, options: Any = None, *, reward_funcs: Sequence = (), **fields) -> None:
+        super().__init__(options, **fields)
+        o = self.options
+        for what, value, allowed in (("loss_type", o.loss_type, LOSS_TYPES),
+                                     ("scale_rewards", o.scale_rewards, SCALE_REWARDS),
+                                     ("importance_sampling_level", o.importance_sampling_level, LEVELS)):
+            if value not in allowed:
+                raise TaskError(f"task grpo: {what} {value!r} is not one of {', '.join(allowed)}")
+        if o.num_generations < 2:
+            raise TaskError(f"task grpo: num_generations {o.num_generations}: a group needs at least 2 completions")
+        if o.num_iterations < 1 or o.max_completion_length < 1:
+            raise TaskError("task grpo: num_iterations and max_completion_length must be at least 1")
+        if o.beta < 0 or o.epsilon < 0 or (o.epsilon_high is not None and o.epsilon_high < 0):
+            raise TaskError("task grpo: beta, epsilon and epsilon_high must not be negative")
+        if o.temperature <= 0 or not 0.0 < o.top_p <= 1.0 or o.top_k < 0:
+            raise TaskError(f"task grpo: need temperature > 0, 0 < top_p <= 1 and top_k >= 0; got "
+                            f"{o.temperature}, {o.top_p}, {o.top_k}")
+        from .grpo_rewards import load_rewards, parse_weights
+
+        self.reward_funcs, self.reward_names = load_rewards(reward_funcs)
+        self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
+        self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
+        self.rollout: Optional[dict] = None  # the current generation (cuboid.train.rollout), kept num_iterations steps
+
+    # ------------------------------------------------------------ the step on fixed rollouts
+
+    @staticmethod
+    def completion_mask(batch: dict) -> torch.Tensor:
+        """(B, T - 1) float: 1 where ``labels[:, 1:]`` is trained (the completion tokens the head predicts)."""
+        return (batch["labels"][:, 1:] != -100).float()
+
+    def count(self, batch: dict, model=None) -> int:
+        n = count_of(self.completion_mask(batch), self.options)
+        return max(n, 1) if self.empty_step else n
+
+    def loss(self, out, batch: dict) -> tuple:
+        o = self.options
+        logps = out.token_logps                                # (B, T - 1), fp32 from the head (or finer)
+        logps = logps.to(torch.promote_types(logps.dtype, torch.float32))
+        mask = self.completion_mask(batch).to(logps.device)
+        old = batch.get("old_logps")
+        old = logps.detach() if old is None else old[:, 1:].to(logps)
+        ref = batch.get("ref_logps")
+        if o.beta != 0.0 and ref is None:
+            raise TaskError("task grpo with beta > 0 needs the batch's ref_logps (the reference policy's)")
+        ref = ref[:, 1:].to(logps) if ref is not None else None
+        per_token, coef_1, kl = policy_terms(logps, old, batch["advantages"].to(logps.device), mask, o, ref)
+        summed = aggregate(per_token, mask, o)
+        entropy = out.token_entropy.to(logps) if out.token_entropy is not None else torch.zeros_like(logps)
+        return summed, metric_sums(kl, coef_1, entropy, batch["advantages"].to(logps.device), mask, o)
+
+    def step_metrics(self, metrics: dict) -> dict:
+        """TRL's names from the step's reduced sums (:func:`metric_sums`; each divided by the same count, so
+        their ratios are the token means)."""
+        tokens, rows = metrics.get("_tokens", 0.0), metrics.get("_rows", 0.0)
+        out = {}
+        for key, value in metrics.items():
+            if key in ("_tokens", "_rows") or not key.startswith("_"):
+                continue
+            name = key[1:]
+            seq = self.options.importance_sampling_level == "sequence" and name.startswith(("clip", "cispo"))
+            den = rows if seq else tokens
+            out[name] = value / den if den else 0.0
+        return out
