@@ -1,8 +1,8 @@
 """The training objectives: one small class per task (:mod:`.base` says what a task is).
 
 Registered: ``causal`` (``clm``), ``sft`` (:mod:`.lm`), ``mlm`` (:mod:`.mlm`),
-``seqcls``, ``imgcls`` (:mod:`.classify`), ``grpo`` (:mod:`.grpo`). A user's own task subclasses
-:class:`Task` and is passed as an object.
+``seqcls``, ``imgcls`` (:mod:`.classify`), ``grpo`` (:mod:`.grpo`), ``dpo``
+(:mod:`.preference`). A user's own task subclasses :class:`Task` and is passed as an object.
 """
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from .lm import SFT, Causal
 from .mlm import MaskedLM
 from .grpo import GRPO
 from .classify import ImageClassification, SequenceClassification  # noqa: I001 (registration order: defaults)
+from .preference import DPO
 
 __all__ = ["Task", "NoOptions", "TaskError", "register", "get", "names", "parse", "resolve", "class_of", "for_model",
-           "prepare", "Causal", "SFT", "MaskedLM", "SequenceClassification", "ImageClassification", "GRPO"]
+           "prepare", "Causal", "SFT", "MaskedLM", "SequenceClassification", "ImageClassification", "GRPO",
+           "DPO"]
 
 
 def prepare(ds, task, **prep) -> dict:
