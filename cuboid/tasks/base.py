@@ -10,8 +10,10 @@ decided from the batch before the forward), the eval figure it reports
 - :meth:`check`: one-sentence refusals that need no data (packing, streaming);
 - :meth:`rows` / :meth:`example`: records into rows, offline (a whole split)
   and streaming (one record at a time), the same code ``cuboid prepare`` runs;
+- :meth:`with_model`: what the prepared data gains from the model once,
+  before training (DPO's reference log-probs);
 - :meth:`before_step`: what happens to a global batch before a step (MLM
-  masks today; reference log-probs or rollouts tomorrow);
+  masks; DPO's pairs made rows; rollouts);
 - :meth:`loss`: ``(summed loss, summed metrics)`` of one micro-batch's
   outputs. The step (:func:`cuboid.train.step.train_step`) divides by the
   global count over micro-batches and dp ranks, so each step is one device's.
@@ -140,6 +142,13 @@ class Task:
     def example(self, prep: dict, row_length: int) -> Callable[[dict], Optional[dict]]:
         """One raw record -> ``{"input_ids", "labels"}`` lists (None: nothing to learn), for streaming."""
         raise TaskError(f"task {self.label} does not stream records")
+
+    def with_model(self, model, splits: list, **run) -> list:
+        """The prepared splits (dicts of tensors) completed with what needs the model, once before training or
+        evaluation (DPO: the reference policy's log-probabilities, TRL's ``precompute_ref_log_probs``); every
+        rank calls it alike. ``run``: ``device``, ``dtype`` (the plan's), ``lora`` (the model carries
+        adapters). By default the splits as they are."""
+        return splits
 
     def before_step(self, batch: dict, step: int, *, tokenizer=None, seed: int = 0) -> dict:
         """The global batch of optimizer step ``step`` (1-based) as the step trains on it."""
