@@ -11,7 +11,9 @@ written with ``save_to_disk``: a folder that ``cuboid finetune --data`` reads
 as it is (columns ``input_ids`` and ``labels``; packed rows also
 ``position_ids`` and ``attention_mask``), with ``prepare_report.json``. The
 folder appears whole or not at all (written beside it, then renamed); an
-existing one is replaced only with ``--overwrite``.
+existing one is replaced only with ``--overwrite``, and only when cuboid prepare
+wrote it (its report beside the splits and nothing else) and it holds neither
+the current directory nor the data, model or tokenizer.
 
 The report gives, per split, the examples read, those dropped (nothing left
 to learn after truncation) and truncated, the rows, the tokens, the trained
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.exists() and not args.overwrite:
         raise ValueError(f"--output {output} exists: choose another folder or pass --overwrite to replace it")
+    check_replaceable(output, {"--data": args.data, "--model": args.model, "--tokenizer": args.tokenizer})
     from cuboid.train.config import TASK_FLAGS, with_flags
 
     task = with_flags(args.task, {k: getattr(args, k) for k in TASK_FLAGS})
@@ -190,6 +193,43 @@ def padding_fraction(lengths, batch_size: int, seed: int, width_multiple: int = 
 # ---------------------------------------------------------------- writing
 
 
+def foreign_entry(folder: Path) -> Optional[str]:
+    """The first entry of ``folder`` that ``cuboid prepare`` did not write, or None. A prepared folder holds
+    its report, ``dataset_dict.json`` and the split folders that file names; a folder without the report
+    was not written by cuboid, and its first entry is returned."""
+    entries = sorted(folder.iterdir())
+    if not (folder / REPORT).is_file():
+        return entries[0].name + ("/" if entries[0].is_dir() else "") if entries else None
+    try:
+        splits = set(json.loads((folder / "dataset_dict.json").read_text())["splits"])
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = set()
+    for entry in entries:
+        ours = entry.name in (REPORT, "dataset_dict.json") and entry.is_file()
+        if not ours and not (entry.name in splits and entry.is_dir() and not entry.is_symlink()):
+            return entry.name + ("/" if entry.is_dir() else "")
+    return None
+
+
+def check_replaceable(output: Path, inputs: dict) -> None:
+    """A one-line ValueError unless ``output`` is absent, empty, or a folder ``cuboid prepare`` wrote that holds
+    none of ``inputs`` (flag -> path: the data, model and tokenizer) and not the current directory."""
+    if not output.exists() and not output.is_symlink():
+        return
+    if not output.is_dir():
+        raise ValueError(f"--output {output} exists and is not a folder: choose another path")
+    where = output.resolve()
+    for what, path in [("the current directory", os.getcwd()),
+                       *((f"{flag} {p}", p) for flag, p in inputs.items() if isinstance(p, (str, os.PathLike)))]:
+        inside = Path(path).resolve()
+        if inside == where or where in inside.parents:
+            raise ValueError(f"refusing to replace --output {output}: it holds {what}; choose another folder")
+    other = foreign_entry(output)
+    if other is not None:
+        raise ValueError(f"refusing to replace --output {output}: cuboid prepare did not write it ({other} is not "
+                         f"part of a prepared folder with its {REPORT}); move it out or choose another folder")
+
+
 def write(prepared: dict, report: dict, output: Path, overwrite: bool) -> None:
     """``prepared`` (split -> Dataset) saved as a DatasetDict folder with ``prepare_report.json``, written in a
     temporary folder beside ``output`` and renamed into place, so ``output`` is whole or absent."""
@@ -205,6 +245,7 @@ def write(prepared: dict, report: dict, output: Path, overwrite: bool) -> None:
         if output.exists():
             if not overwrite:
                 raise ValueError(f"--output {output} exists: choose another folder or pass --overwrite to replace it")
+            check_replaceable(output, {})
             old = tmp / "old"
             os.replace(output, old)
         os.replace(tmp / "data", output)

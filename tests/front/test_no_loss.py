@@ -2,9 +2,11 @@
 and ``--overwrite`` replaces only a folder cuboid wrote."""
 from __future__ import annotations
 
-import pytest
-import torch
+import json
 
+import pytest
+
+from .test_prepare_cmd import chat_file, qwen  # noqa: F401 (fixtures)
 from .test_streaming import row_ids, rows_file, stream
 
 
@@ -20,3 +22,33 @@ def test_streamed_eval_rows_are_never_trained_on(tmp_path, files):
         seen.append([i for _ in range((n - skip) // 2) for i in row_ids(s.next())])
     assert set(seen[0]).isdisjoint(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(skip, n)), "eval rows trained on, or training rows never read"
+
+
+def test_prepare_overwrite_replaces_only_a_folder_it_wrote(qwen, chat_file, tmp_path, monkeypatch, capsys):
+    """``--output . --overwrite`` once moved the current directory (the data in it) away and deleted it."""
+    from cuboid.cli import main
+
+    work = tmp_path / "work"
+    work.mkdir()
+    data = work / "chat.jsonl"
+    data.write_bytes(chat_file.read_bytes())
+    monkeypatch.chdir(work)
+    base = ["prepare", "--model", str(qwen), "--data", "chat.jsonl", "--max-length", "64", "--overwrite"]
+    assert main([*base, "--output", "."]) == 2
+    assert capsys.readouterr().err.strip() == ("cuboid prepare: error: refusing to replace --output .: it holds "
+                                               "the current directory; choose another folder")
+    assert data.read_bytes() == chat_file.read_bytes()
+    mine = tmp_path / "mine"  # a user's folder: kept, whatever --overwrite says
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "a.txt").write_text("keep")
+    assert main([*base, "--output", str(mine)]) == 2
+    assert "cuboid prepare did not write it (notes/ is not part of a prepared folder" in capsys.readouterr().err
+    assert (mine / "notes" / "a.txt").read_text() == "keep"
+    assert main([*base, "--output", str(work / "inner"), "--data", str(data)]) == 0  # a prepared folder: replaced
+    (work / "inner" / "extra.txt").write_text("x")  # ... unless something else was put in it
+    assert main([*base, "--output", str(work / "inner")]) == 2
+    assert "extra.txt is not part" in capsys.readouterr().err
+    (work / "inner" / "extra.txt").unlink()
+    assert main([*base, "--output", str(work / "inner"), "--max-length", "96"]) == 0
+    assert json.loads((work / "inner" / "prepare_report.json").read_text())["max_length"] == 96
+    assert main([*base, "--output", str(work), "--data", str(data)]) == 2  # the data's own folder
