@@ -2,7 +2,7 @@
 
 Registered: ``causal`` (``clm``), ``sft`` (:mod:`.lm`), ``mlm`` (:mod:`.mlm`),
 ``seqcls``, ``imgcls`` (:mod:`.classify`), ``grpo`` (:mod:`.grpo`), ``dpo``
-(:mod:`.preference`). A user's own task subclasses :class:`Task` and is passed as an object.
+(:mod:`.preference`), ``reward`` (:mod:`.reward`). A user's own task subclasses :class:`Task` and is passed as an object.
 """
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from .mlm import MaskedLM
 from .grpo import GRPO
 from .classify import ImageClassification, SequenceClassification  # noqa: I001 (registration order: defaults)
 from .preference import DPO
+from .reward import Reward
 
 __all__ = ["Task", "NoOptions", "TaskError", "register", "get", "names", "parse", "resolve", "class_of", "for_model",
            "prepare", "Causal", "SFT", "MaskedLM", "SequenceClassification", "ImageClassification", "GRPO",
-           "DPO"]
+           "DPO", "Reward"]
 
 
 def prepare(ds, task, **prep) -> dict:

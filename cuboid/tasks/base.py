@@ -143,6 +143,11 @@ class Task:
         """One raw record -> ``{"input_ids", "labels"}`` lists (None: nothing to learn), for streaming."""
         raise TaskError(f"task {self.label} does not stream records")
 
+    def model_config(self, config, tokenizer) -> dict:
+        """Config fields the task gives the model it trains, beside its head (a preset's before it is built,
+        a folder's after it is read; reward: one output and the tokenizer's pad id). By default none."""
+        return {}
+
     def with_model(self, model, splits: list, **run) -> list:
         """The prepared splits (dicts of tensors) completed with what needs the model, once before training or
         evaluation (DPO: the reference policy's log-probabilities, TRL's ``precompute_ref_log_probs``); every
