@@ -236,7 +236,11 @@ class GRPO(Task):
         self.reward_funcs, self.reward_names = load_rewards(reward_funcs)
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
         self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
-        self.rollout: Optional[dict] = None  # the current generation (cuboid.train.rollout), kept num_iterations steps
+        self.rollout: Optional[dict] = None  # the current generation (.rollout), kept num_iterations steps
+        self.records: list = []   # the prompts' records (every split rows() made), by index
+        self.prompt_ids: list = []
+        self.chat_template: Optional[str] = None
+        self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
 
     # ------------------------------------------------------------ the step on fixed rollouts
 
@@ -278,3 +282,105 @@ class GRPO(Task):
             den = rows if seq else tokens
             out[name] = value / den if den else 0.0
         return out
+
+    # ------------------------------------------------------------ data: prompts
+
+    def rows(self, ds, *, tokenizer=None, chat_template=None, **_) -> dict:
+        """A split of prompts as ``{"index"}`` rows: the records (the prompt as given and the other columns, for
+        the reward functions) and their token ids stay with the task, looked up by index at each step."""
+        from cuboid.data import formats
+
+        from .rollout import tokenize_prompt
+
+        formats.check_split(ds)
+        formats.need_tokenizer(tokenizer, self.label)
+        column = self.options.prompt_column
+        if column not in ds.column_names:
+            raise TaskError(f"task grpo reads prompts from column {column!r}; the data has "
+                            f"{', '.join(ds.column_names)}")
+        start = len(self.records)
+        for record in ds:
+            self.records.append(dict(record))
+            self.prompt_ids.append(tokenize_prompt(record[column], tokenizer, chat_template))
+        return {"index": torch.arange(start, len(self.records))}
+
+    def takes_data(self, step: int) -> bool:
+        """Whether step ``step`` reads new prompts: the first of each generation (TRL repeats a generation's
+        prompts ``num_iterations`` steps)."""
+        return (step - 1) % self.options.num_iterations == 0 or self.rollout is None
+
+    # ------------------------------------------------------------ the step: rollouts
+
+    def before_step(self, batch: Optional[dict], step: int, *, tokenizer=None, seed: int = 0, model=None) -> dict:
+        """The step's rollouts (:mod:`.rollout`): sampled, scored and batched on the first step of a generation,
+        kept for the next ``num_iterations - 1`` steps (their old log-probs from before the first update)."""
+        if batch is None:
+            if self.rollout is None:
+                raise TaskError("task grpo: a step without prompts needs an earlier generation")
+            return self.rollout["batch"]
+        if model is None or tokenizer is None:
+            raise TaskError("task grpo samples its completions: before_step needs the model and the tokenizer")
+        from . import rollout as R
+        from cuboid.data.chat import stop_token_ids
+
+        o = self.options
+        index = batch["index"].tolist()
+        prompts = [self.prompt_ids[i] for i in index]
+        stops = stop_token_ids(tokenizer, self.chat_template)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+        completions = R.sample(model, prompts, num_generations=o.num_generations, step=step, seed=seed,
+                               max_new_tokens=o.max_completion_length, temperature=o.temperature, top_p=o.top_p,
+                               top_k=o.top_k, stops=stops, pad=pad)
+        G = o.num_generations
+        records = [self.records[index[j // G]] for j in range(len(completions))]
+        raw = [r[o.prompt_column] for r in records]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
+        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
+        from .grpo_rewards import score
+
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns)
+        rewards, adv, std_zero = advantages(per_func, self.reward_weights, G, o.scale_rewards)
+        cut = [R.truncated(c, stops) for c in completions]
+        masked = cut if o.mask_truncated_completions else [False] * len(cut)
+        from cuboid.parallel import state_of, unwrap
+
+        plan = state_of(unwrap(model)).plan
+        out = R.batch_of(prompts, completions, G, adv, masked, pad, math.lcm(8, 2 * plan.sp * plan.tp))
+        if o.num_iterations > 1:  # the old policy's log-probs, before this generation's first update
+            out["old_logps"] = R.logps_of(model, out)
+        if o.beta != 0.0:
+            out["ref_logps"] = R.logps_of(model, out, reference=True)
+        self.empty_step = not bool((out["labels"][:, 1:] != -100).any())
+        self.num_tokens += int(out["attention_mask"].sum())
+        metrics = {**reward_metrics(per_func, self.reward_names, rewards, std_zero),
+                   **R.length_metrics(completions, stops)}
+        self.rollout = {"step": step, "batch": out, "prompts": [raw[j] for j in range(0, len(raw), G)],
+                        "texts": texts, "completion_ids": completions, "per_func": per_func, "rewards": rewards,
+                        "advantages": adv, "metrics": metrics}
+        return out
+
+    def step_log(self, result, step: int, output_dir=None) -> dict:
+        """The row's GRPO figures after a step (TRL's names) and, on the rank that writes (``output_dir``
+        given) with ``log_completions``, the generation's completions appended to ``completions.jsonl``."""
+        row = {**self.step_metrics(result.metrics), **(self.rollout or {}).get("metrics", {}),
+               "num_tokens": self.num_tokens}
+        if output_dir is not None and self.options.log_completions and self.rollout is not None \
+                and self.rollout["step"] == step:
+            self.write_completions(output_dir)
+        return row
+
+    def write_completions(self, output_dir) -> None:
+        """One line a completion: step, prompt (as given), completion (text), completion_ids, reward, each
+        function's reward (None where it did not apply) and advantage."""
+        import json
+        from pathlib import Path
+
+        r, G = self.rollout, self.options.num_generations
+        with open(Path(output_dir) / "completions.jsonl", "a") as f:
+            for j, text in enumerate(r["texts"]):
+                line = {"step": r["step"], "prompt": r["prompts"][j // G], "completion": text,
+                        "completion_ids": r["completion_ids"][j], "reward": _finite(r["rewards"][j]),
+                        **{name: _finite(r["per_func"][j, i]) for i, name in enumerate(self.reward_names)},
+                        "advantage": float(r["advantages"][j])}
+                f.write(json.dumps(line) + "\n")

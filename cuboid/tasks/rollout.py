@@ -1,0 +1,160 @@
+"""GRPO's rollouts: sample G completions a prompt with cuboid's key/value cache under the training plan, score them,
+and make the step's batch of fixed rollouts (:mod:`cuboid.tasks.grpo` says its layout).
+
+Row ``j`` of a step's rollouts is completion ``j % G`` of prompt ``j // G``.
+Each dp rank samples its contiguous share of the rows (the rows
+:func:`cuboid.train.step.rank_share` gives it to train on), every prompt
+left-padded to the longest prompt of the whole step, and each row draws from a
+generator seeded by ``(seed, step, j)``: one device and ``dp=2`` sample the
+same tokens, and a resumed run samples what the uninterrupted one did. The
+ranks' completions are then gathered (every rank holds the global batch, as
+the step expects). Tensor and pipeline ranks sample alike
+(:func:`cuboid.zoo.generation.generate`); sequence parallelism is refused there.
+
+Reward functions run on every rank over every completion (so a function that
+raises stops every rank alike, with no collective left waiting): they must be
+deterministic.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from cuboid.parallel import comm, state_of, unwrap, zero
+
+from .base import TaskError
+
+
+def row_seed(seed: int, step: int, row: int) -> int:
+    """The seed of completion ``row`` of generation step ``step`` (independent of the plan and the rows beside)."""
+    digest = hashlib.sha256(f"grpo:{seed}:{step}:{row}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def tokenize_prompt(prompt, tokenizer, chat_template: Optional[str] = None) -> list:
+    """A prompt's token ids: a string as it is, a message list rendered with the chat template and its
+    generation prompt (TRL's conversational prompts)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        from cuboid.data.chat import prompt_ids
+
+        return prompt_ids(list(prompt), tokenizer, chat_template=chat_template)
+    raise TaskError(f"a prompt is a string or a list of messages, got {type(prompt).__name__}")
+
+
+def _dp(model):
+    mesh = state_of(unwrap(model)).mesh
+    return mesh, mesh.size("dp"), mesh.coords["dp"] if mesh.size("dp") > 1 else 0
+
+
+def sample(model, prompts: Sequence[list], *, num_generations: int, step: int, seed: int, max_new_tokens: int,
+           temperature: float, top_p: float, top_k: int, stops: Sequence[int], pad: int) -> list:
+    """The global batch's completions (``len(prompts) * G`` lists of token ids, each cut after its first stop
+    token), this dp rank sampling its share of the rows and every rank returning all of them."""
+    core = unwrap(model)
+    mesh, dp, rank = _dp(model)
+    rows = len(prompts) * num_generations
+    if rows % dp:
+        raise TaskError(f"{rows} completions a step do not split into {dp} data-parallel shares")
+    share = rows // dp
+    mine = range(rank * share, (rank + 1) * share)
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((share, longest), pad, dtype=torch.long)
+    mask = torch.zeros(share, longest, dtype=torch.long)
+    for i, j in enumerate(mine):
+        p = prompts[j // num_generations]
+        ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, longest - len(p):] = 1
+    out = core.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                        top_p=top_p, top_k=top_k, eos_token_id=list(stops) or None, pad_token_id=pad,
+                        seed=[row_seed(seed, step, j) for j in mine])
+    zero.reshard(core)  # ZeRO-3: free what a forward without backward left gathered
+    new = out[:, longest:].cpu()
+    padded = torch.full((share, max_new_tokens), -1, dtype=torch.long)
+    padded[:, :new.shape[1]] = new
+    if dp > 1:  # every rank's share, in rank order: the global rows
+        device = next(core.parameters()).device
+        padded = torch.cat([t.cpu() for t in comm.all_gather_list(padded.to(device), mesh.group("dp"))])
+    completions = []
+    for row in padded.tolist():
+        row = [t for t in row if t >= 0]
+        cut = next((k for k, t in enumerate(row) if t in stops), None)
+        completions.append(row[:cut + 1] if cut is not None else row)
+    return completions
+
+
+def truncated(completion: list, stops: Sequence[int]) -> bool:
+    """Whether a completion ended without a stop token (cut at max_completion_length)."""
+    return not completion or completion[-1] not in stops
+
+
+def batch_of(prompts: Sequence[list], completions: Sequence[list], num_generations: int, advantages: torch.Tensor,
+             masked: Sequence[bool], pad: int, multiple: int = 8) -> dict:
+    """The step's rollouts as a training batch (:mod:`cuboid.tasks.grpo`'s layout): row j is prompt j // G,
+    then completion j, right-padded to a multiple of ``multiple``; a ``masked`` row's completion trains nothing."""
+    rows = len(completions)
+    width = max(len(prompts[j // num_generations]) + len(c) for j, c in enumerate(completions))
+    width = -(-max(width, 2) // multiple) * multiple
+    ids = torch.full((rows, width), pad, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    labels = torch.full((rows, width), -100, dtype=torch.long)
+    for j, c in enumerate(completions):
+        p = prompts[j // num_generations]
+        n = len(p) + len(c)
+        ids[j, :n] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        mask[j, :n] = 1
+        if not masked[j]:
+            labels[j, len(p):n] = ids[j, len(p):n]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+            "advantages": advantages.to(torch.float32)}
+
+
+@torch.no_grad()
+def logps_of(model, batch: dict, *, reference: bool = False) -> torch.Tensor:
+    """(B, T) log-probs of each input token under the model (``reference``: its base, adapters off), aligned
+    with ``input_ids`` (position 0 unused): this dp rank's share computed, all ranks' gathered."""
+    from cuboid.parallel.lora import adapters_off, carries_adapters
+
+    core = unwrap(model)
+    mesh, dp, rank = _dp(model)
+    rows = batch["input_ids"].shape[0]
+    share = rows // dp
+    inputs = {k: batch[k][rank * share:(rank + 1) * share] for k in ("input_ids", "attention_mask", "labels")}
+    device = next(core.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    was_training = core.training
+    core.eval()
+    try:
+        if reference:
+            if not carries_adapters(core):
+                raise TaskError("task grpo with beta > 0 needs --lora: the reference policy is the base with the "
+                                "adapters off (a full fine-tune keeps no copy of it)")
+            with adapters_off(core):
+                logps = core(**inputs, logprobs=True).token_logps
+        else:
+            logps = core(**inputs, logprobs=True).token_logps
+    finally:
+        core.train(was_training)
+        zero.reshard(core)
+    out = torch.zeros(share, rows and batch["input_ids"].shape[1], dtype=torch.float32, device=device)
+    out[:, 1:] = logps.float()
+    if dp > 1:
+        out = torch.cat(comm.all_gather_list(out, mesh.group("dp")))
+    return out.cpu()
+
+
+def length_metrics(completions: Sequence[list], stops: Sequence[int]) -> dict:
+    """TRL's ``completions/*``: mean, min and max length (tokens, the stop token included), clipped ratio."""
+    lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
+    cut = [truncated(c, stops) for c in completions]
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": sum(cut) / max(len(cut), 1)}
+
+
+def finite_or_none(x: float) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
