@@ -13,7 +13,8 @@ decided from the batch before the forward), the eval figure it reports
 - :meth:`with_model`: what the prepared data gains from the model once,
   before training (DPO's reference log-probs);
 - :meth:`before_step`: what happens to a global batch before a step (MLM
-  masks; DPO's pairs made rows; rollouts);
+  masks; DPO's pairs made rows; GRPO's rollouts), and :meth:`step_log`:
+  what the step's metrics row gains after it;
 - :meth:`loss`: ``(summed loss, summed metrics)`` of one micro-batch's
   outputs. The step (:func:`cuboid.train.step.train_step`) divides by the
   global count over micro-batches and dp ranks, so each step is one device's.
@@ -158,6 +159,23 @@ class Task:
     def before_step(self, batch: dict, step: int, *, tokenizer=None, seed: int = 0) -> dict:
         """The global batch of optimizer step ``step`` (1-based) as the step trains on it."""
         return batch
+
+    @property
+    def rows_per_example(self) -> int:
+        """Training rows a step makes of each example it reads (GRPO: ``num_generations`` completions a
+        prompt); the batch size counts rows, so a step reads ``batch_size / rows_per_example`` examples."""
+        return 1
+
+    def takes_data(self, step: int) -> bool:
+        """Whether step ``step`` reads the next batch of examples (GRPO's ``num_iterations``: a generation's
+        later steps reuse its rollouts; :meth:`before_step` is then given None)."""
+        return True
+
+    def step_log(self, result, step: int, output_dir=None) -> dict:
+        """What the metrics row of step ``step`` gains from the step's
+        :class:`~cuboid.train.step.StepResult` (by default its metrics, means over the counted units); the
+        writing rank passes ``output_dir`` (a task may write files of its own there, GRPO's completions)."""
+        return dict(result.metrics)
 
     # ------------------------------------------------------------ the step
 
