@@ -207,7 +207,11 @@ def load_data_and_model(r: Run) -> None:
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = tasks.prepare(train_ds, r.task, **prep)
     r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep))
-    r.batches = GlobalBatches(train_data, cfg.batch_size, seed=cfg.seed, width_multiple=width_multiple(r.plan))
+    per = r.task.rows_per_example  # GRPO: completions a prompt; the batch size counts rows
+    if cfg.batch_size % per:
+        raise ValueError(f"--batch-size {cfg.batch_size} counts rows: it must be a multiple of the {per} the task "
+                         f"{r.task.describe()} makes of each example")
+    r.batches = GlobalBatches(train_data, cfg.batch_size // per, seed=cfg.seed, width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
 
 
@@ -299,6 +303,9 @@ def optimization(r: Run) -> None:
     r.scheduler = torch.optim.lr_scheduler.LambdaLR(r.optimizer, lr_lambda(cfg.schedule, r.warmup, r.steps,
                                                                            cfg.decay_power))
     r.scaler = torch.amp.GradScaler(r.device.type) if r.plan.dtype == "fp16" else None
+    if not r.streaming:  # what the data gains from the model as it starts (DPO: the reference's log-probs)
+        r.batches.tensors, r.eval_data = r.task.with_model(r.model, [r.batches.tensors, r.eval_data], device=r.device,
+                                                           dtype=r.plan.dtype, lora=cfg.lora is not None)
 
 
 def resume(r: Run) -> None:
@@ -403,15 +410,17 @@ def train(r: Run) -> None:
                f"{r.unit}_per_s": rate}
         if result.grad_norm is not None:
             row["grad_norm"] = result.grad_norm
+        row.update(r.task.step_log(result, step, r.output_dir if r.mesh.is_main else None))  # a task's own
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}: lower --lr or use --dtype fp32")
-        if step % r.eval_every == 0 or step == r.steps:
+        if r.eval_data is not None and (step % r.eval_every == 0 or step == r.steps):
             r.last_eval = evaluate(r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"],
                                                          r.mesh.size("dp")), r.mesh, r.plan.dtype, task=r.task)
             row.update(r.last_eval)
         record(r, row)
         if bar is not None:
-            show_progress(bar, row, r.last_eval.get(r.task.metric), r.task.metric, r.unit, rate)
+            show_progress(bar, row, r.last_eval.get(r.task.metric, row.get(r.task.metric)), r.task.metric, r.unit,
+                          rate)
         r.callbacks.fire("on_step_end", r, step, row)
         if r.cfg.save_every and step % r.cfg.save_every == 0 and step < r.steps:
             save(r, step)
@@ -423,7 +432,8 @@ def train_one_step(r: Run, step: int):
     """Optimizer step ``step`` (1-based) on the next global batch (as the task makes it: MLM masks it), the
     lr schedule stepped: (the :class:`cuboid.train.step.StepResult`, the samples or real tokens it trained on)."""
     r.model.train()
-    batch = r.task.before_step(r.batches.next(), step, tokenizer=r.tokenizer, seed=r.cfg.seed)
+    data = r.batches.next() if r.task.takes_data(step) else None  # (GRPO's later iterations: None)
+    batch = r.task.before_step(data, step, tokenizer=r.tokenizer, seed=r.cfg.seed)
     counted = real_tokens(batch) if r.unit == "tokens" else r.cfg.batch_size
     if r.streaming:  # the batch is this dp rank's share: the step's tokens are summed over dp
         counted = int(all_reduce_sum([counted], r.mesh, r.device)[0])
