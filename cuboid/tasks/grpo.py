@@ -240,6 +240,7 @@ class GRPO(Task):
         self.records: list = []   # the prompts' records (every split rows() made), by index
         self.prompt_ids: list = []
         self.chat_template: Optional[str] = None
+        self.model = None         # the policy to sample with (with_model)
         self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
 
     # ------------------------------------------------------------ the step on fixed rollouts
@@ -304,6 +305,16 @@ class GRPO(Task):
             self.prompt_ids.append(tokenize_prompt(record[column], tokenizer, chat_template))
         return {"index": torch.arange(start, len(self.records))}
 
+    @property
+    def rows_per_example(self) -> int:
+        return self.options.num_generations
+
+    def with_model(self, model, splits: list, **run) -> list:
+        """Keep the model to sample with (every rank calls this alike); the prompts have no eval split: TRL's
+        GRPO evaluates only on an eval set of its own, which the run does not build (None)."""
+        self.model = model
+        return [splits[0], None]
+
     def takes_data(self, step: int) -> bool:
         """Whether step ``step`` reads new prompts: the first of each generation (TRL repeats a generation's
         prompts ``num_iterations`` steps)."""
@@ -318,6 +329,7 @@ class GRPO(Task):
             if self.rollout is None:
                 raise TaskError("task grpo: a step without prompts needs an earlier generation")
             return self.rollout["batch"]
+        model = model if model is not None else self.model
         if model is None or tokenizer is None:
             raise TaskError("task grpo samples its completions: before_step needs the model and the tokenizer")
         from . import rollout as R
