@@ -71,6 +71,10 @@ _EXPORTS = {
     "linear_cross_entropy_ref": "linear_cross_entropy",
     "grouped_mm": "grouped_gemm",
     "grouped_mm_ref": "grouped_gemm",
+    "quantize_nf4": "nf4",
+    "dequantize_nf4": "nf4_linear",
+    "nf4_linear": "nf4_linear",
+    "nf4_linear_ref": "nf4_linear",
 }
 
 # op name -> what `cuboid info` reports backends for

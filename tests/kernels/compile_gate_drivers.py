@@ -244,11 +244,36 @@ def drive_grouped_gemm(gate, mod) -> None:
     drive(gate, mod)
 
 
+def drive_nf4_linear(gate, mod) -> None:
+    # the dequantize (double-quantized and fp32 scales) into each dtype, and the fused linear's one tile config
+    # over the three activation dtypes, forward and its dx backward, at a Llama-8B MLP shape
+    import torch
+    from cuboid.kernels.nf4 import NF4Weight
+
+    def qweight(n, k, nested):
+        blocks = n * k // 64
+        u8 = lambda *s: torch.empty(s, dtype=torch.uint8, device="meta")  # noqa: E731
+        f32 = lambda *s: torch.empty(s, dtype=F32, device="meta")  # noqa: E731
+        if nested:
+            return NF4Weight(u8(n * k // 2, 1), u8(blocks), f32(16), (n, k), BF16, 64, f32(-(-blocks // 256)),
+                             f32(256), f32())
+        return NF4Weight(u8(n * k // 2, 1), f32(blocks), f32(16), (n, k), BF16)
+
+    for nested in (True, False):
+        for dtype in DTYPES if nested or gate.full else (BF16,):
+            with gate.case(f"nf4_dequantize {_dn(dtype)}{' nested' if nested else ''} 14336x4096"):
+                mod.dequantize_nf4(qweight(14336, 4096, nested), dtype)
+    for dtype in DTYPES:
+        with gate.case(f"nf4_linear {_dn(dtype)} 4096x4096 @ 14336x4096"):
+            _backward([mod.nf4_linear(_meta(4096, 4096, dtype=dtype), qweight(14336, 4096, True))])
+
+
 # module (under cuboid.kernels) -> driver. A module with Triton kernels and no entry here fails the gate.
 DRIVERS: Dict[str, Callable[[object, object], None]] = {
     "flash_attention": drive_flash_attention,
     "grouped_gemm": drive_grouped_gemm,
     "linear_cross_entropy": drive_linear_cross_entropy,
+    "nf4_linear": drive_nf4_linear,
     "norm": drive_norm,
     "optim": drive_optim,
     "rope": drive_rope,
