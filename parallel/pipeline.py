@@ -148,26 +148,29 @@ class StageModule(nn.Module):
         # a mixture of experts whose aux loss joins the loss (the config's, the same on every rank): the router
         # statistics of earlier stages travel with the stream; otherwise the stream is the dense model's
         self.routing = routing if routing is not None and routing.routed else None  # (Plan refuses MoE + tp_sequence)
+        # a head that reads each row's last token (the spec's pooled_last): the (B,) indices follow the labels
+        self.width = 5 if spec.pooled_last else 4  # the stream's entries before the carried tensors
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the
-        batch has none)."""
+        batch has none), and each row's last token where the head reads it (``pooled_last``)."""
         if self.batch_split is not None:
             size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
             batch = self.batch_split.cut_inputs(batch, size, 0)
         keep, positions = batch.get("attention_mask"), batch.get("position_ids")
         if isinstance(keep, Mask):  # 3D: the cores' rows, cut by the batch split
             keep, positions = keep.keep, keep.positions
+        last = (self.model.last_tokens(batch["input_ids"]),) if self.width > 4 else ()
         if self.sp is not None:  # sequence parallelism: this rank's chunks travel, with the whole (B, T) mask
             x, whole, local, labels, _ = self.sp.enter(batch)
             mask = _stream_mask(whole, positions, x.shape[0], whole.shape[1], x.device)
-            return x, torch.zeros_like(x), mask, local if local is not None else labels
+            return (x, torch.zeros_like(x), mask, local if local is not None else labels) + last
         x = self.model.embed(**{k: batch[k] for k in self._embed_args if k in batch})
         # no key masked: (B, 1) ones ((B, T) under tp_sequence: the last stage reads T from it)
         mask = _stream_mask(keep, positions, x.shape[0], x.shape[1] if self.seq is not None else 1, x.device)
         if self.seq is not None:  # Megatron sequence parallelism: this rank's T / tp tokens travel
             x = comm.scatter_to(F.pad(x, (0, 0, 0, (-x.shape[1]) % self.seq.tp)), self.seq.group, 1)
-        return x, torch.zeros_like(x), mask, batch.get("labels")
+        return (x, torch.zeros_like(x), mask, batch.get("labels")) + last
 
     def core_mask(self, mask: torch.Tensor, tokens: int) -> Optional[Mask]:
         """The attention cores' :class:`~.mask.Mask` from the stream's mask entry; ``tokens``: this stage's
@@ -203,20 +206,23 @@ class StageModule(nn.Module):
         return None if keep.shape[1] < tokens else keep[:, -tokens:].reshape(-1)
 
     def stream_in(self, inputs: tuple) -> tuple:
-        """A later stage's inputs split: ``(x, residual, mask, labels)`` and the carried router statistics."""
-        return tuple(inputs[:4]), tuple(inputs[4:])
+        """A later stage's inputs split: ``(x, residual, mask, labels[, last])`` and the carried router
+        statistics."""
+        return tuple(inputs[:self.width]), tuple(inputs[self.width:])
 
-    def head(self, x, residual, mask, labels, logprobs: bool = False):
-        """The model's head on the last stage (under tp_sequence after the sequence is gathered); ``logprobs``:
-        its per-token outputs too (the model's ``logprobs``)."""
+    def head(self, x, residual, mask, labels, last=None, logprobs: bool = False):
+        """The model's head on the last stage (under tp_sequence after the sequence is gathered); ``last``:
+        each row's last token (``pooled_last``); ``logprobs``: its per-token outputs too (the model's
+        ``logprobs``)."""
         T = mask.shape[-1]  # the whole sequence (under sp and tp_sequence the mask is (B, T))
         if self.seq is not None:
             x = comm.gather_from(x, self.seq.group, 1)[:, :T]
             residual = comm.gather_from(residual, self.seq.group, 1)[:, :T]
         if self.sp is not None:  # the loss summed over sp, outputs gathered in order when read
             token = labels is not None and labels.dim() == 2
-            return self.sp.leave(x, residual, labels if token else None, labels, T, logprobs=logprobs)
-        return self.model.head(x, residual, labels, **({"logprobs": True} if logprobs else {}))
+            return self.sp.leave(x, residual, labels if token else None, labels, T, logprobs=logprobs, last=last)
+        kwargs = {"last": last} if last is not None else {}
+        return self.model.head(x, residual, labels, **kwargs, **({"logprobs": True} if logprobs else {}))
 
     def forward(self, *inputs):
         """The schedule's call: the batch tensors (first stage) or the stream in; the stream or the
@@ -224,11 +230,11 @@ class StageModule(nn.Module):
         info = self.info
         if info.stage == 0:
             batch, targets = self.batch_targets(dict(zip(self._keys_from.input_keys, inputs)))
-            x, residual, mask, labels = self.start(batch)
+            x, residual, mask, labels, *last = self.start(batch)
             carried = self.routing.start(x.device) if self.routing is not None else ()
         else:
             inputs, targets = self.stream_targets(inputs)
-            (x, residual, mask, labels), carried = self.stream_in(inputs)
+            (x, residual, mask, labels, *last), carried = self.stream_in(inputs)
             x, residual = _ContiguousGrad.apply(x), _ContiguousGrad.apply(residual)
             if self.inferring:
                 # torch's stage runs non-first stages on uninitialised tensors to infer output shapes (before
@@ -238,11 +244,16 @@ class StageModule(nn.Module):
                     else torch.ones_like(mask)  # (positions all 0: each token its own document)
                 carried = tuple(torch.zeros_like(t) for t in carried)
                 targets = tuple(torch.zeros_like(t) for t in targets)
+                last = [torch.zeros_like(t) for t in last]  # (row indices: position 0 is in every row)
+            labels = None if labels.dim() == 2 and labels.shape[1] == 0 else labels  # (B, 0): no labels
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if info.stage < info.stages - 1:
             carried = self.routing.carry(rec) if rec is not None else ()
-            return self.stream_out((x, residual, mask, labels), targets, carried)
-        return self.last_loss(self.head(x, residual, mask, labels, **self.objective.head_kwargs), targets, rec)
+            if labels is None:  # a batch without labels (a task's own loss): a (B, 0) stand-in travels
+                labels = torch.zeros(x.shape[0], 0, dtype=torch.long, device=x.device)
+            return self.stream_out((x, residual, mask, labels, *last), targets, carried)
+        out = self.head(x, residual, mask, labels, *last, **self.objective.head_kwargs)
+        return self.last_loss(out, targets, rec)
 
     def batch_targets(self, batch: dict) -> tuple:
         """The first stage's micro-batch split: ``(the model's inputs, the objective's carried tensors)``; the
@@ -256,11 +267,11 @@ class StageModule(nn.Module):
 
     def stream_targets(self, inputs: tuple) -> tuple:
         """A later stage's inputs without the objective's carried tensors (which follow the labels), and those."""
-        n = len(self.objective.carried)
-        return tuple(inputs[:4]) + tuple(inputs[4 + n:]), tuple(inputs[4:4 + n])
+        n, w = len(self.objective.carried), self.width
+        return tuple(inputs[:w]) + tuple(inputs[w + n:]), tuple(inputs[w:w + n])
 
     def stream_out(self, base: tuple, targets: tuple, carried: tuple) -> tuple:
-        """The stream a stage hands on: ``(x, residual, mask, labels, *targets, *router statistics)``.
+        """The stream a stage hands on: ``(x, residual, mask, labels[, last], *targets, *router statistics)``.
 
         Outputs are handed on (to a stage on this rank, under ZBV and
         interleaving, without a copy) and detached in place there: each must
@@ -286,13 +297,13 @@ class StageModule(nn.Module):
         objective's sum of ``out`` in one device's layout (the 2D/3D batch blocks gathered when read); with
         a routing, stacked with ``coef *`` the micro-batch's aux loss, which has a weight of its own. The
         objective's ``fn`` runs once per micro-batch of a step, never on the shape pass's noise, so it may
-        record what it computes: there the head's own loss, times 0, stands in (the same inputs reach it, so
-        torch's backward pass over the noise infers the same input gradients)."""
+        record what it computes: there the head's own loss (without labels, its logits' sum), times 0, stands
+        in (the same inputs reach it, so torch's backward pass over the noise infers the same input gradients)."""
         objective = self.objective
         if objective.fn is None:
             loss = out.loss
-        elif self.inferring and out.loss is not None:
-            loss = (out.loss.float() * 0.0).reshape(())
+        elif self.inferring:  # (without labels, the head's outputs times 0: a classifier's few logits)
+            loss = ((out.loss if out.loss is not None else out.logits).float().sum() * 0.0).reshape(())
         else:
             whole = self.batch_split.whole(out) if self.batch_split is not None else out
             loss = objective.fn(whole, dict(zip(objective.carried, targets))).float().reshape(())
@@ -306,14 +317,14 @@ class StageModule(nn.Module):
         Output (with ``logprobs``, its per-token outputs), its loss without an aux loss, and the recorder of
         the router statistics (None: dense)."""
         if self.info.stage == 0:
-            x, residual, mask, labels = self.start(stream)
+            x, residual, mask, labels, *last = self.start(stream)
             carried = self.routing.start(x.device) if self.routing is not None else ()
         else:
-            (x, residual, mask, labels), carried = self.stream_in(stream)
+            (x, residual, mask, labels, *last), carried = self.stream_in(stream)
         x, residual, rec = self.run_blocks(x, residual, mask, carried)
         if self.info.stage < self.info.stages - 1:
-            return (x, residual, mask, labels) + (self.routing.carry(rec) if rec is not None else ())
-        out = self.head(x, residual, mask, labels, logprobs)
+            return (x, residual, mask, labels, *last) + (self.routing.carry(rec) if rec is not None else ())
+        out = self.head(x, residual, mask, labels, *last, logprobs=logprobs)
         return (self.batch_split.whole(out) if self.batch_split is not None else out), rec
 
     def reduce(self):
@@ -486,7 +497,8 @@ class Pipeline:
         # tied copies on the last stage's rank: the first stage's rank counts them in a global norm
         self.counted_elsewhere = self.tied if self.has_last else []
         self.params = [p for p in model.parameters()]
-        self.stream_size = 4 + (2 if self.modules[0].routing is not None else 0)  # + the router statistics
+        # (x, residual, mask, labels[, last]) + the router statistics
+        self.stream_size = self.modules[0].width + (2 if self.modules[0].routing is not None else 0)
         self.zero = None  # ZeRO 1/2 buckets of this rank's stages (set by prepare)
 
     def run(self, batch: dict, weights: torch.Tensor, aux_weights: Optional[torch.Tensor] = None, *,

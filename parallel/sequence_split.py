@@ -237,11 +237,14 @@ class SequenceSplit:
         return Mask(keep, whole.positions, whole.docs)
 
     def leave(self, x, residual, local_labels, labels, length: int, n_total: Optional[int] = None,
-              logprobs: bool = False):
+              logprobs: bool = False, last: Optional[torch.Tensor] = None):
         """The model's head on this rank's tokens: the single-device loss (summed over sp) and outputs
         gathered in order, ``length`` tokens, when read. ``n_total``: the batch's token label positions
         (None: counted here, a sum over sp). ``logprobs``: the per-token outputs too, gathered likewise to
-        (B, ``length`` - 1) (:meth:`_gather_tokens`)."""
+        (B, ``length`` - 1) (:meth:`_gather_tokens`). ``last`` (B,): each row's last token, which the head
+        reads (the spec's ``pooled_last``): :meth:`_leave_at_last`."""
+        if last is not None:
+            return self._leave_at_last(x, residual, labels, length, last)
         model = self.model
         front = back = 0
         if self.pooled_first:  # the true first token (rank 0's position 0) in front of this rank's tokens
@@ -284,6 +287,18 @@ class SequenceSplit:
             out.defer(name, lambda t: self._gather_tokens(t, length - 1))
         return out
 
+    def _leave_at_last(self, x, residual, labels, length: int, last: torch.Tensor):
+        """A classifier on each row's ``last`` token (which may be any rank's): the whole rows gathered in order
+        on every sp rank (backward keeps this rank's positions' gradient, times sp, as
+        :meth:`_gather_tokens`), the head on them as on one device; its example-level loss, the same on every
+        rank, counted once over sp (``1 / sp`` each, summed)."""
+        whole = [None if t is None else self._gather(_ScaleGrad.apply(t, self.sp), lambda u: u, length)
+                 for t in (x, residual)]
+        out = self.model.head(*whole, labels, last=last)
+        if labels is not None and out.loss is not None:
+            out.loss = _SumOverSp.apply(out.loss / self.sp, self.group, self.sp)
+        return out
+
     def _gather_tokens(self, t: torch.Tensor, length: int) -> torch.Tensor:
         """Per-token outputs (B, T_pad / sp) of this rank's positions (the head paired each with its aligned
         label) -> (B, ``length``) in sequence order. Backward keeps this rank's positions' gradient, times sp:
@@ -296,6 +311,11 @@ class SequenceSplit:
         layers see them, from the whole (B, T) ``keep``: the padding to ``tokens * sp`` does not count."""
         keep = F.pad(keep.to(torch.bool), (0, tokens * self.sp - keep.shape[1]), value=False)
         return self._split(keep).reshape(-1)
+
+    def last_of(self, batch: dict) -> Optional[torch.Tensor]:
+        """(B,) each row's last token that is not padding, where the head reads it (the spec's ``pooled_last``),
+        from the whole rows' ``input_ids``; None otherwise."""
+        return self.model.last_tokens(batch["input_ids"]) if self.spec.pooled_last else None
 
     def reduce_for(self) -> Callable:
         """The statistics' reduction: the plan's ``balance_reduce`` on the model (``dp x sp``, set by prepare
@@ -331,7 +351,7 @@ class SequenceSplit:
             for block in getattr(self.model, self.spec.blocks):
                 x, residual = block(x, residual, mask)
         tokens, length = x.shape[1], keep.shape[1]
-        out = self.leave(x, residual, local_labels, labels, length, n_total, logprobs)
+        out = self.leave(x, residual, local_labels, labels, length, n_total, logprobs, self.last_of(batch))
         if rec is None:
             return out
         return self.routing.finish(out, rec, labels, routed, gather=lambda t: self.gather_router(t, tokens, length))
@@ -388,7 +408,10 @@ class TensorSequenceSplit:
         x = comm.gather_from(x, self.group, 1)[:, :T]
         if residual is not None:
             residual = comm.gather_from(residual, self.group, 1)[:, :T]
-        out = model.head(x, residual, batch.get("labels"), **({"logprobs": True} if logprobs else {}))
+        head = {"logprobs": True} if logprobs else {}
+        if self.spec.pooled_last:  # a classifier on each row's last token that is not padding
+            head["last"] = model.last_tokens(batch["input_ids"])
+        out = model.head(x, residual, batch.get("labels"), **head)
         if no_loss:
             out.loss = None
         return out

@@ -107,13 +107,16 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
 def spec_of(model: nn.Module):
     """The sharding spec of a zoo model: its family's, with the tie between the pipeline's ends only where
     the model's head reads the token embedding (a tied LM or MLM head; a classifier, a backbone or an untied
-    LM head does not, so the last stage neither holds nor sums it)."""
+    LM head does not, so the last stage neither holds nor sums it), and ``pooled_last`` only where the head is a
+    decoder's classifier."""
     spec = SPECS[family_of(model).name]
     tied = set(spec.first) & set(spec.last)
     config = getattr(model, "config", None)
     reads_table = getattr(config, "head", None) in ("lm", "mlm") and getattr(config, "tie_embeddings", True)
     if tied and not reads_table:
         spec = dataclasses.replace(spec, last=tuple(n for n in spec.last if n not in tied))
+    if spec.pooled_last and getattr(config, "head", None) != "cls":  # only a classifier reads the last tokens
+        spec = dataclasses.replace(spec, pooled_last=False)
     return spec
 
 

@@ -45,7 +45,8 @@ _LLAMA_BLOCK = {
 SPECS = {
     "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", "classifier": "replicate",
                                **_BLOCK_ROLES},
-                        first=("tok_emb", "pos_emb"), last=("ln_f", "classifier", "tok_emb"), shifted_labels=True),
+                        first=("tok_emb", "pos_emb"), last=("ln_f", "classifier", "tok_emb"), shifted_labels=True,
+                        pooled_last=True),
     "bert": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "type_emb": "embedding",
                                 "ln_emb": "norm", "pooler": "replicate", "mlm_dense": "replicate",
                                 "mlm_ln": "norm", "mlm_bias": "vocab", "classifier": "replicate", **_BLOCK_ROLES},
@@ -59,7 +60,8 @@ SPECS = {
     # the head is lm_head (untied) or tok_emb (tied: spec_of keeps the tie only then)
     "llama": ShardingSpec(roles={"tok_emb": "vocab", "lm_head": "vocab", "ln_f": "norm", "classifier": "replicate",
                                  **_LLAMA_BLOCK},
-                          first=("tok_emb",), last=("ln_f", "lm_head", "classifier", "tok_emb"), shifted_labels=True),
+                          first=("tok_emb",), last=("ln_f", "lm_head", "classifier", "tok_emb"), shifted_labels=True,
+                          pooled_last=True),
 }
 
 # the plans that work in this build, the same for every family
