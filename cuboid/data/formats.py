@@ -393,14 +393,28 @@ def trim_padding(batch: dict, multiple: int = 1) -> dict:
     return out
 
 
+class Filler(dict):
+    """An eval batch run only so that every rank runs the same forwards (each may hold collectives: ZeRO-3's
+    gathers, the experts' all-to-alls, the router statistics); its sums count with weight 0."""
+
+
 def eval_batches(tensors: dict, batch_size: int, rank: int = 0, world: int = 1, width_multiple: int = 1):
     """Deterministic eval batches, this rank's strided share of the examples (padded rows cut as
-    :class:`GlobalBatches` cuts them)."""
+    :class:`GlobalBatches` cuts them). Every rank yields as many batches as the rank with the most rows,
+    a number taken from the global row count: a rank a batch short (or with no row: fewer rows than ranks)
+    ends with a :class:`Filler` of one row that the evaluation runs and does not count."""
+    if batch_size < 1:
+        raise ValueError(f"eval batch size {batch_size}: give 1 or more rows")
     n = len(next(iter(tensors.values())))
     idx = torch.arange(rank, n, world)
-    for s in range(0, len(idx), batch_size):
+    most = -(-n // world)  # rows of rank 0, the rank with the most
+    for s in range(0, most, batch_size):
         part = idx[s:s + batch_size]
-        yield trim_padding({k: v[part] for k, v in tensors.items()}, width_multiple)
+        if len(part):
+            yield trim_padding({k: v[part] for k, v in tensors.items()}, width_multiple)
+        else:
+            row = rank % n
+            yield Filler(trim_padding({k: v[row:row + 1] for k, v in tensors.items()}, width_multiple))
 
 
 def load_tokenizer(path: Union[str, os.PathLike, None]):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cuboid.data.formats import Filler
 from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, state_of, unwrap, zero
 from cuboid.parallel.optim import clip_grad_norm_
 from cuboid.tasks import for_model
@@ -70,6 +71,29 @@ def all_reduce_sum(values: Sequence[float], mesh: Optional[Mesh], device: torch.
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     t = torch.tensor(list(values), dtype=dtype, device=device)
     comm.all_reduce_(t, mesh.group(axis))
+    return t.tolist()
+
+
+def _same_count(batches: list, mesh: Optional[Mesh], device: torch.device) -> list:
+    """``batches`` padded with :class:`Filler` copies of the first to the most any dp rank has (one
+    all-reduce, on every rank whatever its batches); a one-line ValueError on every rank when one has none."""
+    if mesh is None or mesh.size("dp") == 1:
+        return batches
+    most, least = all_reduce_max([len(batches), -len(batches)], mesh, device)
+    most, least = int(most), -int(least)
+    if least == 0 and most > 0:
+        raise ValueError(f"a data-parallel rank has no eval batch (the others have up to {most}): give every "
+                         "rank one, as cuboid.data.formats.eval_batches deals them")
+    return batches + [Filler(batches[0])] * (most - len(batches))
+
+
+def all_reduce_max(values: Sequence[float], mesh: Optional[Mesh], device: torch.device,
+                   axis: str = "dp") -> list[float]:
+    """The largest of each of ``values`` over ``axis``."""
+    if mesh is None or mesh.size(axis) == 1:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    comm.all_reduce_(t, mesh.group(axis), op="max")
     return t.tolist()
 
 
@@ -317,8 +341,12 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
 
     ``batches`` are this rank's own (any size: the model pads what its plan
     splits); every rank of a tensor-parallel group must see the same ones.
-    The sums reduced are the task's declared ``eval_keys``, so a rank with no
-    batch (an uneven split) still joins the same collective.
+    Every dp rank runs the same number of forwards (a forward may hold
+    collectives over dp: ZeRO-3's gathers, the experts' all-to-alls): the
+    ranks agree on the most batches any of them has, and a rank with fewer
+    runs its first batch again with weight 0 (:func:`cuboid.data.formats.eval_batches`
+    deals them so already, marking its fillers). Every dp rank needs at least
+    one batch. The sums reduced are the task's declared ``eval_keys``.
     """
     core = unwrap(model)
     mesh = _mesh_of(model, mesh)
@@ -329,11 +357,14 @@ def evaluate(model: nn.Module, batches: Iterable[dict], mesh: Optional[Mesh] = N
     device = _device_of(model)
     loss_sum = n_sum = 0.0
     sums = dict.fromkeys(task.eval_keys, 0.0)
-    for batch in batches:
+    for batch in _same_count(list(batches), mesh, device):
+        filler = isinstance(batch, Filler)
         batch = _to(batch, device)
         n = _count(task, core, batch)
         with autocast_for(dtype, device):
             out = core(**task.inputs(batch))
+        if filler:  # run for the collectives only
+            continue
         if task.own_loss:
             loss_sum += float(task.loss(out, batch)[0])
         elif n:

@@ -16,7 +16,9 @@ no rank that holds every tensor, and none gathers the model:
   coordinate s and every other coordinate 0; the ranks of that writer's
   replica (``dp`` = ``sp`` = 0, every tensor rank) fetch the stage's tensors
   in plan order, so the tensor-parallel gathers run inside the stage as they
-  do without a pipeline; other data-parallel replicas fetch nothing;
+  do without a pipeline; other data-parallel replicas fetch nothing, unless
+  the plan shards over dp (ZeRO, or experts over ``ep``): then every rank
+  fetches, since the gathers run over groups that span the replicas;
 - rank 0 (a writer) opens the temporary folder, gathers every writer's file
   records, writes config, optimizer index, training state and the model
   index last, and commits (:mod:`.folder`), as in a save without stages.
@@ -68,8 +70,9 @@ def stage_layout(model: torch.nn.Module, rank: int) -> StageLayout:
         return StageLayout(writes=rank == 0)
     coords = mesh.coords
     replica = coords.get("dp", 0) == 0 and coords.get("sp", 0) == 0
-    # under ZeRO a whole tensor is assembled over dp (x sp) from every rank's piece: every rank fetches
-    sharded = state.plan.zero > 0
+    # under ZeRO a whole tensor is assembled over dp (x sp) from every rank's piece, and under ep an expert
+    # tensor over the ep ranks taken from dp (x sp): then every rank fetches (the plan decides, never the rank)
+    sharded = state.plan.zero > 0 or state.plan.ep > 1
     return StageLayout(stages=pp, stage=coords["pp"], fetches=replica or sharded,
                        writes=replica and coords.get("tp", 0) == 0)
 
