@@ -41,30 +41,42 @@ SCALE_REWARDS = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 
 
-def _option(default, text: str):
-    return field(default=default, metadata={"help": text})
+def _option(default, text: str, **meta):
+    """A task option; ``flag=True``: also a flag of its own on ``cuboid finetune`` (``--loss-type``;
+    :func:`cuboid.train.config.task_flags`), ``choices``: the values it takes (for the help)."""
+    return field(default=default, metadata={"help": text, **meta})
 
 
 @dataclass(frozen=True)
 class GRPOOptions:
-    """The options of task ``grpo`` (TRL's ``GRPOConfig`` names and defaults; ``--task grpo,beta=0.04``)."""
+    """The options of task ``grpo`` (TRL's ``GRPOConfig`` names and defaults; ``--task grpo,beta=0.04`` or
+    flags of their own)."""
 
-    num_generations: int = _option(8, "completions sampled per prompt (G); the batch size counts completions")
-    max_completion_length: int = _option(256, "tokens a completion may have")
-    temperature: float = _option(1.0, "sampling temperature")
-    top_p: float = _option(1.0, "nucleus sampling: the smallest set of tokens of this probability mass")
-    top_k: int = _option(0, "sample among the k most likely tokens (0: all)")
-    loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo (TRL's aggregations)")
-    beta: float = _option(0.0, "KL coefficient to the reference policy (LoRA: the base, adapters off)")
-    epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below")
-    epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)")
-    scale_rewards: str = _option("group", "group | batch | none: what the advantages are divided by")
-    num_iterations: int = _option(1, "optimizer steps per generation (mu), the old log-probs kept")
-    importance_sampling_level: str = _option("token", "token | sequence (GSPO)")
-    mask_truncated_completions: bool = _option(False, "completions cut at max_completion_length train nothing")
-    reward_weights: Optional[str] = _option(None, "weights of the reward functions, comma-separated (default 1)")
-    log_completions: bool = _option(False, "write completions.jsonl in the output folder")
+    reward: Optional[str] = _option(None, "a reward function, MODULE:FUNCTION (a module on the path or a .py "
+                                          "file); several: give the flag again (or join them with ;)",
+                                    flag=True, append=True)
+    reward_weights: Optional[str] = _option(None, "the reward functions' weights, comma-separated (default 1 each)",
+                                            flag=True)
+    num_generations: int = _option(8, "completions sampled per prompt (G); --batch-size counts completions",
+                                   flag=True)
+    max_completion_length: int = _option(256, "tokens a completion may have", flag=True)
+    temperature: float = _option(1.0, "sampling temperature", flag=True)
+    top_p: float = _option(1.0, "nucleus sampling: the smallest set of tokens of this probability mass", flag=True)
+    top_k: int = _option(0, "sample among the k most likely tokens (0: all)", flag=True)
+    loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo: TRL's aggregations of the loss", flag=True, choices=LOSS_TYPES)
+    beta: float = _option(0.0, "KL coefficient to the reference policy (needs --lora: the base, adapters off)",
+                          flag=True)
+    epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below", flag=True)
+    epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)",
+                                            flag=True)
+    scale_rewards: str = _option("group", "group | batch | none: the std the advantages are divided by", flag=True, choices=SCALE_REWARDS)
+    num_iterations: int = _option(1, "optimizer steps per generation (mu), the old log-probs kept", flag=True)
+    importance_sampling_level: str = _option("token", "token | sequence (GSPO): the importance ratio's level", flag=True, choices=LEVELS)
+    mask_truncated_completions: bool = _option(False, "completions cut at max_completion_length train nothing",
+                                               flag=True)
+    log_completions: bool = _option(False, "write completions.jsonl in the output folder", flag=True)
     prompt_column: str = _option("prompt", "the column of the prompts (a string or a message list)")
+    chat_template: Optional[str] = _option(None, "a Jinja chat template file for message-list prompts")
 
 
 def _masked_seq(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -233,13 +245,16 @@ class GRPO(Task):
                             f"{o.temperature}, {o.top_p}, {o.top_k}")
         from .grpo_rewards import load_rewards, parse_weights
 
-        self.reward_funcs, self.reward_names = load_rewards(reward_funcs)
+        named = [] if o.reward is None else [o.reward] if isinstance(o.reward, str) else list(o.reward)
+        named = [spec.strip() for text in named for spec in text.split(";") if spec.strip()]
+        self.reward_funcs, self.reward_names = load_rewards(list(reward_funcs) + named)
+
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
         self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
         self.rollout: Optional[dict] = None  # the current generation (.rollout), kept num_iterations steps
         self.records: list = []   # the prompts' records (every split rows() made), by index
         self.prompt_ids: list = []
-        self.chat_template: Optional[str] = None
+        self.chat_template = o.chat_template
         self.model = None         # the policy to sample with (with_model)
         self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
 
@@ -329,6 +344,8 @@ class GRPO(Task):
             if self.rollout is None:
                 raise TaskError("task grpo: a step without prompts needs an earlier generation")
             return self.rollout["batch"]
+        if not self.reward_funcs:
+            raise TaskError("task grpo needs a reward function: --reward MODULE:FUNCTION (or reward_funcs=[...])")
         model = model if model is not None else self.model
         if model is None or tokenizer is None:
             raise TaskError("task grpo samples its completions: before_step needs the model and the tokenizer")
