@@ -226,6 +226,25 @@ def nf4_linear_ref(x: Tensor, qw: NF4Weight, bias: Optional[Tensor] = None) -> T
     return F.linear(x, dequantize_nf4_ref(qw, x.dtype), bias)
 
 
+class _NF4LinearTorch(torch.autograd.Function):
+    """The torch path when a gradient is wanted: ``F.linear`` of the dequantized weight, which backward
+    dequantizes again for ``dx`` rather than keeping a 16-bit copy of the weight from forward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, qw):
+        ctx.qw, ctx.has_bias = qw, bias is not None
+        ctx.save_for_backward(x)
+        return F.linear(x, dequantize_nf4_ref(qw, x.dtype), bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dx = dy.matmul(dequantize_nf4_ref(ctx.qw, x.dtype)) if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        return dx, db, None
+
+
 def nf4_linear(x: Tensor, qw: NF4Weight, bias: Optional[Tensor] = None, *, backend: Optional[str] = None) -> Tensor:
     """``x @ W.T (+ bias)`` for an (N, K) NF4 weight ``qw`` and x of shape (..., K) (fp32/fp16/bf16).
 
@@ -237,6 +256,8 @@ def nf4_linear(x: Tensor, qw: NF4Weight, bias: Optional[Tensor] = None, *, backe
     if len(qw.shape) != 2 or x.shape[-1] != qw.shape[1]:
         raise ValueError(f"{op}: x's last dimension {x.shape[-1]} does not match the weight {tuple(qw.shape)}")
     if resolve_backend(op, [x, qw.weight], backend) == "torch":
+        if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+            return _NF4LinearTorch.apply(x, bias, qw)
         return nf4_linear_ref(x, qw, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:

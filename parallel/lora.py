@@ -165,7 +165,7 @@ def _kind(base: nn.Module) -> str:
     if isinstance(base, d3.Linear3D):
         raise NotImplementedError("LoRA under 3D tensor parallelism is not built (its column output layout has no "
                                   "layer mapping it to itself); use tp1d, 2D or 2.5D")
-    if type(base) is L.Linear:
+    if type(base) is L.Linear or getattr(base, "nf4_kind", None) == "plain":  # a one-device linear, or its NF4 form
         return "plain"
     raise TypeError(f"LoRA adapts cuboid linears, not {type(base).__name__}")
 

@@ -93,7 +93,8 @@ class _Fit:
         return cut(model, self.plan, self.mesh)
 
 
-def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, lora=None, **overrides):
+def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, lora=None, quantize=None,
+         **overrides):
     """Load a zoo model, ready to train under ``plan``: a preset name builds a fresh one, a local HF
     or cuboid checkpoint folder loads its weights.
 
@@ -126,7 +127,14 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     weights). The adapters follow each adapted layer's layout under the plan, start as peft's (the same
     under every plan for a seed), and are the only parameters that require gradients
     (:mod:`cuboid.zoo.lora`; save them with ``cuboid.zoo.lora.save_adapters``).
+
+    ``quantize="nf4"``: the blocks' linears become a frozen 4-bit NF4 base (QLoRA; bitsandbytes' layout with
+    double quantization), quantized while a folder is read, one tensor at a time
+    (:mod:`cuboid.loading.quantize`); train it with ``lora``.
     """
+    from cuboid.parallel.quant import check_quantize
+
+    quantize = check_quantize(quantize)
     device = device or "cpu"
     if is_folder(name_or_path):  # the config against the weights' names, before anything is built from it
         from cuboid.zoo.checkpoint.precheck import check_folder
@@ -134,22 +142,34 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
         check_folder(name_or_path)
     fit = _Fit(plan_of(plan, ModelBuilder(name_or_path, overrides=overrides), dtype=dtype), mesh)
     if str(device) == "meta":
-        return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides)
-    if is_folder(name_or_path):
+        return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides, quantize=quantize)
+    if quantize and is_folder(name_or_path):
+        from cuboid.loading.quantize import from_folder
+
+        model = from_folder(name_or_path, dtype=dtype, device=device, transform=fit)
+    elif is_folder(name_or_path):
         model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit)
     else:
         model = materialize(fit(build(name_or_path, **overrides)), device, seed=seed, dtype=dtype)
+        if quantize:
+            from cuboid.loading.quantize import quantize_model
+
+            quantize_model(model)
     _attach_lora(model, lora, seed)
     return prepare(model, fit.plan, fit.mesh, zoo.spec_of(model))
 
 
-def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict) -> nn.Module:
+def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict, quantize=None) -> nn.Module:
     """Shapes only: the cut meta model with its plan and mesh, adapters attached, parameters in ``dtype``
     (a folder's are read in ``dtype``; a preset's are cast after the adapters are attached)."""
     if is_folder(source):
         model = from_hf(source, dtype=dtype, device="meta", transform=fit)
     else:
         model = fit(build(source, **overrides))
+    if quantize:  # the NF4 layers' shapes, no values
+        from cuboid.parallel.quant import block_linears, quantize_linears
+
+        quantize_linears(model, block_linears(model))
     attach(model, ParallelState(plan=fit.plan, mesh=fit.mesh, spec=zoo.spec_of(model)))
     _attach_lora(model, lora, seed)
     return model if dtype is None or is_folder(source) else model.to(dtype)

@@ -1,0 +1,85 @@
+"""``cuboid.load(..., quantize="nf4")``: a 4-bit NF4 base (QLoRA), quantized while it is read.
+
+The model is built on the meta device and cut for the plan as any load; the
+linears transformers would quantize (every linear of the blocks; not the
+embeddings, norms, LM head, routers or stacked experts) become NF4 layers
+(:mod:`cuboid.parallel.quant`) before anything is allocated, so the rest of
+the model is read as usual while those weights are not. Each of them is then
+read whole from the memory-mapped shards, one tensor at a time, quantized as
+one device quantizes it (bitsandbytes' layout, bit for bit) and cut to this
+rank's part: the process holds the 4-bit model plus one full-precision
+tensor, never the full-precision model. A preset is built and initialised
+first (a test-sized model) and quantized from its own weights, gathered over
+tensor parallelism where they are cut.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cuboid.parallel.quant import block_linears, quantize_linears, quantized_layers
+from cuboid.zoo import hf_io
+from cuboid.zoo.families import FAMILIES, family_of
+
+
+def _folder_views(model: nn.Module, path: Path) -> dict:
+    """zoo name -> lazy view of the stored tensors, for the rows of the model's family (headers only)."""
+    from cuboid.zoo.checkpoint.folder import resolve
+    from cuboid.zoo.checkpoint.reader import TensorFolder
+
+    folder = TensorFolder(resolve(path), "model")
+    family = family_of(model)
+    stored = hf_io.normalise_keys(folder.keys(), family)
+    views = {}
+    for row in family.tensor_maps(model.config):
+        if all(h in stored for h in row.hf):
+            views[row.zoo] = (row, [stored[h] for h in row.hf], folder)
+    return views
+
+
+def from_folder(path, *, dtype, device, transform) -> nn.Module:
+    """A folder's model with its blocks' linears in NF4 (the module docstring says how)."""
+    from cuboid.zoo.checkpoint.format import CheckpointError
+    from cuboid.zoo.checkpoint.reader import read_new
+
+    path = Path(path)
+    cfg = hf_io.read_config(path)
+    family, arch = hf_io.architecture_from_config(cfg, list(FAMILIES.values()), path)
+    config = family.config_from_hf(cfg, arch)
+    with torch.device("meta"):
+        model = family.build(config)
+    model = transform(model)
+    if dtype is not None:
+        model.to(dtype)
+    paths = quantize_linears(model, block_linears(model))
+    problems = read_new(model, path, device=device, strict=False)  # everything but the quantized weights
+    views = _folder_views(model, path)
+    names = {f"{p}.weight" for p in paths}
+    absent = [n for n in names if n not in views]
+    quant_keys = {k for n in names if n in views for k in views[n][1]}
+    unexpected = [k for k in problems["unexpected"] if k not in quant_keys]
+    if problems["missing"] or problems["mismatched"] or unexpected or absent:
+        lines = [f"{what}: {', '.join(v)}" for what, v in (("missing", problems["missing"] + absent),
+                                                           ("mismatched", problems["mismatched"]),
+                                                           ("unexpected", unexpected)) if v]
+        raise CheckpointError(f"{path}: checkpoint does not fit the {family.name} model; " + "; ".join(lines))
+    for p, layer in quantized_layers(model):
+        row, stored, folder = views[f"{p}.weight"]
+        full = row.view([folder.get_slice(n) for n in stored])[:]  # one tensor, from the mapped file
+        layer.set_full(torch.as_tensor(full).to(device=device, dtype=layer.nf4_dtype))
+        del full
+    return model
+
+
+def quantize_model(model: nn.Module) -> nn.Module:
+    """A materialised model's blocks' linears made NF4 from their own weights (gathered where tensor parallelism
+    cuts them: every rank calls in module order)."""
+    mods = dict(model.named_modules())
+    for p in block_linears(model):
+        full = mods[p].full_tensor("weight")
+        quantize_linears(model, [p])
+        mods[p].set_full(full.to(mods[p].nf4_dtype))
+        del full
+    return model

@@ -1,0 +1,92 @@
+"""QLoRA end to end on CPU against transformers + bitsandbytes 0.50 + peft: ``cuboid.load(folder,
+quantize="nf4")`` quantizes the blocks' linears bit-equal to what ``BitsAndBytesConfig(load_in_4bit=True,
+nf4, double quant)`` holds (codes, absmax, quant_map, nested tensors, quant state), leaves embeddings, norms and
+the LM head alone, gives transformers' logits (fp32 compute), and LoRA adapters trained on it are read by peft
+onto the transformers + bitsandbytes base with cuboid's logits. One tiny Llama for the file."""
+import json
+
+import bitsandbytes  # noqa: F401  (a test dependency: the reference)
+import pytest
+import torch
+
+import cuboid
+from cuboid.parallel.quant import quantized_layers
+
+HF_NAMES = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
+            "attn.proj": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+            "mlp.proj": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(bf16 folder, transformers' 4-bit model loaded from it): hidden 64, two layers, grouped-query heads."""
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("qlora")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "bf16")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    hf4 = LlamaForCausalLM.from_pretrained(root / "bf16", quantization_config=bnb, device_map="cpu",
+                                           dtype=torch.float32)
+    return root, hf4
+
+
+def ids():
+    return torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def test_quantized_layers_are_bit_equal_and_logits_match(folders):
+    root, hf4 = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32)
+    layers = dict(quantized_layers(model))
+    assert sorted(layers) == sorted(f"blocks.{i}.{n}" for i in range(2) for n in HF_NAMES)
+    params = dict(model.named_parameters())
+    assert not any(f"{p}.weight" in params for p in layers)  # the 4-bit weights are buffers, never parameters
+    assert "tok_emb.weight" in params and "lm_head.weight" in params and "blocks.0.ln1.weight" in params
+    theirs = hf4.state_dict()
+    for path, layer in layers.items():
+        i, name = path.split(".", 2)[1:]
+        prefix = f"model.layers.{i}.{HF_NAMES[name]}.weight"
+        ours = layer.nf4_weight().state_dict(prefix)
+        assert set(ours) == {k for k in theirs if k.startswith(prefix)}, path
+        for k, v in ours.items():
+            assert v.dtype == theirs[k].dtype and torch.equal(v, theirs[k]), k
+    with torch.no_grad():
+        want = hf4(ids()).logits
+        got = model(ids()).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_adapters_trained_on_the_4bit_base_are_read_by_peft(folders, tmp_path):
+    from peft import PeftModel
+
+    root, hf4 = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32, lora="r=4,alpha=8,targets=attn+mlp")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = ids()
+    for _ in range(2):
+        out = model(x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
+    cuboid.zoo.lora.save_adapters(model, tmp_path / "adapter")
+    peft_model = PeftModel.from_pretrained(hf4, tmp_path / "adapter")
+    with torch.no_grad():
+        want = peft_model(x).logits
+        got = model(x).logits
+        with peft_model.disable_adapter():
+            base = peft_model(x).logits
+    assert (want - base).abs().max() > 1e-3  # the trained adapters move the logits
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_quantize_is_a_clear_error(folders):
+    root, _ = folders
+    with pytest.raises(ValueError, match="'nf4'"):
+        cuboid.load(root / "bf16", quantize="int8")
