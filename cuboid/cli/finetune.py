@@ -67,6 +67,8 @@ FLAGS = [
     ("--seed", int, "seed for initialisation, data order and masking (default 0)"),
     ("--lora", str, "train LoRA adapters only: r=16,alpha=32[,dropout=0.05][,targets=attn+mlp] (targets: attn, "
                     "qkv, q, k, v, o, mlp); checkpoints and final/ hold the adapters in peft's layout"),
+    ("--quantize", str, "nf4: the base's block linears frozen in 4-bit NF4 with double quantization (QLoRA, "
+                        "bitsandbytes' layout), quantized while the model is read; needs --lora"),
     ("--timeout-s", float, "seconds a collective may wait before the run fails (default 300; a restart follows "
                            "under --max-restarts)"),
     ("--seq-len", int, "tokens per example for text tasks (default 128, sft 1024; at most the model's); sft: "

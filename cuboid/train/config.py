@@ -43,6 +43,7 @@ class FinetuneConfig:
     resume: Optional[str] = None          # "latest", a checkpoint folder, or None
     overwrite_output_dir: bool = False    # a fresh run into an output_dir an earlier run left files in
     lora: Any = None                      # LoRA adapters only: "r=16,alpha=32[,dropout=0.05][,targets=attn+mlp]"
+    quantize: Optional[str] = None        # "nf4": a frozen 4-bit base under the LoRA adapters (QLoRA)
     seed: int = 0
     timeout_s: Optional[float] = None     # process-group timeout (CUBOID_TIMEOUT_S; default 300 s)
     seq_len: Optional[int] = None         # tokens per row of a text task (packing: the packed row's length)
@@ -72,6 +73,13 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     """``cfg`` with its task resolved to a :class:`cuboid.tasks.Task` (None: the model's head decides); a
     one-sentence ValueError for an unknown optimizer, schedule, lr scaling, task or task option, a bad decay
     power, or packing or streaming for a task that does neither, before any work."""
+    if cfg.quantize is not None:
+        from cuboid.parallel.quant import check_quantize
+
+        check_quantize(cfg.quantize)
+        if cfg.lora is None:
+            raise ValueError(f"--quantize {cfg.quantize} freezes the base in 4 bits, which takes no gradient: full "
+                             f"fine-tuning of a 4-bit base is not possible; add --lora (QLoRA)")
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:

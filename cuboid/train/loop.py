@@ -247,6 +247,8 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
 
     if isinstance(cfg.model, nn.Module):
         plan.validate(cfg.model.config)
+        if cfg.quantize is not None:
+            raise ValueError("--quantize applies to a preset or a folder that cuboid reads, not to a model object")
         model = shard(cfg.model, plan, mesh, spec_of(cfg.model))
         if cfg.lora is not None:
             from cuboid.zoo.lora import attach
@@ -254,7 +256,8 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
             attach(model, cfg.lora, seed=cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
     elif os.path.isdir(str(cfg.model)):
-        model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora)
+        model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora,
+                     quantize=cfg.quantize)
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     else:
         if cfg.model not in PRESETS:
@@ -265,7 +268,8 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
             overrides["head"] = task.heads[0]
         if num_labels is not None and hasattr(config_of(cfg.model), "num_labels"):
             overrides["num_labels"] = num_labels
-        model = load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, **overrides)
+        model = load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, quantize=cfg.quantize,
+                     **overrides)
         tokenizer = load_tokenizer(cfg.tokenizer)
     return model, tokenizer, task_of(model, task)
 
