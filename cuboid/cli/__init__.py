@@ -100,10 +100,50 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (``cuboid CMD: error: ...``) and exit code 2; the
+    subcommands' parsers are of this class too (``add_subparsers`` makes its parent's kind)."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{self.prog}: error: {message} (--help lists the flags)", file=sys.stderr)
+        self.exit(2)
+
+
+def message(e: BaseException) -> str:
+    """The whole of an error in one line: an OS error with its path, a text that is not UTF-8 as such, a
+    KeyError's text without quotes, newlines folded."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") if e.filename else ""
+        text = f"{e.strerror}{where}"
+    elif isinstance(e, UnicodeDecodeError):
+        text = f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start} ({e.reason})"
+    elif isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str):
+        text = e.args[0]
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+# the errors that are the user's input, each one line and exit code 2; anything else is a bug: a traceback
+USER_ERRORS = (ValueError, OSError, NotImplementedError, KeyError, IndexError)
+
+
+def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every numeric flag of the chosen command in its range (:mod:`cuboid.train.limits`), before any work."""
+    from cuboid.train.limits import check_number
+
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    command = sub.choices.get(args.command) if sub is not None else None
+    for action in getattr(command, "_actions", ()):
+        if action.type in (int, float) and action.option_strings:
+            check_number(action.dest, getattr(args, action.dest, None), action.option_strings[0])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from cuboid.cli.finetune import add_parser as add_finetune
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="cuboid", description="cuboid: fine-tune and convert GPT, BERT and ViT models under parallel plans "
                                    "(data and 1D/2D/2.5D/3D tensor parallelism) on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -146,11 +186,11 @@ def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), modu
         parser.print_help()
         return 2
     try:
+        check_numbers(parser, args)
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, KeyError, IndexError) as e:
-        msg = e.args[0] if e.args else str(e)
+    except USER_ERRORS as e:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike: one line, from rank 0
-            print(f"cuboid {args.command}: error: {msg}", file=sys.stderr)
+            print(f"cuboid {args.command}: error: {message(e)}", file=sys.stderr)
         return 2
 
 

@@ -80,6 +80,9 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
         if cfg.lora is None:
             raise ValueError(f"--quantize {cfg.quantize} freezes the base in 4 bits, which takes no gradient: full "
                              f"fine-tuning of a 4-bit base is not possible; add --lora (QLoRA)")
+    from cuboid.train.limits import check_numbers
+
+    check_numbers({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every count and rate in range
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
