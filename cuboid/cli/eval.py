@@ -1,6 +1,7 @@
-"""``cuboid eval``: loss and perplexity of a causal language model on a held-out text.
+"""``cuboid eval``: loss and perplexity of a causal language model on a held-out text, or a task's metrics.
 
-    cuboid eval --model FOLDER|PRESET --data corpus.txt [--max-length N] [--stride S]
+    cuboid eval --model FOLDER|PRESET --data corpus.txt [--max-length N] [--stride S] [--json]
+    cuboid eval --task dpo --model P [--ref-model R] --data pairs.jsonl [--beta B] [--loss-type L] [--json]
 
 The text (a .txt file, or any source ``cuboid finetune --data`` reads, its
 text column joined by blank lines) is one token sequence, scored with
@@ -10,6 +11,15 @@ previous one did not, so every token after the first window is predicted
 from at least ``max_length - stride`` tokens of context. Under torchrun with
 ``--plan``, data-parallel ranks share the windows and the sums are reduced.
 Errors are one line on stderr and exit code 2.
+
+With ``--task`` the data is the task's records (DPO: prompt/chosen/rejected
+pairs) prepared as ``cuboid finetune`` prepares them, completed with what
+needs a model (the reference's log-probabilities), and scored by
+:func:`cuboid.train.step.evaluate` through the task's ``eval_sums`` and
+``eval_metrics``, in batches of ``--batch-size`` examples (dp ranks share
+them): the task's figures over the whole file, means over its units, as
+TRL's ``evaluate`` reports them for one batch. ``--json`` prints one JSON
+line (the keys without the ``eval_`` prefix).
 """
 from __future__ import annotations
 
@@ -112,10 +122,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
+    from cuboid.train.config import add_task_flags
+
     add_model_arguments(p)
-    p.add_argument("--data", required=True, help="a text file, or a source with a text column")
+    p.add_argument("--data", required=True, help="a text file, or a source with a text column (with --task: the "
+                                                 "task's records)")
+    p.add_argument("--task", help="score a task's metrics instead of perplexity: dpo[,beta=0.1,...] (its options "
+                                  "also as the flags below)")
+    p.add_argument("--batch-size", type=int, default=8, help="--task: examples (pairs) per eval batch (default 8)")
+    p.add_argument("--chat-template", help="--task: a Jinja chat template file used instead of the tokenizer's")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line")
+    add_task_flags(p)
     p.add_argument("--text-column", default="text", help="the text column of a table source (default text)")
-    p.add_argument("--max-length", type=int, help="tokens per window (default: the model's positions)")
+    p.add_argument("--max-length", type=int, help="tokens per window (default: the model's positions); --task: "
+                                                   "tokens per sequence (longer ones keep their start)")
     p.add_argument("--stride", type=int, help="tokens between window starts (default: half of --max-length)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -134,7 +154,63 @@ def _text_of(source: str, column: str) -> str:
     return "\n\n".join(t for t in ds[column] if isinstance(t, str))
 
 
+def task_metrics(model, tokenizer, task, ds, max_length: Optional[int] = None, batch_size: int = 8) -> dict:
+    """A task's eval figures over a whole split ``ds`` (module docstring), without the ``eval_`` prefix."""
+    from cuboid.data.formats import eval_batches
+    from cuboid.parallel import state_of, unwrap
+    from cuboid.parallel.lora import carries_adapters
+    from cuboid.train.step import evaluate
+
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size}: give 1 or more examples per batch")
+    core = unwrap(model)
+    state = state_of(core)
+    data = task.rows(ds, config=core.config, tokenizer=tokenizer, seq_len=max_length)
+    device = next(core.parameters()).device
+    data = task.with_model(model, [data], device=device, dtype=state.plan.dtype, lora=carries_adapters(core))[0]
+    mesh = state.mesh
+    multiple = math.lcm(8, 2 * state.plan.sp * state.plan.tp)
+    batches = eval_batches(data, batch_size, mesh.coords.get("dp", 0), mesh.size("dp"), multiple)
+    metrics = evaluate(model, batches, task=task)
+    return {k.removeprefix("eval_"): v for k, v in metrics.items()}
+
+
+def _task_of(args: argparse.Namespace):
+    """The ``--task`` with its options given as flags of their own."""
+    from cuboid.train.config import task_flags, with_flags
+
+    flags = {k: getattr(args, k, None) for k in task_flags()}
+    flags["chat_template"] = args.chat_template
+    return with_flags(args.task, flags)
+
+
+def _first_split(ds):
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        for name in ("test", "validation", "eval", "train"):
+            if name in ds:
+                return ds[name]
+        return ds[next(iter(ds))]
+    return ds
+
+
 def run(args: argparse.Namespace) -> int:
+    import json
+
+    if args.task is not None:
+        from cuboid.data import formats as D
+
+        task = _task_of(args)  # a bad option: an error before any model loads
+        model, tokenizer = load_model_and_tokenizer(args)
+        result = task_metrics(model, tokenizer, task, _first_split(D.load_source(args.data)), args.max_length,
+                              args.batch_size)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(result) if args.json else
+                  f"{args.data}: task {task.describe()}: " + ", ".join(f"{k} {v:.6g}" for k, v in result.items()))
+        return 0
+    if any(getattr(args, k, None) is not None for k in _task_flag_names()):
+        raise ValueError("task options (--beta, --loss-type, ...) need --task")
     model, tokenizer = load_model_and_tokenizer(args)
     text = _text_of(args.data, args.text_column)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -143,6 +219,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the tokenizer gives ids up to {int(ids.max())}, beyond the model's {vocab} tokens")
     result = perplexity(model, ids, args.max_length, args.stride, progress=not args.no_progress)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"{args.data}: {result['tokens']} tokens scored in {result['windows']} windows: "
+        print(json.dumps(result) if args.json else
+              f"{args.data}: {result['tokens']} tokens scored in {result['windows']} windows: "
               f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}")
     return 0
+
+
+def _task_flag_names() -> list:
+    from cuboid.train.config import task_flags
+
+    return list(task_flags())

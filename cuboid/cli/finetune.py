@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cuboid.train.config import PYTHON_ONLY, FinetuneConfig
+from cuboid.train.config import PYTHON_ONLY, FinetuneConfig, add_task_flags, task_flags
 
 # the embedded default job (no --model, no --data); its plan is chosen for the devices present (device_default)
 DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "steps": 400, "batch_size": 64, "lr": 1e-2,
@@ -38,8 +38,9 @@ FLAGS = [
     ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
     ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
     ("--task", str, "a task and its options: sft[,train_on_prompt=true] | causal (or clm) | mlm | seqcls | imgcls "
-                    "(default: from the model's head; sft: instruction or chat data, see DATA FORMATS below; "
-                    "--task NAME --help lists its options)"),
+                    "| dpo[,beta=0.1] (default: from the model's head; sft: instruction or chat data, see DATA "
+                    "FORMATS below; dpo: prompt/chosen/rejected pairs, --batch-size counts pairs; --task NAME "
+                    "--help lists its options, which the task flags below also set)"),
     ("--steps", int, "optimizer steps (default: from --epochs)"),
     ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),
     ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),
@@ -123,6 +124,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", default=None, help=help_)
             continue
         p.add_argument(flag, type=typ, default=None, help=help_)
+    add_task_flags(p)  # the tasks' options with flags of their own (--beta, --loss-type, ...)
     p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes to launch on this machine (default: the plan's world size)")
@@ -184,6 +186,9 @@ def read_config_file(path: str) -> dict:
             data[key] = data.pop(other)
     if isinstance(data.get("plan"), dict):
         data["plan"] = dict(data["plan"])
+    options = {k: data.pop(k) for k in list(data) if k in task_flags()}  # a task option's flag as a key
+    if options:
+        data["task_options"] = {**dict(data.get("task_options") or {}), **options}
     known = set(FinetuneConfig.__dataclass_fields__) - set(PYTHON_ONLY) | set(LAUNCHER_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
@@ -199,6 +204,9 @@ def resolve(args: argparse.Namespace) -> dict:
         v = getattr(args, key)
         if v is not None:
             values[key] = v
+    given = {k: getattr(args, k) for k in task_flags() if getattr(args, k, None) is not None}
+    if given:
+        values["task_options"] = {**dict(values.get("task_options") or {}), **given}
     for key in LAUNCHER_KEYS:
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)

@@ -53,6 +53,8 @@ class FinetuneConfig:
     template: Optional[str] = None
     data_format: Optional[str] = None
     chat_template: Optional[str] = None
+    task_options: dict = dataclasses.field(default_factory=dict)  # other task options given as flags of their
+                                          # own ({"beta": 0.1}: task_flags() lists them; the task's Options decide)
     streaming: bool = False               # read local files as a stream (datasets IterableDataset)
     shuffle_buffer: int = 1000            # streaming: examples in the shuffle buffer
     tokenizer: Optional[str] = None
@@ -66,13 +68,61 @@ class FinetuneConfig:
     callbacks: Sequence[Any] = ()         # cuboid.train.callbacks.TrainerCallback instances (Python API only)
 
 
-TASK_FLAGS = ("train_on_prompt", "template", "data_format", "chat_template")  # task options with flags of their own
+TASK_FLAGS = ("train_on_prompt", "template", "data_format", "chat_template")  # task options that are config fields
+
+
+def task_flags() -> dict:
+    """The task options that are flags of their own (beyond the run's own fields, such as :data:`TASK_FLAGS`):
+    ``{option: [(task name, dataclasses.Field), ...]}`` over the registered tasks, in registration order.
+
+    A task adds a flag by marking an option of its ``Options`` dataclass with ``metadata={"flag": True}``
+    (``help``: its text; ``choices``: the values it takes, for the help): ``beta: float =
+    field(default=0.1, metadata={"help": "...", "flag": True})`` is ``--beta`` on ``cuboid finetune`` and
+    ``cuboid eval``. The flag has no default of its own: unset, the chosen task's ``Options`` default
+    stands, so two tasks may share a flag name with their own defaults and choices (``--beta`` of dpo and
+    grpo); a flag given for a task that has no such option is refused (:func:`with_flags`). Its value is
+    parsed as the option's type (bool: a switch)."""
+    out: dict = {}
+    for name in tasks.names():
+        for f in dataclasses.fields(tasks.get(name).Options):
+            if f.metadata.get("flag") and f.name not in FinetuneConfig.__dataclass_fields__:  # (those have theirs)
+                out.setdefault(f.name, []).append((name, f))
+    return out
+
+
+def flag_type(f: dataclasses.Field):
+    """The argparse type of an option's flag (``bool``: a switch)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    for typ in (bool, int, float):
+        if typ.__name__ in kind and "str" not in kind:
+            return typ
+    return str
+
+
+def add_task_flags(parser) -> None:
+    """Every :func:`task_flags` option as ``--name`` on ``parser`` (default None: the task's default stands),
+    its help naming the tasks that take it, with their defaults and choices."""
+    for option, owners in task_flags().items():
+        parts = []
+        for task, f in owners:
+            choices = f.metadata.get("choices")
+            parts.append(f"{task}: {f.metadata.get('help', '')} (default {f.default}"
+                         + (f"; {' | '.join(choices)}" if choices else "") + ")")
+        flag = "--" + option.replace("_", "-")
+        typ = flag_type(owners[0][1])
+        if typ is bool:
+            parser.add_argument(flag, action="store_true", default=None, help="; ".join(parts))
+        else:
+            parser.add_argument(flag, type=typ, default=None, help="; ".join(parts))
 
 
 def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     """``cfg`` with its task resolved to a :class:`cuboid.tasks.Task` (None: the model's head decides); a
     one-sentence ValueError for an unknown optimizer, schedule, lr scaling, task or task option, a bad decay
     power, or packing or streaming for a task that does neither, before any work."""
+    from cuboid.train.limits import check_numbers
+
+    check_numbers({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every count and rate in range
     if cfg.quantize is not None:
         from cuboid.parallel.quant import check_quantize
 
@@ -80,9 +130,6 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
         if cfg.lora is None:
             raise ValueError(f"--quantize {cfg.quantize} freezes the base in 4 bits, which takes no gradient: full "
                              f"fine-tuning of a 4-bit base is not possible; add --lora (QLoRA)")
-    from cuboid.train.limits import check_numbers
-
-    check_numbers({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every count and rate in range
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
@@ -92,7 +139,10 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     lr_lambda(cfg.schedule, 0, 1, cfg.decay_power)  # a bad --decay-power is an error here
     if cfg.shuffle_buffer < 1:
         raise ValueError(f"--shuffle-buffer {cfg.shuffle_buffer}: the buffer holds at least 1 example")
-    task = with_flags(cfg.task, {k: getattr(cfg, k) for k in TASK_FLAGS})
+    unknown = sorted(set(cfg.task_options) - set(task_flags()))
+    if unknown:
+        raise ValueError(f"unknown task option flag(s) {', '.join(unknown)}; they are: {', '.join(task_flags())}")
+    task = with_flags(cfg.task, {**{k: getattr(cfg, k) for k in TASK_FLAGS}, **cfg.task_options})
     if task is not None:
         task.check(packing=cfg.packing, streaming=cfg.streaming)
     return dataclasses.replace(cfg, task=task)
@@ -106,7 +156,7 @@ def with_flags(task, flags: dict):
     """``task`` (a name with options, a table, a Task or None) resolved, with the task options given as flags
     of their own (``flags``: {option: value}, unset ones None or False) joined to it; a one-sentence
     ValueError for a flag its task has no option for."""
-    given = {k: v for k, v in flags.items() if v}
+    given = {k: v for k, v in flags.items() if v is not None and v is not False}
     if task is not None:
         options = _fields(tasks.class_of(task).Options)
         task = tasks.resolve(task, **{k: v for k, v in given.items() if k in options})

@@ -381,6 +381,7 @@ def padding_line(tensors: dict, batch_size: Optional[int] = None) -> str:
     the split's longest: that batches are cut to their own longest) and, with labels, the trained tokens
     (loss targets: labels not -100 after a row's first position, which the shift never predicts)."""
     ids = tensors["input_ids"]
+    ids = ids.reshape(-1, ids.shape[-1])  # (pairs of rows, (P, 2, L): their rows)
     rows, width = ids.shape
     real = real_tokens(tensors)
     line = f"data: {rows} rows of {width} tokens, {real:,} of them real, padding {1 - real / ids.numel():.1%}"
@@ -390,6 +391,7 @@ def padding_line(tensors: dict, batch_size: Optional[int] = None) -> str:
     elif "attention_mask" in tensors and "labels" in tensors and tensors["labels"].dim() == 2:
         line += " at the longest row's width (each batch is cut to its own longest row)"
     labels = tensors.get("labels")
+    labels = labels.reshape(-1, labels.shape[-1]) if labels is not None and labels.dim() == 3 else labels
     if labels is not None and labels.dim() == 2 and labels.shape == ids.shape:
         trained = int((labels[:, 1:] != -100).sum())
         line += f"; {trained:,} trained tokens" + (f", {trained * batch_size / rows:,.0f} a step on average"
