@@ -268,10 +268,28 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
             overrides["head"] = task.heads[0]
         if num_labels is not None and hasattr(config_of(cfg.model), "num_labels"):
             overrides["num_labels"] = num_labels
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        if task is not None:  # what the task gives its model beside the head (reward: one output, the pad id)
+            overrides.update(task.model_config(config_of(cfg.model, **overrides), tokenizer))
         model = load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, quantize=cfg.quantize,
                      **overrides)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-    return model, tokenizer, task_of(model, task)
+    task = task_of(model, task)
+    configure(model, task, tokenizer)
+    return model, tokenizer, task
+
+
+def configure(model: nn.Module, task: tasks.Task, tokenizer) -> None:
+    """A loaded model given the config fields its task sets (:meth:`~cuboid.tasks.Task.model_config`: reward's
+    pad id, which its head reads each row's last token by); a head of another size is a one-sentence error."""
+    from cuboid.parallel import unwrap
+
+    core = unwrap(model)
+    changes = {k: v for k, v in task.model_config(core.config, tokenizer).items() if getattr(core.config, k) != v}
+    if "num_labels" in changes:
+        raise ValueError(f"task {task.label} trains a head of {changes['num_labels']} output(s); this model's has "
+                         f"{core.config.num_labels}")
+    if changes:
+        core.config = core.config.replace(**changes)
 
 
 def task_of(model: nn.Module, task: Optional[tasks.Task]) -> tasks.Task:
