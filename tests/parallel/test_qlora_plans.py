@@ -1,0 +1,84 @@
+"""QLoRA (a frozen NF4 base, ``cuboid.load(..., quantize="nf4", lora=...)``) under the plans on 2 ranks: dp,
+ZeRO-3, 1D tensor parallelism, pipeline and sequence parallelism each take one device's three steps (losses
+within 1e-5, adapters within 1e-6 as test_lora measures them), the 4-bit weights stay buffers (no gradient, no
+optimizer state) and every rank's dequantized slice equals the same slice of one device's weight bit for bit.
+The model is llama-debug widened to 128 (tp's row cuts then hold whole blocks of 64)."""
+import torch
+
+from .launch import run_world
+from .test_lora import LORA, _adapter, _opt, _steps
+from .test_plans import gathered, rel_norm
+
+NAME = "llama-debug"
+EXTRA = dict(dim=128, head_dim=32, mlp_hidden=256, vocab_size=512)
+PLANS = ["dp=2", "dp=2,zero=3", "tp=2", "pp=2,microbatches=2", "sp=2"]
+
+
+def _weights(model):
+    """path -> this rank's dequantized fp32 weight of every NF4 layer."""
+    from cuboid.parallel.quant import quantized_layers
+
+    return {p: layer.dequantized(torch.float32) for p, layer in quantized_layers(model)}
+
+
+def one_device():
+    import cuboid
+
+    out = {}
+    for pipelined in (False, True):
+        model = cuboid.load(NAME, seed=0, lora=LORA, quantize="nf4", **EXTRA).train()
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        losses = _steps(model, NAME, _opt(model.parameters()), pipelined)
+        out[pipelined] = (init, {n: p.detach().clone() for n, p in model.named_parameters()}, losses,
+                          _weights(model))
+    return out
+
+
+def qlora_worker(refs):
+    import cuboid
+    from cuboid.parallel import Mesh, Plan
+
+    report = {}
+    for spec in PLANS:
+        plan = Plan.parse(spec)
+        mesh = Mesh.build(plan)
+        init, want, want_losses, weights = refs[plan.pp > 1]
+        model = cuboid.load(NAME, plan, seed=0, mesh=mesh, lora=LORA, quantize="nf4", **EXTRA).train()
+        opt = _opt(model.parameters())
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        losses = _steps(model, NAME, opt, plan.pp > 1, mesh.group("dp"), mesh.size("dp"))
+        # each rank's dequantized slice is one device's weight, sliced as the layer slices it
+        from cuboid.parallel.quant import quantized_layers
+
+        slices_equal = all(torch.equal(layer.dequantized(torch.float32),
+                                       layer.local_part("weight", weights[p]))
+                           for p, layer in quantized_layers(model))
+        pairs = gathered(model)
+        adapters = [(n, t) for n, t in pairs if _adapter(n)]
+        report[spec] = {
+            "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)),
+            "adapters": rel_norm(torch.cat([t.flatten() for _, t in adapters]),
+                                 torch.cat([want[n].flatten() for n, _ in adapters])) if adapters else 0.0,
+            "seen": len(adapters), "quantized": len(quantized_layers(model)),
+            "trainable_adapters_only": all(_adapter(n) for n in trainable),
+            "state_on_adapters_only": len(opt.state) == len(trainable),
+            "slices_equal": slices_equal,
+            "base_unchanged": all(torch.equal(t, init[n]) for n, t in pairs if not _adapter(n)),
+        }
+    return report
+
+
+def test_qlora_plans_2_ranks():
+    from cuboid.kernels import use_backend
+
+    with use_backend("torch"):  # the CPU path the ranks run (this process has the Triton interpreter on)
+        refs = one_device()
+    assert refs[False][2][-1] != refs[False][2][0]  # the adapters train on the 4-bit base
+    reports = run_world(qlora_worker, 2, refs, timeout=600)
+    for rank, report in enumerate(reports):
+        assert sorted(report) == sorted(PLANS)
+        for spec, r in report.items():
+            assert r["quantized"] > 0 and (r["seen"] > 0), (rank, spec, r)
+            assert r["trainable_adapters_only"] and r["state_on_adapters_only"], (rank, spec, r)
+            assert r["slices_equal"] and r["base_unchanged"], (rank, spec, r)
+            assert r["loss"] < 1e-5 and r["adapters"] < 1e-6, (rank, spec, r)
