@@ -203,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
 
         task = _task_of(args)  # a bad option: an error before any model loads
         model, tokenizer = load_model_and_tokenizer(args)
+        from cuboid.train.loop import configure
+
+        configure(model, task, tokenizer)  # what the task gives its model (reward: the tokenizer's pad id)
         result = task_metrics(model, tokenizer, task, _first_split(D.load_source(args.data)), args.max_length,
                               args.batch_size)
         if int(os.environ.get("RANK", "0")) == 0:
