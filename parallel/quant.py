@@ -102,9 +102,15 @@ class NF4Layer:
         shape = tuple(self.full_shape("weight"))
         if tuple(full.shape) != shape:
             raise ValueError(f"expected a full weight of {shape}, got {tuple(full.shape)}")
-        qw = quantize_nf4(full)
+        self.set_quantized(quantize_nf4(full))
+
+    def set_quantized(self, qw: NF4Weight) -> None:
+        """Keep this rank's part of the full weight ``qw``, already quantized (a bitsandbytes folder's)."""
+        shape = tuple(self.full_shape("weight"))
+        if tuple(qw.shape) != shape:
+            raise ValueError(f"expected a quantized weight of {shape}, got {tuple(qw.shape)}")
         if tuple(self.nf4_local_shape) != shape:  # a tensor-parallel slice: its codes and its blocks' fp32 scales
-            qw = _local_part(self, qw, full.device)
+            qw = _local_part(self, qw, qw.weight.device)
         self._set_buffers(qw)
 
     def _set_buffers(self, qw: NF4Weight) -> None:

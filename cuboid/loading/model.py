@@ -143,6 +143,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     fit = _Fit(plan_of(plan, ModelBuilder(name_or_path, overrides=overrides), dtype=dtype), mesh)
     if str(device) == "meta":
         return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides, quantize=quantize)
+    if is_folder(name_or_path) and not quantize:
+        from cuboid.loading.quantize import folder_is_4bit
+
+        quantize = "nf4" if folder_is_4bit(name_or_path) else None  # a bitsandbytes 4-bit folder reads as it is
     if quantize and is_folder(name_or_path):
         from cuboid.loading.quantize import from_folder
 

@@ -8,7 +8,11 @@ the model is read as usual while those weights are not. Each of them is then
 read whole from the memory-mapped shards, one tensor at a time, quantized as
 one device quantizes it (bitsandbytes' layout, bit for bit) and cut to this
 rank's part: the process holds the 4-bit model plus one full-precision
-tensor, never the full-precision model. A preset is built and initialised
+tensor, never the full-precision model. A folder transformers + bitsandbytes
+saved in 4 bits (``quantization_config`` in config.json; per weight the keys
+``weight``, ``weight.absmax``, ``weight.quant_map``, ``weight.nested_absmax``,
+``weight.nested_quant_map``, ``weight.quant_state.bitsandbytes__nf4``) is
+read as it is, without quantizing again, under any plan. A preset is built and initialised
 first (a test-sized model) and quantized from its own weights, gathered over
 tensor parallelism where they are cut.
 """
@@ -19,9 +23,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cuboid.kernels.nf4 import NF4Weight
 from cuboid.parallel.quant import block_linears, quantize_linears, quantized_layers
+
+BNB_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4")
+
+
+def prequantized(cfg: dict, path) -> bool:
+    """Whether config.json says transformers + bitsandbytes saved the folder in 4-bit NF4 (other 4-bit and
+    8-bit layouts are refused in one sentence)."""
+    q = cfg.get("quantization_config")
+    if not q:
+        return False
+    if q.get("quant_method") != "bitsandbytes" or not q.get("load_in_4bit"):
+        raise ValueError(f"{path}: quantization_config {q.get('quant_method')!r} (4-bit: {q.get('load_in_4bit')}) is "
+                         f"not read; cuboid reads bitsandbytes' 4-bit NF4 folders")
+    if q.get("bnb_4bit_quant_type", "fp4") != "nf4":
+        raise ValueError(f"{path}: bitsandbytes 4-bit type {q.get('bnb_4bit_quant_type')!r} is not read; cuboid "
+                         f"reads nf4")
+    return True
 from cuboid.zoo import hf_io
 from cuboid.zoo.families import FAMILIES, family_of
+
+
+def folder_is_4bit(path) -> bool:
+    """Whether the folder ``path`` holds a transformers + bitsandbytes 4-bit NF4 model."""
+    return prequantized(hf_io.read_config(Path(path)), path)
 
 
 def _folder_views(model: nn.Module, path: Path) -> dict:
@@ -58,7 +85,9 @@ def from_folder(path, *, dtype, device, transform) -> nn.Module:
     views = _folder_views(model, path)
     names = {f"{p}.weight" for p in paths}
     absent = [n for n in names if n not in views]
-    quant_keys = {k for n in names if n in views for k in views[n][1]}
+    stored4 = prequantized(cfg, path)
+    quant_keys = {k + sfx for n in names if n in views for k in views[n][1]
+                  for sfx in (("",) + BNB_SUFFIXES if stored4 else ("",))}
     unexpected = [k for k in problems["unexpected"] if k not in quant_keys]
     if problems["missing"] or problems["mismatched"] or unexpected or absent:
         lines = [f"{what}: {', '.join(v)}" for what, v in (("missing", problems["missing"] + absent),
@@ -67,6 +96,15 @@ def from_folder(path, *, dtype, device, transform) -> nn.Module:
         raise CheckpointError(f"{path}: checkpoint does not fit the {family.name} model; " + "; ".join(lines))
     for p, layer in quantized_layers(model):
         row, stored, folder = views[f"{p}.weight"]
+        if stored4:
+            if len(stored) != 1 or row.view is not hf_io._first:
+                raise ValueError(f"{path}: {p}.weight is stored as {len(stored)} tensor(s) under a transform; a "
+                                 f"4-bit folder is read only where one stored weight is the layer's weight")
+            keys = set(folder.keys())
+            parts = {f"weight{sfx}": folder.get_tensor(stored[0] + sfx) for sfx in ("",) + BNB_SUFFIXES
+                     if stored[0] + sfx in keys}
+            layer.set_quantized(NF4Weight.from_state_dict(parts, "weight").to(device))
+            continue
         full = row.view([folder.get_slice(n) for n in stored])[:]  # one tensor, from the mapped file
         layer.set_full(torch.as_tensor(full).to(device=device, dtype=layer.nf4_dtype))
         del full

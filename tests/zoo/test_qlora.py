@@ -19,11 +19,12 @@ HF_NAMES = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """(bf16 folder, transformers' 4-bit model loaded from it): hidden 64, two layers, grouped-query heads."""
+    """(root, transformers' 4-bit model loaded from root/bf16): hidden 128 (tensor parallelism's row cuts hold
+    whole blocks of 64), two layers, grouped-query heads; root/bnb4 is that 4-bit model saved by transformers."""
     from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False)
     root = tmp_path_factory.mktemp("qlora")
@@ -32,6 +33,7 @@ def folders(tmp_path_factory):
                              bnb_4bit_compute_dtype=torch.float32)
     hf4 = LlamaForCausalLM.from_pretrained(root / "bf16", quantization_config=bnb, device_map="cpu",
                                            dtype=torch.float32)
+    hf4.save_pretrained(root / "bnb4")
     return root, hf4
 
 
@@ -59,6 +61,23 @@ def test_quantized_layers_are_bit_equal_and_logits_match(folders):
         want = hf4(ids()).logits
         got = model(ids()).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_folder_saved_by_transformers_and_bitsandbytes_loads_as_it_is(folders):
+    root, hf4 = folders
+    assert "quantization_config" in json.loads((root / "bnb4" / "config.json").read_text())
+    model = cuboid.load(root / "bnb4", dtype=torch.float32)  # no quantize=: the folder says it is 4-bit
+    ref = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32)
+    refs = dict(quantized_layers(ref))
+    for path, layer in quantized_layers(model):
+        for k, v in layer.nf4_weight().state_dict().items():
+            assert torch.equal(v, refs[path].nf4_weight().state_dict()[k]), (path, k)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids()).logits, hf4(ids()).logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not read"):
+        from cuboid.loading.quantize import prequantized
+        prequantized({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                              "bnb_4bit_quant_type": "fp4"}}, root)
 
 
 def test_adapters_trained_on_the_4bit_base_are_read_by_peft(folders, tmp_path):
