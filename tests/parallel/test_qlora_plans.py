@@ -2,7 +2,8 @@
 ZeRO-3, 1D tensor parallelism, pipeline and sequence parallelism each take one device's three steps (losses
 within 1e-5, adapters within 1e-6 as test_lora measures them), the 4-bit weights stay buffers (no gradient, no
 optimizer state) and every rank's dequantized slice equals the same slice of one device's weight bit for bit.
-The model is llama-debug widened to 128 (tp's row cuts then hold whole blocks of 64)."""
+The model is llama-debug widened to 128 (tp's row cuts then hold whole blocks of 64). A folder transformers +
+bitsandbytes saved in 4 bits loads under tp=2 (each rank slicing the stored codes) with one device's logits."""
 import torch
 
 from .launch import run_world
@@ -34,11 +35,40 @@ def one_device():
     return out
 
 
-def qlora_worker(refs):
+def bnb_folder(root):
+    """A tiny Llama saved by transformers + bitsandbytes in 4-bit NF4 with double quantization."""
+    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(f"{root}/full")
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=torch.float32)
+    LlamaForCausalLM.from_pretrained(f"{root}/full", quantization_config=bnb, device_map="cpu").save_pretrained(
+        f"{root}/bnb4")
+    return f"{root}/bnb4"
+
+
+BNB_IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+
+
+def bnb_logits(folder, plan=None, mesh=None):
+    import cuboid
+
+    model = cuboid.load(folder, plan, mesh=mesh, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=BNB_IDS).logits
+
+
+def qlora_worker(refs, folder, want_logits):
     import cuboid
     from cuboid.parallel import Mesh, Plan
 
     report = {}
+    plan = Plan.parse("tp=2")
+    report["bnb tp=2"] = float((bnb_logits(folder, plan, Mesh.build(plan)) - want_logits).abs().max())
     for spec in PLANS:
         plan = Plan.parse(spec)
         mesh = Mesh.build(plan)
@@ -68,15 +98,18 @@ def qlora_worker(refs):
     return report
 
 
-def test_qlora_plans_2_ranks():
+def test_qlora_plans_2_ranks(tmp_path):
     from cuboid.kernels import use_backend
 
     with use_backend("torch"):  # the CPU path the ranks run (this process has the Triton interpreter on)
         refs = one_device()
+        folder = bnb_folder(tmp_path)
+        want_logits = bnb_logits(folder)
     assert refs[False][2][-1] != refs[False][2][0]  # the adapters train on the 4-bit base
-    reports = run_world(qlora_worker, 2, refs, timeout=600)
+    reports = run_world(qlora_worker, 2, refs, folder, want_logits, timeout=600)
     for rank, report in enumerate(reports):
-        assert sorted(report) == sorted(PLANS)
+        assert sorted(report) == sorted(PLANS + ["bnb tp=2"])
+        assert report.pop("bnb tp=2") < 1e-5, (rank, "a bitsandbytes folder under tp=2")
         for spec, r in report.items():
             assert r["quantized"] > 0 and (r["seen"] > 0), (rank, spec, r)
             assert r["trainable_adapters_only"] and r["state_on_adapters_only"], (rank, spec, r)
