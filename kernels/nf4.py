@@ -92,14 +92,26 @@ def _per_element(scales: Tensor, n: int, blocksize: int) -> Tensor:
     return scales.repeat_interleave(blocksize)[:n]
 
 
+_CHUNK_BLOCKS = 16384  # blocks quantized at a time: bounds the temporaries of one large tensor (~1M values)
+
+
 def _quantize_codes(flat: Tensor, blocksize: int) -> Tuple[Tensor, Tensor]:
-    """(codes as int64 in 0..15, fp32 block scales) of a flat fp32 tensor: nearest NF4 value, ties down."""
-    scales = _block_scales(flat, blocksize)
+    """(packed codes, fp32 block scales) of a flat tensor: nearest NF4 value of ``x * (1 / scale)``, ties down.
+
+    Chunks of whole blocks at a time, each cast to fp32 only there (the scales are exact in any float dtype)."""
+    scales = _block_scales(flat, blocksize).float()
     inv = 1.0 / scales.clamp(min=1e-38)  # multiply by the reciprocal, as bitsandbytes' CPU quantizer does
-    normed = torch.clamp(flat * _per_element(inv, flat.numel(), blocksize), -1.0, 1.0)
     code = nf4_code(flat.device)
     midpoints = (code[:-1] + code[1:]) / 2
-    return torch.bucketize(normed, midpoints), scales
+    n, step = flat.numel(), blocksize * _CHUNK_BLOCKS
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=flat.device)
+    for start in range(0, n, step):
+        chunk = flat[start:start + step].float()
+        first = start // blocksize
+        scale = _per_element(inv[first:first + _CHUNK_BLOCKS], chunk.numel(), blocksize)
+        codes = torch.bucketize(torch.clamp(chunk * scale, -1.0, 1.0), midpoints, out_int32=True)
+        packed[start // 2:start // 2 + (chunk.numel() + 1) // 2] = pack(codes)
+    return packed, scales
 
 
 _LUT_SIZE = 65536  # grid points over [-1, 1] of the 8-bit quantizer's nearest-entry table
@@ -251,9 +263,7 @@ def quantize_nf4(w: Tensor, *, blocksize: int = BLOCKSIZE, double_quant: bool = 
         raise ValueError(f"quantize_nf4: blocksize must be a power of two in 32..4096, got {blocksize}")
     if w.numel() == 0:
         raise ValueError("quantize_nf4: w has no elements")
-    flat = w.detach().reshape(-1).float()
-    codes, scales = _quantize_codes(flat, blocksize)
-    packed = pack(codes)
+    packed, scales = _quantize_codes(w.detach().reshape(-1), blocksize)
     qw = NF4Weight(packed, scales, nf4_code(w.device), tuple(w.shape), w.dtype, blocksize)
     if double_quant:
         qw.absmax, qw.nested_absmax, qw.offset = _quantize_scales(scales)

@@ -95,3 +95,16 @@ def test_bad_input_is_a_clear_error():
         nf4.quantize_nf4(torch.zeros(64), blocksize=48)
     with pytest.raises(ValueError, match="NF4 quant state"):
         nf4.NF4Weight.from_state_dict({"weight": torch.zeros(4, 1, dtype=torch.uint8)})
+
+
+def test_chunked_quantization_is_the_same(monkeypatch):
+    """A large tensor is quantized a few blocks at a time: chunk edges (and an odd tail) change nothing."""
+    for shape in ((33, 17), (64, 300)):
+        w = weight(shape, BF16, seed=11)
+        want = nf4.quantize_nf4(w).state_dict()
+        monkeypatch.setattr(nf4, "_CHUNK_BLOCKS", 3)
+        got = nf4.quantize_nf4(w).state_dict()
+        monkeypatch.undo()
+        assert all(torch.equal(got[k], v) for k, v in want.items()), shape
+        packed, _ = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        assert torch.equal(got["weight"], packed)
