@@ -101,7 +101,7 @@ def _tp_rank(folder: str) -> dict:
 
 def test_tp4_folder_load_reads_only_this_ranks_slices(folder):
     largest = largest_bytes(folder)
-    for rank, r in enumerate(run_world(_tp_rank, 4, str(folder), timeout=120)):
+    for rank, r in enumerate(run_world(_tp_rank, 4, str(folder), timeout=120, fresh=True)):
         assert not r["differ"], f"rank {rank}: gathered values differ from one device's: {r['differ'][:5]}"
         assert r["peak"] <= r["local"] + largest + CONTRACT, (rank, r)
         grew = r["peak"] - r["base"]
@@ -130,7 +130,7 @@ def _single(folder: str) -> list:
 def test_single_device_folder_load_does_not_copy_what_it_can_map(folder):
     """In a fresh process, as the ranks above: fp32 as stored (views of the files), then cast to bf16."""
     largest = largest_bytes(folder)
-    for r in run_world(_single, 1, str(folder), timeout=120)[0]:
+    for r in run_world(_single, 1, str(folder), timeout=120, fresh=True)[0]:
         assert not r["differ"], (r["dtype"], r["differ"][:5])
         assert r["peak"] <= r["local"] + largest + CONTRACT, r
         cast = r["local"] if r["dtype"] != "None" else 0  # a cast makes new tensors; as stored, views

@@ -13,6 +13,24 @@ code, rather than at the timeout.
 finished when something did not (a benchmark reports the cases that ran
 before a hang): ``fn`` may be a generator, whose every value travels back as
 soon as it is yielded, and the outcome is returned, not raised.
+
+**Warm worlds: one process group per world size.** Starting a world costs
+more than most tests run in it (n interpreters importing torch, Triton and
+cuboid: 4-12 s of 2 cores per world), so the ranks of a world are started
+once per size and kept (:class:`_Warm`), and each call is a job sent to
+them. The first job that starts a process group (as a user's program does,
+from the torchrun environment the job gets) starts the world's; later jobs
+find it started, as a program that loads several models does. Between jobs
+a rank undoes what a job leaves behind: cuboid's kept subgroups are
+forgotten (a job may have broken one on purpose), the collective timeout
+unset, the environment, the default dtype and torch.compile's caches reset;
+then a monitored barrier on the world's group (a rank that fails it exits,
+so the next call starts a new world). A failed job, a timeout or a rank
+that exits takes the whole warm world down (its ranks may be stuck in a
+collective); the next call starts a new one. ``fresh=True`` (and
+``hard_exit``; ``CUBOID_TEST_FRESH_WORLDS=1`` for every call) spawns new
+processes for that call: for tests that measure a process's memory, kill
+ranks or leave by ``os._exit``.
 """
 from __future__ import annotations
 
@@ -22,6 +40,7 @@ import socket
 import sys
 import time
 import traceback
+import atexit
 import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -83,14 +102,18 @@ def _entry(fn, rank, world, port, queue, args, hard_exit):
             os._exit(0)
 
 
-def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool = False) -> Gathered:
+def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool = False,
+                 fresh: bool = False) -> Gathered:
     """Run ``fn(*args)`` on ``world`` ranks until all return, one fails, or ``timeout`` s pass (a hang).
 
     A generator ``fn`` sends each yielded value (``Gathered.parts[rank]``); a
     plain one sends its return value as its one part. ``hard_exit``: the ranks
     leave by ``os._exit`` once their results are sent, skipping the
     interpreter's teardown (Triton's nanobind prints leak reports there).
+    ``fresh``: new processes for this call, not the warm world (module docstring).
     """
+    if not (fresh or hard_exit or os.environ.get("CUBOID_TEST_FRESH_WORLDS") == "1"):
+        return _Warm.of(world).run(fn, args, timeout)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -146,10 +169,155 @@ def _exited(procs, finished, gone: dict) -> tuple:
     return None, None
 
 
-def run_world(fn, world: int, *args, timeout: float = 180.0):
+def run_world(fn, world: int, *args, timeout: float = 180.0, fresh: bool = False):
     """``fn(*args)`` on ``world`` ranks; the return values by rank, or an AssertionError naming the failure."""
-    out = gather_world(fn, world, *args, timeout=timeout)
+    out = gather_world(fn, world, *args, timeout=timeout, fresh=fresh)
     if out.error is not None:
         who = "the world" if out.failed_rank is None else f"rank {out.failed_rank}"
         raise AssertionError(f"{who} failed:\n{out.error}")
     return [p[0] for p in out.parts]
+
+
+def _job_reset(saved_env: dict) -> None:
+    """What a job leaves behind in a warm rank, undone (module docstring); exits if the world's group broke."""
+    import datetime
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from cuboid.parallel import timeouts
+
+    timeouts.forget_groups()
+    timeouts._TIMEOUT_S.clear()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    torch.set_default_dtype(torch.float32)
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    gc.collect()
+    if dist.is_initialized():
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - the world's group is unusable: this rank leaves, the world restarts
+            sys.stderr.flush()
+            os._exit(3)
+
+
+def _warm_entry(rank, world, jobs, results):
+    """A warm rank: runs the jobs it is sent, one after another, until it is sent None."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from cuboid.kernels import use_backend
+
+    saved_env = dict(os.environ)
+    world_port = None  # the rendezvous port of the world's process group, once a job started it
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        number, port, fn, args = job
+        os.environ.update(rank_env(rank, world, port if world_port is None else world_port))
+        try:
+            with use_backend("torch"):
+                result = fn(*args)
+                for value in result if isinstance(result, types.GeneratorType) else [result]:
+                    results.put((number, rank, "part", value))
+            results.put((number, rank, "done", None))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((number, rank, "error", traceback.format_exc()))
+        finally:
+            if world_port is None and dist.is_initialized():
+                world_port = port
+            _job_reset(saved_env)
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+class _Warm:
+    """The kept ranks of one world size (module docstring): started on first use, stopped at exit or failure."""
+
+    _kept: Dict[int, "_Warm"] = {}
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_warm_entry, args=(r, world, self.jobs[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.number = 0
+
+    @classmethod
+    def of(cls, world: int) -> "_Warm":
+        """The warm world of ``world`` ranks, started if none is kept or one of its ranks has exited."""
+        kept = cls._kept.get(world)
+        if kept is not None and any(p.exitcode is not None for p in kept.procs):
+            kept.stop()
+            kept = None
+        if kept is None:
+            kept = cls._kept[world] = cls(world)
+        return kept
+
+    def run(self, fn, args, timeout: float) -> Gathered:
+        """One job on every rank, as :func:`gather_world` reports it; a failure stops this world."""
+        self.number += 1
+        port = free_port()
+        for q in self.jobs:
+            q.put((self.number, port, fn, args))
+        out = Gathered(parts=[[] for _ in range(self.world)], finished=[False] * self.world)
+        deadline = time.monotonic() + timeout
+        gone: dict = {}
+        try:
+            while not all(out.finished):
+                try:
+                    number, rank, status, value = self.results.get(
+                        timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
+                except queue_module.Empty:
+                    if time.monotonic() >= deadline:
+                        raise
+                    out.failed_rank, out.error = _exited(self.procs, out.finished, gone)
+                    if out.error is not None:
+                        break
+                    continue
+                if number != self.number:  # a message of an earlier job cannot come: a failed job stops the world
+                    continue
+                if status == "error":
+                    out.failed_rank, out.error = rank, value
+                    break
+                if status == "part":
+                    out.parts[rank].append(value)
+                else:
+                    out.finished[rank] = True
+        except Exception as e:  # queue.Empty on timeout
+            out.error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
+        if out.error is not None:
+            self.stop()
+        return out
+
+    def stop(self) -> None:
+        """Kill the ranks (a failed job's peers may wait in a collective) and forget this world."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        if _Warm._kept.get(self.world) is self:
+            del _Warm._kept[self.world]
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Let every warm world's ranks leave (cuboid's exit handler destroys their process groups)."""
+        for kept in list(cls._kept.values()):
+            for q in kept.jobs:
+                q.put(None)
+            for p in kept.procs:
+                p.join(timeout=10)
+            kept.stop()
+
+
+atexit.register(_Warm.stop_all)

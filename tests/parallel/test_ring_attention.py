@@ -77,7 +77,8 @@ def sp_worker():
     from cuboid.parallel.sequence import (all_to_all_attention, ring_attention, zigzag_merge, zigzag_positions,
                                           zigzag_split)
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # (a warm world's group may be started: tests/parallel/launch.py)
+        dist.init_process_group("gloo")
     p, r = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(p)))
     comm.name_group(group, "sp")
@@ -226,7 +227,8 @@ class _World:
 
         from cuboid.parallel import comm
 
-        dist.init_process_group("gloo")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
         self.p, self.r = dist.get_world_size(), dist.get_rank()
         self.group = dist.new_group(list(range(self.p)))
         comm.name_group(self.group, "sp")
