@@ -38,8 +38,9 @@ FLAGS = [
     ("--data", str, "a csv/json/jsonl/parquet/txt file, an imagefolder or save_to_disk folder, or 'digits'"),
     ("--plan", str, "a ready plan name (cuboid plans), a .json/.toml plan file, or fields like dp=2"),
     ("--task", str, "a task and its options: sft[,train_on_prompt=true] | causal (or clm) | mlm | seqcls | imgcls "
-                    "| dpo[,beta=0.1] | reward (default: from the model's head; sft: instruction or chat data, see "
-                    "DATA FORMATS below; dpo, reward: prompt/chosen/rejected pairs, --batch-size counts pairs; "
+                    "| dpo[,beta=0.1] | reward | grpo (default: from the model's head; sft: instruction or chat data, "
+                    "see DATA FORMATS below; dpo, reward: prompt/chosen/rejected pairs, --batch-size counts pairs; "
+                    "grpo: a prompt column and --reward MODULE:FUNCTION, --batch-size counts completions; "
                     "--task NAME --help lists its options, which the task flags below also set)"),
     ("--steps", int, "optimizer steps (default: from --epochs)"),
     ("--epochs", float, "passes over the training split when --steps is not given (default 1)"),

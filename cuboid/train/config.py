@@ -76,7 +76,8 @@ def task_flags() -> dict:
     ``{option: [(task name, dataclasses.Field), ...]}`` over the registered tasks, in registration order.
 
     A task adds a flag by marking an option of its ``Options`` dataclass with ``metadata={"flag": True}``
-    (``help``: its text; ``choices``: the values it takes, for the help): ``beta: float =
+    (``help``: its text; ``choices``: the values it takes, for the help; ``append``: the flag may be given
+    again, its values a list): ``beta: float =
     field(default=0.1, metadata={"help": "...", "flag": True})`` is ``--beta`` on ``cuboid finetune`` and
     ``cuboid eval``. The flag has no default of its own: unset, the chosen task's ``Options`` default
     stands, so two tasks may share a flag name with their own defaults and choices (``--beta`` of dpo and
@@ -112,6 +113,8 @@ def add_task_flags(parser) -> None:
         typ = flag_type(owners[0][1])
         if typ is bool:
             parser.add_argument(flag, action="store_true", default=None, help="; ".join(parts))
+        elif any(f.metadata.get("append") for _, f in owners):  # given again for more (grpo's --reward): a list
+            parser.add_argument(flag, action="append", type=typ, default=None, help="; ".join(parts))
         else:
             parser.add_argument(flag, type=typ, default=None, help="; ".join(parts))
 
