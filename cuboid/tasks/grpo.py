@@ -28,6 +28,7 @@ token mean (as TRL's, it depends on the micro-batching).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -247,6 +248,8 @@ class GRPO(Task):
 
         named = [] if o.reward is None else [o.reward] if isinstance(o.reward, str) else list(o.reward)
         named = [spec.strip() for text in named for spec in text.split(";") if spec.strip()]
+        if named:  # spelled as one text (describe(), a checkpoint's record): "a.py:f;b:g"
+            self.options = o = dataclasses.replace(o, reward=";".join(named))
         self.reward_funcs, self.reward_names = load_rewards(list(reward_funcs) + named)
 
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
