@@ -92,7 +92,7 @@ def _per_element(scales: Tensor, n: int, blocksize: int) -> Tensor:
     return scales.repeat_interleave(blocksize)[:n]
 
 
-_CHUNK_BLOCKS = 16384  # blocks quantized at a time: bounds the temporaries of one large tensor (~1M values)
+_CHUNK_BLOCKS = 4096  # blocks quantized at a time: bounds the temporaries of one large tensor (262,144 values)
 
 
 def _quantize_codes(flat: Tensor, blocksize: int) -> Tuple[Tensor, Tensor]:
