@@ -9,8 +9,8 @@ reward over the completion text (the share of its characters that are ``a`` or `
   of those advantages over the completion tokens (ratio 1: ``-sum_j A_j n_j / sum_j n_j``).
 - ``dp=2`` (one 2-rank gloo world): step 1 samples the same completions and logs the same reward and loss as
   one device.
-- ``beta=0.04`` with LoRA (and dr_grpo with ``scale_rewards=none``): ``kl`` is 0 at step 1 (the adapters
-  start at zero) and above 0 after.
+- The command line, ``--beta 0.04 --lora`` (and dr_grpo with ``--scale-rewards none``): ``kl`` is 0 at step 1
+  (the adapters start at zero) and above 0 after; a reward function of the wrong length stops it (exit 2).
 - Resume (GSPO with ``num_iterations=2``): 4 steps, and 2 + 2 resumed from ``checkpoint-2``, end with the
   same weights.
 """
@@ -139,11 +139,38 @@ def test_dp2_step1_equals_one_device(qwen2, ours, tmp_path):
     assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5, abs=1e-7)
 
 
-def test_beta_with_lora_logs_kl(qwen2, tmp_path):
-    task = grpo(beta=0.04, loss_type="dr_grpo", scale_rewards="none")
-    rows = finetune(qwen2, tmp_path / "kl", steps=3, task=task, lora="r=4,alpha=8,targets=attn+mlp")
+REWARDS = """
+def reward_ae(prompts, completions, completion_ids=None, **columns):
+    return [sum(ch in "ae" for ch in c) / max(len(c), 1) for c in completions]
+
+def short(prompts, completions, **columns):
+    return [1.0]
+"""
+
+
+def test_cli_beta_with_lora_logs_kl(qwen2, tmp_path, capsys):
+    """``cuboid finetune --task grpo --reward FILE:FN --beta 0.04 --lora ...`` (dr_grpo, scale_rewards none): kl
+    0 at step 1 (the adapters start at zero), above 0 after; a reward function of the wrong length stops the
+    run with exit 2 and one sentence naming it."""
+    from cuboid.cli import main
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    args = ["finetune", "--model", str(qwen2), "--task", "grpo", "--data", str(tmp_path / "prompts.jsonl"),
+            "--num-generations", str(G), "--max-completion-length", str(LENGTH), "--batch-size", str(BATCH),
+            "--lr", str(LR), "--log-every", "1", "--no-progress", "--no-plot"]
+    code = main(args + ["--reward", f"{tmp_path / 'rewards.py'}:reward_ae", "--steps", "3", "--beta", "0.04",
+                        "--loss-type", "dr_grpo", "--scale-rewards", "none", "--lora", "r=4,alpha=8,targets=attn+mlp",
+                        "--output-dir", str(tmp_path / "kl")])
+    assert code == 0
+    rows = [json.loads(line) for line in (tmp_path / "kl" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["kl"] == 0.0
     assert all(r["kl"] > 0 for r in rows[1:]), [r["kl"] for r in rows]
+    capsys.readouterr()
+    assert main(args + ["--reward", f"{tmp_path / 'rewards.py'}:short", "--steps", "1", "--output-dir",
+                        str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "reward function short returned 1 rewards for 8 completions" in err
 
 
 def test_resume_is_exact_gspo(qwen2, tmp_path):
