@@ -231,7 +231,7 @@ def _pipeline_step(core, pipe, optimizer, share: dict, mesh: Mesh, parts: int, m
         scale_t = scaler.scale(torch.ones((), dtype=torch.float32, device=device))
         weights, aux_weights, scale = weights * scale_t, aux_weights * scale_t, float(scale_t)
     sums: dict = {}  # a task's summed loss and metrics, recorded on the last stage
-    objective = _task_objective(task, sums) if _own(task) else {}
+    objective = _task_objective(task, sums, share) if _own(task) else {}
     batch = _to(share if _own(task) or task is None else {k: v for k, v in share.items() if k not in task.targets},
                 device)
     with autocast_for(dtype, device):
@@ -290,9 +290,9 @@ def _check_unpadded(task, share: dict, pipe) -> None:
                          f"{pipe.microbatches * pipe.parts} rows (micro-batches x blocks), got {rows}")
 
 
-def _task_objective(task, sums: dict) -> dict:
+def _task_objective(task, sums: dict, batch: dict) -> dict:
     """:meth:`~cuboid.parallel.pipeline.Pipeline.run`'s objective for a task with its own loss: its
-    targets, its forward's keyword arguments as the head's, and a loss of the outputs and the micro-batch
+    targets (those ``batch`` holds), its forward's keyword arguments as the head's, and a loss of the outputs and the micro-batch
     (one device's) that records the summed loss (key None) and metrics in ``sums`` on the last stage (called
     once per micro-batch there)."""
     def loss(out, micro_batch: dict) -> torch.Tensor:
@@ -301,7 +301,8 @@ def _task_objective(task, sums: dict) -> dict:
             sums[key] = sums.get(key, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
         return summed
 
-    return dict(loss=loss, targets=tuple(task.targets), head_kwargs=dict(task.forward_kwargs))
+    targets = tuple(k for k in task.targets if k in batch)  # an optional target (GRPO's old_logps) may be absent
+    return dict(loss=loss, targets=targets, head_kwargs=dict(task.forward_kwargs))
 
 
 def _last_stage_sums(sums: dict, pipe, mesh: Mesh, device) -> tuple:
