@@ -292,9 +292,9 @@ def _check_unpadded(task, share: dict, pipe) -> None:
 
 def _task_objective(task, sums: dict, batch: dict) -> dict:
     """:meth:`~cuboid.parallel.pipeline.Pipeline.run`'s objective for a task with its own loss: its
-    targets (those ``batch`` holds), its forward's keyword arguments as the head's, and a loss of the outputs and the micro-batch
-    (one device's) that records the summed loss (key None) and metrics in ``sums`` on the last stage (called
-    once per micro-batch there)."""
+    targets (those ``batch`` holds), its forward's keyword arguments as the head's, and a loss of the outputs
+    and the micro-batch (one device's) that records the summed loss (key None) and metrics in ``sums`` on the
+    last stage (called once per micro-batch there)."""
     def loss(out, micro_batch: dict) -> torch.Tensor:
         summed, metrics = task.loss(out, micro_batch)
         for key, value in ((None, summed), *metrics.items()):
