@@ -64,15 +64,18 @@ class GRPOOptions:
     temperature: float = _option(1.0, "sampling temperature", flag=True)
     top_p: float = _option(1.0, "nucleus sampling: the smallest set of tokens of this probability mass", flag=True)
     top_k: int = _option(0, "sample among the k most likely tokens (0: all)", flag=True)
-    loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo: TRL's aggregations of the loss", flag=True, choices=LOSS_TYPES)
+    loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo: TRL's aggregations of the loss",
+                             flag=True, choices=LOSS_TYPES)
     beta: float = _option(0.0, "KL coefficient to the reference policy (needs --lora: the base, adapters off)",
                           flag=True)
     epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below", flag=True)
     epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)",
                                             flag=True)
-    scale_rewards: str = _option("group", "group | batch | none: the std the advantages are divided by", flag=True, choices=SCALE_REWARDS)
+    scale_rewards: str = _option("group", "group | batch | none: the std the advantages are divided by", flag=True,
+                                 choices=SCALE_REWARDS)
     num_iterations: int = _option(1, "optimizer steps per generation (mu), the old log-probs kept", flag=True)
-    importance_sampling_level: str = _option("token", "token | sequence (GSPO): the importance ratio's level", flag=True, choices=LEVELS)
+    importance_sampling_level: str = _option("token", "token | sequence (GSPO): the importance ratio's level",
+                                             flag=True, choices=LEVELS)
     mask_truncated_completions: bool = _option(False, "completions cut at max_completion_length train nothing",
                                                flag=True)
     log_completions: bool = _option(False, "write completions.jsonl in the output folder", flag=True)

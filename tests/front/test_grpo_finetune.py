@@ -179,8 +179,8 @@ def test_resume_is_exact_gspo(qwen2, tmp_path):
     task = dict(importance_sampling_level="sequence", num_iterations=2)
     finetune(qwen2, tmp_path / "whole", steps=4, task=grpo(**task), save_every=2)
     finetune(qwen2, tmp_path / "part", steps=2, task=grpo(**task))
-    rows = finetune(qwen2, tmp_path / "part", steps=4, task=grpo(**task), resume=str(tmp_path / "part" / "checkpoint-2"),
-                    overwrite_output_dir=False)
+    rows = finetune(qwen2, tmp_path / "part", steps=4, task=grpo(**task),
+                    resume=str(tmp_path / "part" / "checkpoint-2"), overwrite_output_dir=False)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     whole, part = ({k: v for f in sorted((tmp_path / run / "final").glob("*.safetensors")) for k, v in
                     load_file(str(f)).items()} for run in ("whole", "part"))
