@@ -333,6 +333,12 @@ class GRPO(Task):
     def with_model(self, model, splits: list, **run) -> list:
         """Keep the model to sample with (every rank calls this alike); the prompts have no eval split: TRL's
         GRPO evaluates only on an eval set of its own, which the run does not build (None)."""
+        from cuboid.parallel import state_of, unwrap
+
+        sp = state_of(unwrap(model)).plan.sp
+        if sp > 1:
+            raise TaskError(f"task grpo samples its completions with a key/value cache, which sequence parallelism "
+                            f"(sp={sp}) does not have: train GRPO under a plan without sp")
         self.model = model
         return [splits[0], None]
 

@@ -8,7 +8,8 @@ from typing import Optional
 
 
 def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Optional[str]:
-    """Train/eval loss and the task's eval ``metric`` against steps; None (with a note) without matplotlib."""
+    """Train/eval loss and the task's eval ``metric`` against steps (a metric the training rows log, GRPO's
+    reward, when no eval gave it); None (with a note) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -25,8 +26,11 @@ def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Op
     if evals:
         ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
         ax2.plot([r["step"] for r in evals], [r.get(metric) for r in evals], "o-", color="C2")
+    logged = [r for r in rows if "eval_loss" not in r and r.get(metric) is not None]  # a training metric (reward)
+    if logged and not evals:
+        ax2.plot([r["step"] for r in logged], [r[metric] for r in logged], color="C2")
     ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
-    ax2.set_xlabel("step"), ax2.set_ylabel(f"eval {metric}"), ax2.grid(alpha=0.3)
+    ax2.set_xlabel("step"), ax2.set_ylabel(metric if logged and not evals else f"eval {metric}"), ax2.grid(alpha=0.3)
     fig.suptitle(f"cuboid finetune: {metrics_path.parent}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
