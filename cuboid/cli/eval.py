@@ -146,9 +146,12 @@ def _text_of(source: str, column: str) -> str:
     from cuboid.data import formats as D
 
     if os.path.isfile(source) and source.endswith(".txt"):
+        from cuboid.data.damage import check_text_file
+
+        check_text_file(source)  # empty, or not UTF-8: one line naming the file and line
         with open(source, encoding="utf-8") as fh:
             return fh.read()
-    ds = D.load_source(source)
+    ds = _first_split(D.load_source(source))  # a file loads as a DatasetDict: its columns are the split's
     if column not in ds.column_names:
         raise ValueError(f"{source} has no column {column!r} (columns: {', '.join(ds.column_names)}); set --text-column")
     return "\n\n".join(t for t in ds[column] if isinstance(t, str))
