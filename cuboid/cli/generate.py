@@ -84,6 +84,10 @@ def _answer(tokens, stops: list) -> list:
 def run(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts is None):
         raise ValueError("give one of --prompt TEXT or --prompts FILE")
+    if args.prompts is not None:
+        from cuboid.data.damage import check_text_file
+
+        check_text_file(args.prompts, "--prompts")  # empty, or not UTF-8: one line naming the file and line
     prompts = [args.prompt] if args.prompt is not None else [
         line.rstrip("\n") for line in open(args.prompts, encoding="utf-8") if line.strip()]
     if not prompts:

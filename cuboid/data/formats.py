@@ -27,6 +27,7 @@ padding: it is as wide as its longest row, rounded up to ``width_multiple``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ def digits_dataset():
 
 
 def load_source(source: Any):
-    """A ``Dataset`` or ``DatasetDict`` from any supported source (see module docstring)."""
+    """A ``Dataset`` or ``DatasetDict`` from any supported source (see module docstring). A damaged file (empty,
+    not UTF-8, a row that is not JSON) is a one-line :class:`DataError` naming the file and line."""
     try:
         return _load_source(source)
     except DataError:
@@ -70,6 +72,30 @@ def load_source(source: Any):
         if "corresponds to no data" in msg:
             raise DataError(f"data {source}: the dataset is empty") from None
         raise DataError(f"data {source}: {msg}") from None
+
+
+def _load_files(kind: str, files: list):
+    """``datasets.load_dataset(kind, data_files=files)``, the files checked before (empty, not UTF-8) and a
+    failed load traced to its row (:mod:`cuboid.data.damage`)."""
+    import datasets
+
+    from cuboid.data import damage
+
+    damage.check_text_files(files, kind)
+    log = logging.getLogger("datasets")  # its reader logs a failed file at ERROR: the one line below says it
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(kind, data_files=files if len(files) > 1 else files[0])
+    except Exception as e:  # noqa: BLE001 - datasets' generation errors chain the cause; find the row
+        where = damage.locate(files, kind)
+        if where is not None:
+            raise DataError(where) from None
+        cause = e.__cause__ or e
+        raise DataError(f"data {', '.join(map(str, files))}: {type(cause).__name__}: "
+                        f"{(str(cause).splitlines() or [''])[0]}") from None
+    finally:
+        log.setLevel(level)
 
 
 def _load_source(source: Any):
@@ -91,7 +117,7 @@ def _load_source(source: Any):
         if kind is None:
             raise DataError(f"data {source}: unsupported file type {path.suffix!r} "
                             f"(supported: {', '.join(sorted(DATA_FILE_KINDS))})")
-        return datasets.load_dataset(kind, data_files=str(path))
+        return _load_files(kind, [str(path)])
     if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return datasets.load_from_disk(str(path))
     files = [p for p in path.rglob("*") if p.is_file()]
@@ -102,7 +128,7 @@ def _load_source(source: Any):
         kind = kinds.pop()
         ext = [e for e, k in DATA_FILE_KINDS.items() if k == kind]
         data_files = [str(p) for p in files if p.suffix.lower() in ext]
-        return datasets.load_dataset(kind, data_files=data_files)
+        return _load_files(kind, data_files)
     raise DataError(f"data {source}: a folder with no images and {'mixed' if kinds else 'no'} data files")
 
 

@@ -92,11 +92,25 @@ def stream_files(source: Any) -> tuple[str, list[str], list[str]]:
                         + ("" if files else " (the folder has none)"))
     if len(kinds) > 1:
         raise DataError(f"data {source}: a folder of mixed data files ({', '.join(sorted(kinds))}); stream one kind")
+    empty = next((p for p in files if p.stat().st_size == 0), None)
+    if empty is not None:
+        raise DataError(f"data {empty}: the file is empty")
     held = [p for p in files if EVAL_WORDS & set(re.split(r"[^a-z]+", p.stem.lower()))] if len(files) > 1 else []
     train = [p for p in files if p not in held]
     if not train:
         raise DataError(f"data {source}: every file is named as eval data; name the training files otherwise")
     return kinds.pop(), [str(p) for p in train], [str(p) for p in held]
+
+
+def diagnose(kind: str, files: list) -> None:
+    """After a stream failed: a :class:`DataError` naming the damaged file and line, when one is found
+    (empty, not UTF-8, a row that is not JSON; :mod:`cuboid.data.damage`)."""
+    from cuboid.data import damage
+
+    damage.check_text_files(files, kind)
+    where = damage.locate(files, kind)
+    if where is not None:
+        raise DataError(where)
 
 
 def open_stream(kind: str, files: list[str]):
@@ -126,8 +140,9 @@ class Source:
     """One dp rank's raw rows, epoch after epoch. ``position()``: {"epoch", "read" (rows read in the
     epoch), "dataset" (the ``IterableDataset.state_dict()``)}."""
 
-    def __init__(self, make: Callable[[], Any], position: Optional[dict] = None) -> None:
-        self.make = make
+    def __init__(self, make: Callable[[], Any], position: Optional[dict] = None,
+                 diagnose: Optional[Callable[[], None]] = None) -> None:
+        self.make, self.diagnose = make, diagnose
         self.epoch, self.read = 0, 0
         self.ds = make()
         if position is not None:
@@ -142,6 +157,8 @@ class Source:
         """The next row; None at an epoch's end (the next call reads the next epoch's first row)."""
         try:
             row = next(self.it)
+        except DataError:
+            raise
         except StopIteration:
             if self.read == 0:
                 raise DataError("this data-parallel rank's part of the stream is empty: give more rows "
@@ -150,6 +167,10 @@ class Source:
             self.ds = self.make()
             self.it = iter(self.ds)
             return None
+        except Exception:  # a damaged file (datasets' generation error): the file and line, if they are found
+            if self.diagnose is not None:
+                self.diagnose()
+            raise
         self.read += 1
         return row
 
@@ -188,11 +209,12 @@ class Shuffled(_Pieces):
     epoch gives each row once); a piece is a block, its start the :class:`Source`'s position."""
 
     def __init__(self, make: Callable[[], Any], tokenize: Callable[[dict], Optional[dict]], buffer: int,
-                 seed: int, rank: int, position: Optional[dict] = None) -> None:
+                 seed: int, rank: int, position: Optional[dict] = None,
+                 diagnose: Optional[Callable[[], None]] = None) -> None:
         if buffer < 1:
             raise DataError(f"--shuffle-buffer {buffer}: give 1 or more examples")
         self.tokenize, self.buffer, self.seed, self.rank = tokenize, buffer, seed, rank
-        self.source = Source(make, None if position is None else position["start"])
+        self.source = Source(make, None if position is None else position["start"], diagnose)
         self._restore(position)
 
     def _fill(self) -> None:
@@ -315,7 +337,8 @@ class StreamBatches:
             raise DataError("the checkpoint's stream was " + ("" if "packed" in position else "not ")
                             + "packed: resume with --packing as the run was started")
         at = None if position is None else position["packed"]["start"] if d.packing else position["examples"]
-        self.examples = Shuffled(self._make, d.tokenize, d.shuffle_buffer, d.seed, self.rank, at)
+        self.examples = Shuffled(self._make, d.tokenize, d.shuffle_buffer, d.seed, self.rank, at,
+                                 lambda: diagnose(d.kind, d.files))
         self.packed = None
         if d.packing:  # a window of at least two steps' rows, so few rows are a window's half-filled tail
             self.packed = Packed(self.examples, d.row_length, max(2 * self.rows, 16), d.pad_id,
@@ -412,7 +435,13 @@ def setup(prep: dict, data: Any, task, *, rank: int, world: int, rows: int, shuf
     row_length = task.row_length(prep)
     tokenize = task.example(prep, row_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    raw = list(islice(iter(open_stream(kind, held or train)), eval_examples))
+    try:
+        raw = list(islice(iter(open_stream(kind, held or train)), eval_examples))
+    except DataError:
+        raise
+    except Exception:  # noqa: BLE001 - a damaged file: named with its line where it is found
+        diagnose(kind, held or train)
+        raise
     if not held and len(raw) < eval_examples:
         raise DataError(f"data {data}: {len(raw)} rows, all held out for eval (the first {eval_examples}): "
                         "give more rows, or a file named validation.* beside the training file(s)")

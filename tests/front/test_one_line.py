@@ -1,0 +1,113 @@
+"""One line, not a traceback (issue 49): every numeric flag of finetune, prepare, eval and generate given 0,
+-1 and a huge value, and damaged data files (a malformed row, an empty file, bytes that are not UTF-8, a row
+without the expected column), each exit code 2 and one line naming the flag, or the file and its line."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import pytest
+
+from cuboid.cli import build_parser, main, message
+
+from .test_prepare_cmd import qwen  # noqa: F401 (fixture)
+
+MISSING = "/nonexistent/cuboid-test"
+REQUIRED = {"finetune": ["--model", f"{MISSING}/model", "--data", f"{MISSING}/d.jsonl", "--output-dir", "out",
+                         "--no-progress"],
+            "prepare": ["--model", f"{MISSING}/model", "--data", f"{MISSING}/d.jsonl", "--output", f"{MISSING}/p"],
+            "eval": ["--model", f"{MISSING}/model", "--data", f"{MISSING}/d.jsonl"],
+            "generate": ["--model", f"{MISSING}/model", "--prompt", "hi"]}
+# flags whose range holds 0 (the run goes on to the next error, the missing model or data)
+ZERO_IN_RANGE = {"--weight-decay", "--warmup", "--max-grad-norm", "--save-every", "--seed", "--max-restarts",
+                 "--show", "--top-k"}
+
+
+def numeric_flags(command: str) -> list:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [(a.option_strings[0], a.type) for a in sub.choices[command]._actions
+            if a.type in (int, float) and a.option_strings]
+
+
+PROGRESS = re.compile(r"\d+%\||(it|examples)/s\]|\[\d\d:\d\d")  # a progress bar's refresh
+
+
+def one_line(capsys) -> str:
+    """stderr's one line (progress bars aside)."""
+    err = capsys.readouterr().err
+    lines = [line for line in re.split(r"[\r\n]", err) if line.strip() and not PROGRESS.search(line)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", list(REQUIRED))
+def test_numeric_flags_are_checked_at_the_door(command, capsys, tmp_path, monkeypatch):
+    from cuboid.train.config import task_flags
+
+    monkeypatch.chdir(tmp_path)
+    options = {"--" + k.replace("_", "-") for k in task_flags()}  # a task's own options: the task checks them
+    flags = numeric_flags(command)
+    assert len(flags) >= 5
+    for flag, typ in flags:
+        for value in ("0", "-1", "1" + "0" * 30 if typ is int else "1e999"):
+            rc = main([command, *REQUIRED[command], flag, value])
+            line = one_line(capsys)
+            assert rc == 2, (flag, value, line)
+            if (value == "0" and flag in ZERO_IN_RANGE) or (flag in options and value != "1e999"):
+                continue
+            assert line.startswith(f"cuboid {command}: error: {flag} "), (flag, value, line)
+
+
+def damaged(folder) -> dict:
+    """name -> (a jsonl file, the line its error names or None)"""
+    good = [json.dumps({"text": f"hello world {i}", "messages": [{"role": "user", "content": f"hi {i}"},
+                                                                 {"role": "assistant", "content": "yo"}]})
+            for i in range(12)]
+    files = {"malformed": ("\n".join(good[:2] + ['{"text": "oops'] + good[2:]) + "\n").encode(),
+             "empty": b"",
+             "not-utf8": ("\n".join(good[:3]) + "\n").encode() + b'{"text": "\xff\xfe"}\n',
+             "no-column": ("\n".join(json.dumps({"other": "x"}) for _ in range(12)) + "\n").encode()}
+    out = {}
+    for name, data in files.items():
+        (folder / f"{name}.jsonl").write_bytes(data)
+        out[name] = folder / f"{name}.jsonl"
+    return out
+
+
+WANT = {"malformed": "{path}, line 3: not valid JSON", "empty": "{path}: the file is empty",
+        "not-utf8": "{path}, line 4: not UTF-8 text (byte 0xff at column 11)"}
+NO_COLUMN = {"finetune": "--text-column", "prepare": "--data-format", "eval": "has no column 'text'"}
+
+
+def test_damaged_data_files_are_one_line_naming_file_and_line(qwen, tmp_path, capsys):  # noqa: F811
+    files = damaged(tmp_path)
+    for command in ("finetune", "prepare", "eval"):
+        for name, path in files.items():
+            argv = {"finetune": ["--task", "clm", "--steps", "1", "--batch-size", "2", "--output-dir",
+                                 str(tmp_path / "run"), "--no-progress", "--no-plot", "--overwrite-output-dir"],
+                    "prepare": ["--output", str(tmp_path / f"p-{name}")], "eval": ["--no-progress"]}[command]
+            rc = main([command, "--model", str(qwen), "--data", str(path), *argv])
+            line = one_line(capsys)
+            assert rc == 2, (command, name, line)
+            want = WANT[name].format(path=path) if name in WANT else NO_COLUMN[command]
+            assert want in line, (command, name, line)
+    prompts = tmp_path / "prompts.txt"
+    for data, want in ((b"", "the file is empty"), (b"hello\n\xff there\n", "line 2: not UTF-8 text (byte 0xff")):
+        prompts.write_bytes(data)
+        assert main(["generate", "--model", str(qwen), "--prompts", str(prompts)]) == 2
+        assert f"--prompts {prompts}" in (line := one_line(capsys)) and want in line, line
+
+
+def test_messages_are_whole_and_one_line():
+    """What ``cuboid CMD: error:`` prints: never ``e.args[0]`` (an errno, an encoding's name)."""
+    assert message(FileNotFoundError(2, "No such file or directory", "/x/y")) == "No such file or directory: /x/y"
+    assert message(NotADirectoryError(20, "Not a directory", "out")) == "Not a directory: out"
+    assert message(OSError(28, "No space left on device")) == "No space left on device"
+    try:
+        b"ab\xffc".decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = e
+    assert message(bad) == "not UTF-8 text: byte 0xff at offset 2 (invalid start byte)"
+    assert message(KeyError("no such task 'x'")) == "no such task 'x'"
+    assert message(ValueError("first\n  second")) == "first second"
