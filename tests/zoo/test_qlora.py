@@ -80,6 +80,29 @@ def test_a_folder_saved_by_transformers_and_bitsandbytes_loads_as_it_is(folders)
                                               "bnb_4bit_quant_type": "fp4"}}, root)
 
 
+def test_to_hf_writes_what_transformers_and_bitsandbytes_save(folders, tmp_path):
+    """Every tensor of the written folder (4-bit keys and the rest) bit-equal to transformers' save of the same
+    weights, its quantization_config theirs, and transformers loads it with cuboid's logits."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    root, hf4 = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32)
+    cuboid.zoo.to_hf(model, tmp_path / "out")
+    ours, theirs = load_file(str(tmp_path / "out" / "model.safetensors")), {}
+    for f in (root / "bnb4").glob("*.safetensors"):
+        theirs.update(load_file(str(f)))
+    assert set(ours) == set(theirs)
+    bad = [k for k in theirs if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])]
+    assert not bad, bad[:5]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    want = json.loads((root / "bnb4" / "config.json").read_text())["quantization_config"]
+    assert {k: cfg[k] for k in want} == want
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "out", device_map="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids()).logits, model(ids()).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_adapters_trained_on_the_4bit_base_are_read_by_peft(folders, tmp_path):
     from peft import PeftModel
 

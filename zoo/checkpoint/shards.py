@@ -109,4 +109,6 @@ def model_sources(model: torch.nn.Module) -> List[Source]:
     extra = [n for n in params if n not in covered]
     if extra:
         raise CheckpointError(f"{type(model).__name__}: parameters without a Hugging Face name: {', '.join(extra)}")
-    return sources
+    from .quant_sources import nf4_sources  # a QLoRA base's 4-bit layers, in bitsandbytes' keys
+
+    return sources + nf4_sources(model, family, prefix)

@@ -173,6 +173,11 @@ def hf_config(model: torch.nn.Module) -> dict:
     cfg["architectures"] = [family.architecture_of(model.config)]
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    from .quant_sources import quantization_config
+
+    quant = quantization_config(model)  # a 4-bit NF4 base: transformers' bitsandbytes config
+    if quant is not None:
+        cfg["quantization_config"] = quant
     return cfg
 
 
