@@ -11,8 +11,8 @@ reward over the completion text (the share of its characters that are ``a`` or `
   one device.
 - The command line, ``--beta 0.04 --lora`` (and dr_grpo with ``--scale-rewards none``): ``kl`` is 0 at step 1
   (the adapters start at zero) and above 0 after; a reward function of the wrong length stops it (exit 2).
-- Resume (GSPO with ``num_iterations=2``): 4 steps, and 2 + 2 resumed from ``checkpoint-2``, end with the
-  same weights.
+- Resume (GSPO with ``num_iterations=2``): 4 steps, and steps 3-4 resumed from its ``checkpoint-2``, end with
+  the same weights.
 """
 from __future__ import annotations
 
@@ -177,11 +177,10 @@ def test_resume_is_exact_gspo(qwen2, tmp_path):
     from safetensors.torch import load_file
 
     task = dict(importance_sampling_level="sequence", num_iterations=2)
-    finetune(qwen2, tmp_path / "whole", steps=4, task=grpo(**task), save_every=2)
-    finetune(qwen2, tmp_path / "part", steps=2, task=grpo(**task))
+    finetune(qwen2, tmp_path / "whole", steps=4, task=grpo(**task), save_every=2, keep=2)
     rows = finetune(qwen2, tmp_path / "part", steps=4, task=grpo(**task),
-                    resume=str(tmp_path / "part" / "checkpoint-2"), overwrite_output_dir=False)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+                    resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert [r["step"] for r in rows] == [3, 4]
     whole, part = ({k: v for f in sorted((tmp_path / run / "final").glob("*.safetensors")) for k, v in
                     load_file(str(f)).items()} for run in ("whole", "part"))
     assert whole
