@@ -8,8 +8,9 @@ its reference forward uses), with the reference model live (no precompute), all 
 fills it, and both drop that pair). One TRL trainer per data kind is re-aimed at each loss type (its
 ``beta``, ``loss_types``, ``loss_weights``, ``label_smoothing`` attributes).
 
-The multi-process checks run in ONE 2-rank world (:func:`world_checks`): eval under tp=2 and pp=2 equals one
-device (and so TRL), and fine-tunes under dp=2 and pp=2 end with one device's weights (1e-4).
+Whole dialogues (no prompt column) are checked to make the prompted pairs' tensors. The multi-process checks
+run in ONE 2-rank world (:func:`world_checks`): eval under tp=2 and pp=2 equals one device (and so TRL), and
+fine-tunes under dp=2 and pp=2 end with one device's weights (1e-4).
 """
 import json
 import math
@@ -96,12 +97,12 @@ def close(got: dict, want: dict, what: str) -> None:
         assert got[k] == pytest.approx(want[k], rel=TOL, abs=TOL), f"{what}: {k} {got[k]} != {want[k]}"
 
 
-@pytest.mark.parametrize("kind", ["string", "conversation", "whole"])
+@pytest.mark.parametrize("kind", ["string", "conversation"])
 def test_eval_equals_trl(folders, kind, capsys):
     from cuboid.cli import main
 
     _, policy, ref, data = folders
-    losses = LOSSES if kind != "whole" else LOSSES[:1]
+    losses = LOSSES
     want = trl_metrics(policy, ref, data[kind], losses)
     got = cuboid_metrics(policy, ref, data[kind], losses)
     for (loss, *_), g, w in zip(losses, got, want):
@@ -115,6 +116,23 @@ def test_eval_equals_trl(folders, kind, capsys):
     assert rc == 0 and set(json.loads(line)) == set(KEYS)
     if "sft" not in losses[-1][0]:  # (sft is a token mean per batch: batches of 4 differ from TRL's one batch)
         close(json.loads(line), want[-1], f"{kind} cli")
+
+
+def test_whole_dialogues_take_their_shared_turns_as_the_prompt(folders):
+    """Two whole dialogues (no prompt column) make the same tensors as the same pairs with the prompt apart
+    (whose tensors the eval test checks against TRL's)."""
+    import datasets
+
+    from cuboid.data.formats import load_tokenizer
+    from cuboid.data.pairs import pair_rows
+
+    _, policy, _, data = folders
+    tok = load_tokenizer(str(policy))
+    whole = datasets.load_dataset("json", data_files=str(data["whole"]), split="train")
+    apart = datasets.Dataset.from_list(conversation_pairs(N, seed=3))
+    assert "prompt" not in whole.column_names
+    a, b = pair_rows(whole, tok, MAX_LENGTH), pair_rows(apart, tok, MAX_LENGTH)
+    assert all(torch.equal(a[k], b[k]) for k in a) and int((a["labels"] != -100).sum()) > 0
 
 
 def test_eval_refuses_bad_input(folders, capsys):
@@ -144,24 +162,12 @@ def weights_of(folder) -> dict:
     return out
 
 
-def test_finetune_lowers_the_dpo_loss_and_lora_writes_adapters_peft_loads(folders, capsys):
+def test_lora_writes_adapters_peft_loads(folders):
     import peft
     import transformers as T
 
-    from cuboid.cli import main
-
     root, policy, _, data = folders
-    rows = finetune(policy, data["string"], root / "one", steps=8)
-    first = rows[0]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(first["rewards/margins"]) < 1e-5
-    assert {"rewards/chosen", "rewards/accuracies", "logps/rejected", "eval_rewards/margins"} <= set(rows[-1])
-    capsys.readouterr()
-    main(["eval", "--task", "dpo", "--model", str(root / "one" / "final"), "--ref-model", str(policy), "--data",
-          str(data["string"]), "--max-length", str(MAX_LENGTH), "--json"])
-    trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert trained["loss"] < math.log(2) and trained["rewards/margins"] > 0
-
-    rows = finetune(policy, data["conversation"], root / "lora", steps=2, lora="r=4,alpha=8,targets=attn+mlp")
+    rows = finetune(policy, data["conversation"], root / "lora", steps=1, lora="r=4,alpha=8,targets=attn+mlp")
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the reference is the base: adapters off
     model = peft.PeftModel.from_pretrained(T.AutoModelForCausalLM.from_pretrained(policy), str(root / "lora" / "final"))
     b = [p for n, p in model.named_parameters() if "lora_B" in n]
@@ -174,18 +180,22 @@ def world_checks(policy, ref, data, one_eval, root) -> dict:
     import torch.distributed as dist
 
     for plan in ("tp1d", "pp2"):
-        got = cuboid_metrics(policy, ref, data, LOSSES[:2], plan=plan)
-        for (loss, *_), g, w in zip(LOSSES[:2], got, one_eval):
+        got = cuboid_metrics(policy, ref, data, LOSSES[:1], plan=plan)
+        for (loss, *_), g, w in zip(LOSSES[:1], got, one_eval):
             close(g, w, f"{plan} {loss}")
     for plan in ("dp", "pp2"):
         finetune(policy, data, Path(root) / plan, plan=plan)
     return {"rank": dist.get_rank()}
 
 
-def test_plans_equal_one_device(folders):
+def test_finetune_lowers_the_dpo_loss_and_plans_equal_one_device(folders):
     root, policy, ref, data = folders
-    one_eval = cuboid_metrics(policy, ref, data["string"], LOSSES[:2])
-    finetune(policy, data["string"], root / "single")
+    one_eval = cuboid_metrics(policy, ref, data["string"], LOSSES[:1])
+    rows = finetune(policy, data["string"], root / "single")
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and abs(rows[0]["rewards/margins"]) < 1e-5
+    assert {"rewards/chosen", "rewards/accuracies", "logps/rejected", "eval_rewards/margins"} <= set(rows[-1])
+    trained = cuboid_metrics(root / "single" / "final", policy, data["string"], LOSSES[:1])[0]
+    assert trained["loss"] < math.log(2) and trained["rewards/margins"] > 0  # against its start, on its pairs
     run_world(world_checks, 2, str(policy), str(ref), str(data["string"]), one_eval, str(root), timeout=400)
     want = weights_of(root / "single" / "final")
     moved = max(float((want[k] - v).abs().max()) for k, v in weights_of(policy).items() if k in want)
