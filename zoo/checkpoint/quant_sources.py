@@ -14,11 +14,11 @@ from typing import List
 import torch
 
 from .format import CheckpointError
-from .shards import Source
 
 
-def nf4_sources(model: torch.nn.Module, family, prefix: str) -> List[Source]:
-    """One source per NF4 layer (all its bitsandbytes keys), under the HF names of its weight row."""
+def nf4_sources(model: torch.nn.Module, family, prefix: str) -> List[tuple]:
+    """(names, metas, fetch) of each NF4 layer (all its bitsandbytes keys, under the HF name of its weight row):
+    the fields of a :class:`~.shards.Source`."""
     from cuboid.parallel.quant import quantized_layers
 
     layers = dict(quantized_layers(model))
@@ -38,7 +38,7 @@ def nf4_sources(model: torch.nn.Module, family, prefix: str) -> List[Source]:
         state = layer.nf4_weight().state_dict(name)
         keys = tuple(state)
         metas = tuple(torch.empty(v.shape, dtype=v.dtype, device="meta") for v in state.values())
-        sources.append(Source(keys, metas, lambda layer=layer, name=name: [
+        sources.append((keys, metas, lambda layer=layer, name=name: [
             t.detach().cpu().contiguous() for t in layer.nf4_weight().state_dict(name).values()]))
     return sources
 

@@ -111,4 +111,4 @@ def model_sources(model: torch.nn.Module) -> List[Source]:
         raise CheckpointError(f"{type(model).__name__}: parameters without a Hugging Face name: {', '.join(extra)}")
     from .quant_sources import nf4_sources  # a QLoRA base's 4-bit layers, in bitsandbytes' keys
 
-    return sources + nf4_sources(model, family, prefix)
+    return sources + [Source(*fields) for fields in nf4_sources(model, family, prefix)]
