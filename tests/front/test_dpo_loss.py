@@ -103,3 +103,30 @@ def test_bad_options_are_one_sentence(spec, match):
 
     with pytest.raises(TaskError, match=match):
         parse(spec)
+
+
+def test_task_options_as_flags_of_their_own(tmp_path):
+    """``--beta`` / ``--loss-type`` are dpo's options (its defaults stand when unset), join ``--task dpo,...``,
+    are refused for a task without them, and are keys of a --config file."""
+    import argparse
+
+    from cuboid.cli import finetune as F
+    from cuboid.train.config import FinetuneConfig, checked
+
+    parser = argparse.ArgumentParser()
+    F.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["finetune", "--model", "m", "--data", "d", "--task", "dpo,label_smoothing=0.1",
+                              "--beta", "0.25", "--loss-type", "robust"])
+    values = F.resolve(args)
+    assert values["task_options"] == {"beta": 0.25, "loss_type": "robust"}
+    task = checked(FinetuneConfig(**values)).task
+    assert (task.options.beta, task.options.loss_type, task.options.label_smoothing) == (0.25, "robust", 0.1)
+    assert checked(FinetuneConfig(task="dpo")).task.options.beta == 0.1  # unset: the task's default
+    with pytest.raises(ValueError, match="--beta apply to --task .*dpo"):
+        checked(FinetuneConfig(task="sft", task_options={"beta": 0.2}))
+    with pytest.raises(ValueError, match="given twice"):
+        checked(FinetuneConfig(task="dpo,beta=0.3", task_options={"beta": 0.2}))
+    config = tmp_path / "run.toml"
+    config.write_text('task = "dpo"\nbeta = 0.5\nloss_type = "ipo"\n')
+    values = F.resolve(parser.parse_args(["finetune", "--config", str(config), "--model", "m"]))
+    assert checked(FinetuneConfig(**values)).task.options.loss_type == "ipo"
