@@ -132,3 +132,36 @@ def test_bad_quantize_is_a_clear_error(folders):
     root, _ = folders
     with pytest.raises(ValueError, match="'nf4'"):
         cuboid.load(root / "bf16", quantize="int8")
+
+
+def test_a_mixture_of_experts_keeps_its_experts_and_router():
+    """transformers' choice on a MoE: the attention linears (and a dense layer's MLP) in 4 bits; the router and the
+    stacked experts stay in full precision, and the adapters still train on top."""
+    model = cuboid.load("qwen3-moe-debug", quantize="nf4", lora="r=2,alpha=4,targets=attn")
+    paths = [p for p, _ in quantized_layers(model)]
+    assert paths and all(".attn." in p or ".mlp." in p for p in paths)
+    assert not any("router" in p or "experts" in p for p in paths)
+    names = {n for n, _ in model.named_parameters()}
+    assert any("experts" in n for n in names) and any("router" in n for n in names)
+    x = ids() % model.config.vocab_size
+    out = model(x, labels=x)
+    out.loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_the_grids_and_misaligned_tp_cuts_are_refused():
+    from cuboid.parallel import Mesh, Plan
+
+    plan = Plan(tp=4, tp_mode="2d")
+    with pytest.raises(NotImplementedError, match="2D/2.5D/3D"):
+        cuboid.load("llama-debug", plan, device="meta", mesh=Mesh.layout(plan), quantize="nf4")
+    # llama-debug's attention output under tp=2: 32 input columns a rank cut NF4's blocks of 64
+    from cuboid.kernels.nf4 import quantize_nf4
+    from cuboid.parallel.quant import quantize_linears
+
+    plan = Plan(tp=2)
+    model = cuboid.load("llama-debug", plan, device="meta", mesh=Mesh.layout(plan))
+    layer = model.blocks[0].attn.proj
+    quantize_linears(model, ["blocks.0.attn.proj"])
+    with pytest.raises(ValueError, match="cuts through NF4's blocks of 64"):
+        layer.set_quantized(quantize_nf4(torch.randn(64, 64)))
