@@ -208,3 +208,26 @@ def test_bad_options_and_reward_errors():
         score([short], ["short"], ["p", "p"], ["a", "b"], [[1], [2]])
     with pytest.raises(TaskError, match="boom raised KeyError"):
         score([boom], ["boom"], ["p", "p"], ["a", "b"], [[1], [2]])
+
+
+def test_rollout_batch_layout_and_masked_truncation():
+    """rollout.batch_of: row j is prompt j // G then completion j, right-padded; a masked (truncated) completion
+    has no label; a step whose every completion is masked still counts one unit a micro-batch (its loss 0)."""
+    from cuboid.tasks.rollout import batch_of, truncated
+
+    stops = [0]
+    prompts = [[5, 6, 7], [8]]
+    completions = [[1, 2, 0], [3, 4, 9, 9], [0], [2, 2]]
+    cut = [truncated(c, stops) for c in completions]
+    assert cut == [False, True, False, True]
+    b = batch_of(prompts, completions, 2, torch.tensor([1.0, -1.0, 0.5, -0.5]), cut, pad=0, multiple=8)
+    assert b["input_ids"].shape == (4, 8)
+    assert b["input_ids"][1, :7].tolist() == [5, 6, 7, 3, 4, 9, 9] and b["attention_mask"][1].sum() == 7
+    assert b["labels"][0].tolist() == [-100] * 3 + [1, 2, 0] + [-100] * 2
+    assert (b["labels"][1] == -100).all() and (b["labels"][3] == -100).all()
+    assert b["labels"][2, 1].item() == 0 and b["input_ids"][2, 0].item() == 8
+    task = GRPO(mask_truncated_completions=True)
+    assert task.count(b) == 4  # the trained tokens: 1, 2, 0 and 0
+    task.empty_step = True
+    empty = dict(b, labels=torch.full_like(b["labels"], -100))
+    assert task.count(empty) == 1
