@@ -77,7 +77,7 @@ def run_cuboid(folder: Path, a) -> dict:
         t0 = time.perf_counter()
         batch = task.before_step(batches.next(), step, tokenizer=tokenizer, seed=0)
         t1 = time.perf_counter()
-        cuboid.train_step(model, opt, batch, task=task)
+        cuboid.train_step(model, opt, batch, task=task, max_grad_norm=1.0)  # TRL's default clipping
         t2 = time.perf_counter()
         gen.append(t1 - t0)
         train.append(t2 - t1)

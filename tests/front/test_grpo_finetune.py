@@ -50,7 +50,7 @@ def finetune(model, out: Path, steps=STEPS, task=None, **options):
     import cuboid
 
     opts = dict(steps=steps, batch_size=BATCH, lr=LR, output_dir=str(out), overwrite_output_dir=True, progress=False,
-                plot=False, log_every=1, warmup=0, schedule="constant")
+                plot=False, log_every=1, warmup=0, schedule="constant", weight_decay=0.0, max_grad_norm=1.0)  # TRL's
     cuboid.finetune(str(model), dataset(), task=task or grpo(log_completions=True), **{**opts, **options})
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
