@@ -126,7 +126,7 @@ def message(e: BaseException) -> str:
 
 
 # the errors that are the user's input, each one line and exit code 2; anything else is a bug: a traceback
-USER_ERRORS = (ValueError, OSError, NotImplementedError, KeyError, IndexError)
+USER_ERRORS = (ValueError, OSError, NotImplementedError, KeyError, IndexError, FloatingPointError)
 
 
 def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -106,11 +106,23 @@ def encode_conversation(messages: Sequence[dict], tokenizer, template: str, *, t
     method (True) or the prefix method (False); default: markers when the template has them."""
     if markers is None:
         markers = has_generation_markers(template)
-    if markers:
-        out = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools, tokenize=True,
-                                            return_dict=True, return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
-    return _prefix_split(messages, tokenizer, template, tools)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or (m.get("content") is None and not m.get("tool_calls")):
+            role = m.get("role", "?") if isinstance(m, dict) else type(m).__name__
+            raise DataError(f"a conversation's turn {i + 1} ({role}) has no 'content': each message is "
+                            "{'role': ..., 'content': ...}")
+    try:
+        if markers:
+            out = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools, tokenize=True,
+                                                return_dict=True, return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
+        return _prefix_split(messages, tokenizer, template, tools)
+    except Exception as e:  # noqa: BLE001 - the template's own errors (jinja2's) are one line; others are ours
+        if type(e).__module__.split(".")[0] != "jinja2":
+            raise
+        first = next((str(m.get("content"))[:40] for m in messages if isinstance(m, dict)), "")
+        raise DataError(f"the chat template failed on the conversation that starts {first!r}: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def _prefix_split(messages: Sequence[dict], tokenizer, template: str, tools) -> tuple[list, list]:

@@ -111,3 +111,19 @@ def test_messages_are_whole_and_one_line():
     assert message(bad) == "not UTF-8 text: byte 0xff at offset 2 (invalid start byte)"
     assert message(KeyError("no such task 'x'")) == "no such task 'x'"
     assert message(ValueError("first\n  second")) == "first second"
+
+
+def test_a_failing_chat_template_or_a_turn_without_content_is_one_line(qwen, tmp_path, capsys):  # noqa: F811
+    turn = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(turn) for _ in range(8)) + "\n"
+                    + json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    base = ["prepare", "--model", str(qwen), "--data", str(data), "--eval-fraction", "0.5"]
+    assert main([*base, "--output", str(tmp_path / "a")]) == 2
+    assert "turn 1 (user) has no 'content'" in one_line(capsys)
+    template = tmp_path / "raises.jinja"
+    template.write_text("{{ raise_exception('no system turns here') }}")
+    data.write_text("\n".join(json.dumps(turn) for _ in range(8)) + "\n")
+    assert main([*base, "--output", str(tmp_path / "b"), "--chat-template", str(template)]) == 2
+    assert "the chat template failed on the conversation that starts 'hi': TemplateError: no system turns here" \
+        in one_line(capsys)
