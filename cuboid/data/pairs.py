@@ -54,8 +54,8 @@ import torch
 
 from cuboid.data.chat import DataError, require_template
 
-__all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_rows", "flatten",
-           "pairs_of_rows", "PAIR_COLUMNS"]
+__all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_sequences", "pair_rows",
+           "pair_dataset", "prepared_pairs", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -138,13 +138,12 @@ def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None)
     return p[:n], pc[n:], pr[n:]
 
 
-def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
-              pad_id: int = 0, stats: Optional[PairStats] = None) -> dict:
-    """The pairs of a split (rows with prompt/chosen/rejected) as tensors with a pair dimension (module
-    docstring): ``input_ids``, ``attention_mask``, ``labels`` (P, 2, L). ``stats`` (a :class:`PairStats`)
-    counts the examples, the dropped and the truncated ones."""
+def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
+                   stats: Optional[PairStats] = None) -> list:
+    """Per kept pair, ``((chosen ids, answer start), (rejected ids, answer start))`` (module docstring);
+    ``stats`` counts the examples, the dropped and the truncated ones."""
     stats = stats if stats is not None else PairStats()
-    seqs = []  # per pair: ((ids, answer start) chosen, (ids, answer start) rejected)
+    seqs = []
     for example in ds:
         stats.examples += 1
         p, c, r = tokenize_pair(example, tokenizer, chat_template)
@@ -162,6 +161,55 @@ def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Op
     if not seqs:
         raise DataError(f"no preference pair is left ({stats.dropped} of {stats.examples} dropped: the prompt "
                         "alone fills --max-length)")
+    return seqs
+
+
+def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
+              pad_id: int = 0, stats: Optional[PairStats] = None) -> dict:
+    """The pairs of a split (rows with prompt/chosen/rejected) as tensors with a pair dimension (module
+    docstring): ``input_ids``, ``attention_mask``, ``labels`` (P, 2, L). ``stats`` (a :class:`PairStats`)
+    counts the examples, the dropped and the truncated ones."""
+    return _tensors(pair_sequences(ds, tokenizer, max_length, chat_template, stats), pad_id)
+
+
+def pair_dataset(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
+                 stats: Optional[PairStats] = None):
+    """The pairs as a ``datasets.Dataset`` of rows (``cuboid prepare``'s folder): ``input_ids``,
+    ``attention_mask``, ``labels`` lists, unpadded, chosen and rejected interleaved (row 2i, 2i + 1: pair i);
+    :func:`prepared_pairs` reads them back."""
+    import datasets
+
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for pair in pair_sequences(ds, tokenizer, max_length, chat_template, stats):
+        for ids, start in pair:
+            rows["input_ids"].append(list(ids))
+            rows["attention_mask"].append([1] * len(ids))
+            rows["labels"].append([-100] * start + list(ids[start:]))
+    return datasets.Dataset.from_dict(rows)
+
+
+def prepared_pairs(ds, pad_id: int = 0, max_length: Optional[int] = None) -> dict:
+    """A prepared split of interleaved rows (:func:`pair_dataset`) as (P, 2, L) tensors (rows cut to
+    ``max_length``); a one-line DataError for an odd number of rows or rows without labels."""
+    for key in ("input_ids", "labels"):
+        if key not in ds.column_names:
+            raise DataError(f"prepared preference rows need input_ids and labels columns, got "
+                            f"{', '.join(ds.column_names)}")
+    if len(ds) % 2:
+        raise DataError(f"prepared preference rows come in pairs (chosen, rejected), got {len(ds)} rows")
+    seqs, ids, labels = [], ds["input_ids"], ds["labels"]
+    for i in range(0, len(ds), 2):
+        pair = []
+        for j in (i, i + 1):
+            row, lab = list(ids[j])[:max_length], list(labels[j])[:max_length]
+            start = next((k for k, x in enumerate(lab) if x != -100), len(lab))
+            pair.append((row, start))
+        seqs.append(pair)
+    return _tensors(seqs, pad_id)
+
+
+def _tensors(seqs: list, pad_id: int) -> dict:
+    """(P, 2, L) ``input_ids``, ``attention_mask``, ``labels`` of :func:`pair_sequences`' pairs."""
     width = max(len(ids) for pair in seqs for ids, _ in pair)
     P = len(seqs)
     input_ids = torch.full((P, 2, width), pad_id, dtype=torch.long)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from cuboid.data import formats
-from cuboid.data.pairs import PairStats, flatten, pair_rows, pairs_of_rows
+from cuboid.data.pairs import PairStats, flatten, pair_dataset, pair_rows, pairs_of_rows, prepared_pairs
 
 from . import dpo_loss
 from .base import Task, TaskError, register
@@ -103,11 +103,25 @@ class DPO(Task):
 
     # ------------------------------------------------------------ data
 
+    def row_length(self, prep: dict) -> int:
+        return min(prep.get("seq_len") or 1024, prep["config"].n_positions)  # (TRL's max_length: 1024)
+
     def rows(self, ds, *, config, tokenizer=None, seq_len=None, stats: Optional[PairStats] = None, **_) -> dict:
         formats.check_split(ds)
+        length = self.row_length({"seq_len": seq_len, "config": config})
+        if formats.pretokenized(ds):  # a cuboid prepare folder: interleaved rows
+            return prepared_pairs(ds, formats.pad_id(tokenizer), length)
         formats.need_tokenizer(tokenizer, self.name)
-        length = min(seq_len or 1024, config.n_positions)
         return pair_rows(ds, tokenizer, length, self.options.chat_template, formats.pad_id(tokenizer), stats)
+
+    def dataset_rows(self, ds, tokenizer, max_length: int, *, text_column: Optional[str] = None,
+                     packing: bool = False):
+        """(rows as a ``datasets.Dataset``, counts) for ``cuboid prepare``: each pair's chosen and rejected
+        sequences as two rows (row 2i chosen, 2i + 1 rejected), the answers' tokens trained."""
+        stats = PairStats()
+        rows = pair_dataset(ds, tokenizer, max_length, self.options.chat_template, stats)
+        return rows, {"format": "preference pairs", "examples": stats.examples, "dropped": stats.dropped,
+                      "truncated": stats.truncated}
 
     def with_model(self, model, splits: list, *, device=None, dtype=None, lora: bool = False, **_) -> list:
         """Each split's tensors with ``ref_logps`` (P, 2): the reference's (module docstring), one pass."""

@@ -15,6 +15,7 @@ fine-tunes under dp=2 and pp=2 end with one device's weights (1e-4).
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -133,6 +134,35 @@ def test_whole_dialogues_take_their_shared_turns_as_the_prompt(folders):
     assert "prompt" not in whole.column_names
     a, b = pair_rows(whole, tok, MAX_LENGTH), pair_rows(apart, tok, MAX_LENGTH)
     assert all(torch.equal(a[k], b[k]) for k in a) and int((a["labels"] != -100).sum()) > 0
+
+
+def test_prepare_shows_pairs_and_its_rows_read_back_as_the_pairs(folders, capsys):
+    import datasets
+
+    from cuboid.cli import main
+    from cuboid.data.formats import load_tokenizer
+    from cuboid.data.pairs import pair_rows
+    from cuboid.tasks import get
+
+    root, policy, _, data = folders
+    capsys.readouterr()
+    assert main(["prepare", "--task", "dpo", "--model", str(policy), "--data", str(data["string"]), "--output",
+                 str(root / "prepared"), "--max-length", str(MAX_LENGTH), "--show", "4", "--eval-fraction", "0.2"]) == 0
+    shown = capsys.readouterr().out
+    assert "train row 3" in shown and shown.count("[[") >= 4
+    rows = datasets.load_from_disk(str(root / "prepared" / "train"))
+    tok = load_tokenizer(str(policy))
+    back = get("dpo")().rows(rows, config=SimpleNamespace(n_positions=MAX_LENGTH), tokenizer=tok)
+    assert back["input_ids"].shape[:2] == (len(rows) // 2, 2)
+    # each pair read back is one that pair_rows makes from the records (the train split's, in its order)
+    source = datasets.load_dataset("json", data_files=str(data["string"]), split="train")
+    whole = pair_rows(source, tok, MAX_LENGTH)
+
+    def pairs(t):
+        return [tuple(tuple(t[k][i, j][t["attention_mask"][i, j].bool()].tolist()) for k in ("input_ids", "labels")
+                      for j in (0, 1)) for i in range(t["input_ids"].shape[0])]
+
+    assert set(pairs(back)) <= set(pairs(whole)) and len(set(pairs(back))) == len(rows) // 2
 
 
 def test_eval_refuses_bad_input(folders, capsys):
