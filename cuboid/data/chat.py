@@ -38,12 +38,20 @@ NO_TEMPLATE = ("the data holds chat messages but the tokenizer has no chat templ
 
 
 def _read_override(chat_template: str) -> str:
-    """``chat_template`` read from a file when it names one; else the template text itself."""
+    """``chat_template`` read from a file when it names one (whatever characters the path holds); else the
+    template text itself when it has a ``{``; else a one-line DataError (a file that is not there)."""
+    path = Path(chat_template)
+    try:
+        is_file = path.is_file()
+    except OSError:  # template text too long to be a path
+        is_file = False
+    if is_file:
+        from cuboid.data.damage import check_text_file
+
+        check_text_file(path, "--chat-template")
+        return path.read_text(encoding="utf-8")
     if "{" not in chat_template:
-        path = Path(chat_template)
-        if not path.is_file():
-            raise DataError(f"chat template {chat_template}: no such file")
-        return path.read_text()
+        raise DataError(f"chat template {chat_template}: no such file")
     return chat_template
 
 

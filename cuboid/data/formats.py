@@ -459,6 +459,10 @@ def load_tokenizer(path: Union[str, os.PathLike, None]):
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     else:
         return None
+    ordinary = set(tok.get_vocab().values()) - set(tok.all_special_ids)
+    if len(ordinary) < 2:  # a tokenizer_config.json without its vocabulary files loads as its special tokens
+        raise DataError(f"tokenizer {path}: {len(ordinary)} token(s) beside its special ones: its vocabulary "
+                        "files (tokenizer.json, or vocab and merges files) are missing")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok

@@ -127,3 +127,21 @@ def test_a_failing_chat_template_or_a_turn_without_content_is_one_line(qwen, tmp
     assert main([*base, "--output", str(tmp_path / "b"), "--chat-template", str(template)]) == 2
     assert "the chat template failed on the conversation that starts 'hi': TemplateError: no system turns here" \
         in one_line(capsys)
+
+
+def test_a_tokenizer_without_vocabulary_and_a_template_path_with_braces(tmp_path):
+    """A tokenizer_config.json alone loaded as a tokenizer of its special tokens (the next error blamed the
+    data); a --chat-template path with a ``{`` in it was read as template text."""
+    from cuboid.data.chat import template_of
+    from cuboid.data.formats import DataError, load_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer", "eos_token": "<e>"}')
+    with pytest.raises(DataError, match=r"tokenizer .*tok: 0 token\(s\) beside its special ones: its vocabulary"):
+        load_tokenizer(tmp_path / "tok")
+    path = tmp_path / "{odd} name.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert template_of(None, str(path)) == path.read_text()
+    assert template_of(None, "{{ messages }}") == "{{ messages }}"  # text, not a path
+    with pytest.raises(DataError, match="no such file"):
+        template_of(None, str(tmp_path / "missing.jinja"))
