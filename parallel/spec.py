@@ -29,8 +29,8 @@ class ShardingSpec:
     blocks: str = "blocks"
     shifted_labels: bool = False  # token t's label is token t + 1 (a causal LM head shifts): sp aligns them
     pooled_first: bool = False    # the head reads position 0 (a pooler): sp gives every rank the true first token
-    # the head reads each row's last token that is not padding (a decoder's classifier): ``model.last_tokens(input_ids)``
-    # goes to ``model.head(..., last=)``; sp gathers the rows for it, pp carries it to the last stage
+    # the head reads each row's last token that is not padding (a decoder's classifier): the (B,) indices
+    # ``model.last_tokens(input_ids)`` go to ``model.head(..., last=)``; sp gathers the rows for it, pp carries them
     pooled_last: bool = False
     first: tuple = ()   # top-level modules the first pipeline stage owns (embeddings)
     last: tuple = ()    # those the last stage owns (final norm, pooler, heads); a module in both is tied

@@ -16,7 +16,7 @@ class GPTConfig:
     eps: float = 1e-5            # layer-norm epsilon
     dropout: float = 0.0         # residual/embedding/attention-output dropout
     activation: str = "gelu_new" # "gelu_new" (tanh approximation, GPT-2) or "gelu"
-    head: str = "lm"             # "lm": tied LM head (GPT2LMHeadModel); "cls": GPT2ForSequenceClassification; "none": GPT2Model
+    head: str = "lm"             # "lm": tied LM head (GPT2LMHeadModel), "cls" (GPT2ForSequenceClassification), "none"
     num_labels: int = 2          # classes (outputs) for head="cls"
     pad_token_id: Optional[int] = None  # head="cls" pools each row's last token that is not this id
     init_std: float = 0.02       # normal init std; residual projections scaled by 1/sqrt(2 n_layers)
