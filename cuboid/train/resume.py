@@ -154,11 +154,17 @@ def resume_folder(resume: Optional[str], out: Path, mesh: Mesh, restart: int) ->
 
 
 def check_output_dir(out: Path, resume: Optional[str], overwrite: bool, mesh: Mesh, restart: int) -> Optional[str]:
-    """A fresh run (no ``resume``, first attempt) refuses an output folder an earlier run left files in,
+    """A resumed run (a checkpoint folder, first attempt) refuses an output folder another run's files are in
+    (:func:`check_resume_into`) unless ``overwrite``. A fresh run (no ``resume``, first attempt) refuses an
+    output folder an earlier run left files in,
     unless ``overwrite`` (``--overwrite-output-dir``: its files stay, this run prunes and resumes only its own
     checkpoints, and replaces ``final/`` and the metrics); then it records a new run id there at once (so a
     restart after an early crash takes this run's id, not an earlier run's) and returns it. None otherwise."""
-    if restart or resume not in (None, "", "none"):
+    if restart:
+        return None
+    if resume not in (None, "", "none"):
+        if resume != "latest" and not overwrite:
+            decided_on_rank0(mesh, lambda: check_resume_into(Path(resume), out))
         return None
     found = None if overwrite else decided_on_rank0(mesh, lambda: occupant(out))
     if found is not None:
@@ -173,6 +179,21 @@ def check_output_dir(out: Path, resume: Optional[str], overwrite: bool, mesh: Me
         return run_id
 
     return decided_on_rank0(mesh, claim, errors=(OSError,))
+
+
+def check_resume_into(checkpoint: Path, out: Path) -> None:
+    """A one-line ValueError when resuming ``checkpoint`` with ``out`` as the output folder would write over
+    another run's files: ``out`` holds checkpoints, ``final/`` or metrics and its run record names a run other
+    than the checkpoint's (the resumed run would replace that run's ``final/``, cut its metrics and take its
+    record, so that its ``--resume latest`` went on with the wrong run)."""
+    found = occupant(out)
+    if found is None or not checkpoint.is_dir():
+        return
+    mine, theirs = run_id_of(checkpoint), folder_run_id(out)
+    if mine is None or mine != theirs:
+        raise ValueError(f"--resume {checkpoint} continues run {mine or '(unrecorded)'}, but --output-dir {out} "
+                         f"holds {found} of run {theirs or '(unrecorded)'}: resume into the checkpoint's own "
+                         "--output-dir, give an empty one, or pass --overwrite-output-dir to write over it")
 
 
 def verify_once(verify, path: Path, mesh: Mesh) -> None:

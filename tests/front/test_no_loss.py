@@ -52,3 +52,27 @@ def test_prepare_overwrite_replaces_only_a_folder_it_wrote(qwen, chat_file, tmp_
     assert main([*base, "--output", str(work / "inner"), "--max-length", "96"]) == 0
     assert json.loads((work / "inner" / "prepare_report.json").read_text())["max_length"] == 96
     assert main([*base, "--output", str(work), "--data", str(data)]) == 2  # the data's own folder
+
+
+def test_resume_into_another_run_s_folder_is_refused(tmp_path):
+    """``--resume A/checkpoint-N --output-dir B`` once replaced B's final/, cut its metrics and took its run
+    record (B's ``--resume latest`` then went on with A's run)."""
+    from cuboid.parallel import Mesh, Plan
+    from cuboid.train.resume import RUN_FILE, check_output_dir
+
+    mesh = Mesh.layout(Plan())
+    a, b = tmp_path / "A", tmp_path / "B"
+    (a / "checkpoint-2").mkdir(parents=True)
+    (a / "checkpoint-2" / "trainer_state.json").write_text(json.dumps({"state": {"run_id": "aaaa"}}))
+    (a / RUN_FILE).write_text(json.dumps({"run_id": "aaaa"}))
+    b.mkdir()
+    (b / RUN_FILE).write_text(json.dumps({"run_id": "bbbb"}))
+    (b / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = sorted(p.name for p in b.iterdir())
+    with pytest.raises(ValueError, match=r"--resume .*checkpoint-2 continues run aaaa, but --output-dir .*B holds "
+                                         r"metrics.jsonl of run bbbb"):
+        check_output_dir(b, str(a / "checkpoint-2"), False, mesh, 0)
+    assert sorted(p.name for p in b.iterdir()) == before and (b / RUN_FILE).read_text() == '{"run_id": "bbbb"}'
+    assert check_output_dir(b, str(a / "checkpoint-2"), True, mesh, 0) is None  # --overwrite-output-dir
+    assert check_output_dir(a, str(a / "checkpoint-2"), False, mesh, 0) is None  # its own folder
+    assert check_output_dir(tmp_path / "C", str(a / "checkpoint-2"), False, mesh, 0) is None  # a new folder
