@@ -60,7 +60,7 @@ class GRPOOptions:
                                             flag=True)
     num_generations: int = _option(8, "completions sampled per prompt (G); --batch-size counts completions",
                                    flag=True)
-    max_completion_length: int = _option(256, "tokens a completion may have", flag=True)
+    max_completion_length: int = _option(512, "tokens a completion may have", flag=True)
     temperature: float = _option(1.0, "sampling temperature", flag=True)
     top_p: float = _option(1.0, "nucleus sampling: the smallest set of tokens of this probability mass", flag=True)
     top_k: int = _option(0, "sample among the k most likely tokens (0: all)", flag=True)
