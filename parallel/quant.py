@@ -113,6 +113,18 @@ class NF4Layer:
             qw = _local_part(self, qw, qw.weight.device)
         self._set_buffers(qw)
 
+    def load_full(self, name: str, full) -> None:
+        """``"weight"``: the layer leaves NF4 and takes this rank's part of ``full`` as its weight parameter again
+        (what merging adapters into a dequantized base does); other names as the base layer loads them."""
+        if name != "weight":
+            return super().load_full(name, full)
+        part = torch.as_tensor(self.local_part("weight", full)).to(self.nf4_dtype)
+        for b in _BUFFERS:
+            del self._buffers[f"weight_{b}"]
+        self.__class__ = self.nf4_plain_class
+        self.weight = nn.Parameter(part.detach().clone(), requires_grad=False)
+        self.tag_placements()
+
     def _set_buffers(self, qw: NF4Weight) -> None:
         empty = qw.quant_map.new_empty((0,))
         self.weight_nf4, self.weight_absmax, self.weight_quant_map = qw.weight, qw.absmax, qw.quant_map
@@ -202,6 +214,7 @@ def quantize_linears(model: nn.Module, paths: Iterable[str]) -> List[str]:
         layer.nf4_full_shape = tuple(layer.full_shape("weight"))
         w = layer._parameters.pop("weight")
         layer.nf4_local_shape, layer.nf4_dtype = tuple(w.shape), w.dtype
+        layer.nf4_plain_class = type(layer)
         layer.__class__ = _nf4_class(type(layer))
         layer.nf4_kind = kind
         dev = w.device if w.device.type != "meta" else torch.device("cpu")

@@ -41,6 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--base", metavar="FOLDER",
                    help="with --merge-lora: the base model folder (default: the adapter config's "
                         "base_model_name_or_path)")
+    p.add_argument("--quantize", metavar="nf4",
+                   help="with --merge-lora: the adapters were trained on a 4-bit NF4 base (QLoRA): merge them into "
+                        "the base dequantized from NF4, as peft's merge_and_unload does (a folder saved in 4 bits "
+                        "is recognised without it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -81,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         return _merge(args)
     if args.base:
         return _fail("--base goes with --merge-lora")
+    if args.quantize:
+        return _fail("--quantize goes with --merge-lora (the base of a QLoRA run)")
     size = args.max_shard_size
     if size is not None and size.isdigit():
         size = int(size)
@@ -111,6 +117,12 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_4bit(folder) -> bool:
+    from cuboid.loading.quantize import folder_is_4bit
+
+    return folder_is_4bit(folder)
+
+
 def _merge_into(args: argparse.Namespace, dst) -> str:
     import os
     import tempfile
@@ -120,12 +132,22 @@ def _merge_into(args: argparse.Namespace, dst) -> str:
     from cuboid.zoo.lora import merge_to_hf, read_config
 
     base = args.base or read_config(args.src)[2].get("base_model_name_or_path")
+    merge = merge_to_hf
+    quantize = getattr(args, "quantize", None)
+    if quantize is not None or (base and os.path.isdir(base) and _is_4bit(base)):
+        from cuboid.loading.quantize import merge_qlora
+        from cuboid.parallel.quant import check_quantize
+
+        check_quantize(quantize or "nf4")
+
+        def merge(src, out, base=None):  # a QLoRA run's merge: the base dequantized from NF4
+            return merge_qlora(src, out, base=base or read_config(src)[2].get("base_model_name_or_path"))
     if args.max_shard_size is None and args.dtype is None:
-        out = merge_to_hf(args.src, dst, base=args.base)
+        out = merge(args.src, dst, base=args.base)
         copy_companions(out, args.src, base)
         return os.fspath(out)
     with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists() else None) as tmp:
-        copy_companions(merge_to_hf(args.src, tmp, base=args.base), args.src, base)
+        copy_companions(merge(args.src, tmp, base=args.base), args.src, base)
         size = args.max_shard_size
         size = int(size) if size is not None and size.isdigit() else size
         return os.fspath(checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,

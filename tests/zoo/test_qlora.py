@@ -165,3 +165,29 @@ def test_the_grids_and_misaligned_tp_cuts_are_refused():
     quantize_linears(model, ["blocks.0.attn.proj"])
     with pytest.raises(ValueError, match="cuts through NF4's blocks of 64"):
         layer.set_quantized(quantize_nf4(torch.randn(64, 64)))
+
+
+def test_merge_lora_of_a_qlora_run_dequantizes_the_base(folders, tmp_path):
+    """`cuboid convert --merge-lora` of adapters trained on the 4-bit base: W = dequantize(W4) + s B A (as peft's
+    merge_and_unload on a bitsandbytes base), written as a bf16 folder; a 4-bit base folder is recognised."""
+    from safetensors.torch import load_file
+
+    from cuboid.cli.convert import main as convert
+
+    root, _ = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32, lora="r=4,alpha=8")
+    for _, layer in model.named_modules():
+        if hasattr(layer, "lora_B"):
+            torch.nn.init.normal_(layer.lora_B.weight, std=0.02)  # trained-looking adapters
+    cuboid.zoo.lora.save_adapters(model, tmp_path / "adapter")
+    layer = model.blocks[1].mlp.proj
+    want = (layer.dequantized(torch.float32) + layer.lora_scaling * layer.lora_B.weight.detach()
+            @ layer.lora_A.weight.detach()).to(torch.bfloat16)
+    for base, flag in ((root / "bf16", ["--quantize", "nf4"]), (root / "bnb4", [])):
+        out = tmp_path / f"merged-{base.name}"
+        assert convert(["convert", str(tmp_path / "adapter"), str(out), "--merge-lora", "--base", str(base),
+                        *flag]) == 0
+        merged = load_file(str(out / "model.safetensors"))
+        assert "quantization_config" not in json.loads((out / "config.json").read_text())
+        got = merged["model.layers.1.mlp.down_proj.weight"]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), base.name
