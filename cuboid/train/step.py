@@ -33,7 +33,7 @@ from torch import nn
 from cuboid.data.formats import Filler
 from cuboid.parallel import Mesh, comm, set_gradient_sync, split_batch, state_of, unwrap, zero
 from cuboid.parallel.optim import clip_grad_norm_
-from cuboid.tasks import for_model
+from cuboid.tasks import for_model, resolve
 from cuboid.zoo import family_of
 
 
@@ -147,8 +147,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, global_batch:
     is already this rank's share (a stream read per dp rank, :mod:`cuboid.data.streaming`); every rank of a
     dp group passes the same one, and the loss is weighted by the step's targets over all ranks as ever.
     ``task``: a :class:`cuboid.tasks.Task` whose count, model inputs and (``own_loss``) summed loss the step
-    takes; None: the model's own loss over its label positions.
+    takes (or what :func:`cuboid.tasks.resolve` makes one of: a task class, a name with options); None: the
+    model's own loss over its label positions.
     """
+    task = resolve(task) if task is not None else None
     core = unwrap(model)
     state = state_of(core)
     mesh = mesh if mesh is not None else state.mesh

@@ -164,8 +164,9 @@ def test_train_step_on_hand_built_pairs_is_trls_loss():
         r = model(input_ids=ids, attention_mask=mask).logits[:, 0]
     rc, rr, m = r[0::2], r[1::2], batch["margin"][0::2]
     want = (-F.logsigmoid(rc - rr - m).mean() + COEF * ((rc + rr) ** 2).mean()).item()
+    assert get("reward")(center_rewards_coefficient=COEF).count(batch) == 3
     step = cuboid.train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch,
-                             task=get("reward")(center_rewards_coefficient=COEF))
+                             task=f"reward,center_rewards_coefficient={COEF}")  # (a name, an object or a class)
     assert step.targets == 3
     assert step.loss == pytest.approx(want, rel=1e-5)
     assert step.metrics["accuracy"] == pytest.approx((rc > rr).float().mean().item())
