@@ -331,15 +331,16 @@ class Rotary(nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
     _cached: dict = {}  # key -> tables, shared by every layer: the blocks of a model reuse them
-    CACHED = 8  # entries kept; the oldest goes first
+    CACHED = 8  # entries kept; the least recently used goes first (a recompute finds what its forward used)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, key: Optional[tuple] = None) -> tuple:
         """(cos, sin) of ``positions`` in ``dtype``; ``key`` names the positions (e.g. ``("range", T)``), so the
         next layer with the same key reuses them."""
         if key is not None:
             key = (positions.device, dtype, self.head_dim, self.theta, str(self.scaling), *key)
-            hit = Rotary._cached.get(key)
-            if hit is not None:
+            hit = Rotary._cached.pop(key, None)
+            if hit is not None:  # kept as the newest: a key a forward used goes last, not first
+                Rotary._cached[key] = hit
                 return hit
         cos, sin = kernels.rope_tables(positions, self.head_dim, self.theta, self.scaling)
         out = (cos.to(dtype), sin.to(dtype))

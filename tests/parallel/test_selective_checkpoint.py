@@ -167,6 +167,34 @@ def test_a_kept_output_changed_in_place_is_an_error():
         g.sum().backward()
 
 
+def test_a_full_rope_table_cache_keeps_what_a_forward_used():
+    """Gemma 3's local and global bases take two entries of the shared rope-table cache. With the cache full
+    (a process that ran other models: a notebook, a sweep, a warm test world), a forward that hits the
+    oldest entry and then adds the other base's must not evict the first: the recompute would compute that
+    table again, which selective checkpointing refuses (a block must replay what its forward did)."""
+    import cuboid
+    from cuboid.parallel.layers import Rotary
+
+    saved = dict(Rotary._cached)
+    try:
+        model = cuboid.load("gemma3-debug", "checkpoint=selective", seed=0, vocab_size=64).train()
+        batch = global_batch("llama-debug", model)
+        Rotary._cached.clear()
+        model(**batch)
+        first, second = list(Rotary._cached)  # the first block's base, then the other's
+        tables = Rotary._cached[first]
+        Rotary._cached.clear()
+        Rotary._cached[first] = tables  # the oldest entry, then others up to the bound
+        for n in range(Rotary.CACHED - 1):
+            Rotary._cached[("another model's", n)] = tables
+        model(**batch).loss.backward()  # the second base's entry is added in the forward: one entry goes
+        assert first in Rotary._cached and second in Rotary._cached
+        assert all(p.grad is not None for p in model.parameters())
+    finally:
+        Rotary._cached.clear()
+        Rotary._cached.update(saved)
+
+
 def test_checkpoint_blocks_modes():
     from cuboid.parallel import checkpoint_blocks
 
