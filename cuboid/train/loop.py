@@ -366,12 +366,20 @@ def resume(r: Run) -> None:
 
 
 def run_of(r: Run, restart: int) -> str:
-    """This run's id: the resumed checkpoint's; a fresh run's, the one :func:`start` recorded; a restart's
-    that found no checkpoint, the one its first attempt recorded in the output folder; else a new one."""
-    from cuboid.train.resume import folder_run_id
+    """This run's id: the resumed checkpoint's, or a new one when the resume is a rewind (the run has newer
+    checkpoints in the output folder: they stay the abandoned branch's, so ``--keep``, ``--resume latest``
+    and restarts never take them for this run's); a fresh run's, the one :func:`start` recorded; a
+    restart's, the one its first attempt recorded in the output folder (a rewind's branch too)."""
+    from cuboid.train.resume import folder_run_id, newer_checkpoints
 
     found = run_id_of(r.resumed_from) if r.resumed_from is not None else None
-    return found or r.run_id or (folder_run_id(r.output_dir) if restart else None) or uuid.uuid4().hex
+    if restart:
+        return folder_run_id(r.output_dir) or found or r.run_id or uuid.uuid4().hex
+    if found is not None and newer_checkpoints(r.output_dir, found, r.start):
+        log(f"resuming step {r.start} of a run with newer checkpoints: a new branch of the run, which leaves "
+            f"them ({', '.join(p.name for p in newer_checkpoints(r.output_dir, found, r.start))}) to the old one")
+        return uuid.uuid4().hex
+    return found or r.run_id or uuid.uuid4().hex
 
 
 def announce(r: Run) -> None:

@@ -78,6 +78,11 @@ def own_checkpoints(out: Path, run_id: Optional[str]) -> list[Path]:
     return [p for p in checkpoints(out) if run_id is None or run_id_of(p) == run_id]
 
 
+def newer_checkpoints(out: Path, run_id: str, step: int) -> list[Path]:
+    """The run ``run_id``'s checkpoints in ``out`` past ``step`` (resuming ``step`` abandons them: a rewind)."""
+    return [p for p in own_checkpoints(out, run_id) if int(p.name.split("-")[-1]) > step]
+
+
 def occupant(out: Path) -> Optional[str]:
     """The first entry of ``out`` that an earlier run left (checkpoints, ``final/``, metrics), or None: what a
     fresh run would mix its own files with."""

@@ -76,3 +76,23 @@ def test_resume_into_another_run_s_folder_is_refused(tmp_path):
     assert check_output_dir(b, str(a / "checkpoint-2"), True, mesh, 0) is None  # --overwrite-output-dir
     assert check_output_dir(a, str(a / "checkpoint-2"), False, mesh, 0) is None  # its own folder
     assert check_output_dir(tmp_path / "C", str(a / "checkpoint-2"), False, mesh, 0) is None  # a new folder
+
+
+def test_a_rewind_starts_a_branch_that_leaves_the_abandoned_checkpoints_alone(tmp_path, capsys):
+    """Resuming checkpoint-1 of a run that saved up to checkpoint-3 abandons 2 and 3: --keep pruned the
+    rewind's own first, and --resume latest (or a restart) took the abandoned checkpoint-3 for this run's."""
+    from cuboid.cli import main
+    from cuboid.train.resume import folder_run_id, resolve_resume, run_id_of
+
+    out = tmp_path / "run"
+    common = ["finetune", "--model", "vit-debug", "--data", "digits", "--batch-size", "8", "--save-every", "1",
+              "--output-dir", str(out), "--no-progress", "--no-plot", "--eval-every", "100"]
+    assert main([*common, "--steps", "3", "--keep", "10"]) == 0
+    first = folder_run_id(out)
+    assert first and {run_id_of(out / f"checkpoint-{s}") for s in range(1, 4)} == {first}
+    assert main([*common, "--steps", "2", "--keep", "1", "--resume", str(out / "checkpoint-1")]) == 0
+    assert "a new branch of the run" in capsys.readouterr().err
+    branch = folder_run_id(out)
+    assert branch not in (None, first) and run_id_of(out / "checkpoint-2") == branch
+    assert run_id_of(out / "checkpoint-3") == first and run_id_of(out / "checkpoint-1") == first  # left alone
+    assert resolve_resume("latest", out, branch) == out / "checkpoint-2"  # not the abandoned checkpoint-3
