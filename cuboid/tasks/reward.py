@@ -62,6 +62,7 @@ class Reward(Task):
     unit = "pairs"
     metric = "eval_accuracy"
     eval_keys = METRICS + ("pairs",)
+    targets = ("margin",)  # optional: a batch without margins is scored as with zeros
     own_loss = True
     Options = RewardOptions
 

@@ -2,7 +2,7 @@
 
 One 2-rank world runs every case through the public API (``cuboid.load(..., plan=)``, ``cuboid.train_step``):
 the Llama family's and GPT-2's classifier with a reward task's own loss (``reward``: one output, pairs as
-interleaved rows, a ``margin`` per row, no labels in the batch) under ``pp2``, ``sp2``, ``sp2-a2a`` and
+interleaved rows, a ``margin`` per row or none, no labels in the batch) under ``pp2``, ``sp2``, ``sp2-a2a`` and
 ``tp2-seq``, and with the model's own cross-entropy (three classes, labels (B,)) under ``pp2`` and ``sp2``.
 Rows are right-padded with the pad id to different lengths, so each row's last token lies in another
 place (under sp: on either rank's chunks). Each case takes 2 SGD steps and must give one device's losses and
@@ -12,9 +12,10 @@ import torch
 
 from .launch import run_world
 
-CASES = [  # (preset, plan, task): task "reward" (its own loss) or None (the model's cross-entropy)
+CASES = [  # (preset, plan, task): "reward" (its own loss; "reward-plain": without margins) or None (cross-entropy)
     ("llama-debug", "pp2", "reward"), ("llama-debug", "sp2", "reward"), ("llama-debug", "sp2-a2a", "reward"),
-    ("llama-debug", "tp2-seq", "reward"), ("gpt-debug", "pp2", "reward"), ("gpt-debug", "sp2", "reward"),
+    ("llama-debug", "tp2-seq", "reward"),
+    ("gpt-debug", "pp2", "reward-plain"), ("gpt-debug", "sp2", "reward"),
     ("llama-debug", "pp2", None), ("llama-debug", "sp2", None),
 ]
 PAD = 0
@@ -30,7 +31,7 @@ def batch_of(task) -> dict:
     batch = {"input_ids": ids, "attention_mask": mask}
     if task == "reward":
         batch["margin"] = torch.rand(8, generator=g)
-    else:
+    elif task is None:
         batch["labels"] = torch.randint(0, 3, (8,), generator=g)
     return batch
 
@@ -39,7 +40,7 @@ def _run(preset: str, plan, task_name) -> tuple:
     import cuboid
     from cuboid import tasks
 
-    task = tasks.get(task_name)() if task_name else None
+    task = tasks.get("reward")() if task_name else None
     model = cuboid.load(preset, plan=plan, head="cls", num_labels=1 if task else 3, pad_token_id=PAD, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     steps = [cuboid.train_step(model, opt, batch_of(task_name), task=task) for _ in range(2)]
