@@ -165,15 +165,22 @@ def test_prepare_shows_pairs_and_its_rows_read_back_as_the_pairs(folders, capsys
     assert set(pairs(back)) <= set(pairs(whole)) and len(set(pairs(back))) == len(rows) // 2
 
 
-def test_eval_refuses_bad_input(folders, capsys):
+def test_eval_refuses_bad_input_and_perplexity_prints_json(folders, capsys):
     from cuboid.cli import main
 
-    _, policy, ref, data = folders
+    root, policy, ref, data = folders
     assert main(["eval", "--task", "dpo", "--model", str(policy), "--data", str(data["string"]), "--loss-type",
                  "nope"]) == 2
     assert "unknown DPO loss type nope" in capsys.readouterr().err
     assert main(["eval", "--model", str(policy), "--data", str(data["string"]), "--beta", "0.2"]) == 2
     assert "need --task" in capsys.readouterr().err
+    text = root / "held_out.txt"  # the perplexity eval's --json: one line of its figures
+    text.write_text("alpha beta gamma delta. " * 20)
+    assert main(["eval", "--model", str(policy), "--data", str(text), "--max-length", "32", "--json",
+                 "--no-progress"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(figures) == {"loss", "perplexity", "tokens", "windows"}
+    assert figures["perplexity"] == pytest.approx(math.exp(figures["loss"]), rel=1e-9)
 
 
 def finetune(policy, data, out, **options) -> dict:
