@@ -316,6 +316,7 @@ class StreamBatches:
     def __init__(self, data: StreamData, rows: int, rank: int, world: int) -> None:
         self.data, self.rows, self.rank, self.world = data, rows, rank, world
         self.steps = 0
+        self._files = [[Path(f).name, Path(f).stat().st_size, _head_hash(f)] for f in data.files]  # as they start
         self._open(None)
 
     def _make(self):
@@ -346,14 +347,23 @@ class StreamBatches:
 
     @property
     def position(self) -> dict:
-        if self.packed is not None:
-            return {"steps": self.steps, "packed": self.packed.position()}
-        return {"steps": self.steps, "examples": self.examples.position()}
+        at = {"packed": self.packed.position()} if self.packed is not None else {"examples": self.examples.position()}
+        return {"steps": self.steps, **at, "stream": self.fingerprint()}
 
     @position.setter
     def position(self, position: dict) -> None:
+        if "stream" in position:
+            check_fingerprint(position["stream"], self.fingerprint())
         self._open(position)
         self.steps = int(position["steps"])
+
+    def fingerprint(self) -> dict:
+        """What a position refers to: each file's name, size and SHA-256 of its first block, and the settings
+        that decide the rows (buffer, seed, row length, packing and its window, the held-out rows)."""
+        d = self.data
+        return {"files": self._files, "shuffle_buffer": d.shuffle_buffer, "seed": d.seed,
+                "row_length": d.row_length, "packing": d.packing, "skip": d.skip,
+                "rows": self.rows if d.packing else None}
 
     @property
     def epoch(self) -> float:
@@ -374,6 +384,37 @@ class StreamBatches:
         batch = collate([stage.next() for _ in range(self.rows)], self.data.pad_id, self.data.width_multiple)
         self.steps += 1
         return batch
+
+
+_HEAD = 1 << 16  # bytes of a file's start hashed for a stream's fingerprint
+
+
+def _head_hash(path) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read(_HEAD)).hexdigest()[:16]
+
+
+_SETTINGS = {"shuffle_buffer": "--shuffle-buffer", "seed": "--seed", "row_length": "the row length (--seq-len)",
+             "packing": "--packing", "skip": "the rows held out for eval", "rows": "the rows a step (--batch-size)"}
+
+
+def check_fingerprint(saved: dict, now: dict) -> None:
+    """A one-sentence DataError when a checkpoint's stream position was taken over other files or settings
+    than this run's (a resume would go on silently on other rows)."""
+    where = "resume with the data and settings the run started with"
+    if [f[0] for f in saved.get("files", [])] != [f[0] for f in now["files"]]:
+        raise DataError(f"the checkpoint streamed the files {', '.join(f[0] for f in saved['files'])}, this run "
+                        f"{', '.join(f[0] for f in now['files'])}: {where}")
+    for (name, size, head), (_, size_now, head_now) in zip(saved["files"], now["files"]):
+        if size != size_now or head != head_now:
+            change = f"was {size} bytes, now {size_now}" if size != size_now else "has another first block"
+            raise DataError(f"the checkpoint's stream position refers to {name} as it was: the file {change} "
+                            f"(truncated or rewritten); {where}")
+    for key, what in _SETTINGS.items():
+        if key in saved and saved[key] != now[key]:
+            raise DataError(f"the checkpoint streamed with {what} {saved[key]}, this run with {now[key]}: {where}")
 
 
 def example_tokenizer(tokenizer, row_length: int, *, text_column: str = "text", sft=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from .test_prepare_cmd import chat_file, qwen  # noqa: F401 (fixtures)
 from .test_streaming import row_ids, rows_file, stream
@@ -96,3 +97,24 @@ def test_a_rewind_starts_a_branch_that_leaves_the_abandoned_checkpoints_alone(tm
     assert branch not in (None, first) and run_id_of(out / "checkpoint-2") == branch
     assert run_id_of(out / "checkpoint-3") == first and run_id_of(out / "checkpoint-1") == first  # left alone
     assert resolve_resume("latest", out, branch) == out / "checkpoint-2"  # not the abandoned checkpoint-3
+
+
+def test_a_stream_resumed_over_changed_data_or_settings_is_refused(tmp_path):
+    """A streamed run resumed after its file was cut or rewritten, or with another buffer or seed, went on
+    silently on other rows."""
+    from cuboid.data.formats import DataError
+
+    data = rows_file(tmp_path / "rows.jsonl", 40)
+    s = stream([data], False, skip=5)
+    for _ in range(3):
+        s.next()
+    saved = json.loads(json.dumps(s.position))
+    again = stream([data], False, skip=5)
+    again.position = saved  # the same data and settings: resumes
+    assert torch.equal(again.next()["input_ids"], s.next()["input_ids"])
+    with pytest.raises(DataError, match="--shuffle-buffer 8, this run with 4"):
+        stream([data], False, skip=5, buffer=4).position = saved
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:20]))  # cut to its first 20 rows
+    with pytest.raises(DataError, match=r"rows.jsonl as it was: the file was \d+ bytes, now \d+ \(truncated or "
+                                        r"rewritten\)"):
+        stream([data], False, skip=5).position = saved
