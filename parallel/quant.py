@@ -136,9 +136,9 @@ class NF4Layer:
         from cuboid.parallel.tensor.base import to_compute
 
         kind = self.nf4_kind
+        x = to_compute(x)  # under autocast the weight is dequantized straight to the autocast dtype
         if kind == "plain":
             return nf4_linear(x, self.nf4_weight(), self.bias)
-        x = to_compute(x)
         if kind in ("column", "kv"):
             g = self.group
             x = comm.copy_to(x, g) if self.seq_dim is None else comm.all_gather_to(x, g, self.seq_dim)
