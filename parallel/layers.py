@@ -338,9 +338,10 @@ class Rotary(nn.Module):
         next layer with the same key reuses them."""
         if key is not None:
             key = (positions.device, dtype, self.head_dim, self.theta, str(self.scaling), *key)
-            hit = Rotary._cached.pop(key, None)
-            if hit is not None:  # kept as the newest: a key a forward used goes last, not first
-                Rotary._cached[key] = hit
+            hit = Rotary._cached.get(key)
+            if hit is not None:
+                if not torch.compiler.is_compiling():  # eager: the newest, so a later miss evicts another key
+                    Rotary._cached[key] = Rotary._cached.pop(key)  # (Dynamo would guard on the order: recompiles)
                 return hit
         cos, sin = kernels.rope_tables(positions, self.head_dim, self.theta, self.scaling)
         out = (cos.to(dtype), sin.to(dtype))
