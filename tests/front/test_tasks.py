@@ -1,7 +1,7 @@
 """The task seam: tasks are objects (cuboid/tasks/), spelled with their options, and a user's own task trains.
 
-The generated plan test (tests/parallel/test_plans.py) runs a user's task (WeightedLM) under every plan it
-enumerates, turned by the plan's index; here: the room keeps every task's name, the spelling of options,
+The generated plan test (tests/parallel/test_plans.py) runs a user's task (plan_tasks.WeightedLM) under every
+plan it enumerates, turned by the plan's index; here: the room keeps every task's name, the spelling of options,
 and one device's step and ``cuboid.finetune`` with a user's task against plain torch.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from cuboid import tasks
 from cuboid.kernels import use_backend
 from cuboid.train.config import FinetuneConfig, checked
 
-from ..parallel.test_plans import WeightedLM, with_weights
+from ..parallel.plan_tasks import WeightedLM, task_batch
 from . import fixtures as F
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_a_users_task_trains_through_train_step_as_plain_torch():
         mask[1, 9:] = 0
         labels = ids.masked_fill(mask == 0, -100)
         labels[2, :5] = -100
-        batch = with_weights({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        batch = task_batch("weighted", {"input_ids": ids, "attention_mask": mask, "labels": labels})
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         result = cuboid.train_step(model, opt, batch, task=WeightedLM(), microbatches=2)
         total, count, weight = _manual_loss(ref, batch)

@@ -62,9 +62,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cuboid import tasks
-
 from .launch import run_world
+from .plan_tasks import PAIR_TASKS, pair_rows, task_batch, task_of, task_step
 from .test_data_parallel import global_batch as dp_batch
 
 STEPS = 3
@@ -84,7 +83,8 @@ def family_options(name, plan, index):
     """The config overrides family ``name`` runs ``plan`` with: a vocabulary of 510 (it does not divide tp=4:
     padding) and, for the Llama family, the key/value heads turned by the plan's index over KV_HEADS, the
     first the plan takes (2D/3D and all-to-all need them to divide their head split), and on some plans the
-    sequence-classification head (refused under pp and sp, whose forwards do not pass input_ids to it)."""
+    sequence-classification head (each row's score at its last real token), with three classes or with one
+    output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index."""
     from cuboid import zoo
 
     if name == "vit-debug":
@@ -93,10 +93,10 @@ def family_options(name, plan, index):
         return {"vocab_size": 510, "output_router_logits": True}
     if name not in LLAMA:
         return {"vocab_size": 510}
-    # every other run of three and every 2D/3D grid (rows cut over ranks), a plan whose forward passes input_ids
-    # to the head takes the classification head
-    cls = {"head": "cls", "num_labels": 3} if ((index // 3 + index // 18) % 2 or plan.tp_mode in ("2d", "3d")) \
-        and plan.pp == 1 and plan.sp == 1 and not plan.tp_sequence else {}
+    # every other run of three and every 2D/3D grid (rows cut over ranks) takes the classification head (under pp
+    # each row's last token travels to the last stage; under sp the head gathers the rows)
+    cls = {"head": "cls", "num_labels": 1 + 2 * (index % 2)} \
+        if (index // 3 + index // 18) % 2 or plan.tp_mode in ("2d", "3d") else {}
     for kv in KV_HEADS[index % 3:] + KV_HEADS[:index % 3]:
         try:
             plan.validate(zoo.config_of(name, n_kv_heads=kv))
@@ -181,56 +181,10 @@ def packs(plan) -> bool:
     return plan.sp == 1 or SP_PACKED
 
 
-def step_batch(name, model, step, packed):
+def step_batch(name, model, step, packed, size=8):
     """The batch ``cuboid.train_step`` takes at ``step``: step 1's packed (:func:`packed_batch`) when ``packed``,
     the others :func:`global_batch` (a pipeline trains on both: its stream changes shape between steps)."""
-    return packed_batch(name, model) if packed and step == 1 else global_batch(name, model)
-
-
-class WeightedLM(tasks.Task):
-    """A user's task, as a test writes one: a per-token weighted causal-LM loss with a target tensor of its own
-    (``weights`` (B, T), not a model input), on the model's per-token log-probs (``logprobs=True``). Its loss is
-    ``sum(-log p(label) * weight)`` over label positions, its count those positions."""
-
-    heads = ("lm",)
-    targets = ("weights",)
-    forward_kwargs = {"logprobs": True}
-
-    def count(self, batch, model=None):
-        return int((batch["labels"][:, 1:] != -100).sum())
-
-    def loss(self, out, batch):
-        trained = batch["labels"][:, 1:] != -100
-        weights = batch["weights"][:, 1:].to(out.token_logps.dtype) * trained
-        return -(out.token_logps * weights).sum(), {"weight": weights.sum()}
-
-
-def with_weights(batch: dict) -> dict:
-    """``batch`` with WeightedLM's ``weights``: 0.25 to 1.25 by row and position, fixed (a batch that has them
-    keeps its own: one device's reference reorders the rows after drawing them)."""
-    if "weights" in batch:
-        return batch
-    B, T = batch["input_ids"].shape
-    w = 0.25 + ((torch.arange(B).unsqueeze(1) * 7 + torch.arange(T).unsqueeze(0)) % 5) / 4
-    return dict(batch, weights=w)
-
-
-def uses_task(index: int, name: str, extra: dict) -> bool:
-    """Whether the plan's train_step steps on ``name`` run :class:`WeightedLM` (every other plan of a dense causal
-    LM, turned by the index; a pipeline's stream then carries the weights) instead of the model's loss. The
-    mixtures of experts' enumerations keep the model's loss (CI's time: their 8-rank world is the suite's
-    largest); test_pipeline_task runs the task on a routed MoE under pp."""
-    lm = name in FAMILIES and not name.startswith(("bert", "vit")) and extra.get("head", "lm") == "lm"
-    return lm and index % 2 == 1
-
-
-def task_step(model, opt, batch, task: bool, **options):
-    """``cuboid.train_step`` of ``batch``, with :class:`WeightedLM` and its weights when ``task``."""
-    import cuboid
-
-    if task:
-        return cuboid.train_step(model, opt, with_weights(batch), task=WeightedLM(), **options)
-    return cuboid.train_step(model, opt, batch, **options)
+    return packed_batch(name, model, size) if packed and step == 1 else global_batch(name, model, size)
 
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor, drop: float = 0.001) -> float:
@@ -244,6 +198,11 @@ def rel_norm(a: torch.Tensor, b: torch.Tensor, drop: float = 0.001) -> float:
 def worst(*errors: float) -> float:
     """The largest error, NaN counting as infinite (``max(x, nan)`` would keep ``x``)."""
     return max(float("inf") if e != e else e for e in errors)
+
+
+def rel(a: float, b: float) -> float:
+    """|a - b| / |b|; |a| where b is 0 (a one-output classifier's cross-entropy: exactly 0)."""
+    return abs(a - b) / abs(b) if b else abs(a)
 
 
 def rel_max(a, b) -> float:
@@ -314,7 +273,8 @@ class RefArgs(NamedTuple):
     packed: bool = True
     micro: int = 1
     dp: int = 1
-    task: bool = False  # train_step runs WeightedLM (uses_task)
+    task: str = ""  # the objective of the train_step steps (plan_tasks.task_of; "" the model's loss)
+    index: int = 0  # the plan's index (a task's options are turned by it)
 
 
 def _ref_key(*args) -> tuple:
@@ -322,7 +282,7 @@ def _ref_key(*args) -> tuple:
     return a._replace(extra=tuple(sorted(a.extra.items())))
 
 
-def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task=False):
+def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
@@ -330,7 +290,7 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task)
+    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index)
     if key in _REFS:
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
@@ -347,11 +307,11 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
             losses.append(out.loss.item())
             first = out if first is None else first
         else:
-            batch = step_batch(name, ref, step, packed)
-            batch = with_weights(batch) if task else batch  # (drawn by row before the reordering)
+            batch = step_batch(name, ref, step, packed, size)
+            batch = task_batch(task, batch, index)  # (drawn by row before the reordering)
             if micro > 1:  # (a mixture of experts: the plan's global micro-batches)
                 batch = {k: v[micro_order(size, dp, micro)] for k, v in batch.items()}
-            losses.append(task_step(ref, opt, batch, task, max_grad_norm=1.0, microbatches=micro).loss)
+            losses.append(task_step(ref, opt, batch, task, index, max_grad_norm=1.0, microbatches=micro).loss)
     odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
     ref.eval()
     with torch.no_grad():
@@ -395,6 +355,39 @@ def share_references(keys: list) -> None:
 def _params_err(model, want) -> float:
     pairs = gathered(model)
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
+
+
+def checks_reliability(index: int, name: str) -> bool:
+    """Whether the run also evaluates with a dp rank a batch short and saves a checkpoint read back on one device
+    (reliability_checks): every mixture of experts' run, every fourth of the others."""
+    return name in MOE + MOE_OTHERS or index % 4 == 0
+
+
+def reliability(model, name: str, index: int, mesh) -> dict:
+    """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid)."""
+    import os
+    import tempfile
+
+    from cuboid.parallel import unwrap
+
+    from .reliability_checks import save_and_reload_check, uneven_eval_check
+
+    # a mixture of experts' load-balancing loss is a statistic of each batch's routing, so it changes with how
+    # the rows are dealt: the check compares the language-model loss (the router still routes every row). A
+    # pipeline's stream and sp's split fix their routing when they are built: there the eval must run on every
+    # rank and give a finite loss, and its value (1e-5 off with the aux loss) is kept apart, unchecked
+    config = unwrap(model).config
+    routed = getattr(config, "output_router_logits", False)
+    object.__setattr__(config, "output_router_logits", False)
+    try:
+        errs = uneven_eval_check(model, global_batch(name, model, max(5, mesh.size("dp") + 1)))
+    finally:
+        object.__setattr__(config, "output_router_logits", routed)
+    if routed and (mesh.size("pp") > 1 or mesh.size("sp") > 1):
+        errs = {"uneven_eval": errs["uneven_eval"] * 0.0, "uneven_eval_with_aux": errs["uneven_eval"]}
+    folder = os.path.join(tempfile.gettempdir(), f"cuboid-plan-save-{os.getppid()}-{mesh.world_size}-{index}-{name}")
+    errs.update(save_and_reload_check(model, folder))
+    return errs
 
 
 def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(FAMILIES), families=FAMILIES):
@@ -453,9 +446,9 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
                 opt.step()
                 opt.zero_grad()
             else:
-                batch = step_batch(name, model, step, packs(plan))
-                loss = task_step(model, opt, batch, args.task, max_grad_norm=1.0).loss
-            errs["loss"] = worst(errs["loss"], abs(loss - want["losses"][step]) / abs(want["losses"][step]))
+                batch = step_batch(name, model, step, args.packed, size)
+                loss = task_step(model, opt, batch, args.task, args.index, max_grad_norm=1.0).loss
+            errs["loss"] = worst(errs["loss"], rel(loss, want["losses"][step]))
         errs["params"] = _params_err(model, want["params"])
         if plan.compile:  # the steps ran Dynamo's graphs
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, (label, name)
@@ -466,14 +459,15 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
         with torch.no_grad():  # every schedule (ZBV too) and every plan: one device's outputs
             out = model(**odd)
             errs["eval_outputs"] = outputs_err(out, want["eval"], fields=fields)
-            errs["eval_loss"] = worst(abs(out.loss.item() - want["eval"].loss.item())
-                                      / abs(want["eval"].loss.item()))
+            errs["eval_loss"] = worst(rel(out.loss.item(), want["eval"].loss.item()))
             free = model(**{k: v for k, v in odd.items() if k != "labels"})
             assert free.loss is None, label
             errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
+        if checks_reliability(index, name):
+            errs.update(reliability(model, name, index, mesh))
         dist.barrier()
         errs["seconds"] = time.perf_counter() - start
-        report[f"{label}/{name}/{kind}"] = errs
+        report[f"{label}/{name}/{kind}" + (f"/{args.task}" if args.task else "")] = errs
     return report
 
 
@@ -493,15 +487,18 @@ def _runs(plans, optimizers, rotate, per_plan, families):
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
                 micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
-                yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, _batch_size(plan.dp),
-                                                                     extra, packs(plan), micro, plan.dp,
-                                                                     uses_task(index, name, extra))
+                task = task_of(index, name, extra, FAMILIES)
+                size, packed = _batch_size(plan.dp), packs(plan)
+                if task in PAIR_TASKS or task == "grpo":  # whole pairs in every split; rollouts are not packed
+                    size, packed = pair_rows(size, plan.dp, plan.microbatches), False
+                yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, size, extra, packed,
+                                                                     micro, plan.dp, task, index if task else 0)
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
 KNOWN_BROKEN: dict = {}
 TOLERANCE = {"loss": 1e-5, "outputs": 1e-5, "eval_outputs": 1e-5, "eval_loss": 1e-5, "free_outputs": 1e-5,
-             "params": 1e-6}
+             "params": 1e-6, "uneven_eval": 1e-5, "save_reload": 1e-12}
 
 
 def check(reports):
@@ -626,6 +623,8 @@ def run_generated(world: int, timeout: float, *extra_work):
     families = families_per_plan(world, plans)
     assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others) + len(COMPILED.get(world, []))
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
+    ran = {k.split("/")[3] for k in reports[0] if k.count("/") == 3}
+    assert ran == {"weighted", "dpo", "grpo", "reward"}, f"the tasks turned by index: {sorted(ran)}"
     assert {"/".join(k.split("/")[:2]) for k in reports[0]} >= {"/".join(c) for c in COMPILED.get(world, [])}
     print(f"\nplan parity on {world} ranks: {len(plans)} enumerated plans x {families} families + "
           f"{len(others)} ready/extra x {len(FAMILIES)} + {len(COMPILED.get(world, []))} compiled = {len(seconds)} "
