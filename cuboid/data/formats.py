@@ -27,6 +27,7 @@ padding: it is as wide as its longest row, rounded up to ``width_multiple``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -214,6 +215,40 @@ def need_tokenizer(tokenizer, task: str) -> None:
 def pretokenized(ds) -> bool:
     """Whether a split is already tokenized (an ``input_ids`` column: a ``cuboid prepare`` folder)."""
     return "input_ids" in ds.column_names
+
+
+PREPARE_REPORT = "prepare_report.json"  # what cuboid prepare writes beside its splits
+# a fine-tune flag -> (its FinetuneConfig field, the report's key, prepare's flag): the rows a prepared
+# folder holds were made with these; a fine-tune cannot make them again
+PREPARED_FLAGS = {"--seq-len": ("seq_len", "max_length", "--max-length"),
+                  "--train-on-prompt": ("train_on_prompt", "train_on_prompt", "--train-on-prompt"),
+                  "--template": ("template", "template", "--template"),
+                  "--data-format": ("data_format", "data_format", "--data-format"),
+                  "--chat-template": ("chat_template", None, "--chat-template")}
+
+
+def check_prepared(data, given: dict) -> None:
+    """A one-line DataError when ``data`` is a ``cuboid prepare`` folder and a flag that makes rows (``given``:
+    field -> value, unset ones None or False) asks for other rows than the folder's report says it holds:
+    those flags cannot apply to tokenized rows (prepare again with them)."""
+    if not isinstance(data, (str, os.PathLike)) or not (Path(data) / PREPARE_REPORT).is_file():
+        return
+    from cuboid.data.damage import check_text_file
+
+    check_text_file(Path(data) / PREPARE_REPORT)
+    try:
+        report = json.loads((Path(data) / PREPARE_REPORT).read_text(encoding="utf-8"))
+    except ValueError:
+        raise DataError(f"data {data}: {PREPARE_REPORT} is not JSON") from None
+    for flag, (field, key, theirs) in PREPARED_FLAGS.items():
+        value = given.get(field)
+        if value is None or value is False or (key is not None and value == report.get(key)):
+            continue
+        was = f"{theirs} {report.get(key)}" if key is not None and report.get(key) is not None else \
+            f"no {theirs}" if key is not None else f"the {theirs} of its tokenizer"
+        raise DataError(f"{flag} {value} cannot apply to {data}: a cuboid prepare folder's rows are tokenized "
+                        f"already (made with {was}, {PREPARE_REPORT}); run cuboid prepare again with {theirs}, "
+                        f"or leave out {flag}")
 
 
 def pretokenized_rows(ds, config, tokenizer, seq_len: Optional[int], packing: bool) -> dict:

@@ -51,8 +51,8 @@ from torch import nn
 from cuboid.train.callbacks import Callbacks
 from cuboid.train.curves import plot_curves
 from cuboid import tasks
-from cuboid.data.formats import (GlobalBatches, eval_batches, load_source, load_tokenizer, model_inputs, num_classes,
-                                 real_tokens, train_eval_split)
+from cuboid.data.formats import (PREPARED_FLAGS, GlobalBatches, check_prepared, eval_batches, load_source,
+                                 load_tokenizer, model_inputs, num_classes, real_tokens, train_eval_split)
 from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_options
 from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
@@ -197,6 +197,7 @@ def load_data_and_model(r: Run) -> None:
     cfg = r.cfg
     if cfg.streaming:
         return load_stream_and_model(r)
+    check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
     train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):

@@ -118,3 +118,23 @@ def test_a_stream_resumed_over_changed_data_or_settings_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"rows.jsonl as it was: the file was \d+ bytes, now \d+ \(truncated or "
                                         r"rewritten\)"):
         stream([data], False, skip=5).position = saved
+
+
+def test_finetune_on_a_prepared_folder_refuses_flags_it_cannot_apply(qwen, chat_file, tmp_path, capsys):  # noqa: F811
+    """--seq-len, --train-on-prompt, --chat-template ... were silently ignored on a cuboid prepare folder."""
+    from cuboid.cli import main
+
+    out = tmp_path / "prepared"
+    assert main(["prepare", "--model", str(qwen), "--data", str(chat_file), "--output", str(out),
+                 "--max-length", "64"]) == 0
+    capsys.readouterr()
+    base = ["finetune", "--model", str(qwen), "--data", str(out), "--task", "sft", "--steps", "1", "--batch-size",
+            "2", "--output-dir", str(tmp_path / "run"), "--no-progress", "--no-plot"]
+    for flags, want in ((["--seq-len", "128"], "--seq-len 128 cannot apply to"),
+                        (["--train-on-prompt"], "--train-on-prompt True cannot apply"),
+                        (["--chat-template", str(chat_file)], "--chat-template")):
+        assert main([*base, *flags]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(err) == 1 and want in err[0] and "run cuboid prepare again" in err[0], err
+    assert main([*base, "--seq-len", "32"]) == 2
+    assert "(made with --max-length 64, prepare_report.json)" in capsys.readouterr().err
