@@ -60,7 +60,7 @@ def test_task_options_are_spelled_like_plans():
                                                       "train_on_prompt, template"),
                           ("sft,train_on_prompt=maybe", "option train_on_prompt takes true or false"),
                           ("sft,train_on_prompt", "'train_on_prompt' is not option=value"),
-                          ("dpo", "unknown task 'dpo'; tasks: causal, sft, mlm, seqcls, imgcls"),
+                          ("ppo", "unknown task 'ppo'; tasks: causal, sft, mlm, grpo, seqcls, imgcls, dpo, reward"),
                           ("sft,template=vicuna", "unknown --template 'vicuna'")):
         with pytest.raises(ValueError, match=message):
             tasks.resolve(spec)
