@@ -7,8 +7,9 @@ reward over the completion text (the share of its characters that are ``a`` or `
 - ``completions.jsonl``: each logged reward is the function of the logged text; the advantages are the
   group-normalised rewards (TRL's formula, unbiased std + 1e-4); step 1's logged loss is the dapo aggregate
   of those advantages over the completion tokens (ratio 1: ``-sum_j A_j n_j / sum_j n_j``).
-- ``dp=2`` (one 2-rank gloo world): step 1 samples the same completions and logs the same reward and loss as
-  one device.
+- Two ranks (one 2-rank gloo world): ``dp=2`` step 1 samples the same completions and logs the same reward and
+  loss as one device; under tp1d, pp2 and ZeRO-3 a step by hand (``num_iterations=2``) samples the same
+  completions and gets the same old log-probs and loss.
 - The command line, ``--beta 0.04 --lora`` (and dr_grpo with ``--scale-rewards none``): ``kl`` is 0 at step 1
   (the adapters start at zero) and above 0 after; a reward function of the wrong length stops it (exit 2).
 - Resume (GSPO with ``num_iterations=2``): 4 steps, and steps 3-4 resumed from its ``checkpoint-2``, end with
@@ -124,19 +125,48 @@ def test_completions_log_and_metrics(ours):
     assert rows[0]["completions/max_length"] <= LENGTH and rows[1]["num_tokens"] > rows[0]["num_tokens"]
 
 
-def one_step_dp2(folder: str, out: str):
+ROLLOUT_PLANS = ("tp1d", "pp2", "dp=2,zero=3")
+
+
+def rollout_step(folder: str, plan=None):
+    """One GRPO step by hand under ``plan`` (num_iterations 2: the old log-probs come from a forward of their
+    own): (completion ids, old log-probs, the step's loss)."""
+    import datasets
+
+    import cuboid
+    from cuboid.data.formats import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    model = cuboid.load(folder, plan, seed=0)
+    task = grpo(num_iterations=2)
+    rows = task.rows(datasets.Dataset.from_dict({"prompt": PROMPTS[:2]}), tokenizer=tokenizer)
+    task.with_model(model, [rows, None])
+    batch = task.before_step({"index": rows["index"]}, 1, tokenizer=tokenizer, seed=0)
+    result = cuboid.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, task=task)
+    return task.rollout["completion_ids"], batch["old_logps"], result.loss
+
+
+def two_ranks(folder: str, out: str):
+    """The 2-rank world's jobs: one dp=2 fine-tune step, then a step by hand under the other plans."""
     rows = finetune(Path(folder), Path(out), steps=1, plan="dp")
-    return rows[0], lines(Path(out)) if Path(out, "completions.jsonl").exists() else None
+    logged = lines(Path(out)) if Path(out, "completions.jsonl").exists() else None  # (rank 0 writes it)
+    return rows[0], logged, [rollout_step(folder, plan) for plan in ROLLOUT_PLANS]
 
 
-def test_dp2_step1_equals_one_device(qwen2, ours, tmp_path):
+def test_two_ranks_sample_and_step_as_one_device(qwen2, ours, tmp_path):
+    """dp=2 step 1 samples the same completions and logs the same reward and loss as one device; under tp1d,
+    pp2 and ZeRO-3 the rollouts, old log-probs and loss of a step by hand are one device's."""
     out, rows = ours
-    results = run_world(one_step_dp2, 2, str(qwen2), str(tmp_path / "dp2"), timeout=300)
-    row, logged = results[0]
+    row, logged, by_plan = run_world(two_ranks, 2, str(qwen2), str(tmp_path / "dp2"), timeout=600)[0]
     want = [g for g in lines(out) if g["step"] == 1]
     assert [g["completion_ids"] for g in logged] == [g["completion_ids"] for g in want]
     assert row["reward"] == pytest.approx(rows[0]["reward"], rel=1e-9)
     assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5, abs=1e-7)
+    ids, old, loss = rollout_step(str(qwen2))
+    for plan, (got_ids, got_old, got_loss) in zip(ROLLOUT_PLANS, by_plan):
+        assert got_ids == ids, plan
+        torch.testing.assert_close(got_old, old, rtol=1e-5, atol=1e-5, msg=plan)
+        assert got_loss == pytest.approx(loss, rel=1e-5, abs=1e-7), plan
 
 
 REWARDS = """
