@@ -211,9 +211,10 @@ class NF4Weight:
         """The fp32 block scales (double quantization undone)."""
         if not self.double_quant:
             return self.absmax.float()
-        blocks = self.absmax.numel()
-        second = _per_element(self.nested_absmax, blocks, self.nested_blocksize)
-        return self.nested_quant_map[self.absmax.to(torch.int64)] * second + self.offset
+        blocks, group = self.absmax.numel(), self.nested_blocksize
+        first = self.nested_quant_map.index_select(0, self.absmax.to(torch.int32))
+        padded = torch.nn.functional.pad(first, (0, -blocks % group)).view(-1, group)  # rows of one group
+        return (padded * self.nested_absmax[:, None]).view(-1)[:blocks] + self.offset
 
     def to(self, device) -> "NF4Weight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -272,8 +273,19 @@ def quantize_nf4(w: Tensor, *, blocksize: int = BLOCKSIZE, double_quant: bool = 
 
 
 def dequantize_nf4_ref(qw: NF4Weight, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """Plain-torch dequantize: ``NF4_CODE[code] * scale`` in fp32, cast to ``dtype`` (default: the weight's)."""
-    n = qw.numel
-    values = qw.quant_map.float()[unpack(qw.weight, n)]
-    out = values * _per_element(qw.scales().float(), n, qw.blocksize)
+    """Plain-torch dequantize: ``NF4_CODE[code] * scale`` in fp32, cast to ``dtype`` (default: the weight's).
+
+    Each byte is looked up whole in a 256 x 2 table of its two codes' values (one gather of n / 2 indices), and
+    whole blocks are scaled as rows of ``blocksize``."""
+    n, bs = qw.numel, qw.blocksize
+    code = qw.quant_map.float()
+    byte = torch.arange(256, device=code.device)
+    pairs = torch.stack([code[byte >> 4], code[byte & 0xF]], dim=1)  # (256, 2): a byte's high then low value
+    values = pairs.index_select(0, qw.weight.reshape(-1).to(torch.int32)).view(-1)[:n]
+    scales = qw.scales().float()
+    full = n - n % bs
+    out = torch.empty(n, dtype=torch.float32, device=values.device)
+    torch.mul(values[:full].view(-1, bs), scales[:full // bs, None], out=out[:full].view(-1, bs))
+    if full < n:
+        torch.mul(values[full:], scales[-1], out=out[full:])
     return out.view(qw.shape).to(dtype or qw.dtype)
