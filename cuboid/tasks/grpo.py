@@ -272,6 +272,9 @@ class GRPO(Task):
         return (batch["labels"][:, 1:] != -100).float()
 
     def count(self, batch: dict, model=None) -> int:
+        if "labels" not in batch:  # prompt rows (an eval split): nothing to score without sampling
+            raise TaskError("task grpo trains on sampled rollouts; a split of prompts has no loss to evaluate "
+                            "(score a model's completions with cuboid generate and the reward function)")
         n = count_of(self.completion_mask(batch), self.options)
         return max(n, 1) if self.empty_step else n
 
