@@ -1,7 +1,7 @@
 """GRPO and its family (DAPO, Dr. GRPO, BNPO, CISPO, GSPO): online RL with verifiable rewards (TRL's ``GRPOTrainer``).
 
 A step samples ``num_generations`` (G) completions per prompt with the
-policy (:mod:`cuboid.train.rollout`), scores them with the reward functions,
+policy (:mod:`.rollout`; a task may not import the loop), scores them with the reward functions
 and turns the rewards into advantages against each prompt's group
 (:func:`advantages`). The loss is then a task loss on fixed rollouts: one
 row per completion, its prompt and completion tokens right-padded, the
