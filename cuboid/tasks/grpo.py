@@ -262,6 +262,7 @@ class GRPO(Task):
         self.prompt_ids: list = []
         self.chat_template = o.chat_template
         self.model = None         # the policy to sample with (with_model)
+        self.logged = False       # completions.jsonl written by this run yet
         self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
 
     # ------------------------------------------------------------ the step on fixed rollouts
@@ -421,7 +422,13 @@ class GRPO(Task):
         from pathlib import Path
 
         r, G = self.rollout, self.options.num_generations
-        with open(Path(output_dir) / "completions.jsonl", "a") as f:
+        path = Path(output_dir) / "completions.jsonl"
+        if not self.logged and path.exists():  # this run's first write: keep the earlier steps a resume keeps
+            kept = [line for line in path.read_text().splitlines() if line.strip()
+                    and json.loads(line)["step"] < r["step"]]
+            path.write_text("".join(line + "\n" for line in kept))
+        self.logged = True
+        with open(path, "a") as f:
             for j, text in enumerate(r["texts"]):
                 line = {"step": r["step"], "prompt": r["prompts"][j // G], "completion": text,
                         "completion_ids": r["completion_ids"][j], "reward": _finite(r["rewards"][j]),
