@@ -274,13 +274,14 @@ def format_report(report: dict, output: Path) -> str:
             + ")")
     rows = [(name, n(s["examples"]), n(s["dropped"]), n(s["truncated"]), n(s["rows"]), n(s["tokens"]),
              n(s["trained_tokens"]), f"{100 * s['trained_tokens'] / max(s['tokens'], 1):.1f}%",
-             f"{100 * s['padding_fraction']:.1f}%") for name, s in report["splits"].items()]
+             f"{100 * s['padding_fraction']:.1f}%", n(s.get("no_answer"))) for name, s in report["splits"].items()]
     text = table(rows, ("split", "examples", "dropped", "truncated", "rows", "tokens", "trained", "trained %",
-                        "padding"))
+                        "padding", "no answer"))
     how = ("of the packed rows" if report["packing"] else
            f"of the rows as finetune batches them (train: {report['batch_size']} a batch, each cut to its "
            f"longest row rounded up to {WIDTH_MULTIPLE}; validation: padded to its longest row)")
-    return f"{head}\n\n{text}\n\ndropped: nothing left to train after truncation; padding: {how}"
+    return (f"{head}\n\n{text}\n\ndropped: nothing left to train after truncation; no answer: nothing to train "
+            f"before it (no assistant turn, an empty completion), dropped too; padding: {how}")
 
 
 def show_rows(rows, tokenizer, count: int, colour: bool = False) -> str:

@@ -64,19 +64,21 @@ class SFTOptions:
 
 @dataclass
 class SFTStats:
-    """Counts over tokenized records: ``examples`` read, ``dropped`` (nothing to learn), ``truncated``
-    (kept rows cut to max_length), and the kept rows' ``tokens`` and ``trained_tokens`` (labels that are
-    loss targets: not -100 and not a row's first)."""
+    """Counts over tokenized records: ``examples`` read, ``dropped`` (nothing left to learn after truncation),
+    ``no_answer`` (nothing to learn before it: no assistant turn, an empty completion; dropped too, counted
+    apart), ``truncated`` (kept rows cut to max_length), and the kept rows' ``tokens`` and ``trained_tokens``
+    (labels that are loss targets: not -100 and not a row's first)."""
 
     examples: int = 0
     tokens: int = 0
     trained_tokens: int = 0
     dropped: int = 0
     truncated: int = 0
+    no_answer: int = 0
 
     @property
     def kept(self) -> int:
-        return self.examples - self.dropped
+        return self.examples - self.dropped - self.no_answer
 
     def merge(self, other: "SFTStats") -> "SFTStats":
         """Adds ``other``'s counts to these (in place) and returns self."""
@@ -310,10 +312,11 @@ def tokenize_dataset(ds, tokenizer, opts: SFTOptions) -> tuple[Any, SFTStats]:
     opts = resolve_options(opts, tokenizer, fmt, _is_conversational(ds, fmt, opts))
 
     def encode(batch: dict) -> dict:
-        out = {"input_ids": [], "labels": [], "truncated": [], "dropped": [], "n_trained": []}
+        out = {"input_ids": [], "labels": [], "truncated": [], "dropped": [], "n_trained": [], "no_answer": []}
         for ids, mask in _encode_batch(batch, tokenizer, opts, fmt):
             row = _finish(ids, mask, opts)
             out["dropped"].append(row is None)
+            out["no_answer"].append(row is None and not opts.train_on_prompt and not any(mask[1:]))
             row = row or {"input_ids": [], "labels": [], "truncated": False}
             for k in ("input_ids", "labels", "truncated"):
                 out[k].append(row[k])
@@ -322,14 +325,15 @@ def tokenize_dataset(ds, tokenizer, opts: SFTOptions) -> tuple[Any, SFTStats]:
 
     ints = datasets.Sequence(datasets.Value("int64"))
     features = datasets.Features({"input_ids": ints, "labels": ints, "truncated": datasets.Value("bool"),
-                                  "dropped": datasets.Value("bool"), "n_trained": datasets.Value("int64")})
+                                  "dropped": datasets.Value("bool"), "n_trained": datasets.Value("int64"),
+                                  "no_answer": datasets.Value("bool")})
     mapped = ds.map(encode, batched=True, batch_size=256, remove_columns=ds.column_names, features=features,
                     desc=f"tokenizing ({fmt})")
     stats = _stats(mapped)
-    if stats.dropped:
+    if stats.dropped or stats.no_answer:
         mapped = mapped.filter(lambda d: [not x for x in d], input_columns=["dropped"], batched=True,
                                desc="dropping rows with nothing to learn")
-    return mapped.remove_columns(["truncated", "dropped", "n_trained"]), stats
+    return mapped.remove_columns(["truncated", "dropped", "n_trained", "no_answer"]), stats
 
 
 def _stats(mapped) -> SFTStats:
@@ -338,8 +342,9 @@ def _stats(mapped) -> SFTStats:
 
     stats = SFTStats(examples=len(mapped))
     for t in mapped.with_format("arrow").iter(batch_size=10_000):
-        dropped = t.column("dropped")
-        stats.dropped += int(pc.sum(dropped).as_py() or 0)
+        dropped, no_answer = t.column("dropped"), t.column("no_answer")
+        stats.no_answer += int(pc.sum(no_answer).as_py() or 0)
+        stats.dropped += int(pc.sum(pc.and_(dropped, pc.invert(no_answer))).as_py() or 0)
         stats.truncated += int(pc.sum(pc.and_(t.column("truncated"), pc.invert(dropped))).as_py() or 0)
         stats.tokens += int(pc.sum(pc.list_value_length(t.column("input_ids"))).as_py() or 0)
         stats.trained_tokens += int(pc.sum(t.column("n_trained")).as_py() or 0)
@@ -424,7 +429,8 @@ def sft_tensors(ds, tokenizer, opts: SFTOptions, *, packing: bool, stats: Option
     if stats is not None:
         stats.merge(counts)
     if len(tokens) == 0:
-        raise DataError(f"no example has anything to learn ({counts.dropped} of {counts.examples} dropped): "
+        raise DataError(f"no example has anything to learn (of {counts.examples}, {counts.no_answer} without an "
+                        f"answer, {counts.dropped} dropped after truncation): "
                         "check the data format and --max-length")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     return prepared_tensors(tokens, packing=packing, row_length=opts.max_length, pad_id=pad_id)

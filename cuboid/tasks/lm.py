@@ -126,10 +126,11 @@ class SFT(_LanguageModelling):
         opts = self.sft_options(max_length, text_column)
         rows, stats = S.tokenize_dataset(ds, tokenizer, opts)
         if len(rows) == 0:
-            raise formats.DataError(f"no example has anything to learn ({stats.dropped} of {stats.examples} "
-                                    "dropped): check the data format and --max-length")
+            raise formats.DataError(f"no example has anything to learn (of {stats.examples}, {stats.no_answer} "
+                                    f"without an answer, {stats.dropped} dropped after truncation): check the "
+                                    "data format and --max-length")
         counts = {"format": S.detect_format(ds.column_names, opts, ds.features), "examples": stats.examples,
-                  "dropped": stats.dropped, "truncated": stats.truncated}
+                  "dropped": stats.dropped, "no_answer": stats.no_answer, "truncated": stats.truncated}
         if packing:  # as finetune packs them (cuboid.data.sft.prepared_tensors)
             from cuboid.data.packing import pack_dataset
 

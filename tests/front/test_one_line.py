@@ -145,3 +145,22 @@ def test_a_tokenizer_without_vocabulary_and_a_template_path_with_braces(tmp_path
     assert template_of(None, "{{ messages }}") == "{{ messages }}"  # text, not a path
     with pytest.raises(DataError, match="no such file"):
         template_of(None, str(tmp_path / "missing.jinja"))
+
+
+def test_rows_without_an_answer_are_counted_apart_from_truncation(tmp_path):
+    """"dropped after truncation" also counted the rows that had nothing to learn before it."""
+    import datasets
+
+    from cuboid.data.sft import SFTOptions, tokenize_dataset
+
+    from . import chat_fixtures as CF
+
+    tok = CF.chat_tokenizer(tmp_path / "tok", "qwen2")
+    rows = CF.messages_rows(6, seed=1)
+    rows += [{"messages": [{"role": "user", "content": "only a question"}]}] * 2  # no assistant turn
+    rows += [{"messages": [{"role": "user", "content": "alpha " * 60}, {"role": "assistant", "content": "b"}]}]
+    out, stats = tokenize_dataset(datasets.Dataset.from_list(rows), tok, SFTOptions(max_length=48))
+    answered = [r for r in rows if len(r["messages"]) > 1]
+    _, alone = tokenize_dataset(datasets.Dataset.from_list(answered), tok, SFTOptions(max_length=48))
+    assert (stats.no_answer, alone.no_answer, stats.examples) == (2, 0, 9)
+    assert stats.dropped == alone.dropped >= 1 and stats.kept == len(out) == 7 - alone.dropped
