@@ -328,11 +328,12 @@ def _packed_documents(ids: list, eos: Optional[int], pad_id: Optional[int], seq_
     return pack(docs, seq_len, pad_id=pad_id if pad_id is not None else 0)
 
 
-def model_inputs(batch: dict) -> dict:
+def model_inputs(batch: dict, routed: bool = False) -> dict:
     """What the model is given of a batch: a packed batch (one with ``position_ids``) without its
     ``attention_mask``: its padding is a document of its own, which the positions already keep apart,
-    and a key mask beside document ids only adds work (rows of padding that see no key)."""
-    if "position_ids" in batch and "attention_mask" in batch:
+    and a key mask beside document ids only adds work (rows of padding that see no key). ``routed``: the
+    model routes tokens to experts, and keeps the mask: its load-balancing loss leaves the padding out."""
+    if "position_ids" in batch and "attention_mask" in batch and not routed:
         return {k: v for k, v in batch.items() if k != "attention_mask"}
     return batch
 

@@ -207,7 +207,7 @@ def load_data_and_model(r: Run) -> None:
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = tasks.prepare(train_ds, r.task, **prep)
-    r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep))
+    r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
     per = r.task.rows_per_example  # GRPO: completions a prompt; the batch size counts rows
     if cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} counts rows: it must be a multiple of the {per} the task "
@@ -234,7 +234,7 @@ def load_stream_and_model(r: Run) -> None:
         data_options(cfg, r.model.config, r.tokenizer), cfg.data, r.task, rank=r.mesh.coords["dp"], world=dp,
         rows=max(cfg.batch_size // dp, 1), shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
         width_multiple=width_multiple(r.plan))
-    r.eval_data = model_inputs(eval_tensors)
+    r.eval_data = model_inputs(eval_tensors, routes(r.model))
 
 
 def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Optional[int], device, plan: Plan,
@@ -366,6 +366,13 @@ def resume(r: Run) -> None:
         r.metrics_path.write_text("".join(line + "\n" for line in kept))
 
 
+def routes(model) -> bool:
+    """Whether ``model`` routes tokens to experts (its packed batches keep their padding mask)."""
+    from cuboid.parallel import unwrap
+
+    return bool(getattr(unwrap(model).config, "sparse_layers", None))
+
+
 def run_of(r: Run, restart: int) -> str:
     """This run's id: the resumed checkpoint's, or a new one when the resume is a rewind (the run has newer
     checkpoints in the output folder: they stay the abandoned branch's, so ``--keep``, ``--resume latest``
@@ -470,7 +477,7 @@ def train_one_step(r: Run, step: int):
     counted = real_tokens(batch) if r.unit == "tokens" else r.cfg.batch_size
     if r.streaming:  # the batch is this dp rank's share: the step's tokens are summed over dp
         counted = int(all_reduce_sum([counted], r.mesh, r.device)[0])
-    result = train_step(r.model, r.optimizer, model_inputs(batch), microbatches=r.accumulate,
+    result = train_step(r.model, r.optimizer, model_inputs(batch, routes(r.model)), microbatches=r.accumulate,
                         max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh,
                         share=r.streaming, task=r.task)
     r.scheduler.step()

@@ -138,3 +138,23 @@ def test_finetune_on_a_prepared_folder_refuses_flags_it_cannot_apply(qwen, chat_
         assert len(err) == 1 and want in err[0] and "run cuboid prepare again" in err[0], err
     assert main([*base, "--seq-len", "32"]) == 2
     assert "(made with --max-length 64, prepare_report.json)" in capsys.readouterr().err
+
+
+def test_packed_rows_of_a_mixture_of_experts_keep_padding_out_of_the_balance_loss():
+    """The trainer gave packed rows without their attention_mask, so the load-balancing loss counted the
+    padding slots (a document of their own to the attention, tokens to the router)."""
+    import cuboid
+    from cuboid.data.formats import model_inputs
+    from cuboid.data.packing import pack
+    from cuboid.train.loop import routes
+
+    model = cuboid.load("qwen3-moe-debug", seed=0).eval()
+    docs = [list(range(5, 5 + n)) for n in (5, 4, 3)]
+    rows = pack(docs, 16, labels=docs, pad_id=0)  # 12 tokens and 4 slots of padding
+    assert int(rows["attention_mask"].sum()) == 12 and routes(model)
+    with torch.no_grad():
+        got = model(**model_inputs(rows, routes(model))).aux_loss
+        want = model(**{k: v[:, :12] for k, v in rows.items() if k != "attention_mask"}).aux_loss
+        dense = model_inputs(rows)  # a model without experts: the positions keep the padding apart
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert "attention_mask" not in dense
