@@ -122,34 +122,41 @@ def gather_world(fn, world: int, *args, timeout: float = 180.0, hard_exit: bool 
     for p in procs:
         p.start()
     out = Gathered(parts=[[] for _ in range(world)], finished=[False] * world)
-    deadline = time.monotonic() + timeout
-    gone: dict = {}  # rank -> when it was first seen exited without its "done"
     try:
-        while not all(out.finished):
-            try:
-                rank, status, value = queue.get(timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
-            except queue_module.Empty:
-                if time.monotonic() >= deadline:
-                    raise
-                out.failed_rank, out.error = _exited(procs, out.finished, gone)
-                if out.error is not None:
-                    break
-                continue
-            if status == "error":
-                out.failed_rank, out.error = rank, value
-                break
-            if status == "part":
-                out.parts[rank].append(value)
-            else:
-                out.finished[rank] = True
-    except Exception as e:  # queue.Empty on timeout
-        out.error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
+        _receive(out, queue.get, procs, timeout)
     finally:
         for p in procs:
             p.join(timeout=10 if out.error is None else 1)
             if p.is_alive():
                 p.kill()
     return out
+
+
+def _receive(out: Gathered, get, procs, timeout: float) -> None:
+    """Fill ``out`` from ``get`` (a queue's, giving (rank, status, value)) until every rank is done, one sent an
+    error, one exited without a word (:func:`_exited`) or ``timeout`` s passed."""
+    deadline = time.monotonic() + timeout
+    gone: dict = {}  # rank -> when it was first seen exited without its "done"
+    try:
+        while not all(out.finished):
+            try:
+                rank, status, value = get(timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
+            except queue_module.Empty:
+                if time.monotonic() >= deadline:
+                    raise
+                out.failed_rank, out.error = _exited(procs, out.finished, gone)
+                if out.error is not None:
+                    return
+                continue
+            if status == "error":
+                out.failed_rank, out.error = rank, value
+                return
+            if status == "part":
+                out.parts[rank].append(value)
+            else:
+                out.finished[rank] = True
+    except Exception as e:  # queue.Empty on timeout
+        out.error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
 
 
 POLL_S = 2.0  # how often the parent looks for a rank that exited without a word
@@ -270,34 +277,18 @@ class _Warm:
         for q in self.jobs:
             q.put((self.number, port, fn, args))
         out = Gathered(parts=[[] for _ in range(self.world)], finished=[False] * self.world)
-        deadline = time.monotonic() + timeout
-        gone: dict = {}
-        try:
-            while not all(out.finished):
-                try:
-                    number, rank, status, value = self.results.get(
-                        timeout=min(POLL_S, max(0.1, deadline - time.monotonic())))
-                except queue_module.Empty:
-                    if time.monotonic() >= deadline:
-                        raise
-                    out.failed_rank, out.error = _exited(self.procs, out.finished, gone)
-                    if out.error is not None:
-                        break
-                    continue
-                if number != self.number:  # a message of an earlier job cannot come: a failed job stops the world
-                    continue
-                if status == "error":
-                    out.failed_rank, out.error = rank, value
-                    break
-                if status == "part":
-                    out.parts[rank].append(value)
-                else:
-                    out.finished[rank] = True
-        except Exception as e:  # queue.Empty on timeout
-            out.error = f"timed out after {timeout:.0f} s waiting for ranks ({type(e).__name__})"
+        _receive(out, self._get, self.procs, timeout)
         if out.error is not None:
             self.stop()
         return out
+
+    def _get(self, timeout: float) -> tuple:
+        """The next (rank, status, value) of the current job (a failed job stops the world, so no message of an
+        earlier one can come; one would be dropped)."""
+        while True:
+            number, rank, status, value = self.results.get(timeout=timeout)
+            if number == self.number:
+                return rank, status, value
 
     def stop(self) -> None:
         """Kill the ranks (a failed job's peers may wait in a collective) and forget this world."""
