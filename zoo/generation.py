@@ -123,8 +123,10 @@ def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
         drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
-    if isinstance(generator, list):  # one generator a row: a row's draws do not depend on the others
-        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generator)])
+    if isinstance(generator, list):  # one (CPU) generator a row: a row's draws do not depend on the others
+        rows = probs.cpu()
+        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(rows, generator)]).to(
+            probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
