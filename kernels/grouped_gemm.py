@@ -414,6 +414,8 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] =
             reads it on the device only (no host sync), so the call traces under torch.compile.
         backend: ``"triton"``, ``"torch"`` or None (automatic, see :func:`cuboid.kernels.resolve_backend`).
 
+    Under autocast (``--dtype bf16``) x and w are cast to its dtype first, as ``F.linear`` is.
+
     Returns (M, N) in x's dtype (fp32 accumulation), differentiable w.r.t. x and w: ``dx = dy_g @ w[g]``,
     ``dw[g] = dy_g^T x_g`` (zero for an empty group).
     """
@@ -421,5 +423,19 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor, *, backend: Optional[str] =
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
     chosen = resolve_backend(_OP, [x, w, counts], backend)
+    x, w = _autocast(x, w)
     _check(x, w, counts, triton_path=chosen == "triton")
     return _grouped_mm(x, w, counts, chosen == "triton")
+
+
+def _autocast(x: Tensor, w: Tensor) -> tuple:
+    """``x`` and ``w`` in the autocast dtype of their device when autocast is on there (``F.linear``'s rule: a
+    custom op is not cast by autocast itself, so under ``--dtype bf16`` the experts ran on fp32 operands)."""
+    dev = x.device.type
+    try:
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    except (RuntimeError, ValueError, TypeError):  # a device autocast does not know (meta)
+        dtype = None
+    if dtype is None:
+        return x, w
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (x, w))
