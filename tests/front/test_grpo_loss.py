@@ -231,3 +231,23 @@ def test_rollout_batch_layout_and_masked_truncation():
     task.empty_step = True
     empty = dict(b, labels=torch.full_like(b["labels"], -100))
     assert task.count(empty) == 1
+
+
+def test_per_row_seeds_make_a_row_independent_of_its_batch():
+    """generate(seed=[...]): a row's completion depends on its own seed, not on the rows beside it (so dp ranks
+    sampling their shares draw what one device draws), and a rollout's seed is fixed by (seed, step, row)."""
+    import cuboid
+    from cuboid.tasks.rollout import row_seed
+
+    model = cuboid.load("llama-debug", seed=0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 200, (3, 5), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded prompt
+    seeds = [row_seed(0, 1, j) for j in range(3)]
+    whole = model.generate(ids, mask, max_new_tokens=6, do_sample=True, seed=seeds)
+    alone = model.generate(ids[1:], mask[1:], max_new_tokens=6, do_sample=True, seed=seeds[1:])
+    assert torch.equal(whole[1:], alone)
+    other = model.generate(ids, mask, max_new_tokens=6, do_sample=True, seed=[row_seed(0, 2, j) for j in range(3)])
+    assert not torch.equal(other[:, 5:], whole[:, 5:])
+    assert row_seed(0, 1, 2) == seeds[2] != row_seed(1, 1, 2)
