@@ -164,3 +164,13 @@ def test_rows_without_an_answer_are_counted_apart_from_truncation(tmp_path):
     _, alone = tokenize_dataset(datasets.Dataset.from_list(answered), tok, SFTOptions(max_length=48))
     assert (stats.no_answer, alone.no_answer, stats.examples) == (2, 0, 9)
     assert stats.dropped == alone.dropped >= 1 and stats.kept == len(out) == 7 - alone.dropped
+
+
+def test_plans_past_the_enumeration_bound_say_so_at_once(capsys):
+    """``cuboid plans --gpus 4096`` did not finish in 120 s: the world is bounded at the door."""
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["plans", "--model", "gpt2", "--gpus", "4096"]) == 2
+    assert one_line(capsys).startswith("cuboid plans: error: --gpus 4096: must be in [1, 1024]")
+    assert time.perf_counter() - t0 < 10
