@@ -6,8 +6,9 @@ data_files=..., streaming=True)``), nothing tokenized ahead. Each data-parallel
 rank reads its own rows (``datasets.distributed.split_dataset_by_node`` by its
 dp coordinate: whole files when their number is a multiple of dp, else every
 dp-th row; every dp-th row too when the stream's first rows are held out for
-eval, so that the held-out rows are the same whatever the files), so the tensor, pipeline and sequence ranks of one dp group read
-the same rows and every dp rank different ones. A step takes ``rows`` examples
+eval, so that no rank trains on them whatever the files), so the tensor,
+pipeline and sequence ranks of one dp group read the same rows and every dp
+rank different ones. A step takes ``rows`` examples
 (or packed rows) from each dp rank's stream: the rank's share of the global
 batch, given to :func:`cuboid.train.step.train_step` with ``share=True``.
 
