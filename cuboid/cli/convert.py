@@ -123,6 +123,28 @@ def _is_4bit(folder) -> bool:
     return folder_is_4bit(folder)
 
 
+def merge_qlora(adapters, out, *, base, dtype=None):
+    """A QLoRA run's adapters folded into its base dequantized from NF4 (as peft's ``merge_and_unload`` on a
+    bitsandbytes base): ``W = dequantize(W4) + s B A`` in fp32, written to ``out`` as a Hugging Face folder in
+    ``dtype`` (default bf16). ``base``: the bf16 folder the run quantized, or a 4-bit folder. One process."""
+    import torch
+
+    from cuboid.loading.model import load
+    from cuboid.parallel.lora import merge_adapters
+    from cuboid.parallel.quant import quantized_layers
+    from cuboid.zoo import to_hf
+
+    model = load(base, quantize="nf4", lora=adapters, dtype=torch.float32)
+    merge_adapters(model)
+    if quantized_layers(model):
+        raise ValueError(f"{adapters}: the adapters cover only some of the 4-bit linears; a merged folder needs "
+                         f"them all dequantized")
+    model.to(torch.bfloat16 if dtype is None else dtype)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return to_hf(model, out)
+
+
 def _merge_into(args: argparse.Namespace, dst) -> str:
     import os
     import tempfile
@@ -135,7 +157,6 @@ def _merge_into(args: argparse.Namespace, dst) -> str:
     merge = merge_to_hf
     quantize = getattr(args, "quantize", None)
     if quantize is not None or (base and os.path.isdir(base) and _is_4bit(base)):
-        from cuboid.loading.quantize import merge_qlora
         from cuboid.parallel.quant import check_quantize
 
         check_quantize(quantize or "nf4")

@@ -22,14 +22,10 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from cuboid.data.errors import DataError
+
 __all__ = ["DataError", "template_of", "require_template", "has_generation_markers", "encode_conversation",
            "render_prompt", "prompt_ids", "stop_token_ids", "NO_TEMPLATE"]
-
-
-class DataError(ValueError):
-    """Bad data or a bad column: one line that says what is wrong. Defined in this, the lowest of the data
-    modules, so that :mod:`cuboid.data.formats`, :mod:`cuboid.data.sft` and this one raise the same class;
-    :mod:`cuboid.data.formats` is its public home."""
 
 
 _MARKER = re.compile(r"{%-?\s*generation\s*-?%}")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from cuboid.data.chat import DataError
+from cuboid.data.errors import DataError
 
 TEXT_KINDS = ("json", "csv", "text")  # the kinds read as text (parquet is binary)
 

@@ -121,22 +121,3 @@ def quantize_model(model: nn.Module) -> nn.Module:
         mods[p].set_full(full.to(mods[p].nf4_dtype))
         del full
     return model
-
-
-def merge_qlora(adapters, out, *, base, dtype=torch.bfloat16) -> Path:
-    """A QLoRA run's adapters folded into its base dequantized from NF4 (as peft's ``merge_and_unload`` on a
-    bitsandbytes base): ``W = dequantize(W4) + s B A`` in fp32, written to ``out`` as a Hugging Face folder in
-    ``dtype`` (default bf16). ``base``: the bf16 folder the run quantized, or a 4-bit folder. One process."""
-    from cuboid.loading.model import load
-    from cuboid.parallel.lora import merge_adapters
-    from cuboid.zoo import to_hf
-
-    model = load(base, quantize="nf4", lora=adapters, dtype=torch.float32)
-    merge_adapters(model)
-    if quantized_layers(model):
-        raise ValueError(f"{adapters}: the adapters cover only some of the 4-bit linears; a merged folder needs "
-                         f"them all dequantized")
-    model.to(dtype)
-    for p in model.parameters():
-        p.requires_grad_(True)
-    return to_hf(model, out)
