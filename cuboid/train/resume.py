@@ -195,6 +195,8 @@ def check_resume_into(checkpoint: Path, out: Path) -> None:
     if found is None or not checkpoint.is_dir():
         return
     mine, theirs = run_id_of(checkpoint), folder_run_id(out)
+    if theirs is None and checkpoint.resolve().parent == out.resolve():
+        return  # the checkpoint's own folder, its run record not kept (a copied checkpoint): nothing else's
     if mine is None or mine != theirs:
         raise ValueError(f"--resume {checkpoint} continues run {mine or '(unrecorded)'}, but --output-dir {out} "
                          f"holds {found} of run {theirs or '(unrecorded)'}: resume into the checkpoint's own "
