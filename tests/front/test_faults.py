@@ -270,7 +270,7 @@ def test_resume_verifies_checksums_and_bad_launch_values(tmp_path, capsys):
         model.write_bytes(bytes(raw))
         with pytest.raises(CheckpointError, match=r"model\.safetensors.*SHA-256"):
             cuboid.finetune("vit-debug", str(data), resume="latest", **{**opts, "steps": 3})
-    for flag, value, message in (("--timeout-s", "0", "the process-group timeout must be positive"),
-                                 ("--max-restarts", "-1", "give 0 or more restarts")):
+    for flag, value, message in (("--timeout-s", "0", "--timeout-s 0.0: must be in (0.0, "),
+                                 ("--max-restarts", "-1", "--max-restarts -1: must be in [0, ")):
         assert main(["finetune", "--data", str(data), flag, value, "--no-progress"]) == 2
         assert message in capsys.readouterr().err
