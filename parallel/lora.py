@@ -149,8 +149,9 @@ class LoraConfig:
         raise TypeError(f"lora must be a dict, a 'r=16,alpha=32' string or a LoraConfig, got {type(value).__name__}")
 
 
-def _kind(base: nn.Module) -> str:
-    """Which adapter layout a base layer takes (see the module docstring)."""
+def linear_kind(base: nn.Module) -> str:
+    """Which layout a cuboid linear has (plain, kv, column, row, grid; the adapters' layout, see the module
+    docstring); NotImplementedError for 3D, TypeError for a layer that is not a cuboid linear."""
     from cuboid.parallel.tensor import d1, d3
     from cuboid.parallel.tensor.d2 import Linear2D
 
@@ -311,7 +312,7 @@ def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> 
             continue
         if hasattr(base, "lora_A"):
             raise ValueError(f"{path} already carries LoRA adapters")
-        kind = _kind(base)
+        kind = linear_kind(base)
         A, B = _layers(base, kind, config.r)
         device = base.weight.device
         if device.type != "meta":

@@ -53,16 +53,16 @@ def check_quantize(quantize: Optional[str]) -> Optional[str]:
 
 
 def _kind(layer: nn.Module) -> str:
-    from cuboid.parallel.tensor import d1
+    """The layout of a linear the NF4 base replaces (:func:`cuboid.parallel.lora.linear_kind`): one device's or
+    1D tensor parallelism's; the 2D/2.5D/3D grids are refused."""
+    from cuboid.parallel.lora import linear_kind
 
-    if isinstance(layer, d1.ReplicatedKVLinear):
-        return "kv"
-    if isinstance(layer, d1.ColumnLinear):
-        return "column"
-    if isinstance(layer, d1.RowLinear):
-        return "row"
-    if type(layer) is L.Linear:
-        return "plain"
+    try:
+        kind = linear_kind(layer)
+    except NotImplementedError:
+        kind = "3d"
+    if kind in ("plain", "kv", "column", "row"):
+        return kind
     raise NotImplementedError(f"{type(layer).__name__}: a 4-bit NF4 base is built for one device and 1D tensor "
                               f"parallelism (with dp, ZeRO, pp and sp), not for the 2D/2.5D/3D grids")
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 from cuboid.data.errors import DataError
 
 __all__ = ["DataError", "template_of", "require_template", "has_generation_markers", "encode_conversation",
-           "render_prompt", "prompt_ids", "stop_token_ids", "NO_TEMPLATE"]
+           "render_prompt", "prompt_ids", "stop_token_ids", "NO_TEMPLATE", "common_prefix"]
 
 
 _MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -208,3 +208,13 @@ def stop_token_ids(tokenizer, chat_template: Optional[str] = None) -> list:
         if ids and ids[0] in special and ids[0] not in stops:
             stops.append(int(ids[0]))
     return stops
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (where an answer starts after its rendered prompt)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

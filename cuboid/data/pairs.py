@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cuboid.data.chat import DataError, require_template
+from cuboid.data.chat import DataError, common_prefix, require_template
 
 __all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_sequences", "pair_rows",
            "pair_dataset", "prepared_pairs", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
@@ -84,15 +84,6 @@ def extract_prompt(chosen, rejected) -> tuple:
             idx = i - 1 if chosen[i - 1] == " " else i  # (i = 0 reads the last item, as TRL's does)
             break
     return chosen[:idx], chosen[idx:], rejected[idx:]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _record(example: dict) -> tuple:
@@ -134,7 +125,7 @@ def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None)
         p = list(tokenizer(prompt)["input_ids"])
         pc = list(tokenizer(prompt + chosen)["input_ids"])
         pr = list(tokenizer(prompt + rejected)["input_ids"])
-    n = min(_common_prefix(p, pc), _common_prefix(p, pr))
+    n = min(common_prefix(p, pc), common_prefix(p, pr))
     return p[:n], pc[n:], pr[n:]
 
 

@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cuboid.data.chat import DataError
+from cuboid.data.chat import DataError, common_prefix
 
 __all__ = ["FORMATS", "TEMPLATES", "SFTOptions", "SFTStats", "detect_format", "format_columns",
            "tokenize_example", "tokenize_dataset", "resolve_options", "alpaca_prompt", "sft_tensors",
@@ -203,15 +203,6 @@ def _template(tokenizer, opts: SFTOptions) -> str:
     return require_template(tokenizer, opts.chat_template)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _with_eos(text: str, tokenizer) -> str:
     eos = tokenizer.eos_token
     return text + eos if eos and not text.endswith(eos) else text
@@ -232,7 +223,7 @@ def _string_pairs(example: dict, fmt: str, opts: SFTOptions) -> Optional[tuple]:
 
 
 def _mask_after(prompt_ids: Sequence[int], ids: Sequence[int]) -> list:
-    n = _common_prefix(prompt_ids, ids)
+    n = common_prefix(prompt_ids, ids)
     return [0] * n + [1] * (len(ids) - n)
 
 
