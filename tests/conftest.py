@@ -307,9 +307,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.fixture(autouse=True, scope="module")
 def _warm_worlds_leave_with_their_module():
-    """The warm gloo worlds of tests/parallel/launch.py are kept through a test file and leave at its end: an idle
-    world's ranks were seen taking 6% of a core each, so worlds kept through the rest of the suite (the front
-    door's and the kernels' tests) would slow it."""
+    """The warm gloo worlds of tests/parallel/launch.py are kept through a test file and leave at its end: idle
+    ranks still take some CPU, and worlds kept through the rest of the suite would slow it."""
     yield
     for name, module in list(sys.modules.items()):
         if name.endswith("parallel.launch") and hasattr(module, "_Warm"):

@@ -16,7 +16,7 @@ soon as it is yielded, and the outcome is returned, not raised.
 
 **Warm worlds: one process group per world size.** Starting a world costs
 more than most tests run in it (n interpreters importing torch, Triton and
-cuboid: 4-12 s of 2 cores per world), so the ranks of a world are started
+cuboid), so the ranks of a world are started
 once per size and kept (:class:`_Warm`), and each call is a job sent to
 them. The first job that starts a process group (as a user's program does,
 from the torchrun environment the job gets) starts the world's; later jobs
@@ -29,7 +29,7 @@ so the next call starts a new world). A failed job, a timeout or a rank
 that exits takes the whole warm world down (its ranks may be stuck in a
 collective); the next call starts a new one. One world is kept at a time, and
 tests/conftest.py lets it leave at the end of each test file (idle ranks
-were seen taking 6% of a core each). ``fresh=True`` (and
+still take some CPU). ``fresh=True`` (and
 ``hard_exit``; ``CUBOID_TEST_FRESH_WORLDS=1`` for every call) spawns new
 processes for that call: for tests that measure a process's memory, kill
 ranks or leave by ``os._exit``.
@@ -264,8 +264,7 @@ class _Warm:
     @classmethod
     def of(cls, world: int) -> "_Warm":
         """The warm world of ``world`` ranks, started if none is kept or one of its ranks has exited. One world is
-        kept at a time: an idle world's ranks were seen taking 6% of a core each (about a quarter of a core for
-        four), so a world of another size lets its ranks leave first."""
+        kept at a time (idle ranks still take some CPU): a world of another size lets its ranks leave first."""
         for size in [s for s in cls._kept if s != world]:
             cls._kept[size].leave()
         kept = cls._kept.get(world)

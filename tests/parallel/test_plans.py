@@ -357,9 +357,8 @@ def _params_err(model, want) -> float:
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
 
 
-# every how many plan indices a run also checks reliability (MoE, others) per world size: each check costs
-# about 3 s of CI's 2 cores (a save, a load on one device on every rank, four evaluations), and the 8-rank
-# MoE enumeration alone holds 331 plans
+# every how many plan indices a run also checks reliability (MoE, others) per world size: a check is a save,
+# a load on one device on every rank and four evaluations, and the 8-rank MoE enumeration is the largest
 RELIABILITY_EVERY = {2: (1, 4), 4: (2, 4), 8: (12, 12)}
 
 
@@ -383,7 +382,7 @@ def reliability(model, name: str, index: int, mesh) -> dict:
     # a mixture of experts' load-balancing loss is a statistic of each batch's routing, so it changes with how
     # the rows are dealt: the check compares the language-model loss (the router still routes every row). A
     # pipeline's stream and sp's split fix their routing when they are built: there the eval must run on every
-    # rank and give a finite loss, and its value (1e-5 off with the aux loss) is kept apart, unchecked
+    # rank and give a finite loss, and its value (moved by the aux loss) is kept apart, unchecked
     config = unwrap(model).config
     routed = getattr(config, "output_router_logits", False)
     object.__setattr__(config, "output_router_logits", False)
