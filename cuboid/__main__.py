@@ -8,6 +8,7 @@ cuboid reaches them only as ``cuboid.kernels`` and so on, so the root moves
 behind site-packages before the command imports anything else.
 """
 import os
+import signal
 import sys
 
 _ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), os.pardir))  # site-packages when installed
@@ -17,4 +18,12 @@ if _CHECKOUT and any(os.path.realpath(p or os.curdir) == _ROOT for p in sys.path
 
 from cuboid.cli import main  # noqa: E402
 
-sys.exit(main())
+# once the command is done, a Ctrl-C has nothing left to stop: while the process exits (the process groups'
+# clean-up at exit) it would only print a traceback, so it is ignored from then on (main handles its own)
+code = 130
+try:
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+except KeyboardInterrupt:  # one that came as main returned: the command's exit code stands
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+sys.exit(code)

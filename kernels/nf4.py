@@ -272,6 +272,20 @@ def quantize_nf4(w: Tensor, *, blocksize: int = BLOCKSIZE, double_quant: bool = 
     return qw
 
 
+def nf4_nbytes(numel: int, *, blocksize: int = BLOCKSIZE, double_quant: bool = True,
+               nested_blocksize: int = NESTED_BLOCKSIZE) -> int:
+    """Bytes :func:`quantize_nf4` keeps for a weight of ``numel`` values (what :meth:`NF4Weight.nbytes` counts):
+    the packed codes (``ceil(n / 2)``), one scale per block (a uint8 code with double quantization, else fp32),
+    the 16-entry fp32 table and, with double quantization, an fp32 scale per ``nested_blocksize`` blocks, the
+    256-entry fp32 dynamic map and the fp32 offset. Per value: 0.5 + 1/64 + 4/(64 x 256), about 0.516 bytes
+    (0.5625 without double quantization)."""
+    blocks = -(-numel // blocksize)
+    fixed = (numel + 1) // 2 + 16 * 4
+    if not double_quant:
+        return fixed + blocks * 4
+    return fixed + blocks + -(-blocks // nested_blocksize) * 4 + 256 * 4 + 4
+
+
 def dequantize_nf4_ref(qw: NF4Weight, dtype: Optional[torch.dtype] = None) -> Tensor:
     """Plain-torch dequantize: ``NF4_CODE[code] * scale`` in fp32, cast to ``dtype`` (default: the weight's).
 

@@ -137,10 +137,12 @@ class LoraConfig:
                 if not eq:
                     raise ValueError(f"LoRA option {item!r} is not key=value (r=16,alpha=32,dropout=0.05,targets=attn+mlp)")
                 key = key.strip()
-                if key == "r":
-                    out[key] = int(val)
-                elif key in ("alpha", "dropout"):
-                    out[key] = float(val)
+                if key in ("r", "alpha", "dropout"):
+                    try:
+                        out[key] = int(val) if key == "r" else float(val)
+                    except ValueError:
+                        raise ValueError(f"LoRA option {item!r}: {key} takes "
+                                         f"{'a whole number' if key == 'r' else 'a number'}") from None
                 elif key == "targets":
                     out[key] = tuple(t for t in val.split("+") if t)
                 else:

@@ -14,7 +14,11 @@ device does (bitsandbytes' layout) and keeps this rank's part.
 codes and the scales of its blocks, undone to fp32 (the double quantization's
 groups of 256 scales and their mean span all ranks' blocks), so every rank's
 dequantized slice is bit-equal to the same slice of the one-device weight and
-a tp run takes one device's step. A slice must hold whole blocks of 64
+a tp run takes one device's step. Beside them it keeps, for writing one
+device's layout (:func:`gathered_nf4`, ``cuboid.zoo.to_hf`` under tp), its
+blocks' one-device scale codes (``weight_absmax_codes``) and the whole
+weight's second level (nested scales and offset: a few bytes per 16384
+values). A slice must hold whole blocks of 64
 values (column cuts: the input width a multiple of 64; row cuts: each rank's
 columns a multiple of 64); a cut that splits a block is refused in one
 sentence rather than quantized differently from one device. 1D tensor
@@ -27,21 +31,23 @@ backward re-dequantizes the weight for ``dx`` instead of saving a 16-bit copy.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from cuboid.kernels.nf4 import NF4Weight, nf4_code, pack, quantize_nf4
+from cuboid.kernels.nf4 import BLOCKSIZE, NESTED_BLOCKSIZE, NF4Weight, nf4_code, nf4_nbytes, pack, quantize_nf4, unpack
 from cuboid.kernels.nf4_linear import dequantize_nf4, nf4_linear
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 
 __all__ = ["NF4Layer", "quantize_linears", "quantized_layers", "QUANTIZE_CHOICES", "check_quantize",
-           "nf4_weight_of"]
+           "nf4_weight_of", "quantized_bytes", "held_nf4_bytes", "gathered_nf4", "gathered_nf4_meta", "BlockCutError",
+           "check_whole_blocks"]
 
 QUANTIZE_CHOICES = ("nf4",)
-_BUFFERS = ("nf4", "absmax", "quant_map", "nested_absmax", "nested_quant_map", "offset")
+_BUFFERS = ("nf4", "absmax", "quant_map", "nested_absmax", "nested_quant_map", "offset", "absmax_codes")
 
 
 def check_quantize(quantize: Optional[str]) -> Optional[str]:
@@ -88,7 +94,7 @@ class NF4Layer:
     def nf4_weight(self) -> NF4Weight:
         """The local weight as an :class:`NF4Weight` over this layer's buffers."""
         b = {k: getattr(self, f"weight_{k}") for k in _BUFFERS}
-        nested = b["nested_absmax"].numel() > 0
+        nested = b["absmax"].dtype == torch.uint8  # a tp slice keeps fp32 scales (and one device's codes apart)
         return NF4Weight(b["nf4"], b["absmax"], b["quant_map"], tuple(self.nf4_local_shape), self.nf4_dtype,
                          64, b["nested_absmax"] if nested else None, b["nested_quant_map"] if nested else None,
                          b["offset"].reshape(()) if nested else None)
@@ -110,7 +116,13 @@ class NF4Layer:
         if tuple(qw.shape) != shape:
             raise ValueError(f"expected a quantized weight of {shape}, got {tuple(qw.shape)}")
         if tuple(self.nf4_local_shape) != shape:  # a tensor-parallel slice: its codes and its blocks' fp32 scales
-            qw = _local_part(self, qw, qw.weight.device)
+            local, blocks = _local_part(self, qw, qw.weight.device)
+            self._set_buffers(local)
+            if qw.double_quant:  # one device's scale codes of its blocks and the whole second level: to_hf's
+                self.weight_absmax_codes = qw.absmax[blocks].contiguous()
+                self.weight_nested_absmax, self.weight_nested_quant_map = qw.nested_absmax, qw.nested_quant_map
+                self.weight_offset = qw.offset.reshape(1)
+            return
         self._set_buffers(qw)
 
     def load_full(self, name: str, full) -> None:
@@ -128,6 +140,7 @@ class NF4Layer:
     def _set_buffers(self, qw: NF4Weight) -> None:
         empty = qw.quant_map.new_empty((0,))
         self.weight_nf4, self.weight_absmax, self.weight_quant_map = qw.weight, qw.absmax, qw.quant_map
+        self.weight_absmax_codes = empty.to(torch.uint8)
         self.weight_nested_absmax = qw.nested_absmax if qw.double_quant else empty
         self.weight_nested_quant_map = qw.nested_quant_map if qw.double_quant else empty
         self.weight_offset = qw.offset.reshape(1) if qw.double_quant else empty
@@ -163,9 +176,44 @@ class NF4Layer:
         return y + self.bias if self.bias is not None else y
 
 
-def _local_part(layer: nn.Module, qw: NF4Weight, device) -> NF4Weight:
-    """This rank's part of the one-device quantized weight ``qw``: the codes of its slice and the fp32 scales of
-    its blocks (a cut through a block is refused)."""
+class BlockCutError(ValueError):
+    """A tensor-parallel slice of an NF4 layer that cuts through its blocks of 64 values."""
+
+
+def _cut_error(layer: nn.Module) -> BlockCutError:
+    return BlockCutError(f"{type(layer).__name__} {tuple(layer.full_shape('weight'))}: this rank's slice "
+                         f"{tuple(layer.nf4_local_shape)} cuts through NF4's blocks of 64 values; a 4-bit base under "
+                         f"tensor parallelism needs whole blocks per rank (in_features, and each rank's share of "
+                         f"a row cut, multiples of 64)")
+
+
+def check_whole_blocks(layer: nn.Module) -> None:
+    """:class:`BlockCutError` where this rank's slice of the NF4 layer's weight cuts a block of 64, read from the
+    layer's shard slices alone (no tensor made: the planner asks it of meta models). The rule :func:`_local_part`
+    applies: each run of 64 local values is one block of the flattened one-device weight."""
+    if not _sliced(layer):
+        return
+    full = tuple(layer.nf4_full_shape)
+    inner = math.prod(full[1:])  # values per row
+    pieces = layer.shard_slices("weight")
+    for sl in pieces if isinstance(pieces, list) else [pieces]:
+        rows = sl[0]
+        cols = sl[1] if len(sl) > 1 else slice(0, inner)
+        n_rows, width = rows.stop - rows.start, cols.stop - cols.start
+        if n_rows <= 0 or width <= 0:
+            continue
+        if width == inner:  # whole rows: one contiguous run
+            ok = rows.start * inner % 64 == 0 and n_rows * inner % 64 == 0
+        else:  # a run per row, each whole blocks (two rows aligned: every row is)
+            ok = width % 64 == 0 and all((r * inner + cols.start) % 64 == 0
+                                         for r in range(rows.start, min(rows.stop, rows.start + 2)))
+        if not ok:
+            raise _cut_error(layer)
+
+
+def _local_part(layer: nn.Module, qw: NF4Weight, device) -> tuple:
+    """(this rank's part of the one-device quantized weight ``qw``: the codes of its slice and the fp32 scales
+    of its blocks, the indices of those blocks in ``qw``); a cut through a block is refused."""
     n = qw.numel
     codes = torch.stack([qw.weight.view(-1) >> 4, qw.weight.view(-1) & 15], 1).view(-1)[:n].view(qw.shape)
     blocks = (torch.arange(n, device=device) // qw.blocksize).view(qw.shape)
@@ -174,12 +222,10 @@ def _local_part(layer: nn.Module, qw: NF4Weight, device) -> NF4Weight:
     m = local_blocks.numel()
     per = local_blocks[: m - m % 64].view(-1, 64) if m >= 64 else local_blocks.view(1, -1)
     if m % 64 or bool((per != per[:, :1]).any()):
-        raise ValueError(f"{type(layer).__name__} {tuple(layer.full_shape('weight'))}: this rank's slice "
-                         f"{tuple(layer.nf4_local_shape)} cuts through NF4's blocks of 64 values; a 4-bit base under "
-                         f"tensor parallelism needs whole blocks per rank (in_features, and each rank's share of "
-                         f"a row cut, multiples of 64)")
+        raise _cut_error(layer)
     scales = qw.scales().float()[per[:, 0]]
-    return NF4Weight(pack(local_codes), scales.contiguous(), qw.quant_map, tuple(layer.nf4_local_shape), qw.dtype)
+    return NF4Weight(pack(local_codes), scales.contiguous(), qw.quant_map, tuple(layer.nf4_local_shape),
+                     qw.dtype), per[:, 0]
 
 
 _NF4_CLASSES: dict = {}
@@ -236,3 +282,66 @@ def nf4_weight_of(layer: nn.Module) -> NF4Weight:
         raise TypeError(f"{type(layer).__name__} is not an NF4 layer")
     return layer.nf4_weight()
 
+
+def quantized_bytes(model: nn.Module) -> tuple:
+    """(bytes of the NF4 buffers this rank keeps, elements of its largest local NF4 weight), from the layers'
+    shapes alone (a meta model's too: what the cost model prices), for a double-quantized base. A whole weight
+    keeps bitsandbytes' layout (:func:`cuboid.kernels.nf4.nf4_nbytes`, about 0.516 bytes a value); a
+    tensor-parallel slice keeps its codes and its blocks' fp32 scales (0.5625 bytes a value), and for writing
+    one device's layout its blocks' scale codes and the whole weight's second level (:meth:`NF4Layer.set_quantized`)."""
+    total, largest = 0, 0
+    for _, layer in quantized_layers(model):
+        local, full = math.prod(layer.nf4_local_shape), math.prod(layer.nf4_full_shape)
+        if local == full:
+            total += nf4_nbytes(local)
+        else:
+            blocks = -(-full // BLOCKSIZE)
+            total += (nf4_nbytes(local, double_quant=False) + local // BLOCKSIZE
+                      + -(-blocks // NESTED_BLOCKSIZE) * 4 + 256 * 4 + 4)
+        largest = max(largest, local)
+    return total, largest
+
+
+def held_nf4_bytes(layer: nn.Module) -> int:
+    """Bytes of every NF4 buffer ``layer`` holds (what :func:`quantized_bytes` prices)."""
+    return sum(b.numel() * b.element_size() for n, b in layer.named_buffers(recurse=False) if n.startswith("weight_"))
+
+
+def _sliced(layer: nn.Module) -> bool:
+    return tuple(layer.nf4_local_shape) != tuple(layer.nf4_full_shape)
+
+
+def gathered_nf4(layer: nn.Module) -> NF4Weight:
+    """The whole weight of an NF4 layer as one device quantizes it (bitsandbytes' layout, bit for bit): its own
+    on one device; under tensor parallelism the ranks' codes and scale codes gathered, with the second level
+    every rank keeps. A collective over the layer's tensor group where it is sliced (every rank, same order)."""
+    local = layer.nf4_weight()
+    if not _sliced(layer):
+        return local
+    shape, bs = tuple(layer.nf4_local_shape), local.blocksize
+    codes = layer.full_tensor_like("weight", unpack(local.weight, local.numel).to(torch.uint8).view(shape))
+    double = layer.weight_absmax_codes.numel() > 0
+    per_block = layer.weight_absmax_codes if double else local.absmax
+    scales = layer.full_tensor_like("weight", per_block.repeat_interleave(bs).view(shape)).reshape(-1)[::bs]
+    qw = NF4Weight(pack(codes.reshape(-1)), scales.contiguous(), local.quant_map, tuple(layer.nf4_full_shape),
+                   local.dtype, bs)
+    if double:
+        qw.nested_absmax, qw.nested_quant_map = layer.weight_nested_absmax, layer.weight_nested_quant_map
+        qw.offset = layer.weight_offset.reshape(())
+    return qw
+
+
+def gathered_nf4_meta(layer: nn.Module) -> NF4Weight:
+    """:func:`gathered_nf4`'s shapes and small tensors without the collective (the codes and the scales on the
+    meta device): what a writer plans its files with."""
+    if not _sliced(layer):
+        return layer.nf4_weight()
+    n, double = math.prod(layer.nf4_full_shape), layer.weight_absmax_codes.numel() > 0
+    blocks = -(-n // BLOCKSIZE)
+    qw = NF4Weight(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device="meta"),
+                   torch.empty(blocks, dtype=torch.uint8 if double else torch.float32, device="meta"),
+                   layer.weight_quant_map, tuple(layer.nf4_full_shape), layer.nf4_dtype, BLOCKSIZE)
+    if double:
+        qw.nested_absmax, qw.nested_quant_map = layer.weight_nested_absmax, layer.weight_nested_quant_map
+        qw.offset = layer.weight_offset.reshape(())
+    return qw

@@ -3,17 +3,22 @@
 Subcommands: ``finetune`` (the main job; with no arguments it trains a small
 ViT on scikit-learn's handwritten digits with plan dp=2 on 2 local
 processes), ``info`` (environment and kernel backends), ``plans`` (the ready
-plans, or every plan ranked for a model and a cluster: :mod:`cuboid.cli.plans`), ``eval`` (loss and
-perplexity of a causal LM on a text: :mod:`cuboid.cli.eval`), ``generate`` (text from a causal LM:
+plans, or every plan ranked for a model and a cluster: :mod:`cuboid.cli.plans`), ``eval`` (perplexity
+of a causal LM on a text, a task's metrics, or lm-evaluation-harness tasks: :mod:`cuboid.cli.eval`), ``generate`` (text from a causal LM:
 :mod:`cuboid.cli.generate`), ``prepare`` (a dataset tokenized as finetune would, with a report:
 :mod:`cuboid.cli.prepare`) and ``convert``. Bad values are one line on stderr
-and exit code 2.
+and exit code 2 (an unknown flag: named with the subcommand, and the flag it may have meant); Ctrl-C is
+one line and exit code 130 (a fine-tune first saves its step, :mod:`cuboid.train.interrupt`). Help texts are
+plain text (:func:`plain`: the docstrings' markup taken out). The ``datasets`` library's progress bars
+show only with ``--verbose``.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import platform
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -100,14 +105,70 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]*?)(?: <[^>]*>)?`")  # :func:`x`, :mod:`~a.b`, :class:`text <target>`
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain(text: str) -> str:
+    """Docstring text as a terminal shows it: Sphinx roles (``:func:`cuboid.load```) and double-backquoted
+    literals as their bare text (a ``~`` role: its last name)."""
+    def role(m: re.Match) -> str:
+        return m.group(1).rsplit(".", 1)[-1] if "`~" in m.group(0) else m.group(1)
+
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, text))
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors are one line (``cuboid CMD: error: ...``) and exit code 2; the
-    subcommands' parsers are of this class too (``add_subparsers`` makes its parent's kind)."""
+    """argparse's parser whose usage errors are one line (``cuboid CMD: error: ...``) and exit code 2, and whose
+    help is plain text; the subcommands' parsers are of this class too (``add_subparsers`` makes its parent's
+    kind)."""
 
     def error(self, message: str):
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{self.prog}: error: {message} (--help lists the flags)", file=sys.stderr)
+            print(f"{self.prog}: error: {message} ({self.prog} --help lists the flags)", file=sys.stderr)
         self.exit(2)
+
+    def format_help(self) -> str:
+        return plain(super().format_help())
+
+
+# what users of the HF Trainer and TRL type, and cuboid's flag for it
+HF_FLAGS = {"--learning-rate": "--lr", "--num-train-epochs": "--epochs", "--max-steps": "--steps",
+            "--per-device-train-batch-size": "--micro-batch-size", "--gradient-accumulation-steps": "--micro-batch-size",
+            "--warmup-ratio": "--warmup", "--warmup-steps": "--warmup", "--lr-scheduler-type": "--schedule",
+            "--max-seq-length": "--max-length", "--logging-steps": "--log-every", "--save-steps": "--save-every",
+            "--eval-steps": "--eval-every", "--save-total-limit": "--keep", "--resume-from-checkpoint": "--resume",
+            "--model-name-or-path": "--model", "--dataset-name": "--data", "--bf16": "--dtype bf16",
+            "--fp16": "--dtype fp16", "--lora-r": "--lora r=N", "--lora-alpha": "--lora alpha=N"}
+
+
+def unknown_flags(parser: argparse.ArgumentParser, extra: list) -> str:
+    """The error text of arguments ``parser`` does not take, with the flag each unknown one may have meant."""
+    flags = [s for a in parser._actions for s in a.option_strings]
+    hints = []
+    for arg in extra:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if not name.startswith("--"):
+            continue
+        hf = {k: v for k, v in HF_FLAGS.items() if v.split(" ")[0] in flags}  # (this command's flags only)
+        near = next(iter(difflib.get_close_matches(name, [*flags, *hf], n=1, cutoff=0.75)), None)
+        meant = hf.get(name) or hf.get(near, near)
+        if meant is not None:
+            hints.append(f"{arg.split('=', 1)[0]}: did you mean {meant}?")
+    return "; ".join([f"unrecognized arguments: {' '.join(extra)}", *hints])
+
+
+DATA_COMMANDS = ("finetune", "prepare", "eval")  # the commands that read data through the datasets library
+
+
+def quiet_datasets(verbose: bool) -> None:
+    """The ``datasets`` library's progress bars off, or (``verbose``) on; its own environment variable
+    (``HF_DATASETS_DISABLE_PROGRESS_BARS``), when set, decides instead. Every process a launch starts runs it."""
+    if "HF_DATASETS_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    from datasets.utils import disable_progress_bars, enable_progress_bars
+
+    (enable_progress_bars if verbose else disable_progress_bars)()
 
 
 def message(e: BaseException) -> str:
@@ -143,9 +204,7 @@ def check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def build_parser() -> argparse.ArgumentParser:
     from cuboid.cli.finetune import add_parser as add_finetune
 
-    parser = Parser(
-        prog="cuboid", description="cuboid: fine-tune and convert GPT, BERT and ViT models under parallel plans "
-                                   "(data and 1D/2D/2.5D/3D tensor parallelism) on PyTorch.")
+    parser = Parser(prog="cuboid", description=description(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_finetune(sub)
     p_info = sub.add_parser("info", help="versions, devices and the kernel backend each op uses here; with "
@@ -169,7 +228,27 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_convert(sub)
+    for name in DATA_COMMANDS:
+        if "--verbose" not in sub.choices[name]._option_string_actions:
+            sub.choices[name].add_argument("--verbose", action="store_true",
+                                           help="show the datasets library's progress bars (off by default)")
     return parser
+
+
+def description() -> str:
+    """What ``cuboid --help`` says the library is: its families, tasks and plans."""
+    import textwrap
+
+    from cuboid import tasks
+
+    text = ("cuboid: fine-tune transformers on PyTorch under parallel plans, from the command line or "
+            "Python. Models: GPT-2, BERT, ViT, Llama, Qwen2, Qwen3, Mistral, Gemma 3 and the Qwen3-MoE, Mixtral "
+            "and OLMoE mixtures of experts (presets, or local Hugging Face folders). Tasks: "
+            f"{', '.join(tasks.names())}; in full, with LoRA or with QLoRA. Plans: data parallelism with ZeRO 1-3, "
+            "tensor parallelism (1D, 2D, 2.5D, 3D), sequence (ring, all-to-all), pipeline and expert "
+            "parallelism, and their products ('cuboid plans' lists them). Checkpoints are sharded safetensors "
+            "in the Hugging Face layout.")
+    return textwrap.fill(text, 100)
 
 
 def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), module: str = "cuboid") -> int:
@@ -179,20 +258,34 @@ def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), modu
     ``callbacks`` (:mod:`cuboid.train.callbacks`) and its own ``module`` name, so that the processes a
     multi-process ``finetune`` launches run the wrapper too and install the same callbacks.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.callbacks, args.module = tuple(callbacks), module
-    if getattr(args, "func", None) is None:
-        parser.print_help()
-        return 2
+    command = None
     try:
+        parser = build_parser()  # (what it imports, Ctrl-C may interrupt too)
+        args, extra = parser.parse_known_args(argv)
+        command = args.command
+        if extra:  # the subcommand's parser names itself and its flags
+            sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            named = sub.choices.get(args.command, parser) if args.command else parser
+            named.error(unknown_flags(named, extra))
+        args.callbacks, args.module = tuple(callbacks), module
+        args.argv = list(argv) if argv is not None else None
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        if args.command in DATA_COMMANDS:
+            quiet_datasets(args.verbose)
         check_numbers(parser, args)
         return args.func(args)
     except USER_ERRORS as e:
         if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike: one line, from rank 0
-            print(f"cuboid {args.command}: error: {message(e)}", file=sys.stderr)
+            print(f"cuboid {command}: error: {message(e)}", file=sys.stderr)
         return 2
-
+    except KeyboardInterrupt:  # Ctrl-C (a fine-tune's line after its save is cuboid.cli.finetune's): no traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"cuboid{' ' + command if command else ''}: interrupted" + (
+                " at once, without saving: --resume latest continues from the newest complete checkpoint in "
+                "--output-dir, if there is one" if command == "finetune" else ""), file=sys.stderr)
+        return 130
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -39,8 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="SRC is a LoRA adapter folder (peft layout): write its base model with the adapters "
                         "merged into the weights, as a Hugging Face folder")
     p.add_argument("--base", metavar="FOLDER",
-                   help="with --merge-lora: the base model folder (default: the adapter config's "
-                        "base_model_name_or_path)")
+                   help="with --merge-lora: the base model folder, or a hub id org/name from the Hugging Face "
+                        "cache (default: the adapter config's base_model_name_or_path)")
     p.add_argument("--quantize", metavar="nf4",
                    help="with --merge-lora: the adapters were trained on a 4-bit NF4 base (QLoRA): merge them into "
                         "the base dequantized from NF4, as peft's merge_and_unload does (a folder saved in 4 bits "
@@ -153,7 +153,10 @@ def _merge_into(args: argparse.Namespace, dst) -> str:
     from cuboid.zoo.checkpoint.convert import copy_companions
     from cuboid.zoo.lora import merge_to_hf, read_config
 
-    base = args.base or read_config(args.src)[2].get("base_model_name_or_path")
+    from cuboid.loading.hub import locate
+
+    # the base: --base or the adapter config's, a hub id read from the Hugging Face cache (cuboid.loading.hub)
+    base = locate(args.base or read_config(args.src)[2].get("base_model_name_or_path"))
     merge = merge_to_hf
     quantize = getattr(args, "quantize", None)
     if quantize is not None or (base and os.path.isdir(base) and _is_4bit(base)):
@@ -164,11 +167,11 @@ def _merge_into(args: argparse.Namespace, dst) -> str:
         def merge(src, out, base=None):  # a QLoRA run's merge: the base dequantized from NF4
             return merge_qlora(src, out, base=base or read_config(src)[2].get("base_model_name_or_path"))
     if args.max_shard_size is None and args.dtype is None:
-        out = merge(args.src, dst, base=args.base)
+        out = merge(args.src, dst, base=base)
         copy_companions(out, args.src, base)
         return os.fspath(out)
     with tempfile.TemporaryDirectory(prefix=".cuboid-merge-", dir=dst.parent if dst.parent.exists() else None) as tmp:
-        copy_companions(merge(args.src, tmp, base=args.base), args.src, base)
+        copy_companions(merge(args.src, tmp, base=base), args.src, base)
         size = args.max_shard_size
         size = int(size) if size is not None and size.isdigit() else size
         return os.fspath(checkpoint.convert(tmp, dst, max_shard_size=size, dtype=args.dtype,

@@ -2,6 +2,7 @@
 
     cuboid eval --model FOLDER|PRESET --data corpus.txt [--max-length N] [--stride S] [--json]
     cuboid eval --task dpo --model P [--ref-model R] --data pairs.jsonl [--beta B] [--loss-type L] [--json]
+    cuboid eval --model FOLDER --harness hellaswag,my_task.yaml [--num-fewshot K] [--limit N] [--json]
 
 The text (a .txt file, or any source ``cuboid finetune --data`` reads, its
 text column joined by blank lines) is one token sequence, scored with
@@ -20,6 +21,12 @@ needs a model (the reference's log-probabilities), and scored by
 them): the task's figures over the whole file, means over its units, as
 TRL's ``evaluate`` reports them for one batch. ``--json`` prints one JSON
 line (the keys without the ``eval_`` prefix).
+
+With ``--harness`` the model answers lm-evaluation-harness's tasks
+(:mod:`cuboid.cli.harness`; a task YAML over a local jsonl runs offline).
+``--model`` may be a hub id ``org/name`` (read from the Hugging Face cache,
+:mod:`cuboid.loading.hub`) or a LoRA run's adapter folder (its base from
+``adapter_config.json`` or ``--base``), here and in ``cuboid generate``.
 """
 from __future__ import annotations
 
@@ -95,38 +102,90 @@ def perplexity(model, input_ids: torch.Tensor, max_length: Optional[int] = None,
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """``--model``, ``--tokenizer`` and ``--plan``, as the text commands (``eval``, ``generate``) take them."""
-    p.add_argument("--model", required=True, help="a local folder with its tokenizer, or a preset with --tokenizer")
+    """``--model``, ``--base``, ``--tokenizer`` and ``--plan``, as the text commands (``eval``, ``generate``)
+    take them."""
+    p.add_argument("--model", required=True, help="a local folder with its tokenizer, a hub id org/name (from the "
+                                                  "Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1), a LoRA "
+                                                  "run's adapter folder (its base from adapter_config.json or "
+                                                  "--base), or a preset with --tokenizer")
+    p.add_argument("--base", help="--model is a LoRA adapter folder: its base model (a folder or hub id; default: "
+                                  "the adapter config's base_model_name_or_path)")
     p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--plan", help="a plan (under torchrun): ready name or spec such as dp=2 or tp=2")
 
 
+def _has_tokenizer(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def is_adapter_folder(folder) -> bool:
+    """Whether ``folder`` holds LoRA adapters without a model of its own (a LoRA run's ``final/`` or
+    checkpoint: ``adapter_config.json`` and no model weights)."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
+        return False
+    has = lambda f: os.path.isfile(os.path.join(folder, f))  # noqa: E731
+    return has("adapter_config.json") and not (has("model.safetensors") or has("model.safetensors.index.json"))
+
+
+def model_source(model: str, base=None) -> tuple:
+    """(what to load, LoRA adapters or None, the folder whose tokenizer to read) of ``--model`` and ``--base``:
+    a hub id becomes its folder in the Hugging Face cache (:mod:`cuboid.loading.hub`); a LoRA adapter folder
+    loads its base (``--base``, else the adapter config's ``base_model_name_or_path``) with the adapters on
+    it, and reads its own tokenizer if it holds one, else the base's."""
+    from cuboid.loading.hub import locate
+
+    model = locate(model)
+    if not is_adapter_folder(model):
+        if base is not None:
+            raise ValueError(f"--base goes with a LoRA adapter folder (adapter_config.json); {model} is a model")
+        return model, None, model if isinstance(model, str) and os.path.isdir(model) else None
+    from cuboid.zoo.lora import read_config
+
+    named = base or read_config(model)[2].get("base_model_name_or_path")
+    if not named:
+        raise ValueError(f"{model} holds LoRA adapters whose adapter_config.json names no base model: give --base")
+    source = locate(named)
+    if not os.path.isdir(source):
+        from cuboid.zoo import PRESETS
+
+        if source not in PRESETS:
+            raise FileNotFoundError(f"{model}: the base model {named} of its adapters is not a folder here; give "
+                                    f"--base FOLDER")
+    return source, model, model if _has_tokenizer(model) or not os.path.isdir(source) else source
+
+
 def load_model_and_tokenizer(args: argparse.Namespace):
     """(model, tokenizer) of ``add_model_arguments``' flags: the process group first under torchrun with a
-    plan, then the tokenizer (a one-line error where there is none), then the model under the plan."""
+    plan, then the tokenizer (a one-line error where there is none), then the model under the plan (a LoRA
+    folder: its base with the adapters attached, :func:`model_source`)."""
     from cuboid.data import formats as D
     from cuboid.loading.model import load
     from cuboid.parallel import init_distributed
 
     if args.plan and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         init_distributed()
-    tokenizer = D.load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
+    source, adapters, tokenizer_folder = model_source(args.model, getattr(args, "base", None))
+    tokenizer = D.load_tokenizer(args.tokenizer or tokenizer_folder)
     if tokenizer is None:
         raise ValueError(f"no tokenizer for {args.model}: give a folder with tokenizer.json or --tokenizer PATH")
-    return load(args.model, args.plan), tokenizer
+    return load(source, args.plan, lora=adapters), tokenizer
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``eval`` on an ``add_subparsers()`` object; the handler is ``args.func``."""
-    p = subparsers.add_parser("eval", help="loss and perplexity of a causal LM on a held-out text (sliding window)",
+    p = subparsers.add_parser("eval", help="perplexity of a causal LM on a held-out text, a task's metrics (--task), or lm-eval's tasks (--harness)",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="\n\n".join(__doc__.split("\n\n")[1:2]))
     from cuboid.train.config import add_task_flags
 
     add_model_arguments(p)
-    p.add_argument("--data", required=True, help="a text file, or a source with a text column (with --task: the "
-                                                 "task's records)")
+    p.add_argument("--data", help="a text file, or a source with a text column (with --task: the task's records)")
+    p.add_argument("--harness", metavar="TASKS", help="run lm-evaluation-harness tasks instead (comma separated "
+                                                      "names, or task YAML files: a local task over a local jsonl "
+                                                      "runs offline); needs pip install \"cuboid[harness]\"")
+    p.add_argument("--num-fewshot", type=int, help="--harness: few-shot examples per prompt (default: the task's)")
+    p.add_argument("--limit", type=float, help="--harness: at most N examples per task (a fraction below 1)")
     p.add_argument("--task", help="score a task's metrics instead of perplexity: dpo[,beta=0.1,...] (its options "
                                   "also as the flags below)")
     p.add_argument("--batch-size", type=int, default=8, help="--task: examples (pairs) per eval batch (default 8)")
@@ -198,9 +257,35 @@ def _first_split(ds):
     return ds
 
 
+def _harness(args: argparse.Namespace) -> int:
+    """``--harness TASKS``: the harness's metrics of each task (:mod:`cuboid.cli.harness`), a table or JSON."""
+    import json
+
+    from cuboid.cli.harness import run_harness
+
+    if args.data is not None or args.task is not None:
+        raise ValueError("--harness runs the harness's tasks: give no --data or --task with it")
+    model, tokenizer = load_model_and_tokenizer(args)
+    result = run_harness(model, tokenizer, args.harness, num_fewshot=args.num_fewshot, limit=args.limit,
+                         max_length=args.max_length)["results"]
+    if int(os.environ.get("RANK", "0")) == 0:
+        if args.json:
+            print(json.dumps(result))
+        for task, metrics in ({} if args.json else result).items():
+            print(f"{task}: " + ", ".join(f"{k.replace(',none', '')} {v:.4f}" for k, v in metrics.items()
+                                          if isinstance(v, (int, float)) and "stderr" not in k))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
+    if args.harness is not None:
+        return _harness(args)
+    if args.num_fewshot is not None or args.limit is not None:
+        raise ValueError("--num-fewshot and --limit go with --harness")
+    if args.data is None:
+        raise ValueError("give --data FILE (or --harness TASKS)")
     if args.task is not None:
         from cuboid.data import formats as D
 

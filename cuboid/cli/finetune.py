@@ -89,10 +89,13 @@ FLAGS = [
     ("--image-column", str, "image column (default 'image')"),
     ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1)"),
     ("--log-every", int, "write a metrics line every N steps (default 10)"),
+    ("--report-to", str, "experiment trackers that get metrics.jsonl's rows and the run's config: none (default), "
+                         "all (those installed), or a comma list of trackio, tensorboard, wandb, mlflow; each "
+                         "local/offline with its files in --output-dir (pip install \"cuboid[track]\")"),
 ]
 
 
-ALIASES = {"--seq-len": "--max-length"}  # another spelling of a flag (and of its --config key)
+ALIASES = {"--seq-len": "--max-length", "--output-dir": "--output"}  # other spellings (and --config keys)
 
 DATA_FORMATS = """\
 data formats of --task sft (read from the columns, or named by --data-format):
@@ -110,9 +113,23 @@ a messages jsonl file, one conversation a line:
 Check the trained tokens before a long run: cuboid prepare --model FOLDER --data FILE --output DIR"""
 
 
+DESCRIPTION = """\
+Fine-tune a model (a preset, or a local Hugging Face folder) on a dataset under a parallel plan.
+
+Flags override a YAML/TOML --config file, which overrides the defaults. With no --model and no --data a
+small default job runs: vit-debug on scikit-learn's digits, 400 steps of 64 at lr 1e-2, one process per
+GPU, or 2 CPU processes without a GPU (one line says which).
+
+A plan of several processes, run outside torchrun, starts them through torch's elastic launcher on this
+machine. --max-restarts N restarts them all when one dies, and they resume from the newest complete
+checkpoint in --output-dir; --timeout-s bounds every collective, so a hung rank fails (and restarts).
+Ctrl-C saves the step it finishes and prints the command that resumes; a second Ctrl-C stops at once."""
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)", add_help=False,
-                       description=__doc__, epilog=DATA_FORMATS, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, epilog=DATA_FORMATS,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help (after --task NAME: the task's options)")
     for flag, typ, help_ in FLAGS:
         if flag in ALIASES:
@@ -148,8 +165,10 @@ class _Help(argparse.Action):
         if spec is None:
             parser.print_help()
         else:
+            from cuboid.cli import plain
+
             try:
-                print(tasks.class_of(spec).help())
+                print(plain(tasks.class_of(spec).help()))
             except ValueError as e:
                 parser.exit(2, f"cuboid finetune: error: {e}\n")
         parser.exit()
@@ -232,20 +251,29 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     """
     import logging
 
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    # the failing rank prints its own one-line error; the agent's report of it is noise
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # the failing rank prints its own one-line error; the agent's report of it (or of a Ctrl-C) is noise. Its
+    # modules' loggers set levels of their own, so each one is quieted, not only the parent
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # each restart round gets a fresh store hosted by worker 0: on the store the agent shares by default,
     # a restarted process group can read the previous round's addresses (pytorch/pytorch#135712)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Ctrl-C: the agent sends each worker a SIGINT and waits this long for them to save their step and exit
+    # (cuboid.train.interrupt); a second Ctrl-C ends them at once
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "600")
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
          f"--max-restarts={max_restarts}", "--module", module, *argv])
     try:
         run(launch)
+    except SignalException:  # Ctrl-C (or a kill): the workers were told and said their line
+        return 130
     except Exception as e:  # ChildFailedError: the failing rank already printed its error
         failures = getattr(e, "failures", None)
         if failures:
@@ -253,6 +281,8 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
             codes = {f.exitcode for f in failures.values()}
             if 2 in codes:
                 return 2
+            if 130 in codes and codes <= {130, -15}:  # Ctrl-C reached the workers alone: they saved the same step
+                return 130  # (rank 0 said where; a rank still exiting when the agent saw the first is SIGTERM'd)
             # the cause: not a rank the agent stopped (SIGTERM) because another had failed
             rank, failure = min(failures.items(), key=lambda rf: (rf[1].exitcode == -15, rf[1].timestamp, rf[0]))
             how = f"was killed by signal {-failure.exitcode}" if failure.exitcode < 0 else \
@@ -269,6 +299,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
     from cuboid.loading.model import check_local_processes
     from cuboid.loading.planner import is_auto
+    from cuboid.train.interrupt import EXIT_CODE, Interrupted, interrupted_line
     from cuboid.train.loop import run
 
     values = resolve(args)
@@ -295,7 +326,13 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
             return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
-    run(FinetuneConfig(**values, callbacks=args.callbacks))
+    try:
+        run(FinetuneConfig(**values, callbacks=args.callbacks))
+    except Interrupted as e:  # Ctrl-C: the step is saved
+        if os.environ.get("RANK", "0") == "0":
+            argv = args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]
+            print(interrupted_line(e, argv, args.module), file=sys.stderr, flush=True)
+        return EXIT_CODE
     return 0
 
 

@@ -88,10 +88,16 @@ def run(args: argparse.Namespace) -> int:
         from cuboid.data.damage import check_text_file
 
         check_text_file(args.prompts, "--prompts")  # empty, or not UTF-8: one line naming the file and line
-    prompts = [args.prompt] if args.prompt is not None else [
-        line.rstrip("\n") for line in open(args.prompts, encoding="utf-8") if line.strip()]
-    if not prompts:
+    numbered = [(0, args.prompt)] if args.prompt is not None else [
+        (n, line.rstrip("\n")) for n, line in enumerate(open(args.prompts, encoding="utf-8"), 1) if line.strip()]
+    if not numbered:
         raise ValueError(f"{args.prompts} holds no prompts")
+    for n, line in numbered if args.chat and args.prompts is not None else ():
+        try:  # a bad line named by file and line (1-based), before any model loads
+            _conversation(line)
+        except ValueError as e:
+            raise ValueError(f"{args.prompts}:{n}: {e}") from None
+    prompts = [line for _, line in numbered]
     model, tok = load_model_and_tokenizer(args)
     tok.padding_side = "left"
     input_ids, attention_mask, stops = _encode(args, prompts, tok)

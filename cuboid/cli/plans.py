@@ -30,6 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--layout", default="autocast", choices=("autocast", "half"),
                    help="autocast: fp32 weights under bf16/fp16 autocast (cuboid.load's default); half: weights in "
                         "the training dtype with fp32 masters (cuboid.load(dtype=torch.bfloat16)); default autocast")
+    p.add_argument("--quantize", default=None, choices=("nf4",),
+                   help="nf4: price a QLoRA run, the blocks' linears a frozen 4-bit base at its real bytes (about "
+                        "0.52 per parameter) trained through LoRA adapters (--lora); 1D tensor parallelism only")
+    p.add_argument("--lora", default=None, metavar="SPEC",
+                   help="price LoRA adapters as the only trained weights, e.g. r=16,alpha=32,targets=attn+mlp "
+                        "(with --quantize nf4 the default is r=8,alpha=16 on attn and mlp)")
     p.add_argument("--no-search", action="store_true",
                    help="price the plans as enumerated, without trying micro-batch counts and checkpointing")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 4 per GPU, >= 8)")
@@ -92,7 +98,8 @@ def cmd_plans(args: argparse.Namespace) -> int:
     seq = default_seq(config) if args.seq is None else args.seq
     check_batch(config, batch, seq)
     ests = rank_plans(args.model, args.gpus, hw, batch, seq, dtype=args.dtype, progress=not args.json,
-                      layout=args.layout, headroom=args.headroom, search=not args.no_search)
+                      layout=args.layout, headroom=args.headroom, search=not args.no_search,
+                      quantize=args.quantize, lora=_lora_spec(args.lora))
     if not ests:
         raise ValueError(f"no plan of {args.gpus} ranks fits {args.model}: its {config.n_heads} heads, "
                          f"{config.n_layers} layers and the batch of {batch} leave no split")
@@ -106,8 +113,10 @@ def cmd_plans(args: argparse.Namespace) -> int:
     if shape.sparse:  # a mixture of experts: what it holds and what a token uses
         print(f"{args.model}: {shape.parameters / 1e9:.3g}B parameters, {shape.active_parameters / 1e9:.3g}B active "
               f"per token ({shape.experts} experts, {shape.top_k} per token, {shape.sparse_layers} sparse layers)")
+    base = ("; a 4-bit NF4 base, LoRA adapters trained" if args.quantize else
+            "; LoRA adapters trained" if args.lora is not None else "")
     print(f"{args.model} on {args.gpus} x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB each, {args.headroom:.0%} kept free), "
-          f"batch {batch} x {seq} tokens, {args.dtype}, {layout}, AdamW; {_UNIT[1]} per rank, time per step")
+          f"batch {batch} x {seq} tokens, {args.dtype}, {layout}, AdamW{base}; {_UNIT[1]} per rank, time per step")
     print("= exact (what a run holds and sends): params, grads, optim, sent; ~ estimated: peak (the fullest rank, "
           "rank in brackets), step and its parts (the slowest rank; comm exposed / all)\n")
     rows = []
@@ -127,6 +136,15 @@ def cmd_plans(args: argparse.Namespace) -> int:
         for e in misfits[:args.top]:
             print(f"  {e.plan.describe()}: {e.why}")
     return 0
+
+
+def _lora_spec(text):
+    """``--lora``'s spec checked at the door (a one-line error for a bad one), or None."""
+    if text is None:
+        return None
+    from cuboid.parallel.lora import LoraConfig
+
+    return LoraConfig.parse(text)
 
 
 def _no_tensor_split(config, world: int) -> str:

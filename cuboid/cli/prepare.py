@@ -55,7 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="a local model folder: its tokenizer, chat template and positions")
     p.add_argument("--tokenizer", help="a tokenizer folder or tokenizer.json (default: the model folder's)")
     p.add_argument("--data", required=True, help="a jsonl/json/csv/parquet/txt file or a datasets folder")
-    p.add_argument("--output", required=True, help="the folder to write (cuboid finetune --data reads it)")
+    p.add_argument("--output", "--output-dir", dest="output", required=True,
+                   help="the folder to write (cuboid finetune --data reads it)")
     p.add_argument("--task", default=tasks.SFT.name, help=f"{tasks.SFT.name} (default) | {tasks.Causal.aliases[0]}, "
                    "with options as finetune's --task")
     p.add_argument("--max-length", "--seq-len", dest="max_length", type=int,

@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 import torch
 
 from cuboid.data.chat import DataError  # defined below the data modules (sft and chat raise it too); public here
+from cuboid.data.chat import TextEncoder, head_text
 
 DATA_FILE_KINDS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -287,7 +288,10 @@ def fixed_rows(ds, config, tokenizer, seq_len: Optional[int], text_column: str =
     """Texts tokenized, padded/truncated to ``seq_len`` (with ``token_type_ids`` for models with segments);
     with ``label_column``, one class label per example, checked against the model's classes."""
     seq_len = min(seq_len or 128, config.n_positions)
-    enc = tokenizer(_texts(ds, text_column), truncation=True, max_length=seq_len, padding="max_length",
+    texts = _texts(ds, text_column)
+    if getattr(tokenizer, "truncation_side", "right") == "right":  # a cut keeps the start: tokenize only that
+        texts = [kept_text(tokenizer, t, seq_len) for t in texts]
+    enc = tokenizer(texts, truncation=True, max_length=seq_len, padding="max_length",
                     return_tensors="pt")
     out = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
     if "token_type_ids" in enc and hasattr(config, "type_vocab_size"):  # only models with segments take them
@@ -298,6 +302,12 @@ def fixed_rows(ds, config, tokenizer, seq_len: Optional[int], text_column: str =
         _check_labels(labels, num_labels or config.num_labels, label_column)
         out["labels"] = labels
     return out
+
+
+def kept_text(tokenizer, text: str, n: int) -> str:
+    """A prefix of ``text`` whose tokens (without special tokens) begin with the whole text's first ``n``: what a
+    row cut to ``n`` tokens needs tokenized (:func:`cuboid.data.chat.head_text`; the text itself when short)."""
+    return head_text(text, n, TextEncoder(tokenizer, special=False))
 
 
 def sft_rows(ds, config, tokenizer, sft, packing: bool = False, stats=None) -> dict:

@@ -20,7 +20,9 @@ two strings (TRL 1.16's ``extract_prompt``). Tokenized as TRL 1.16's
   tokens exactly;
 - ``max_length`` cuts each of the two sequences to its first ``max_length``
   tokens (``keep_start``), and a pair whose prompt alone fills ``max_length``
-  is dropped (nothing of its answers would be left to learn).
+  is dropped (nothing of its answers would be left to learn). Only those
+  tokens are made: a long record is tokenized as far as they reach
+  (:func:`cuboid.data.chat.head_text`), with the whole record's tokens.
 
 Tensors: a pair dimension
 -------------------------
@@ -52,7 +54,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cuboid.data.chat import DataError, common_prefix, require_template
+from cuboid.data.chat import DataError, TextEncoder, common_prefix, head_ids, render, require_template
 
 __all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_sequences", "pair_rows",
            "pair_dataset", "prepared_pairs", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
@@ -99,18 +101,21 @@ def _record(example: dict) -> tuple:
     return prompt, chosen, rejected
 
 
-def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None) -> tuple:
+def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None,
+                  max_length: Optional[int] = None) -> tuple:
     """(prompt ids, chosen ids, rejected ids) of one record (module docstring): the answers' ids start
-    where the prompt's and the whole sequence's first differ."""
+    where the prompt's and the whole sequence's first differ. With ``max_length``, each of the prompt, the
+    prompt + chosen and the prompt + rejected is tokenized only as far as its first ``max_length`` + 1 tokens
+    (what a cut keeps, and one to tell a cut sequence): the ids are the whole record's, up to there."""
     prompt, chosen, rejected = _record(example)
+    n = None if max_length is None else max_length + 1
     if is_conversation(chosen):
         template = require_template(tokenizer, chat_template)
         tools = example.get("tools")
 
         def ids(messages, **kw):
-            out = tokenizer.apply_chat_template(list(messages), chat_template=template, tools=tools, tokenize=True,
-                                                return_dict=True, **kw)
-            return list(out["input_ids"])
+            text = render(tokenizer, messages, template, tools, **kw)
+            return head_ids(text, n, TextEncoder(tokenizer, special=False))
 
         p = ids(prompt, add_generation_prompt=True)
         pc, pr = ids(list(prompt) + list(chosen)), ids(list(prompt) + list(rejected))
@@ -122,11 +127,10 @@ def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None)
             raise DataError("plain-text preference pairs get the tokenizer's EOS appended: this tokenizer has none")
         chosen = chosen if chosen.endswith(eos) else chosen + eos
         rejected = rejected if rejected.endswith(eos) else rejected + eos
-        p = list(tokenizer(prompt)["input_ids"])
-        pc = list(tokenizer(prompt + chosen)["input_ids"])
-        pr = list(tokenizer(prompt + rejected)["input_ids"])
-    n = min(common_prefix(p, pc), common_prefix(p, pr))
-    return p[:n], pc[n:], pr[n:]
+        encode = TextEncoder(tokenizer)
+        p, pc, pr = (head_ids(text, n, encode) for text in (prompt, prompt + chosen, prompt + rejected))
+    shared = min(common_prefix(p, pc), common_prefix(p, pr))
+    return p[:shared], pc[shared:], pr[shared:]
 
 
 def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
@@ -137,7 +141,7 @@ def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_templat
     seqs = []
     for example in ds:
         stats.examples += 1
-        p, c, r = tokenize_pair(example, tokenizer, chat_template)
+        p, c, r = tokenize_pair(example, tokenizer, chat_template, max_length)
         if max_length is not None and len(p) >= max_length:
             stats.dropped += 1
             continue

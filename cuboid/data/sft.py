@@ -19,7 +19,9 @@ Formats (:data:`FORMATS`; :func:`detect_format` picks one from the columns unles
 
 ``train_on_prompt`` trains every token instead. Rows longer than ``max_length`` keep their start
 (TRL's ``keep_start``); a row left with nothing to learn (no trained label after its first token: the
-model shifts, so the first label is never a target) is dropped. :class:`SFTStats` counts both.
+model shifts, so the first label is never a target) is dropped. :class:`SFTStats` counts both. Only the
+kept tokens are made: a long row's texts are tokenized as far as they reach (:func:`cuboid.data.chat.head_text`),
+with the same tokens and labels as the whole row's cut.
 
 Labels are unshifted (-100 where nothing is learned); the model shifts them.
 """
@@ -29,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from cuboid.data.chat import DataError, common_prefix
+from cuboid.data.chat import DataError, TextEncoder, common_prefix, head_ids, head_ids_batch
 
 __all__ = ["FORMATS", "TEMPLATES", "SFTOptions", "SFTStats", "detect_format", "format_columns",
            "tokenize_example", "tokenize_dataset", "resolve_options", "alpaca_prompt", "sft_tensors",
@@ -227,29 +229,39 @@ def _mask_after(prompt_ids: Sequence[int], ids: Sequence[int]) -> list:
     return [0] * n + [1] * (len(ids) - n)
 
 
-def _encode(example: dict, tokenizer, opts: SFTOptions, fmt: str) -> tuple[list, list]:
-    """(input ids, 0/1 trained mask) of one record, before truncation and ``train_on_prompt``."""
-    from cuboid.data.chat import encode_conversation
+def _answer_row(prompt_ids: list, ids: list, n: int, answer: bool) -> tuple[list, list, bool]:
+    """(ids, mask, later) of a prompt and an answer tokenized as far as ``n`` tokens: the answer follows the
+    tokens the two share; ``later`` when the whole is cut there and has an answer (``answer``: its text)."""
+    return ids, _mask_after(prompt_ids, ids), answer and len(ids) >= n
 
+
+def _encode(example: dict, tokenizer, opts: SFTOptions, fmt: str) -> tuple[list, list, bool]:
+    """(input ids, 0/1 trained mask, later) of one record before ``train_on_prompt``: the first ``max_length``
+    + 1 tokens of the whole row (the kept ones, and one to tell a cut row), tokenizing no further than they
+    reach; ``later``: an answer token lies past them (a row whose kept tokens hold none is dropped, not
+    counted as having no answer)."""
+    from cuboid.data.chat import encode_conversation_head, render
+
+    n, encode = opts.max_length + 1, TextEncoder(tokenizer)
     if fmt == "text":
-        ids = tokenizer(_with_eos(example[opts.text_column or "text"] or "", tokenizer))["input_ids"]
-        return list(ids), [1] * len(ids)
+        ids = head_ids(_with_eos(example[opts.text_column or "text"] or "", tokenizer), n, encode)
+        return ids, [1] * len(ids), False
     pair = _string_pairs(example, fmt, opts)
     if pair is not None:
         prompt, completion = pair
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        ids = list(tokenizer(prompt + _with_eos(completion, tokenizer))["input_ids"])
-        return ids, _mask_after(prompt_ids, ids)
+        completion = _with_eos(completion, tokenizer)
+        return _answer_row(head_ids(prompt, n, encode), head_ids(prompt + completion, n, encode), n,
+                           bool(completion))
     template, tools = _template(tokenizer, opts), _tools(example)
     if fmt == "messages":
-        return encode_conversation(_messages(example[format_columns(fmt, opts, set(example))[0]]), tokenizer,
-                                   template, tools=tools)
+        return encode_conversation_head(_messages(example[format_columns(fmt, opts, set(example))[0]]), tokenizer,
+                                        template, n, tools=tools)
     prompt = _messages(example[opts.text_column or "prompt"])
     completion = _messages(example["completion"])
-    kw = dict(chat_template=template, tools=tools, tokenize=True, return_dict=True)
-    prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kw)["input_ids"]
-    ids = list(tokenizer.apply_chat_template(prompt + completion, **kw)["input_ids"])
-    return ids, _mask_after(prompt_ids, ids)
+    plain = TextEncoder(tokenizer, special=False)  # the template writes its specials
+    prompt_ids = head_ids(render(tokenizer, prompt, template, tools, add_generation_prompt=True), n, plain)
+    ids = head_ids(render(tokenizer, prompt + completion, template, tools), n, plain)
+    return _answer_row(prompt_ids, ids, n, bool(completion))
 
 
 def _finish(ids: list, mask: list, opts: SFTOptions) -> Optional[dict]:
@@ -268,22 +280,24 @@ def tokenize_example(example: dict, tokenizer, opts: SFTOptions, fmt: str) -> Op
     """One record as ``{"input_ids", "labels", "truncated"}`` (module docstring); None when it has
     nothing to learn after truncation (dropped). Call :func:`resolve_options` once first when the
     chat template comes from a file."""
-    ids, mask = _encode(example, tokenizer, opts, fmt)
+    ids, mask, _ = _encode(example, tokenizer, opts, fmt)
     return _finish(ids, mask, opts)
 
 
 def _encode_batch(batch: dict, tokenizer, opts: SFTOptions, fmt: str) -> list:
-    """:func:`_encode` over a batch of records; string formats tokenized in one call each."""
-    n = len(next(iter(batch.values())))
-    examples = [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    """:func:`_encode` over a batch of records; the short texts of string formats tokenized in one call each."""
+    rows = len(next(iter(batch.values())))
+    examples = [{k: v[i] for k, v in batch.items()} for i in range(rows)]
+    n, encode = opts.max_length + 1, TextEncoder(tokenizer)
     if fmt == "text":
         texts = [_with_eos(e[opts.text_column or "text"] or "", tokenizer) for e in examples]
-        return [(list(ids), [1] * len(ids)) for ids in tokenizer(texts)["input_ids"]]
+        return [(ids, [1] * len(ids), False) for ids in head_ids_batch(texts, n, encode)]
     pairs = [_string_pairs(e, fmt, opts) for e in examples] if fmt in ("alpaca", "prompt_completion") else []
     if pairs and all(p is not None for p in pairs):
-        prompt_ids = tokenizer([p for p, _ in pairs])["input_ids"]
-        full = tokenizer([p + _with_eos(c, tokenizer) for p, c in pairs])["input_ids"]
-        return [(list(ids), _mask_after(p, ids)) for p, ids in zip(prompt_ids, full)]
+        completions = [_with_eos(c, tokenizer) for _, c in pairs]
+        prompt_ids = head_ids_batch([p for p, _ in pairs], n, encode)
+        full = head_ids_batch([p + c for (p, _), c in zip(pairs, completions)], n, encode)
+        return [_answer_row(p, ids, n, bool(c)) for p, ids, c in zip(prompt_ids, full, completions)]
     return [_encode(e, tokenizer, opts, fmt) for e in examples]
 
 
@@ -304,10 +318,10 @@ def tokenize_dataset(ds, tokenizer, opts: SFTOptions) -> tuple[Any, SFTStats]:
 
     def encode(batch: dict) -> dict:
         out = {"input_ids": [], "labels": [], "truncated": [], "dropped": [], "n_trained": [], "no_answer": []}
-        for ids, mask in _encode_batch(batch, tokenizer, opts, fmt):
+        for ids, mask, later in _encode_batch(batch, tokenizer, opts, fmt):
             row = _finish(ids, mask, opts)
             out["dropped"].append(row is None)
-            out["no_answer"].append(row is None and not opts.train_on_prompt and not any(mask[1:]))
+            out["no_answer"].append(row is None and not opts.train_on_prompt and not any(mask[1:]) and not later)
             row = row or {"input_ids": [], "labels": [], "truncated": False}
             for k in ("input_ids", "labels", "truncated"):
                 out[k].append(row[k])

@@ -64,7 +64,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from cuboid.data.formats import DATA_FILE_KINDS, DataError
+from cuboid.data.formats import DATA_FILE_KINDS, DataError, kept_text
 
 __all__ = ["EVAL_EXAMPLES", "StreamData", "Source", "Shuffled", "Packed", "StreamBatches", "stream_files",
            "open_stream", "example_tokenizer", "collate", "setup", "gather_positions", "saved_position"]
@@ -433,6 +433,8 @@ def example_tokenizer(tokenizer, row_length: int, *, text_column: str = "text", 
         if text_column not in row:
             raise DataError(f"column {text_column!r} not found (columns: {', '.join(row)}); set --text-column")
         text = row[text_column]
+        if isinstance(text, str) and not packing:  # a cut keeps the first row_length tokens: tokenize only those
+            text = kept_text(tokenizer, text, row_length)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] if isinstance(text, str) and text else []
         if not ids:
             return None

@@ -61,6 +61,9 @@ class ModelBuilder:
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from cuboid.loading.hub import locate
+
+        self.source = locate(self.source)  # a hub id: its folder in the Hugging Face cache
         check_source(self.source, self.overrides)
 
     @property

@@ -96,7 +96,8 @@ class _Fit:
 def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mesh=None, lora=None, quantize=None,
          **overrides):
     """Load a zoo model, ready to train under ``plan``: a preset name builds a fresh one, a local HF
-    or cuboid checkpoint folder loads its weights.
+    or cuboid checkpoint folder loads its weights, and so does a hub id ``org/name`` (from the Hugging Face
+    cache, downloaded when not there and the hub is on: :mod:`cuboid.loading.hub`).
 
     ``plan``: how to spread the model (a :class:`cuboid.parallel.Plan`, a ready
     plan name such as ``"tp1d"``, a .json/.toml file or ``"dp=2,tp=2"``;
@@ -132,9 +133,11 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     double quantization), quantized while a folder is read, one tensor at a time
     (:mod:`cuboid.loading.quantize`); train it with ``lora``.
     """
+    from cuboid.loading.hub import locate
     from cuboid.parallel.quant import check_quantize
 
     quantize = check_quantize(quantize)
+    name_or_path = locate(name_or_path)  # a hub id: its folder in the Hugging Face cache (cuboid.loading.hub)
     device = device or "cpu"
     if is_folder(name_or_path):  # the config against the weights' names, before anything is built from it
         from cuboid.zoo.checkpoint.precheck import check_folder

@@ -141,28 +141,48 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
     shards = shards or _Shards(model)
     first = shards.of(plan, 0)
     cuts = state_of(first).stages or ()  # pp: every stage's block range
-    rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in _ranks_to_look_at(plan, cuts)}
+    ranks = _ranks_to_look_at(plan, cuts)
+    rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in ranks}
+    quantized = None
+    if getattr(shards.build, "quantize", None):  # a 4-bit base: its bytes beside the parameters
+        from cuboid.parallel.quant import quantized_bytes
+
+        quantized = {r: quantized_bytes(shards.of(plan, r)) for r in ranks}
     return predict(first.config, plan, rank_params, hw, batch, seq, spec=spec_of(first), block_cuts=cuts,
-                   name=name, headroom=headroom)
+                   name=name, headroom=headroom, quantized=quantized)
 
 
 def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
                plans: Optional[Iterable[Plan]] = None, progress: bool = False, layout: str = "autocast",
-               headroom: float = DEFAULT_HEADROOM, search: bool = True) -> list[Estimate]:
+               headroom: float = DEFAULT_HEADROOM, search: bool = True, quantize: Optional[str] = None,
+               lora: Any = None) -> list[Estimate]:
     """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last, fullest
     last. A plan that does not fit is tried once more fully checkpointed; ``search``: then the
     :data:`SEARCH_TOP` best with every micro-batch count and checkpointing (:func:`search_space`). ``layout``: ``autocast``
-    (fp32 weights) or ``half`` (weights in ``dtype`` with fp32 masters; fp32 training has one layout)."""
+    (fp32 weights) or ``half`` (weights in ``dtype`` with fp32 masters; fp32 training has one layout).
+    ``quantize="nf4"``: the blocks' linears a frozen 4-bit base (QLoRA, priced at its real bytes) trained through
+    LoRA adapters (``lora``, default cuboid's LoRA defaults); the 2D/2.5D/3D grids, which do not build a 4-bit
+    base, and tensor cuts through its blocks of 64, which the load refuses, are not candidates. ``lora``
+    alone: adapters on the full-precision base."""
     import torch
 
     half = layout == "half" and dtype != "fp32"
     shards = _Shards(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if half else None)
+    if quantize or lora is not None:
+        from cuboid.loading.quantize import AdaptedBuilder
+
+        shards.build = AdaptedBuilder(shards.build, quantize, lora)
     model = shards.build
     config = model.config
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
+    if quantize and plans is None:
+        todo = [p for p in todo if p.tp == 1 or p.tp_mode == "1d"]
     out, seen = [], set()
     bar = _bar(len(todo), progress)
     for plan in todo:  # each plan as given; one that does not fit, checkpointed
+        if quantize and plans is None and _cuts_blocks(shards, plan):
+            bar.update(1)
+            continue
         est = estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom)
         if not est.fits and plan.checkpoint != "full":
             est = estimate(model, plan.replace(checkpoint="full"), hw, batch, seq, shards=shards, headroom=headroom)
@@ -179,6 +199,18 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
                 out.append(estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom))
     out.sort(key=_rank_key)
     return out
+
+
+def _cuts_blocks(shards: _Shards, plan: Plan) -> bool:
+    """Whether a rank of ``plan`` would cut a 4-bit base's blocks of 64 (a plan ``cuboid.load`` refuses)."""
+    from cuboid.parallel.quant import BlockCutError
+
+    try:
+        for r in range(plan.world_size):  # built once per tensor and pipeline position (_Shards caches them)
+            shards.of(plan, r)
+    except BlockCutError:
+        return True
+    return False
 
 
 def _rank_key(e: Estimate) -> tuple:

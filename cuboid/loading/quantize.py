@@ -18,13 +18,16 @@ tensor parallelism where they are cut.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from cuboid.kernels.nf4 import NF4Weight
-from cuboid.parallel.quant import block_linears, quantize_linears, quantized_layers
+from cuboid.parallel.quant import (block_linears, check_quantize, check_whole_blocks, quantize_linears,
+                                   quantized_layers)
 
 BNB_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.bitsandbytes__nf4")
 
@@ -121,3 +124,41 @@ def quantize_model(model: nn.Module) -> nn.Module:
         mods[p].set_full(full.to(mods[p].nf4_dtype))
         del full
     return model
+
+
+@dataclass
+class AdaptedBuilder:
+    """A model builder (:class:`cuboid.loading.builder.ModelBuilder`: ``builder(plan, mesh)`` is the meta model a
+    rank holds) whose meta models carry what ``cuboid.load(..., quantize=, lora=)`` adds: the blocks' linears
+    as NF4 layers (shapes only) and LoRA adapters (``lora``: a LoRA spec; with ``quantize`` and no spec,
+    cuboid's LoRA defaults). What the planner prices for a QLoRA or LoRA run."""
+
+    base: Any
+    quantize: Optional[str] = None
+    lora: Any = None
+
+    def __post_init__(self) -> None:
+        self.quantize = check_quantize(self.quantize)
+        if self.quantize and self.lora is None:  # a 4-bit base trains through adapters only
+            self.lora = {}
+
+    @property
+    def config(self):
+        return self.base.config
+
+    @property
+    def name(self) -> str:
+        return self.base.name
+
+    def __call__(self, plan, mesh=None) -> nn.Module:
+        from cuboid.zoo.lora import attach
+
+        model = self.base(plan, mesh)
+        if self.quantize:
+            for _, layer in quantized_layers(model) if quantize_linears(model, block_linears(model)) else ():
+                check_whole_blocks(layer)  # a tp cut through NF4's blocks: BlockCutError (the load refuses it)
+                for name, b in list(layer.named_buffers(recurse=False)):  # shapes only: the adapters follow
+                    setattr(layer, name, b.to("meta"))
+        if self.lora is not None:
+            attach(model, self.lora, seed=0, quiet=True)
+        return model

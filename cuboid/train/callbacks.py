@@ -7,6 +7,9 @@ a no-op by default. Every rank calls every event, in the loop's order:
 - ``on_train_begin(run)``: the model, optimizer and scheduler are built and any checkpoint is resumed;
 - ``on_step_begin(run, step)`` / ``on_step_end(run, step, row)``: around optimizer step ``step``
   (1-based); ``row`` is the step's metrics (``loss``, ``lr``, ``eval_loss``, ...);
+- ``on_log(run, row)``: rank 0 only, the one exception: ``row`` was just written to ``metrics.jsonl`` (every
+  ``log_every`` steps, at evals and last; the experiment trackers of ``--report-to`` log it,
+  :mod:`cuboid.train.trackers`);
 - ``on_save_begin(run, step, path)``: a training checkpoint ``path`` is about to be written;
 - ``on_save_file(run, step, name)``: the writing rank (rank 0) has put file ``name`` into the save's
   temporary folder (:mod:`cuboid.zoo.checkpoint.folder`: the folder is renamed into place when complete);
@@ -23,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-EVENTS = ("on_train_begin", "on_step_begin", "on_step_end", "on_save_begin", "on_save_file", "on_save",
+EVENTS = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_save_begin", "on_save_file", "on_save",
           "on_train_end")
 
 
@@ -37,6 +40,9 @@ class TrainerCallback:
         pass
 
     def on_step_end(self, run: Any, step: int, row: dict) -> None:
+        pass
+
+    def on_log(self, run: Any, row: dict) -> None:
         pass
 
     def on_save_begin(self, run: Any, step: int, path: Path) -> None:

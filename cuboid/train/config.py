@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -65,6 +66,8 @@ class FinetuneConfig:
     log_every: int = 10
     progress: bool = True
     plot: bool = True
+    report_to: Any = None                 # experiment trackers: none | all | trackio,tensorboard,wandb,mlflow (a
+                                          # comma string or a list; cuboid.train.trackers)
     callbacks: Sequence[Any] = ()         # cuboid.train.callbacks.TrainerCallback instances (Python API only)
 
 
@@ -120,9 +123,11 @@ def add_task_flags(parser) -> None:
 
 
 def checked(cfg: FinetuneConfig) -> FinetuneConfig:
-    """``cfg`` with its task resolved to a :class:`cuboid.tasks.Task` (None: the model's head decides); a
-    one-sentence ValueError for an unknown optimizer, schedule, lr scaling, task or task option, a bad decay
-    power, or packing or streaming for a task that does neither, before any work."""
+    """``cfg`` with its task resolved to a :class:`cuboid.tasks.Task` (None: the model's head decides), a hub
+    id of a model found in the Hugging Face cache (or downloaded) as its local folder (:mod:`cuboid.loading.hub`)
+    and the ``report_to`` trackers' callback added (:mod:`cuboid.train.trackers`); a one-sentence ValueError
+    for an unknown optimizer, schedule, lr scaling, task or task option, a bad decay power, packing or
+    streaming for a task that does neither, an unknown tracker or one not installed, before any work."""
     from cuboid.train.limits import check_numbers
 
     check_numbers({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})  # every count and rate in range
@@ -133,6 +138,10 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
         if cfg.lora is None:
             raise ValueError(f"--quantize {cfg.quantize} freezes the base in 4 bits, which takes no gradient: full "
                              f"fine-tuning of a 4-bit base is not possible; add --lora (QLoRA)")
+    if cfg.lora is not None and not (isinstance(cfg.lora, str) and os.path.isdir(cfg.lora)):  # (a peft folder)
+        from cuboid.parallel.lora import LoraConfig
+
+        LoraConfig.parse(cfg.lora)  # a bad --lora value is one sentence now, before any work
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; optimizers: {', '.join(OPTIMIZERS)}")
     if cfg.schedule not in SCHEDULES:
@@ -148,7 +157,13 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     task = with_flags(cfg.task, {**{k: getattr(cfg, k) for k in TASK_FLAGS}, **cfg.task_options})
     if task is not None:
         task.check(packing=cfg.packing, streaming=cfg.streaming)
-    return dataclasses.replace(cfg, task=task)
+    from cuboid.loading.hub import locate
+    from cuboid.train import trackers
+
+    report_to = trackers.parse(cfg.report_to)  # an unknown tracker or a missing package: an error now
+    extra = [] if any(isinstance(cb, trackers.Reporter) for cb in cfg.callbacks) else trackers.callbacks(report_to)
+    return dataclasses.replace(cfg, task=task, model=locate(cfg.model), report_to=report_to,
+                               callbacks=[*cfg.callbacks, *extra])
 
 
 def _fields(options: type) -> set:

@@ -35,6 +35,8 @@ RANGES: dict = {
     "headroom": (0.0, 1.0, "[)", "a fraction of the memory"),
     "temperature": (0.0, None, "()", "a sampling temperature"),
     "top_p": (0.0, 1.0, "(]", "a probability"),
+    "num_fewshot": (0, INT_MAX, "[]", "few-shot examples per prompt"),
+    "limit": (0.0, None, "()", "examples per task, or a fraction of them below 1"),
     # cuboid plans: every plan of the world is enumerated and priced (2247 plans and a minute's enumeration
     # alone at 4096 for gpt2); past 1024 the command would not answer while one waits
     "gpus": (1, 1024, "[]", "GPUs to plan for; the enumeration stops there"),

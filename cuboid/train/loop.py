@@ -56,9 +56,12 @@ from cuboid.data.formats import (PREPARED_FLAGS, GlobalBatches, check_prepared, 
 from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_options
 from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
-from cuboid.train.resume import (check_output_dir, decided_on_rank0, interrupted, load_checkpoint, own_checkpoints,
-                           restart_count, resume_folder, run_id_of, write_run_file)
+from cuboid.train.interrupt import Interrupted, StopOnInterrupt
+from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
+                                 new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
+                                 write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
+from cuboid.train.sizes import padding_line, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
 
@@ -124,6 +127,8 @@ class Run:
     run_id: Optional[str] = None          # this run's id (a resumed run keeps its checkpoint's; cuboid.train.resume)
     last_eval: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
+    hf_fields: dict = field(default_factory=dict)  # special token ids config.json gains (cuboid.train.generation_config)
+    generation_config: Optional[dict] = None       # generation_config.json of a causal LM's folders
 
     @property
     def unit(self) -> str:
@@ -154,12 +159,14 @@ def run(cfg: FinetuneConfig) -> dict:
     """The whole run (module docstring); the final metrics."""
     r = start(checked(cfg))
     load_data_and_model(r)
+    special_tokens(r)
     batching(r)
     optimization(r)
     resume(r)
     announce(r)
-    train(r)
-    return finish(r)
+    with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
+        train(r, stop)
+        return finish(r)
 
 
 def start(cfg: FinetuneConfig) -> Run:
@@ -212,14 +219,36 @@ def load_data_and_model(r: Run) -> None:
     if cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} counts rows: it must be a multiple of the {per} the task "
                          f"{r.task.describe()} makes of each example")
-    r.batches = GlobalBatches(train_data, cfg.batch_size // per, seed=cfg.seed, width_multiple=width_multiple(r.plan))
+    fit_to_data(r, len(next(iter(train_data.values()))) if train_data else 0)
+    r.batches = GlobalBatches(train_data, r.cfg.batch_size // per, seed=cfg.seed,
+                              width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
 
 
-def width_multiple(plan: Plan) -> int:
-    """What a batch's row width is rounded up to: whole pieces for the plan's sequence and tensor splits
-    (and multiples of 8 for the kernels' tiles)."""
-    return math.lcm(8, 2 * plan.sp * plan.tp)
+def fit_to_data(r: Run, examples: int) -> None:
+    """A global batch larger than the training split reduced to it (:func:`cuboid.train.sizes.fit_batch`);
+    the peak lr follows the new batch under ``--lr-scaling``."""
+    from cuboid.train.sizes import fit_batch
+
+    cfg, plan = r.cfg, r.plan
+    batch, line = fit_batch(cfg.batch_size, examples, per=r.task.rows_per_example, dp=r.mesh.size("dp"),
+                            pipeline_microbatches=plan.microbatches if plan.pp > 1 else 1,
+                            micro=cfg.micro_batch_size, unit_name="rows" if cfg.packing else "examples")
+    if line is not None:
+        log(line)
+        r.cfg = dataclasses.replace(cfg, batch_size=batch)
+        r.peak_lr = scaled_lr(cfg.lr, batch, cfg.reference_batch, cfg.lr_scaling)
+
+
+def special_tokens(r: Run) -> None:
+    """The special token ids and generation config a causal LM's folders carry
+    (:mod:`cuboid.train.generation_config`)."""
+    from cuboid.parallel import unwrap
+    from cuboid.train.generation_config import special_ids
+
+    options = getattr(r.task, "options", None)
+    r.hf_fields, r.generation_config = special_ids(unwrap(r.model).config, r.tokenizer, r.cfg.model,
+                                                   getattr(options, "chat_template", None) or r.cfg.chat_template)
 
 
 def load_stream_and_model(r: Run) -> None:
@@ -338,7 +367,12 @@ def resume(r: Run) -> None:
     restart = r.restart
     r.resumed_from = resume_folder(r.cfg.resume, r.output_dir, r.mesh, restart)
     if r.resumed_from is not None:
+        settings = run_settings(r.cfg, r.task, r.steps)
+        changed = None if restart else decided_on_rank0(r.mesh, lambda: changed_settings(r.resumed_from, settings))
         saved = load_checkpoint(r.resumed_from, r.model, r.optimizer, r.scheduler, r.mesh, r.cfg.lora is not None)
+        if changed:
+            log(changed)
+            new_recipe(r.optimizer, r.scheduler, r.peak_lr)
         r.start = int(saved["step"])
         if r.start > r.steps:
             raise ValueError(f"--steps {r.steps} is below step {r.start} of {r.resumed_from}, which this run "
@@ -410,36 +444,24 @@ def announce(r: Run) -> None:
                                                               if r.unit == "tokens" else ""))
 
 
-def padding_line(tensors: dict, batch_size: Optional[int] = None) -> str:
-    """The training rows' padding in one line (packed rows: how many documents they hold; rows padded to
-    the split's longest: that batches are cut to their own longest) and, with labels, the trained tokens
-    (loss targets: labels not -100 after a row's first position, which the shift never predicts)."""
-    ids = tensors["input_ids"]
-    ids = ids.reshape(-1, ids.shape[-1])  # (pairs of rows, (P, 2, L): their rows)
-    rows, width = ids.shape
-    real = real_tokens(tensors)
-    line = f"data: {rows} rows of {width} tokens, {real:,} of them real, padding {1 - real / ids.numel():.1%}"
-    if "position_ids" in tensors:  # a packed row: a document starts at each position 0 (a split one once a piece)
-        docs = int(((tensors["position_ids"] == 0) & (tensors["attention_mask"] == 1)).sum())
-        line += f" (packed: {docs} documents, {docs / rows:.1f} a row, attending only within themselves)"
-    elif "attention_mask" in tensors and "labels" in tensors and tensors["labels"].dim() == 2:
-        line += " at the longest row's width (each batch is cut to its own longest row)"
-    labels = tensors.get("labels")
-    labels = labels.reshape(-1, labels.shape[-1]) if labels is not None and labels.dim() == 3 else labels
-    if labels is not None and labels.dim() == 2 and labels.shape == ids.shape:
-        trained = int((labels[:, 1:] != -100).sum())
-        line += f"; {trained:,} trained tokens" + (f", {trained * batch_size / rows:,.0f} a step on average"
-                                                   if batch_size else "")
-    return line
-
-
-def train(r: Run) -> None:
-    """Steps ``start + 1 .. steps``: each one logged, evaluated and checkpointed on its interval."""
+def train(r: Run, stop: StopOnInterrupt) -> None:
+    """Steps ``start + 1 .. steps``: each one logged, evaluated and checkpointed on its interval; ``stop``
+    says whether Ctrl-C asked for the run to stop (:func:`steps`)."""
     r.callbacks.fire("on_train_begin", r)
     bar = None
     if r.mesh.is_main and r.cfg.progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=r.steps, initial=r.start, desc="finetune", unit="step", dynamic_ncols=True)
+    try:
+        steps(r, bar, stop)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def steps(r: Run, bar, stop: StopOnInterrupt) -> None:
+    """The steps of :func:`train`; after each, every rank learns whether Ctrl-C asked any to stop, and all
+    save that step and raise :class:`~cuboid.train.interrupt.Interrupted` (:mod:`cuboid.train.interrupt`)."""
     t0, seen = time.perf_counter(), 0
     for step in range(r.start + 1, r.steps + 1):
         r.callbacks.fire("on_step_begin", r, step)
@@ -462,10 +484,11 @@ def train(r: Run) -> None:
             show_progress(bar, row, r.last_eval.get(r.task.metric, row.get(r.task.metric)), r.task.metric, r.unit,
                           rate)
         r.callbacks.fire("on_step_end", r, step, row)
-        if r.cfg.save_every and step % r.cfg.save_every == 0 and step < r.steps:
+        saved = r.cfg.save_every and step % r.cfg.save_every == 0 and step < r.steps
+        if saved:
             save(r, step)
-    if bar is not None:
-        bar.close()
+        if stop.agreed(r.mesh.world_size, r.device) and step < r.steps:
+            raise Interrupted(step, r.steps, (r.output_dir / f"checkpoint-{step}") if saved else save(r, step))
 
 
 def train_one_step(r: Run, step: int):
@@ -492,6 +515,7 @@ def record(r: Run, row: dict) -> None:
     if row["step"] % r.cfg.log_every == 0 or "eval_loss" in row or row["step"] == r.steps:
         with open(r.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        r.callbacks.fire("on_log", r, row)  # the trackers (--report-to) get the rows metrics.jsonl gets
 
 
 def show_progress(bar, row: dict, figure: Optional[float], metric: str, unit: str, rate: float) -> None:
@@ -515,7 +539,8 @@ def save(r: Run, step: int) -> Path:
         data = {"stream": gather_positions(r.batches, r.mesh)}
     else:
         data = {"position": r.batches.position}
-    state = {"step": step, "data": data, "plan": r.plan.to_dict(), "run_id": r.run_id}
+    state = {"step": step, "data": data, "plan": r.plan.to_dict(), "run_id": r.run_id,
+             "run": run_settings(r.cfg, r.task, r.steps)}
     r.callbacks.fire("on_save_begin", r, step, path)
     with r.callbacks.save_files(r, step):
         if r.cfg.lora is not None:
@@ -523,7 +548,8 @@ def save(r: Run, step: int) -> Path:
 
             save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state)
         else:
-            ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state)
+            ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
+                      config_fields=r.hf_fields, generation_config=r.generation_config)
     if r.mesh.is_main:
         for old in own_checkpoints(path.parent, r.run_id)[:-max(r.cfg.keep, 1)]:  # never another run's
             shutil.rmtree(old, ignore_errors=True)
@@ -545,9 +571,11 @@ def finish(r: Run) -> dict:
         from cuboid.zoo.lora import save_adapters
 
         save_adapters(r.model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
-                      and os.path.isdir(cfg.model) else None, tokenizer=r.tokenizer)
+                      and os.path.isdir(cfg.model) else None, tokenizer=r.tokenizer,
+                      generation_config=r.generation_config)
     else:
-        ckpt.save(r.model, final, tokenizer=r.tokenizer)
+        ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,
+                  generation_config=r.generation_config)
     r.mesh.barrier()
     summary = {"step": r.steps, "task": r.task.describe(), **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
                "model": str(final.resolve())}

@@ -245,3 +245,85 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, mesh: Mesh, lora: b
     verify_once(ckpt.verify, path, mesh)  # before any value is used
     ckpt.load(model, path)
     return ckpt.load_training_state(path, model, optimizer=optimizer, scheduler=scheduler)["state"]
+
+
+# what a checkpoint's run recorded (its trainer state's "run", :func:`run_settings`) that a
+# resume cannot change: another objective, optimizer state of another kind, adapters of another shape, another
+# base format would each train something else than the checkpoint holds
+FIXED_SETTINGS = ("task", "optimizer", "lora", "quantize")
+
+
+def run_settings(cfg, task, steps: int) -> dict:
+    """What a run's checkpoints record of its settings (their trainer state's ``run``), as JSON values: what
+    :func:`changed_settings` compares on resume. The plan is not among them: any plan resumes any checkpoint."""
+    import json
+
+    lora = cfg.lora
+    if lora is not None and not (isinstance(lora, (str, os.PathLike)) and os.path.isdir(lora)):
+        from cuboid.parallel.lora import LoraConfig
+
+        c = LoraConfig.parse(lora)
+        lora = f"r={c.r},alpha={c.alpha:g},dropout={c.dropout:g},targets={'+'.join(c.targets)}"
+    settings = {"task": task.label, "task_options": task.describe(), "optimizer": cfg.optimizer,
+                "lora": None if lora is None else str(lora), "quantize": cfg.quantize, "steps": steps,
+                "batch_size": cfg.batch_size, "micro_batch_size": cfg.micro_batch_size, "lr": cfg.lr,
+                "lr_scaling": cfg.lr_scaling, "reference_batch": cfg.reference_batch, "warmup": cfg.warmup,
+                "schedule": cfg.schedule, "decay_power": cfg.decay_power, "weight_decay": cfg.weight_decay,
+                "max_grad_norm": cfg.max_grad_norm, "seed": cfg.seed, "seq_len": cfg.seq_len, "packing": cfg.packing,
+                "data": (str(Path(cfg.data).resolve()) if os.path.exists(cfg.data) else cfg.data)
+                if isinstance(cfg.data, str) else None}
+    return json.loads(json.dumps(settings))
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def changed_settings(checkpoint: Path, now: dict) -> Optional[str]:
+    """One line naming the settings of this run (``now``) that differ from those the run of ``checkpoint``
+    recorded (None: none differ, or the checkpoint recorded none); a one-line ValueError when one of
+    :data:`FIXED_SETTINGS` differs."""
+    from cuboid.zoo.checkpoint.format import TRAINER_STATE
+
+    saved = _run_settings(checkpoint / TRAINER_STATE)
+    if not saved:
+        return None
+    diffs = [(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
+    fixed = [d for d in diffs if d[0] in FIXED_SETTINGS]
+    if fixed:
+        what = "; ".join(f"{k} {_shown(old)} there, {_shown(new)} here" for k, old, new in fixed)
+        raise ValueError(f"--resume {checkpoint}: {what}: a resumed run keeps its {' and '.join(k for k, *_ in fixed)}"
+                         f"; give the checkpoint's, or start a fresh run in another --output-dir")
+    if not diffs:
+        return None
+    return (f"resuming {checkpoint} with settings changed from its run: "
+            + ", ".join(f"{k} {_shown(old)} -> {_shown(new)}" for k, old, new in diffs))
+
+
+def _run_settings(file: Path) -> dict:
+    """The ``state.run`` table of a trainer state file, read leniently as data ({} when absent)."""
+    from cuboid.zoo.checkpoint.format import CheckpointError, parse_json
+
+    try:
+        value = parse_json(file.read_bytes(), file)
+    except (OSError, CheckpointError):
+        return {}
+    run = value.get("state", {}).get("run") if isinstance(value, dict) and isinstance(value.get("state"), dict) \
+        else None
+    return run if isinstance(run, dict) else {}
+
+
+def new_recipe(optimizer, scheduler, peak_lr: float) -> None:
+    """After a resume with changed settings: the scheduler's peak lr is this run's ``peak_lr`` (the checkpoint's
+    scheduler state brought back the old one; the steps, warmup and decay are this run's already: its
+    ``lr_lambda`` is not saved), and the step about to run takes the new schedule's lr."""
+    groups = optimizer.param_groups
+    if any(base != peak_lr for base in scheduler.base_lrs):
+        scheduler.base_lrs = [peak_lr] * len(groups)
+        for g in groups:
+            g["initial_lr"] = peak_lr
+    for g, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        g["lr"] = base * f(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]

@@ -8,8 +8,8 @@ rule) in three pieces, each a pure function so tests can check the numbers:
   a reference batch ``B0``: ``none`` keeps it, ``linear`` multiplies by
   ``B / B0`` (Goyal et al.), ``sqrt`` by ``sqrt(B / B0)`` (the LAMB paper's
   rule: the gradient's noise falls as ``1 / sqrt(B)``);
-- :func:`warmup_steps`: warmup given as a fraction of the run (< 1) or a step
-  count (>= 1);
+- :func:`warmup_steps`: warmup given as a fraction of the run (< 1, rounded up
+  to whole steps) or a step count (>= 1);
 - :func:`lr_lambda`: the multiplier of the peak rate at each step, for
   ``torch.optim.lr_scheduler.LambdaLR``: a linear ramp ``(t + 1) / W`` over
   the ``W`` warmup steps, then ``cosine``, ``linear``, ``constant`` or
@@ -40,10 +40,13 @@ def scaled_lr(lr: float, batch: int, reference_batch: int, scaling: str = "none"
 
 
 def warmup_steps(warmup: float, steps: int) -> int:
-    """Warmup steps of a ``steps``-step run: ``int(warmup * steps)`` for a fraction, else ``int(warmup)``."""
+    """Warmup steps of a ``steps``-step run: a fraction rounded up (the HF Trainer's ``warmup_ratio``:
+    ``ceil(warmup * steps)``, so warmup asked for is at least one step), else ``int(warmup)``."""
     if warmup < 0:
         raise ValueError(f"--warmup {warmup}: give a fraction of the steps (< 1) or a step count (>= 1)")
-    return int(warmup * steps) if warmup < 1 else int(warmup)
+    if warmup < 1:
+        return math.ceil(round(warmup * steps, 9))  # (0.1 x 30 is 3.0000000000000004 in floats: 3 steps)
+    return int(warmup)
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total: int, power: float = 1.0):

@@ -78,7 +78,8 @@ def _role(spec, path: str):
     return hit[1]
 
 
-def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *, experts=()) -> dict:
+def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *, experts=(),
+                 quantized: int = 0) -> dict:
     """Bytes of parameters, gradients and AdamW state this rank holds, from its parameters ``params``
     (meta tensors do: the shapes of its shards and stages) under ``plan``'s ZeRO stage over ``dp`` (under
     sp over dp x sp: :func:`.zero.group_of`).
@@ -90,14 +91,16 @@ def model_states(params: Sequence[torch.Tensor], plan: Plan, dp_rank: int = 0, *
     those of ``params`` that are a mixture of experts' experts (:func:`expert_parameters`): this rank's
     ``E / ep`` experts, whose ZeRO group is ``edp`` (``dp x sp / ep`` ranks) with buckets and units of their
     own; ``dp_rank`` is the rank's index ``d`` among the ``dp x sp`` ranks, in ``edp`` ``d // ep`` (the
-    mesh's layout: runs of ``ep`` consecutive ranks hold every expert once).
+    mesh's layout: runs of ``ep`` consecutive ranks hold every expert once). ``quantized``: bytes of a
+    frozen 4-bit base this rank keeps as buffers (:func:`cuboid.parallel.quant.quantized_bytes`), counted
+    with the parameters: no gradient, no optimizer state, no ZeRO shard.
     """
     ps = trainable(params)
     mine = {id(p) for p in experts} if plan.ep > 1 else set()  # without ep the experts are parameters like others
     groups = [([p for p in ps if id(p) not in mine], plan.dp * plan.sp, dp_rank),
               ([p for p in ps if id(p) in mine], plan.dp * plan.sp // plan.ep, dp_rank // plan.ep)]
     frozen = sum(p.numel() * p.element_size() for p in dict.fromkeys(params) if not p.requires_grad)
-    out = {"params": frozen, "grads": 0, "optimizer": 0, "masters": 0}
+    out = {"params": frozen + quantized, "grads": 0, "optimizer": 0, "masters": 0}
     for group, n, rank in groups:
         if group:
             _add_states(out, group, plan.zero, n, rank)
@@ -311,7 +314,8 @@ def pipeline_buffers(plan: Plan, stage: Stage, dim: int, micro_rows: int, seq: i
 
 
 def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows: int, seq: int, layout: str,
-               states: dict, blocks: str = "blocks.", device_type: str = "cpu", experts=()) -> dict:
+               states: dict, blocks: str = "blocks.", device_type: str = "cpu", experts=(),
+               dequantized: float = 0.0) -> dict:
     """A rank's peak bytes, by part: ``states`` (:func:`model_states`), ``activations`` (kept by the blocks
     after the forward, :func:`held_activations`), ``rebuilt`` (one block's, recomputed in backward),
     ``copies`` (autocast's half copies of the block linears saved for backward without checkpointing: a
@@ -322,7 +326,9 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     masters plus the larger of the forward's peak and the optimizer step's (the gradients and its
     temporaries, ``step``); DDP's gradient buckets (``buckets``) and the pipeline's receive buffers
     (``pipeline``, :func:`pipeline_buffers`) are held throughout. ``device_type`` ("cpu" or "cuda") picks
-    the loss head's chunk rule (:func:`head_bytes`)."""
+    the loss head's chunk rule (:func:`head_bytes`). ``dequantized``: bytes of the largest weight a 4-bit
+    base dequantizes for one matmul (forward, and again for backward's input gradient: never kept), held
+    beside the activations (``dequantized``); its NF4 layers make no autocast copies (not parameters)."""
     act, rebuilt = held_activations(shape, plan, stage, micro_rows, seq, layout, parts=True)
     mats, one_block, rest = _block_matrices(params, blocks, experts)
     pbytes = next((p.element_size() for p in params.values()), 4)
@@ -338,6 +344,7 @@ def peak_bytes(shape: Shape, plan: Plan, stage: Stage, params: dict, micro_rows:
     # the optimizer step: the foreach AdamW's fp32 temporaries over the rank's pieces (and the fp32 copy of a half
     # gradient), beside the gradients
     step = states["grads"] + states["optimizer"] / ADAMW_STATE_BYTES * 4 * OPTIMIZER_TEMPORARIES[layout]
-    total = fixed + max(act + copies + head + max(rebuilt, temporaries), step)
+    total = fixed + max(act + copies + head + max(rebuilt, temporaries) + dequantized, step)
     return {"states": states["total"], "activations": act, "rebuilt": rebuilt, "copies": copies, "head": head,
-            "temporaries": temporaries, "buckets": buckets, "pipeline": pipeline, "step": step, "total": total}
+            "temporaries": temporaries, "buckets": buckets, "pipeline": pipeline, "step": step,
+            "dequantized": dequantized, "total": total}

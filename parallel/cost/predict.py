@@ -256,7 +256,7 @@ def _refuse_if_full(est: Estimate, hw: Hardware, headroom: float) -> None:
 def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq: int, *, spec=None,
             block_cuts: Sequence[range] = (), masked: bool = False, name: str = "",
             layers_only: bool = False, layout: Optional[str] = None,
-            headroom: float = DEFAULT_HEADROOM) -> Estimate:
+            headroom: float = DEFAULT_HEADROOM, quantized: Optional[dict] = None) -> Estimate:
     """The :class:`Estimate` of ``plan`` for a model of ``config`` (a :class:`~.shape.Shape`, or a config its
     family registered) on ``hw``.
 
@@ -268,7 +268,10 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
     ``headroom``: the share of device memory a plan must leave free to fit. A grid mode's traffic is split
     evenly over its axes, each priced on the links its group spans. Without a pipeline, ``microbatches`` > 1
     is priced as gradient accumulation (Megatron's micro-batches; cuboid's trainer accumulates by its
-    ``micro_batch_size``, the enumeration leaves it at 1).
+    ``micro_batch_size``, the enumeration leaves it at 1). ``quantized``: ``{rank: (bytes, elements)}`` of a
+    frozen 4-bit base (QLoRA) beside the parameters, :func:`cuboid.parallel.quant.quantized_bytes`: its bytes
+    are held with the parameters and its largest weight is dequantized for one matmul at a time
+    (:func:`.memory.peak_bytes`).
     """
     from ..mesh import Mesh
 
@@ -289,9 +292,11 @@ def predict(config, plan: Plan, rank_params: dict, hw: Hardware, batch: int, seq
         ps = trainable(params.values())
         lay = layout or layout_of(plan, ps[0].dtype if ps else None)
         experts = expert_parameters(params, spec)
-        states = model_states(list(params.values()), plan, experts=experts)
+        nf4_bytes, nf4_largest = (quantized or {}).get(rank, (0, 0))
+        states = model_states(list(params.values()), plan, experts=experts, quantized=nf4_bytes)
         micro = batch // plan.dp // plan.microbatches
-        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type, experts)
+        peak = peak_bytes(shape, plan, stage, params, micro, seq, lay, states, blocks_prefix, device_type, experts,
+                          dequantized=nf4_largest * (4 if lay == "fp32" else 2))
         if peak["total"] > fullest:
             fullest = peak["total"]
             _take_memory(est, s, stage, peak, states, rank, lay)

@@ -32,7 +32,9 @@ def test_lr_scaling_is_the_formula():
 
 
 def test_warmup_and_poly_decay_are_the_formula():
-    assert warmup_steps(0.1, 50) == 5 and warmup_steps(0.25, 10) == 2 and warmup_steps(7, 50) == 7
+    assert warmup_steps(0.1, 50) == 5 and warmup_steps(7, 50) == 7 and warmup_steps(0, 3) == 0
+    # a fraction rounds up, as the HF Trainer's warmup_ratio: warmup asked for is at least one step
+    assert warmup_steps(0.25, 10) == 3 and warmup_steps(0.1, 3) == 1 and warmup_steps(0.1, 30) == 3
     total, warm, power = 20, 5, 2.0
     f = lr_lambda("poly", warm, total, power)
     for t in range(total):

@@ -21,7 +21,7 @@ REQUIRED = {"finetune": ["--model", f"{MISSING}/model", "--data", f"{MISSING}/d.
             "generate": ["--model", f"{MISSING}/model", "--prompt", "hi"]}
 # flags whose range holds 0 (the run goes on to the next error, the missing model or data)
 ZERO_IN_RANGE = {"--weight-decay", "--warmup", "--max-grad-norm", "--save-every", "--seed", "--max-restarts",
-                 "--show", "--top-k"}
+                 "--show", "--top-k", "--num-fewshot"}
 
 
 def numeric_flags(command: str) -> list:
@@ -97,6 +97,9 @@ def test_damaged_data_files_are_one_line_naming_file_and_line(qwen, tmp_path, ca
         prompts.write_bytes(data)
         assert main(["generate", "--model", str(qwen), "--prompts", str(prompts)]) == 2
         assert f"--prompts {prompts}" in (line := one_line(capsys)) and want in line, line
+    prompts.write_text('hello\n{"messages": [{"role": "user"}]}\n')  # --chat: JSON that is not a conversation
+    assert main(["generate", "--model", str(qwen), "--prompts", str(prompts), "--chat"]) == 2
+    assert f"{prompts}:2: a --prompts line holds JSON" in (line := one_line(capsys)), line
 
 
 def test_messages_are_whole_and_one_line():

@@ -15,9 +15,10 @@ before a hang): ``fn`` may be a generator, whose every value travels back as
 soon as it is yielded, and the outcome is returned, not raised.
 
 **Warm worlds: one process group per world size.** Starting a world costs
-more than most tests run in it (n interpreters importing torch, Triton and
-cuboid), so the ranks of a world are started
-once per size and kept (:class:`_Warm`), and each call is a job sent to
+more than most tests run in it (n interpreters importing torch, Dynamo, Triton
+and cuboid), so the ranks of a world are forked from one fork server that
+imported those once (PRELOAD; the caller's environment is handed to each rank),
+started once per size and kept (:class:`_Warm`), and each call is a job sent to
 them. The first job that starts a process group (as a user's program does,
 from the torchrun environment the job gets) starts the world's; later jobs
 find it started, as a program that loads several models does. Between jobs
@@ -31,8 +32,9 @@ collective); the next call starts a new one. One world is kept at a time, and
 tests/conftest.py lets it leave at the end of each test file (idle ranks
 still take some CPU). ``fresh=True`` (and
 ``hard_exit``; ``CUBOID_TEST_FRESH_WORLDS=1`` for every call) spawns new
-processes for that call: for tests that measure a process's memory, kill
-ranks or leave by ``os._exit``.
+interpreters for that call: for tests that measure a process's memory (a
+forked rank starts with the server's imports), kill ranks or leave by
+``os._exit``.
 """
 from __future__ import annotations
 
@@ -213,8 +215,11 @@ def _job_reset(saved_env: dict) -> None:
             os._exit(3)
 
 
-def _warm_entry(rank, world, jobs, results):
-    """A warm rank: runs the jobs it is sent, one after another, until it is sent None."""
+def _warm_entry(rank, world, jobs, results, env):
+    """A warm rank: runs the jobs it is sent, one after another, until it is sent None. ``env``: the caller's
+    environment when the world started (a rank forked from the fork server would have the server's)."""
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -245,17 +250,32 @@ def _warm_entry(rank, world, jobs, results):
             sys.stderr.flush()
 
 
+# What every rank imports, imported once by the fork server that warm ranks are forked from (module docstring)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+           "torch.distributed.pipelining", "cuboid", "cuboid.kernels", "cuboid.parallel", "cuboid.zoo",
+           "cuboid.tasks", "tests.parallel.launch")
+
+
+def _forkserver():
+    """The multiprocessing context of warm worlds: forked from one server process that imported PRELOAD (a
+    spawned rank imports torch, Dynamo, Triton and cuboid anew: seconds of CPU each, times the ranks)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 class _Warm:
     """The kept ranks of one world size (module docstring): started on first use, stopped at exit or failure."""
 
     _kept: Dict[int, "_Warm"] = {}
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _forkserver()
         self.world = world
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_warm_entry, args=(r, world, self.jobs[r], self.results), daemon=True)
+        env = dict(os.environ)
+        self.procs = [ctx.Process(target=_warm_entry, args=(r, world, self.jobs[r], self.results, env), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

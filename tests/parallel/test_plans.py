@@ -63,6 +63,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .launch import run_world
+from .plan_qlora import qlora_options
 from .plan_tasks import PAIR_TASKS, pair_rows, task_batch, task_of, task_step
 from .test_data_parallel import global_batch as dp_batch
 
@@ -84,7 +85,8 @@ def family_options(name, plan, index):
     padding) and, for the Llama family, the key/value heads turned by the plan's index over KV_HEADS, the
     first the plan takes (2D/3D and all-to-all need them to divide their head split), and on some plans the
     sequence-classification head (each row's score at its last real token), with three classes or with one
-    output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index."""
+    output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index, and on one plan in
+    six a 4-bit NF4 base with LoRA adapters (plan_qlora.qlora_options)."""
     from cuboid import zoo
 
     if name == "vit-debug":
@@ -102,7 +104,8 @@ def family_options(name, plan, index):
             plan.validate(zoo.config_of(name, n_kv_heads=kv))
         except ValueError:
             continue
-        return {"vocab_size": 510, "n_kv_heads": kv, **cls}
+        options = {"vocab_size": 510, "n_kv_heads": kv, **cls}
+        return {**options, **qlora_options(name, plan, index, options)}  # on some plans a 4-bit base with LoRA
     raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
 
 
@@ -358,14 +361,14 @@ def _params_err(model, want) -> float:
 
 
 # every how many plan indices a run also checks reliability (MoE, others) per world size: a check is a save,
-# a load on one device on every rank and four evaluations, and the 8-rank MoE enumeration is the largest
-RELIABILITY_EVERY = {2: (1, 4), 4: (2, 4), 8: (12, 12)}
+# a load on one device (rank 0) and four evaluations, and the 8-rank MoE enumeration is the largest
+RELIABILITY_EVERY = {2: (1, 4), 4: (1, 4), 8: (4, 12)}
 
 
 def checks_reliability(index: int, name: str, world: int) -> bool:
     """Whether the run also evaluates with a dp rank a batch short and saves a checkpoint read back on one device
-    (reliability_checks): every mixture of experts' run on 2 ranks, every other on 4, every 12th on 8; every
-    4th (12th on 8 ranks) of the others, turned by the plan's index (RELIABILITY_EVERY)."""
+    (reliability_checks): every mixture of experts' run on 2 and 4 ranks, every 4th on 8; every 4th (12th on 8
+    ranks) of the others, turned by the plan's index (RELIABILITY_EVERY)."""
     moe, other = RELIABILITY_EVERY.get(world, (4, 4))
     return index % (moe if name in MOE + MOE_OTHERS else other) == 0
 

@@ -1,9 +1,11 @@
 """QLoRA (a frozen NF4 base, ``cuboid.load(..., quantize="nf4", lora=...)``) under the plans on 2 ranks: dp,
 ZeRO-3, 1D tensor parallelism and the pipeline each take one device's three steps (losses
 within 1e-5, adapters within 1e-6 as test_lora measures them), the 4-bit weights stay buffers (no gradient, no
-optimizer state) and every rank's dequantized slice equals the same slice of one device's weight bit for bit.
+optimizer state), every rank's dequantized slice equals the same slice of one device's weight bit for bit,
+and the cost model's price of each rank's 4-bit base (quant.quantized_bytes) is the bytes its layers hold.
 The model is llama-debug widened to 128 (tp's row cuts then hold whole blocks of 64). A folder transformers +
-bitsandbytes saved in 4 bits loads under tp=2 (each rank slicing the stored codes) with one device's logits."""
+bitsandbytes saved in 4 bits loads under tp=2 (each rank slicing the stored codes) with one device's logits, and
+``cuboid.zoo.to_hf`` of it under tp=2 writes every tensor bit-equal to the folder transformers saved."""
 import torch
 
 from .launch import run_world
@@ -54,10 +56,14 @@ def bnb_folder(root):
 BNB_IDS = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(1))
 
 
-def bnb_logits(folder, plan=None, mesh=None):
+def bnb_logits(folder, plan=None, mesh=None, write=None):
+    """Logits of the bitsandbytes folder loaded under ``plan``; ``write``: a folder ``cuboid.zoo.to_hf`` writes the
+    loaded model to (every rank)."""
     import cuboid
 
     model = cuboid.load(folder, plan, mesh=mesh, dtype=torch.float32).eval()
+    if write:
+        cuboid.zoo.to_hf(model, write)
     with torch.no_grad():
         return model(input_ids=BNB_IDS).logits
 
@@ -68,7 +74,8 @@ def qlora_worker(refs, folder, want_logits):
 
     report = {}
     plan = Plan.parse("tp=2")
-    report["bnb tp=2"] = float((bnb_logits(folder, plan, Mesh.build(plan)) - want_logits).abs().max())
+    logits = bnb_logits(folder, plan, Mesh.build(plan), write=f"{folder}-tp2")  # written from the tp shards
+    report["bnb tp=2"] = float((logits - want_logits).abs().max())
     for spec in PLANS:
         plan = Plan.parse(spec)
         mesh = Mesh.build(plan)
@@ -78,11 +85,12 @@ def qlora_worker(refs, folder, want_logits):
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         losses = _steps(model, NAME, opt, plan.pp > 1, mesh.group("dp"), mesh.size("dp"))
         # each rank's dequantized slice is one device's weight, sliced as the layer slices it
-        from cuboid.parallel.quant import quantized_layers
+        from cuboid.parallel.quant import held_nf4_bytes, quantized_bytes, quantized_layers
 
         slices_equal = all(torch.equal(layer.dequantized(torch.float32),
                                        layer.local_part("weight", weights[p]))
                            for p, layer in quantized_layers(model))
+        held = [layer.nf4_weight() for _, layer in quantized_layers(model)]
         pairs = gathered(model)
         adapters = [(n, t) for n, t in pairs if _adapter(n)]
         report[spec] = {
@@ -93,6 +101,9 @@ def qlora_worker(refs, folder, want_logits):
             "trainable_adapters_only": all(_adapter(n) for n in trainable),
             "state_on_adapters_only": len(opt.state) == len(trainable),
             "slices_equal": slices_equal,
+            # the cost model's price of this rank's 4-bit base (tp: its slices' codes and fp32 scales)
+            "priced": quantized_bytes(model) == (sum(held_nf4_bytes(layer) for _, layer in quantized_layers(model)),
+                                                 max(q.numel for q in held)),
             "base_unchanged": all(torch.equal(t, init[n]) for n, t in pairs if not _adapter(n)),
         }
     return report
@@ -113,5 +124,14 @@ def test_qlora_plans_2_ranks(tmp_path):
         for spec, r in report.items():
             assert r["quantized"] > 0 and (r["seen"] > 0), (rank, spec, r)
             assert r["trainable_adapters_only"] and r["state_on_adapters_only"], (rank, spec, r)
-            assert r["slices_equal"] and r["base_unchanged"], (rank, spec, r)
+            assert r["slices_equal"] and r["base_unchanged"] and r["priced"], (rank, spec, r)
             assert r["loss"] < 1e-5 and r["adapters"] < 1e-6, (rank, spec, r)
+    # cuboid.zoo.to_hf under tp=2 (each rank holding slices) writes what transformers + bitsandbytes saved
+    from safetensors.torch import load_file
+
+    ours, theirs = load_file(f"{folder}-tp2/model.safetensors"), {}
+    for f in (tmp_path / "bnb4").glob("*.safetensors"):
+        theirs.update(load_file(str(f)))
+    assert set(ours) == set(theirs) and any(k.endswith(".nested_absmax") for k in ours)
+    bad = [k for k in theirs if ours[k].dtype != theirs[k].dtype or not torch.equal(ours[k], theirs[k])]
+    assert not bad, bad[:5]

@@ -1,6 +1,7 @@
 """Sharded safetensors checkpoints in the Hugging Face layout, from and into any plan.
 
-    save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None) -> Path
+    save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None,
+         config_fields=None, generation_config=None) -> Path
     load(model, path, *, strict=True, verify=False) -> {"missing", "unexpected", "mismatched"}
     load_training_state(path, model, optimizer=None, scheduler=None, *, rng=True) -> dict
     verify(path, *, require_checksums=True) -> {"path", "files", "tensors", "bytes"}
@@ -59,7 +60,8 @@ __all__ = ["save", "load", "load_training_state", "verify", "convert", "resolve"
            "TensorFolder"]
 
 
-def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None):
+def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, state=None, tokenizer=None,
+         config_fields=None, generation_config=None):
     """:func:`.writer.save` (its docstring says what is written); a LoRA model's adapters (and ``tokenizer``)
     as a peft folder under its commit file (:func:`.lora_state.save_adapters`)."""
     from .adapters import has_adapters
@@ -72,7 +74,8 @@ def save(model, path, *, max_shard_size="5GB", optimizer=None, scheduler=None, s
 
         return save_adapters(model, path, tokenizer=tokenizer)
     return save_model(model, path, max_shard_size=max_shard_size, optimizer=optimizer, scheduler=scheduler,
-                      state=state, tokenizer=tokenizer)
+                      state=state, tokenizer=tokenizer, config_fields=config_fields,
+                      generation_config=generation_config)
 
 
 def verify(path, *, require_checksums: bool = True) -> dict:

@@ -135,12 +135,15 @@ def _all_adapters(model, rank: int, world: int) -> dict:
     return {k: v for part in _gather(sent, world) for k, v in part.items()}
 
 
-def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None) -> Path:
+def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None,
+                  generation_config: Optional[dict] = None) -> Path:
     """Write ``model``'s adapters as a peft folder (``adapter_config.json``, ``adapter_model.safetensors``, and
     ``tokenizer``'s files when given) under the commit file ``lora-adapters.json``, atomically: a crash
     mid-write leaves the folder that was there, and ``path`` is replaced only when it is empty, cuboid's own
-    or nothing but model files (:mod:`.folder`). ``base``: the base model folder peft's config names. Every
-    rank calls it (the adapters are gathered); rank 0 writes."""
+    or nothing but model files (:mod:`.folder`). ``base``: the base model folder peft's config names.
+    ``generation_config``: written as ``generation_config.json`` (the run's stop ids; ``cuboid convert
+    --merge-lora`` carries it into the merged folder). Every rank calls it (the adapters are gathered); rank 0
+    writes."""
     from .writer import write_record, write_tokenizer
 
     path = folder_mod.real(path)
@@ -151,6 +154,8 @@ def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None) ->
         write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
         _write_adapters(job, files, adapters)
         write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
+        if generation_config is not None:
+            write_record(job, "generation_config.json", generation_config, files)
 
     return _committed(path, world, rank, ADAPTERS_COMMIT, body)
 

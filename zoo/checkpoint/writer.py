@@ -232,7 +232,8 @@ def export(model: torch.nn.Module, path) -> Path:
 
 
 def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimizer=None, scheduler=None,
-         state: Optional[dict] = None, tokenizer=None) -> Path:
+         state: Optional[dict] = None, tokenizer=None, config_fields: Optional[dict] = None,
+         generation_config: Optional[dict] = None) -> Path:
     """Save ``model`` (and optionally its training state) as a sharded safetensors folder.
 
     Layout (Hugging Face's, so ``transformers.AutoModel*.from_pretrained(path)``
@@ -248,7 +249,9 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     position, ``step``) add the training state of :mod:`.state`. ``tokenizer``
     (anything with ``save_pretrained(folder)``, on the writing rank) is written
     into the folder before its commit file and recorded with its checksums, as
-    the trainer's ``final/`` holds it.
+    the trainer's ``final/`` holds it. ``config_fields`` (the special token ids a tokenizer gives) join
+    ``config.json``; ``generation_config`` is written as ``generation_config.json`` (what ``transformers``'
+    ``generate`` reads its stop ids from), both recorded inside the commit.
 
     ``path`` is resolved (a link: the folder it points to, the link kept) and
     replaced only when it is empty, cuboid's own or nothing but model files
@@ -277,7 +280,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
     where = stage_layout(model, rank)
     if where.stages > 1:
         return _save_stages(model, path, where, rank, world, max_shard_size, optimizer, scheduler, state,
-                            tokenizer)
+                            tokenizer, config_fields, generation_config)
     zero.reshard(model)  # ZeRO-3 after an evaluation forward: the sharded parameters back on the modules
     msources = model_sources(model)
     mplan = plan_shards(msources, "model", max_shard_size)
@@ -287,7 +290,7 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
         oplan = plan_shards(osources, "optimizer", max_shard_size)
     training = optimizer is not None or scheduler is not None or state is not None
     trainer = training_record(model, optimizer, scheduler, state, world) if training else None
-    cfg = hf_config(model)
+    cfg = {**hf_config(model), **(config_fields or {})}
 
     job = Job(rank == 0)
     try:
@@ -295,6 +298,8 @@ def save(model: torch.nn.Module, path, *, max_shard_size: Size = "5GB", optimize
         extra: Dict[str, FileRecord] = {}
         write_tokenizer(job, tokenizer, extra)
         write_record(job, "config.json", cfg, extra)
+        if generation_config is not None:
+            write_record(job, "generation_config.json", generation_config, extra)
         if oplan is not None:
             shards = write_shards(oplan, osources, job, lambda f: {"format": "pt"})
             extra.update(shards)
@@ -321,7 +326,8 @@ def _first_failure(outcomes: Sequence[tuple]) -> Optional[Tuple[int, str]]:
 
 
 def _save_stages(model: torch.nn.Module, path: Path, where: StageLayout, rank: int, world: int,
-                 max_shard_size: Size, optimizer, scheduler, state: Optional[dict], tokenizer=None) -> Path:
+                 max_shard_size: Size, optimizer, scheduler, state: Optional[dict], tokenizer=None,
+                 config_fields: Optional[dict] = None, generation_config: Optional[dict] = None) -> Path:
     """:func:`save` of a pipeline stage model: each stage writes its own files, rank 0 the index last.
 
     The collectives, the same on every rank and in this order: one
@@ -399,7 +405,9 @@ def _save_stages(model: torch.nn.Module, path: Path, where: StageLayout, rank: i
         files: Dict[str, FileRecord] = {f: r for recs, _ in written for f, r in recs.items()}
         extra: Dict[str, FileRecord] = {}
         write_tokenizer(job, tokenizer, extra)
-        write_record(job, "config.json", hf_config(model), extra)
+        write_record(job, "config.json", {**hf_config(model), **(config_fields or {})}, extra)
+        if generation_config is not None:
+            write_record(job, "generation_config.json", generation_config, extra)
         if oplan is not None:
             shards = {f: files[f] for f in oplan.files}
             extra.update(shards)
