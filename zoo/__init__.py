@@ -24,6 +24,8 @@ from . import hf_io
 from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
 from .bert.model import Bert
 from .common import Output, count_parameters
+from .deepseek.config import PRESETS as _DEEPSEEK_PRESETS, DeepSeekConfig
+from .deepseek.model import DeepSeekV3
 from .families import FAMILIES, family_of
 from .plans import READY_PLANS, SPECS
 from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
@@ -33,13 +35,13 @@ from .llama.model import Llama
 from .vit.config import PRESETS as _VIT_PRESETS, ViTConfig
 from .vit.model import ViT
 
-PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS, **_LLAMA_PRESETS}
-_CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT, LlamaConfig: Llama}
+PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS, **_LLAMA_PRESETS, **_DEEPSEEK_PRESETS}
+_CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT, LlamaConfig: Llama, DeepSeekConfig: DeepSeekV3}
 
-Config = Union[GPTConfig, BertConfig, ViTConfig, LlamaConfig]
+Config = Union[GPTConfig, BertConfig, ViTConfig, LlamaConfig, DeepSeekConfig]
 
-__all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "Llama", "GPTConfig", "BertConfig", "ViTConfig", "LlamaConfig",
-           "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of",
+__all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "Llama", "DeepSeekV3", "GPTConfig", "BertConfig", "ViTConfig", "LlamaConfig",
+           "DeepSeekConfig", "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of",
            "adapters_off"]
 
 

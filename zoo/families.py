@@ -21,6 +21,8 @@ from cuboid.parallel.cost.shape import Shape, register_shape
 
 from .bert.config import BertConfig
 from .bert.hf import FAMILY as _BERT
+from .deepseek.config import DeepSeekConfig
+from .deepseek.hf import FAMILY as _DEEPSEEK
 from .gpt.config import GPTConfig
 from .gpt.hf import FAMILY as _GPT
 from .hf_io import Family
@@ -29,7 +31,7 @@ from .llama.hf import FAMILY as _LLAMA
 from .vit.config import ViTConfig
 from .vit.hf import FAMILY as _VIT
 
-FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT, "llama": _LLAMA}
+FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT, "llama": _LLAMA, "deepseek": _DEEPSEEK}
 
 
 def family_of(model: nn.Module) -> Family:
@@ -77,23 +79,39 @@ def _llama_shape(c: LlamaConfig) -> Shape:
                  head_norm=2 * c.head_dim if c.qk_norm and c.qk_norm_width == "head" else 0, **_counts(c))
 
 
+def _deepseek_shape(c: DeepSeekConfig) -> Shape:
+    """DeepSeek-V3: multi-head latent attention (q through a ``q_lora_rank`` path or not, keys and values from a
+    ``kv_lora_rank`` latent plus a shared RoPE key, values of ``v_head_dim``), a gated MLP on the first
+    ``first_k_dense_replace`` layers, then a sigmoid router over ``n_experts`` experts of ``moe_hidden`` of which
+    each token takes ``experts_per_token``, beside ``n_shared_experts`` shared ones every token takes; no aux loss."""
+    experts = c.n_experts if c.moe_layers else 0
+    return Shape(c.n_layers, c.dim, c.n_heads, c.mlp_hidden, c.vocab_size, c.n_positions,
+                 tied_head=c.tie_embeddings, kv_heads=c.n_heads, head_dim=c.head_dim, gated_mlp=True,
+                 experts=experts, top_k=c.experts_per_token if experts else 0,
+                 expert_hidden=c.moe_hidden if experts else 0, sparse_layers=len(c.moe_layers),
+                 shared_hidden=c.n_shared_experts * c.moe_hidden if experts else 0, q_rank=c.q_lora_rank or 0,
+                 latent=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, **_counts(c))
+
+
 @functools.lru_cache(maxsize=64)
 def _counts(config) -> dict:
     """``parameters`` and ``active_parameters`` of a config's model: the total counted on a meta build (exact by
-    construction: every parameter once, tied ones once), less the experts a token leaves idle
-    (:attr:`LlamaConfig.inactive_parameters`) for the active ones."""
+    construction: every parameter once, tied ones once; less ``uncounted_parameters``, which transformers keeps
+    as buffers), less the experts a token leaves idle (``inactive_parameters``) for the active ones."""
     from .common import count_parameters
 
     with torch.device("meta"):
-        total = count_parameters(_BUILDS[type(config)](config))
-    idle = config.inactive_parameters if isinstance(config, LlamaConfig) else 0
+        total = count_parameters(_BUILDS[type(config)](config)) - getattr(config, "uncounted_parameters", 0)
+    idle = config.inactive_parameters if isinstance(config, (LlamaConfig, DeepSeekConfig)) else 0
     return {"parameters": total, "active_parameters": total - idle}
 
 
-_BUILDS = {GPTConfig: _GPT.build, BertConfig: _BERT.build, ViTConfig: _VIT.build, LlamaConfig: _LLAMA.build}
+_BUILDS = {GPTConfig: _GPT.build, BertConfig: _BERT.build, ViTConfig: _VIT.build, LlamaConfig: _LLAMA.build,
+           DeepSeekConfig: _DEEPSEEK.build}
 
 
-SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape}
+SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape,
+          DeepSeekConfig: _deepseek_shape}
 for _config_type, _shape_fn in SHAPES.items():
     register_shape(_config_type, _shape_fn)
 

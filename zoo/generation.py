@@ -99,6 +99,12 @@ def _swap_cores(model: nn.Module, capacity: int) -> list:
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
             if getattr(child, "role", None) == "attention" and not isinstance(child, CachedAttention):
+                if hasattr(child, "cached"):  # a core with a cache of its own (MLA's latent: zoo/deepseek/mla.py)
+                    setattr(mod, name, child.cached(capacity))
+                    swapped.append((mod, name, child))
+                    continue
+                if getattr(child, "latent", False):  # already swapped for its cache
+                    continue
                 if type(child) is not L.Attention:
                     raise NotImplementedError(f"generation under sequence parallelism is not built "
                                               f"({type(child).__name__} cores)")

@@ -42,6 +42,32 @@ _LLAMA_BLOCK = {
     "blocks.*.mlp.experts": "experts",
 }
 
+# DeepSeek-V3 under 1D tp: the heads' projections (q or q_b, kv_b) are cut by heads and o by its input, as
+# Llama's; the latent projections q_a and kv_a (hidden -> q_lora_rank, kv_lora_rank + rope) and their norms stay
+# whole on every tensor rank: they are narrow (the cost model's attention_macs counts them whole), and cutting
+# kv_a would split the latent that every head reads. The router is whole, the routed experts go over ep, the
+# shared experts are cut like a dense MLP.
+_DEEPSEEK_BLOCK = {
+    "blocks.*.attn.q": "column",
+    "blocks.*.attn.q_a": "replicate",
+    "blocks.*.attn.q_norm": "norm",
+    "blocks.*.attn.q_b": "column",
+    "blocks.*.attn.kv_a": "replicate",
+    "blocks.*.attn.kv_norm": "norm",
+    "blocks.*.attn.kv_b": "column",
+    "blocks.*.attn.proj": "row",
+    "blocks.*.mlp.gate": "column",
+    "blocks.*.mlp.up": "column",
+    "blocks.*.mlp.proj": "row",
+    "blocks.*.mlp.shared.gate": "column",
+    "blocks.*.mlp.shared.up": "column",
+    "blocks.*.mlp.shared.proj": "row",
+    "blocks.*.mlp.router": "replicate",
+    "blocks.*.mlp.experts": "experts",
+    "blocks.*.ln1": "norm",
+    "blocks.*.ln2": "norm",
+}
+
 SPECS = {
     "gpt": ShardingSpec(roles={"tok_emb": "vocab", "pos_emb": "embedding", "ln_f": "norm", "classifier": "replicate",
                                **_BLOCK_ROLES},
@@ -62,6 +88,8 @@ SPECS = {
                                  **_LLAMA_BLOCK},
                           first=("tok_emb",), last=("ln_f", "lm_head", "classifier", "tok_emb"), shifted_labels=True,
                           pooled_last=True),
+    "deepseek": ShardingSpec(roles={"tok_emb": "vocab", "lm_head": "vocab", "ln_f": "norm", **_DEEPSEEK_BLOCK},
+                             first=("tok_emb",), last=("ln_f", "lm_head", "tok_emb"), shifted_labels=True),
 }
 
 # the plans that work in this build, the same for every family
@@ -111,7 +139,7 @@ def stage_costs(config, seq_len=None) -> tuple:
     shape = shape_of(config)
     h, q, kv = shape.dim, shape.q_dim, shape.kv_dim
     t = seq_len or shape.n_positions
-    block = (2 * q + 2 * kv) * h + shape.mlp_matrices * h * shape.hidden + 2 * t * q
+    block = shape.attention_macs() + shape.mlp_matrices * h * shape.hidden + 2 * t * q
     embed = config.channels * config.patch_size ** 2 * h if isinstance(config, ViTConfig) else 3 * h
     if config.head in ("lm", "mlm"):
         head = h * config.vocab_size + (h * h if config.head == "mlm" else 0)

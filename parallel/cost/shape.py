@@ -40,6 +40,14 @@ class Shape:
     aux_loss: bool = False      # the load-balancing loss joins the loss (HF output_router_logits)
     head_norm: int = 0          # elements of a block's per-head q/k norm weights (Qwen3, Gemma 3: 2 head_dim), whole
                                 # on every tensor rank, their gradient summed over the tensor group per forward
+    # multi-head latent attention (DeepSeek-V2/V3; 0: q, k, v projections of head_dim each): keys and values come
+    # from a ``latent``-wide compressed vector plus a ``rope_dim``-wide RoPE key shared by the heads, queries
+    # through a ``q_rank`` low-rank path (0: one projection), values ``v_head_dim`` wide (head_dim: q/k's)
+    latent: int = 0
+    rope_dim: int = 0
+    q_rank: int = 0
+    v_head_dim: int = 0
+    shared_hidden: int = 0      # a sparse layer's shared experts' gated-MLP width, run by every token (DeepSeek)
     parameters: int = 0         # the model's parameters, exact (0: not given)
     active_parameters: int = 0  # those one token uses: the router and top_k of each sparse layer's experts (0: not given)
 
@@ -89,11 +97,30 @@ class Shape:
         on a sparse layer, the router (``h E``) and the ``top_k`` experts a token goes to (``k 3 h I``: active
         work, not all ``E`` experts')."""
         h = self.dim
-        attention = (2 * self.q_dim + 2 * self.kv_dim) * h
+        attention = self.attention_macs()
         sparse = self.sparse_layers if self.sparse else 0
         dense_mlp = self.mlp_matrices * h * self.hidden
         sparse_mlp = self.router_macs() + self.expert_macs()
         return self.n_layers * attention + (self.n_layers - sparse) * dense_mlp + sparse * sparse_mlp
+
+    def attention_macs(self) -> float:
+        """Multiply-adds per token of one block's attention projections: q, k, v and o (``(2 q + 2 kv) h``), or
+        MLA's ``h r + r q`` (or ``h q``) for the queries, ``h (L + R)`` into the latent and the RoPE key, ``L H
+        (nope + Dv)`` out of it, and ``H Dv h`` for the output (the latent projections are whole on every tensor
+        rank: the spec replicates them)."""
+        h = self.dim
+        if not self.latent:
+            return float((2 * self.q_dim + 2 * self.kv_dim) * h)
+        q = self.q_dim
+        queries = h * self.q_rank + self.q_rank * q if self.q_rank else h * q
+        v = self.n_heads * self.v_head_dim
+        return float(queries + h * (self.latent + self.rope_dim) + self.latent * (q - self.n_heads * self.rope_dim + v)
+                     + v * h)
+
+    def cache_elements(self) -> int:
+        """Numbers a generation cache keeps per token and layer: keys and values (``2 kv``), or MLA's latent and
+        RoPE key (``latent + rope_dim``)."""
+        return self.latent + self.rope_dim if self.latent else 2 * self.kv_dim
 
     def router_macs(self) -> float:
         """Multiply-adds per token of one sparse layer's router (``h E``); 0 for a dense model."""
@@ -101,8 +128,10 @@ class Shape:
 
     def expert_macs(self) -> float:
         """Multiply-adds per token of one sparse layer's experts: its ``top_k`` experts' gate, up and down (the
-        experts are gated MLPs: three matrices each)."""
-        return self.top_k * 3 * self.dim * self.expert_width if self.sparse else 0.0
+        experts are gated MLPs: three matrices each), and the shared experts' (``3 h shared_hidden``)."""
+        if not self.sparse:
+            return 0.0
+        return self.top_k * 3 * self.dim * self.expert_width + 3 * self.dim * self.shared_hidden
 
     def routed_elements(self) -> float:
         """fp32 elements per token a block keeps for backward beyond a dense one, averaged over the layers: a
