@@ -303,12 +303,16 @@ def sync_rng(group) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
               key_padding_mask: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
-              window: Optional[int] = None) -> torch.Tensor:
+              window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The attention core: q (B, H, T, D), k and v (B, Hkv, S, D) with H a multiple of Hkv (grouped-query
     attention), out (B, H, T, D), through the kernel; ``doc_ids`` (B, T): a query sees only keys of its
-    document; ``window``: only the ``window`` keys ending at its own (sliding-window attention)."""
+    document; ``window``: only the ``window`` keys ending at its own (sliding-window attention); ``sinks``
+    (H,): gpt-oss's per-head logits in every softmax's denominator."""
+    if sinks is None:
+        return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
+                                 window=window)
     return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, doc_ids=doc_ids,
-                             window=window)
+                             window=window, sinks=sinks)
 
 
 class Rotary(nn.Module):
@@ -375,7 +379,8 @@ class Attention(nn.Module):
     A layer so that a plan can swap it: sequence parallelism replaces it by
     ring or all-to-all attention over the ``sp`` group (:mod:`.sequence_split`),
     generation by a cached core (:mod:`cuboid.zoo.generation`), the model code
-    unchanged; a swapped core takes the same call and carries ``window`` over.
+    unchanged; a swapped core takes the same call and carries ``window`` over. ``sinks`` (H,): gpt-oss's
+    per-head sink logits (this rank's heads), passed by the model only when it has them.
     """
 
     role = "attention"
@@ -388,7 +393,8 @@ class Attention(nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                mask: Optional[Mask] = None, rope: Optional[Rotary] = None) -> torch.Tensor:
+                mask: Optional[Mask] = None, rope: Optional[Rotary] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if mask is not None and not isinstance(mask, Mask):
             raise TypeError(f"an attention core takes a cuboid.parallel.mask.Mask, got {type(mask).__name__}")
         if rope is not None:
@@ -398,8 +404,9 @@ class Attention(nn.Module):
                 T = q.shape[2]
                 q, k = rope(q, k, torch.arange(T, device=q.device), ("range", T))
         if mask is None:
-            return attention(q, k, v, causal=causal, window=self.window)
-        return attention(q, k, v, causal=causal, key_padding_mask=mask.keep, doc_ids=mask.docs, window=self.window)
+            return attention(q, k, v, causal=causal, window=self.window, sinks=sinks)
+        return attention(q, k, v, causal=causal, key_padding_mask=mask.keep, doc_ids=mask.docs, window=self.window,
+                         sinks=sinks)
 
     def extra_repr(self) -> str:
         return "" if self.window is None else f"window={self.window}"

@@ -47,7 +47,8 @@ class CachedAttention(nn.Module):
 
     A sliding-window core (``window`` W, the swapped core's) keeps only the last W - 1 keys and values, all a
     next token can see beside its own (transformers' sliding-window cache): its memory stays W tokens however
-    long the text grows, while ``length`` still counts every token (the positions)."""
+    long the text grows, while ``length`` still counts every token (the positions). ``sinks``: gpt-oss's (H,)
+    sink logits, which join every row's softmax as in training."""
 
     role = "attention"
 
@@ -57,7 +58,7 @@ class CachedAttention(nn.Module):
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
 
-    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None):
+    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None, sinks=None):
         T = q.shape[2]
         # (B, S) over every cached token and the new ones; a prompt is one document (its left padding is masked)
         key_padding_mask = mask.keep if mask is not None else None
@@ -68,7 +69,7 @@ class CachedAttention(nn.Module):
             else:
                 q, k = rope(q, k, (key_padding_mask.long().cumsum(-1) - 1).clamp_min(0)[:, -T:])
         if self.window is not None:
-            return self._sliding(q, k, v, causal, key_padding_mask, S)
+            return self._sliding(q, k, v, causal, key_padding_mask, S, sinks)
         if self.k is None or S > self.k.shape[2]:  # prefill (or a call past the capacity: grow)
             size = max(S, self.capacity)
             grown = [t.new_empty(*t.shape[:2], size, t.shape[3]) for t in (k, v)]
@@ -79,15 +80,17 @@ class CachedAttention(nn.Module):
         self.k[:, :, self.length:S] = k
         self.v[:, :, self.length:S] = v
         self.length = S
-        return L.attention(q, self.k[:, :, :S], self.v[:, :, :S], causal=causal, key_padding_mask=key_padding_mask)
+        return L.attention(q, self.k[:, :, :S], self.v[:, :, :S], causal=causal, key_padding_mask=key_padding_mask,
+                           sinks=sinks)
 
-    def _sliding(self, q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], S: int) -> torch.Tensor:
+    def _sliding(self, q, k, v, causal: bool, key_padding_mask: Optional[torch.Tensor], S: int,
+                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend over the kept keys and the new ones under the window (end-aligned: the new tokens are the last
         of the keys), then keep the last ``window - 1``."""
         if self.k is not None:
             k, v = torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)  # (B, Hkv, kept + T, D)
         keep = key_padding_mask[:, -k.shape[2]:] if key_padding_mask is not None else None
-        out = L.attention(q, k, v, causal=causal, key_padding_mask=keep, window=self.window)
+        out = L.attention(q, k, v, causal=causal, key_padding_mask=keep, window=self.window, sinks=sinks)
         first = k.shape[2] - min(k.shape[2], self.window - 1)
         self.k, self.v = k[:, :, first:], v[:, :, first:]
         self.length = S

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -186,6 +186,9 @@ class TensorMap:
     view: Callable[[Sequence[Any]], Any] = _first
     to_hf: Callable[[torch.Tensor], Tensors] = _identity_out
     top: bool = False  # a head tensor: stored outside the base model's prefix
+    # another stored form of the same tensor, read where this row's tensors are absent (gpt-oss's MXFP4 experts);
+    # a model is always written in this row's form
+    alt: Optional["TensorMap"] = None
 
 
 def weight_bias(zoo: str, hf: str) -> List[TensorMap]:

@@ -36,7 +36,7 @@ def prequantized(cfg: dict, path) -> bool:
     """Whether config.json says transformers + bitsandbytes saved the folder in 4-bit NF4 (other 4-bit and
     8-bit layouts are refused in one sentence)."""
     q = cfg.get("quantization_config")
-    if not q:
+    if not q or q.get("quant_method") == "mxfp4":  # gpt-oss's experts: dequantized as they load (zoo/llama)
         return False
     if q.get("quant_method") != "bitsandbytes" or not q.get("load_in_4bit"):
         raise ValueError(f"{path}: quantization_config {q.get('quant_method')!r} (4-bit: {q.get('load_in_4bit')}) is "

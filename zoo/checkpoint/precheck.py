@@ -68,8 +68,9 @@ def _block_names(family: hf_io.Family, config: Any) -> Optional[List[str]]:
         rows = family.tensor_maps(dataclasses.replace(config, **changes))
     except Exception:  # noqa: BLE001 - a config this check cannot shrink: the reader's checks stand
         return None
-    first = [h for r in rows if r.zoo.startswith("blocks.0.") and not r.top for h in r.hf]
-    second = [h for r in rows if r.zoo.startswith("blocks.1.") and not r.top for h in r.hf]
+    # rows with another stored form (gpt-oss's MXFP4 experts) left to the reader, which knows which is there
+    first = [h for r in rows if r.zoo.startswith("blocks.0.") and not r.top and r.alt is None for h in r.hf]
+    second = [h for r in rows if r.zoo.startswith("blocks.1.") and not r.top and r.alt is None for h in r.hf]
     if not first or len(first) != len(second):
         return None
     out = []

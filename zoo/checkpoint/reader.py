@@ -379,16 +379,19 @@ def plan_reads(model: torch.nn.Module, folder: TensorFolder) -> Tuple[List[_Read
             continue
         covered.add(row.zoo)
         mod, local, p = params[row.zoo]
-        expect = [tuple(m.shape) for m in row.to_hf(meta(mod.full_shape(local), p.dtype))]
         absent = [h for h in row.hf if h not in stored]
+        if absent and row.alt is not None and all(h in stored for h in row.alt.hf):
+            row, absent = row.alt, []  # the tensor's other stored form (gpt-oss's MXFP4 experts)
+        # the stored tensors' shapes and kinds (float, int) as the row writes them
+        expect = [(tuple(m.shape), m.dtype) for m in row.to_hf(meta(mod.full_shape(local), p.dtype))]
         if absent:
             missing.extend(h if row.top else prefix + h for h in absent)
             continue
         used.update(row.hf)
         bad = []
-        for h, want in zip(row.hf, expect):
+        for h, (want, kind) in zip(row.hf, expect):
             shape, dtype = folder.shape_dtype(stored[h])
-            if shape != want or _kind(dtype) != _kind(p.dtype):
+            if shape != want or _kind(dtype) != _kind(kind):
                 bad.append(f"{stored[h]} (-> {row.zoo}): checkpoint {shape} {dtype}, model {want} {p.dtype} "
                            f"(stored in {folder.weight_map[stored[h]]})")
         if bad:

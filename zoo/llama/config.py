@@ -1,18 +1,21 @@
-"""Llama-family configuration (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE) and presets
-with the published shapes.
+"""Llama-family configuration (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE, gpt-oss) and
+presets with the published shapes.
 
 Qwen3 and Gemma 3 are options of the same decoder: per-head q/k norms, sliding-window layers with their own
 RoPE base, Gemma's sandwich norms (RMSNorm scaling by ``1 + weight``), scaled embeddings, a GeGLU MLP, a
 query scale apart from ``head_dim`` and a final logit softcap. The mixture-of-experts families are too: a layer
 is sparse (a router and ``n_experts`` gated MLPs, ``experts_per_token`` of them per token) where
 :meth:`LlamaConfig.is_sparse` says, and OLMoE's q/k norms span every head's features (``qk_norm_width="full"``).
+gpt-oss (``arch="gpt_oss"``) adds a learned sink logit per head (``attn_sinks``), a biased output projection
+(``o_bias``), YaRN RoPE, and experts with biases, a biased router whose top-k logits are softmaxed,
+and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``): zoo/llama/gpt_oss.py.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe")  # the HF family written
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # the HF family written
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types entries
 ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (gelu_pytorch_tanh)
 
@@ -58,6 +61,11 @@ class LlamaConfig:
     sparse_step: int = 1         # every sparse_step-th layer is sparse (HF decoder_sparse_step)
     mlp_only_layers: tuple = ()  # layers kept dense whatever sparse_step says
     qk_norm_width: str = "head"  # q/k norm over each head ("head": Qwen3) or over all heads' features ("full": OLMoE)
+    # gpt-oss (arch "gpt_oss": its biased router and experts)
+    attn_sinks: bool = False     # a learned logit per query head joining each softmax's denominator (HF sinks)
+    o_bias: bool = False         # the attention output projection's bias (gpt-oss's o_proj)
+    swiglu_alpha: float = 1.702  # the experts' clamped SwiGLU: (up + 1) * gate * sigmoid(alpha * gate) ...
+    swiglu_limit: float = 7.0    # ... gate clamped above at limit, up to [-limit, limit]
 
     def __post_init__(self) -> None:
         if not self.n_kv_heads:
@@ -78,8 +86,8 @@ class LlamaConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         if self.rope_scaling is not None:
             kind = dict(self.rope_scaling).get("rope_type", dict(self.rope_scaling).get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"rope_scaling of type {kind!r} is not supported (llama3, linear, default)")
+            if kind not in ("llama3", "linear", "yarn", "default"):
+                raise ValueError(f"rope_scaling of type {kind!r} is not supported (llama3, linear, yarn, default)")
         self._check_layers()
 
     def _check_layers(self) -> None:
@@ -100,6 +108,8 @@ class LlamaConfig:
         object.__setattr__(self, "mlp_only_layers", tuple(sorted(self.mlp_only_layers)))
         if self.qk_norm_width not in ("head", "full"):
             raise ValueError(f"qk_norm_width must be 'head' or 'full', got {self.qk_norm_width!r}")
+        if self.arch == "gpt_oss" and not self.n_experts:
+            raise ValueError("a gpt_oss config has experts on every layer (n_experts > 0)")
         if not self.n_experts:
             return
         if self.n_experts < 0 or not 1 <= self.experts_per_token <= self.n_experts:
@@ -130,7 +140,8 @@ class LlamaConfig:
     def inactive_parameters(self) -> int:
         """Expert parameters a token does not use: ``(n_experts - experts_per_token)`` experts of every sparse
         layer (active parameters = total - this)."""
-        per_expert = 3 * self.dim * self.expert_hidden + (3 * self.expert_hidden + self.dim if self.mlp_bias else 0)
+        biases = 2 * self.expert_hidden + self.dim if self.arch == "gpt_oss" else 0  # gpt-oss's experts have biases
+        per_expert = 3 * self.dim * self.expert_hidden + biases
         return len(self.sparse_layers) * (self.n_experts - self.experts_per_token) * per_expert
 
     def window_of(self, layer: int) -> Optional[int]:
@@ -181,6 +192,19 @@ _MIXTRAL = dict(arch="mixtral", eps=1e-5, rope_theta=1000000.0, norm_topk_prob=T
 _OLMOE = dict(arch="olmoe", qk_norm=True, qk_norm_width="full", eps=1e-5, norm_topk_prob=False,
               router_aux_loss_coef=0.01)
 
+def gpt_oss_layers(n_layers: int) -> tuple:
+    """gpt-oss's layer types: sliding and full alternating, the first sliding (HF GptOssConfig's default)."""
+    return tuple(SLIDING if i % 2 == 0 else FULL for i in range(n_layers))
+
+
+# gpt-oss: biased q/k/v/o, sinks, YaRN (factor 32 over 4096 positions), windows of 128 on every other layer;
+# the released config.json's values (transformers' GptOssConfig defaults are the 120b's)
+_GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_GPT_OSS = dict(arch="gpt_oss", attention_bias=True, o_bias=True, attn_sinks=True, eps=1e-5, rope_theta=150000.0,
+                rope_scaling=_GPT_OSS_YARN, vocab_size=201088, n_positions=131072, dim=2880, mlp_hidden=2880,
+                head_dim=64, n_heads=64, n_kv_heads=8, sliding_window=128, experts_per_token=4)
+
 PRESETS = {
     "llama-debug": LlamaConfig(vocab_size=512, n_positions=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                mlp_hidden=160),
@@ -215,6 +239,14 @@ PRESETS = {
                                  experts_per_token=8, moe_hidden=768),
     "mixtral-8x7b": LlamaConfig(**_MIXTRAL, vocab_size=32000, n_positions=32768, dim=4096, n_layers=32, n_heads=32,
                                 n_kv_heads=8, mlp_hidden=14336, n_experts=8, experts_per_token=2),
+    # a tiny gpt-oss for tests: 4 layers (sliding, full, ...) with windows of 4, 4 experts of width 32, top 2
+    "gpt-oss-debug": LlamaConfig(**{**_GPT_OSS, "vocab_size": 512, "n_positions": 128, "dim": 64, "mlp_hidden": 32,
+                                    "head_dim": 16, "n_heads": 4, "n_kv_heads": 2, "sliding_window": 4,
+                                    "experts_per_token": 2, "rope_scaling": {**_GPT_OSS_YARN, "factor": 4.0,
+                                                                             "original_max_position_embeddings": 32}},
+                                 n_layers=4, n_experts=4, layer_types=gpt_oss_layers(4)),
+    "gpt-oss-20b": LlamaConfig(**_GPT_OSS, n_layers=24, n_experts=32, layer_types=gpt_oss_layers(24)),
+    "gpt-oss-120b": LlamaConfig(**_GPT_OSS, n_layers=36, n_experts=128, layer_types=gpt_oss_layers(36)),
     "olmoe-1b-7b": LlamaConfig(**_OLMOE, vocab_size=50304, n_positions=4096, dim=2048, n_layers=16, n_heads=16,
                                n_kv_heads=16, mlp_hidden=1024, n_experts=64, experts_per_token=8),
 }

@@ -1,5 +1,6 @@
 """Llama family <-> Hugging Face Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 (text) (causal LM, sequence
-classification, base model) and Qwen3-MoE / Mixtral / OLMoE (causal LM).
+classification, base model) and Qwen3-MoE / Mixtral / OLMoE / gpt-oss (causal LM; gpt-oss's own tensors:
+zoo/llama/gpt_oss_hf.py).
 
 The experts are stored as published checkpoints store them and as transformers 5's ``save_pretrained`` writes
 them: one tensor per expert and projection (``mlp.experts.{e}.gate_proj.weight``; Mixtral's
@@ -11,6 +12,7 @@ from typing import Optional
 
 from cuboid.zoo.hf_io import Family, TensorMap, per_expert
 
+from . import gpt_oss_hf
 from .config import FULL, SLIDING, LlamaConfig, gemma3_layers
 from .model import Llama
 
@@ -24,6 +26,7 @@ ARCHITECTURES.update({name: {"head": head, "arch": "gemma3", **({"prefixed": Fal
                       for name, head in GEMMA3.items()})
 MOE = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
 ARCHITECTURES.update({name: {"head": "lm", "arch": arch} for arch, name in MOE.items()})
+ARCHITECTURES[gpt_oss_hf.ARCHITECTURE] = {"head": "lm", "arch": "gpt_oss"}
 
 
 def rope_scaling_of(scaling, where: str = "rope_scaling"):
@@ -35,9 +38,15 @@ def rope_scaling_of(scaling, where: str = "rope_scaling"):
         return None
     keys = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
             "linear": ("factor",)}
+    if kind == "yarn":  # the optional keys where the file has them
+        return {"rope_type": kind, **{k: scaling[k] for k in _YARN if scaling.get(k) is not None}}
     if kind not in keys:
-        raise ValueError(f"{where} of type {kind!r} is not supported (llama3, linear or none)")
+        raise ValueError(f"{where} of type {kind!r} is not supported (llama3, linear, yarn or none)")
     return {"rope_type": kind, **{k: scaling[k] for k in keys[kind]}}
+
+
+_YARN = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor",
+         "mscale", "mscale_all_dim")
 
 
 def _rope_scaling(d: dict):
@@ -68,6 +77,8 @@ def config_from_hf(d: dict, arch_name: str) -> LlamaConfig:
         return config_from_gemma3(d, arch_name, spec["head"])
     if arch in MOE:
         return config_from_moe(d, arch_name, arch)
+    if arch == "gpt_oss":
+        return gpt_oss_hf.config_from_hf(d, _common(d, arch_name, "lm"), _rope_theta(d), _rope_scaling(d))
     _check_silu(d, arch_name)
     window = _window(d, arch == "mistral")
     bias = d.get("attention_bias", arch == "qwen2")
@@ -171,6 +182,10 @@ def config_to_moe(c: LlamaConfig) -> dict:
 
 
 def config_to_hf(c: LlamaConfig) -> dict:
+    if c.arch == "gpt_oss":
+        return gpt_oss_hf.config_to_hf(c, _decoder_keys(c))
+    if c.attn_sinks or c.o_bias:
+        raise ValueError("sinks and an output projection bias are gpt-oss's (arch 'gpt_oss')")
     if c.arch == "gemma3":
         return config_to_gemma3(c)
     if c.arch in MOE:
@@ -267,6 +282,8 @@ def config_to_gemma3(c: LlamaConfig) -> dict:
 
 
 def architecture_of(c: LlamaConfig) -> str:
+    if c.arch == "gpt_oss":
+        return gpt_oss_hf.ARCHITECTURE
     if c.arch in MOE:
         return MOE[c.arch]
     if c.arch == "gemma3":
@@ -292,7 +309,12 @@ def tensor_maps(c: LlamaConfig) -> list[TensorMap]:
         rows += [TensorMap(f"{z}{zn}.weight", (f"{h}{hn}.weight",)) for zn, hn in norms]
         for zn in ("q", "k", "v"):
             rows += _linear(z + f"attn.{zn}", h + f"self_attn.{zn}_proj", c.attention_bias)
-        rows += _linear(z + "attn.proj", h + "self_attn.o_proj", False)
+        rows += _linear(z + "attn.proj", h + "self_attn.o_proj", c.o_bias)
+        if c.attn_sinks:
+            rows.append(TensorMap(z + "attn.sinks.weight", (h + "self_attn.sinks",)))
+        if c.arch == "gpt_oss":
+            rows += gpt_oss_hf.expert_maps(c, z + "mlp.", h + "mlp.")
+            continue
         if c.is_sparse(i):
             rows += _expert_maps(c, z + "mlp.", h)
             continue

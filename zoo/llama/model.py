@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE): RoPE, RMSNorm, a
-gated MLP, grouped-query attention, and the options Qwen3 and Gemma 3 add (q/k norms, sliding-window layers,
-sandwich norms) and the mixtures of experts' sparse layers (zoo/llama/moe.py)."""
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral, Qwen3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): RoPE,
+RMSNorm, a gated MLP, grouped-query attention, and the options Qwen3 and Gemma 3 add (q/k norms, sliding-window
+layers, sandwich norms), the mixtures of experts' sparse layers (zoo/llama/moe.py) and gpt-oss's attention sinks
+(zoo/llama/gpt_oss.py)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,6 +19,7 @@ from cuboid.zoo.common import (Decoder, Output, attention_mask_of, classifier_ou
                                last_tokens, linears, lm_output, pre_norm)
 
 from .config import LlamaConfig
+from .gpt_oss import Sinks
 from .moe import SparseMLP, recorder_for, with_router_outputs
 from .parts import GemmaRMSNorm, rotary
 
@@ -40,7 +42,8 @@ class Attention(nn.Module):
 
     Layer ``layer``'s options: ``q_norm``/``k_norm`` over each head's features before RoPE (Qwen3, Gemma 3) or
     over all heads' features before the split into heads (OLMoE: ``qk_norm_width="full"``), the sliding window
-    of its core, and a sliding layer's own RoPE base (Gemma 3's local layers)."""
+    of its core, a sliding layer's own RoPE base (Gemma 3's local layers), and gpt-oss's ``sinks`` (one learned
+    logit per query head in each softmax's denominator) and output bias."""
 
     def __init__(self, c: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
@@ -58,7 +61,9 @@ class Attention(nn.Module):
         else:
             self.rope = rotary(d, c.rope_theta, c.rope)
         self.core = L.Attention(window=window)
-        self.proj = L.Linear(c.n_heads * d, c.dim, bias=False)
+        self.proj = L.Linear(c.n_heads * d, c.dim, bias=c.o_bias)
+        if c.attn_sinks:
+            self.sinks = Sinks(c.n_heads)
         self.dropout = L.Dropout(c.dropout)
         # the kernel scales scores by head_dim ** -0.5; Gemma's query_pre_attn_scalar asks for another scale
         self.q_scale = None if c.query_scale is None or c.query_scale == d else (d / c.query_scale) ** 0.5
@@ -74,7 +79,10 @@ class Attention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, D)
-        y = self.core(q, k, v, causal=True, mask=mask, rope=self.rope)  # (B, H, T, D)
+        if hasattr(self, "sinks"):  # (H,) this rank's heads' sink logits
+            y = self.core(q, k, v, causal=True, mask=mask, rope=self.rope, sinks=self.sinks())
+        else:
+            y = self.core(q, k, v, causal=True, mask=mask, rope=self.rope)  # (B, H, T, D)
         return self.dropout(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -145,11 +153,13 @@ class Llama(Decoder):
 
     def init_weights(self, seed: int = 0) -> None:
         """HF Llama init: N(0, init_std) for linear and embedding weights, routers and experts, zero biases,
-        norms 1 (Gemma's norms, which scale by 1 + weight: 0)."""
+        norms 1 (Gemma's norms, which scale by 1 + weight: 0); gpt-oss's sinks and router bias N(0, init_std)."""
         std = self.config.init_std
         norm_init = "zeros" if self.config.gemma_norms else "ones"
 
         def rule(name: str, shape: torch.Size):
+            if name.endswith("router.bias"):
+                return "normal", std
             if name.endswith("bias"):
                 return "zeros", 0.0
             if _is_norm_weight(name):  # by name: a tensor mode swaps the norm modules for its own

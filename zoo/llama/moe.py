@@ -19,6 +19,7 @@ from cuboid.parallel.moe import Experts, Recorder, Router, active_recorder
 from cuboid.zoo.common import Output
 
 from .config import LlamaConfig
+from .gpt_oss import GptOssExperts, GptOssRouter
 
 
 class SparseMLP(nn.Module):
@@ -26,6 +27,10 @@ class SparseMLP(nn.Module):
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
+        if c.arch == "gpt_oss":  # a biased router, biased experts with the clamped SwiGLU
+            self.router = GptOssRouter(c.dim, c.n_experts, c.experts_per_token)
+            self.experts = GptOssExperts(c.dim, c.expert_hidden, c.n_experts, c.swiglu_alpha, c.swiglu_limit)
+            return
         # Mixtral weighs the experts' outputs with fp32 routing weights; Qwen3-MoE and OLMoE cast them first
         self.router = Router(c.dim, c.n_experts, c.experts_per_token, c.norm_topk_prob, cast=c.arch != "mixtral")
         self.experts = Experts(c.dim, c.expert_hidden, c.n_experts, c.act)
