@@ -51,8 +51,12 @@ from .checkpoint.lora_state import save_adapters  # noqa: F401
 from .families import family_of
 
 
-_ATTN = ("attn.qkv", "attn.q", "attn.k", "attn.v")
-SUFFIXES = {"qkv": _ATTN, "q": ("attn.q",), "k": ("attn.k",), "v": ("attn.v",), "o": ("attn.proj",),
+# DeepSeek-V3's latent attention: q_a, q_b (the q low-rank path) and kv_a, kv_b (the latent's, for keys and
+# values alike), peft's q_a_proj, q_b_proj, kv_a_proj_with_mqa and kv_b_proj
+_MLA_Q, _MLA_KV = ("attn.q_a", "attn.q_b"), ("attn.kv_a", "attn.kv_b")
+_ATTN = ("attn.qkv", "attn.q", "attn.k", "attn.v") + _MLA_Q + _MLA_KV
+SUFFIXES = {"qkv": _ATTN, "q": ("attn.q",) + _MLA_Q, "k": ("attn.k",) + _MLA_KV, "v": ("attn.v",) + _MLA_KV,
+            "o": ("attn.proj",),
             "attn": _ATTN + ("attn.proj",), "mlp": ("mlp.fc", "mlp.gate", "mlp.up", "mlp.proj"),
             "gate": ("mlp.gate",), "up": ("mlp.up", "mlp.fc"), "down": ("mlp.proj",), "experts": ()}
 EXPERT_TARGETS = ("mlp", "experts")  # the targets that take a sparse layer's experts (gate_up and down)
@@ -82,7 +86,7 @@ def target_paths(model: nn.Module, targets) -> list:
     spec = _spec(model)
     head = f"{spec.blocks}.*."
     have = {k[len(head):] for k in spec.roles if k.startswith(head) and spec.roles[k] in
-            ("column", "column_qkv", "column_kv", "row")}
+            ("column", "column_qkv", "column_kv", "row", "replicate")}  # replicate: MLA's latent projections
     if _has_experts(model):  # peft reads a sparse model's MLP names as its experts' (module docstring)
         have = {s for s in have if not s.startswith("mlp.")}
     chosen = set()

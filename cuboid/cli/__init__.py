@@ -84,6 +84,11 @@ def model_rows(model: str) -> list[tuple[str, str]]:
         rows += [("active parameters", f"{count(shape.active_parameters)}, {share:.1%} of them (per token)"),
                  ("experts", f"{shape.experts} per sparse layer, {shape.top_k} per token, width "
                              f"{shape.expert_width}; {shape.sparse_layers} of {shape.n_layers} layers sparse")]
+        if shape.shared_hidden:  # DeepSeek-V3: a shared expert beside the routed ones, run by every token
+            rows.append(("shared experts", f"one gated MLP of width {shape.shared_hidden} per sparse layer"))
+        if shape.latent:
+            rows.append(("latent attention", f"cache of {shape.cache_elements()} numbers per token and layer "
+                                             f"(latent {shape.latent} + RoPE key {shape.rope_dim})"))
     return rows
 
 

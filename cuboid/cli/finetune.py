@@ -57,6 +57,8 @@ FLAGS = [
     ("--schedule", str, "cosine | linear | constant | poly after warmup (default cosine)"),
     ("--decay-power", float, "poly schedule: lr x (1 - progress) ** power (default 1; LARS's ImageNet runs: 2)"),
     ("--max-grad-norm", float, "clip the global gradient norm (default 1.0; 0 turns it off)"),
+    ("--moe-bias-update-rate", float, "DeepSeek-V3: after each step every router's correction bias moves by this "
+                                      "toward balance, + for experts under the mean load, - above (default 0: off)"),
     ("--dtype", str, "fp32 | bf16 | fp16 autocast (default: the plan's, fp32)"),
     ("--eval-every", int, "evaluate every N steps (default: 4 times per run)"),
     ("--save-every", int, "checkpoint every N steps (default: at the end only)"),

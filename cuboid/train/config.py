@@ -36,6 +36,8 @@ class FinetuneConfig:
     lr_scaling: str = "none"              # none | linear | sqrt: lr * (batch_size / reference_batch) [** 0.5]
     reference_batch: int = 256            # the global batch lr was tuned at
     max_grad_norm: Optional[float] = 1.0
+    moe_bias_update_rate: float = 0.0     # DeepSeek-V3's routers: bias += rate * sign(mean load - load) after each
+                                          # step, loads summed over dp, ep and sp (0: off)
     dtype: Optional[str] = None           # fp32 | bf16 | fp16 (autocast); default: the plan's
     eval_every: Optional[int] = None      # default: 4 evals per run
     save_every: Optional[int] = None      # default: at the end only

@@ -30,6 +30,7 @@ RANGES: dict = {
     "weight_decay": (0.0, None, "[)", "a weight decay"),
     "warmup": (0.0, None, "[)", "a fraction of the steps below 1, or a step count"),
     "max_grad_norm": (0.0, None, "[)", "a gradient norm; 0: no clipping"),
+    "moe_bias_update_rate": (0.0, None, "[)", "a routing-bias step; 0: off"),
     "timeout_s": (0.0, 1e7, "(]", "seconds"),
     "eval_fraction": (0.0, 1.0, "()", "a fraction of the examples"),
     "headroom": (0.0, 1.0, "[)", "a fraction of the memory"),

@@ -64,6 +64,7 @@ from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
+from cuboid.zoo.deepseek.moe import update_routing_bias
 
 __all__ = ["FinetuneConfig", "Run", "finetune", "run", "make_optimizer"]
 
@@ -503,6 +504,10 @@ def train_one_step(r: Run, step: int):
     result = train_step(r.model, r.optimizer, model_inputs(batch, routes(r.model)), microbatches=r.accumulate,
                         max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh,
                         share=r.streaming, task=r.task)
+    if r.cfg.moe_bias_update_rate:  # DeepSeek-V3's balancing: the routers' biases, from this step's loads
+        from cuboid.parallel import unwrap
+
+        update_routing_bias(unwrap(r.model), r.cfg.moe_bias_update_rate)
     r.scheduler.step()
     return result, counted
 

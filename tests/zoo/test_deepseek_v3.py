@@ -171,3 +171,27 @@ def test_bias_update_moves_toward_balance_and_is_not_trained():
     update_routing_bias(model, 0.01)  # nothing routed since: the loads are equal (zero), the bias stays
     assert all(torch.equal(r.bias, b + 0.01 * torch.sign(load.mean() - load))
                for r, b, load in zip(routers(model), before, loads))
+
+
+def test_peft_reads_lora_adapters_on_the_latent_attention(pair, tmp_path):
+    """Adapters on every attention projection (q or q_a/q_b, kv_a, kv_b, o: peft's names), trained a step and
+    saved in peft's layout: peft's logits on the transformers model equal cuboid's (1e-5)."""
+    from cuboid.zoo import lora as zlora
+
+    peft = pytest.importorskip("peft")
+    name, _, folder, _ = pair
+    model = cuboid.load(folder, lora=dict(r=2, alpha=4, targets=("attn",)))
+    adapted = {p.split(".", 2)[-1] for p, _ in cuboid.parallel.lora.adapted(model)}
+    want = {"attn.q"} if name == "q-proj+bias" else {"attn.q_a", "attn.q_b"}
+    assert adapted == want | {"attn.kv_a", "attn.kv_b", "attn.proj"}
+    ids, mask, labels = batch()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(ids, attention_mask=mask, labels=labels).loss.backward()
+    opt.step()
+    out = tmp_path / "adapters"
+    zlora.save_adapters(model.eval(), out, base=str(folder))
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).logits
+        theirs = peft.PeftModel.from_pretrained(T.DeepseekV3ForCausalLM.from_pretrained(folder).eval(), out).eval()
+        ref = theirs(input_ids=ids, attention_mask=mask).logits
+    assert rel(ours[mask.bool()], ref[mask.bool()]) < 1e-5

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import cuboid.kernels as kernels
+from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 from cuboid.parallel.mask import Mask
 
@@ -178,7 +179,9 @@ class MLA(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         c, k_rot = self.kv_a(x).split([self.latent, self.rope_dim], -1)  # (B, T, L), (B, T, R)
         c = self.kv_norm(c)
-        k_rot = k_rot.view(B, 1, T, self.rope_dim)
+        # the RoPE key is shared by every head, and a column-cut kv_b (tensor parallelism) gives this rank some of
+        # them: its gradient sums over kv_b's group, as the column layer's own input's does (no-op on one device)
+        k_rot = comm.copy_to(k_rot.view(B, 1, T, self.rope_dim), getattr(self.kv_b, "group", None))
         if self.interleave:
             q = torch.cat([q[..., :self.nope], deinterleave(q[..., self.nope:])], -1)
             k_rot = deinterleave(k_rot)

@@ -116,6 +116,9 @@ def update_routing_bias(model: nn.Module, rate: float) -> None:
     router sees rows, not the mask): under sp, sequences padded to a multiple of 2 sp add pad rows."""
     if rate <= 0:
         return
+    if not getattr(getattr(model, "config", None), "moe_layers", ()):
+        raise ValueError("a routing-bias update rate applies to models whose routers carry a correction bias "
+                         "(DeepSeek-V3's); this model has none")
     state = planned(model)
     group = getattr(getattr(state, "balance_reduce", None), "group", None)
     found = routers(model)
