@@ -57,6 +57,7 @@ then holds a copy of one key/value head) and plain.
 The 8-rank world also runs test_cost's 2.5D/3D cost check and the
 groups-made-once check (200 loads, threads and groups unchanged).
 """
+import contextlib
 from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
@@ -253,6 +254,7 @@ def make_optimizer(kind, params):
 
 OPTIMIZERS = ("adamw", "lamb", "lars")
 _REFS: dict = {}  # one device's run, per RefArgs, computed once per world (share_references)
+_WHOLE_FOR: set = set()  # the RefArgs keys whose runs check reliability: their reference evaluates whole_rows too
 
 
 def _batch_size(dp: int) -> int:
@@ -285,16 +287,23 @@ def _ref_key(*args) -> tuple:
     return a._replace(extra=tuple(sorted(a.extra.items())))
 
 
+def _cached(key) -> bool:
+    """Whether one device's run of ``key`` is in _REFS with all it needs (a warm world may hold it without the
+    evaluations a later world's checks need)."""
+    return key in _REFS and (key not in _WHOLE_FOR or _REFS[key]["whole"] is not None)
+
+
 def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
-    labels. Every plan of this family, optimizer and path is compared with the same run."""
+    labels (and, for a key in _WHOLE_FOR, :func:`whole_rows`' evaluations). Every plan of this family, optimizer
+    and path is compared with the same run."""
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
     key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index)
-    if key in _REFS:
+    if _cached(key):
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -320,8 +329,9 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
     with torch.no_grad():
         evaluated = ref(**odd)
         free = ref(**{k: v for k, v in odd.items() if k != "labels"})
+    whole = whole_rows(ref, name, dp) if key in _WHOLE_FOR else None
     _REFS[key] = dict(init=init, params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
-                      first=_plain(first), eval=_plain(evaluated), free=_plain(free), odd=odd)
+                      first=_plain(first), eval=_plain(evaluated), free=_plain(free), odd=odd, whole=whole)
     return _REFS[key]
 
 
@@ -343,7 +353,7 @@ def share_references(keys: list) -> None:
 
     from cuboid.parallel.mesh import init_distributed
 
-    todo = list({_ref_key(*k): k for k in keys if _ref_key(*k) not in _REFS}.values())
+    todo = list({_ref_key(*k): k for k in keys if not _cached(_ref_key(*k))}.values())
     if not todo:
         return
     rank, world = init_distributed()
@@ -355,48 +365,70 @@ def share_references(keys: list) -> None:
             _REFS[_ref_key(*todo[i])] = value
 
 
-def _params_err(model, want) -> float:
-    pairs = gathered(model)
+def _params_err(model, want, pairs=None) -> float:
+    pairs = gathered(model) if pairs is None else pairs
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
 
 
-# every how many plan indices a run also checks reliability (MoE, others) per world size: a check is a save,
-# a load on one device (rank 0) and four evaluations, and the 8-rank MoE enumeration is the largest
-RELIABILITY_EVERY = {2: (1, 4), 4: (1, 4), 8: (4, 12)}
+# every how many plan indices a run also checks reliability (MoE, others) per world size: a check is three
+# evaluations of one row a rank, a save and a load on one device (rank 0); one device evaluates the rows whole
+# once per reference (whole_rows). The others' turn keeps the dense worlds' time (their runs are many)
+RELIABILITY_EVERY = {2: (1, 4), 4: (1, 4), 8: (1, 12)}
 
 
 def checks_reliability(index: int, name: str, world: int) -> bool:
     """Whether the run also evaluates with a dp rank a batch short and saves a checkpoint read back on one device
-    (reliability_checks): every mixture of experts' run on 2 and 4 ranks, every 4th on 8; every 4th (12th on 8
-    ranks) of the others, turned by the plan's index (RELIABILITY_EVERY)."""
+    (reliability_checks): every mixture of experts' run; every 4th (12th on 8 ranks) of the others, turned by
+    the plan's index (RELIABILITY_EVERY)."""
     moe, other = RELIABILITY_EVERY.get(world, (4, 4))
     return index % (moe if name in MOE + MOE_OTHERS else other) == 0
 
 
-def reliability(model, name: str, index: int, mesh) -> dict:
-    """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid)."""
-    import os
-    import tempfile
-
+@contextlib.contextmanager
+def _lm_loss_only(model):
+    """A mixture of experts' load-balancing loss left out of its loss while inside (no-op for the others): the
+    loss is a statistic of each batch's routing, so it changes with how the rows are dealt; the router still
+    routes every row."""
     from cuboid.parallel import unwrap
 
-    from .reliability_checks import save_and_reload_check, uneven_eval_check
-
-    # a mixture of experts' load-balancing loss is a statistic of each batch's routing, so it changes with how
-    # the rows are dealt: the check compares the language-model loss (the router still routes every row). A
-    # pipeline's stream and sp's split fix their routing when they are built: there the eval must run on every
-    # rank and give a finite loss, and its value (moved by the aux loss) is kept apart, unchecked
     config = unwrap(model).config
     routed = getattr(config, "output_router_logits", False)
     object.__setattr__(config, "output_router_logits", False)
     try:
-        errs = uneven_eval_check(model, global_batch(name, model, max(5, mesh.size("dp") + 1)))
+        yield routed
     finally:
         object.__setattr__(config, "output_router_logits", routed)
+
+
+def _eval_rows(name, model, dp: int) -> dict:
+    return global_batch(name, model, max(5, dp + 1))
+
+
+def whole_rows(ref, name: str, dp: int) -> dict:
+    """One device's ``reliability_checks.whole_evals`` of the rows a plan of ``dp`` ranks checks (the model's loss
+    only), by the reference ``ref`` after its steps: the uneven evaluation's expected values."""
+    from .reliability_checks import whole_evals
+
+    with _lm_loss_only(ref):
+        return whole_evals(ref, _eval_rows(name, ref, dp), dp)
+
+
+def reliability(model, name: str, index: int, mesh, want: dict, pairs: list) -> dict:
+    """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid):
+    the uneven evaluation against one device's (``want["whole"]``: the reference's, whose parameters the
+    plan's match to 1e-6), the checkpoint read back against ``pairs`` (:func:`gathered` already)."""
+    import os
+
+    from .reliability_checks import save_and_reload_check, save_folder, uneven_eval_check
+
+    # a pipeline's stream and sp's split fix a mixture of experts' routing when they are built: there the eval
+    # must run on every rank and give a finite loss, and its value (moved by the aux loss) is kept apart, unchecked
+    with _lm_loss_only(model) as routed:
+        errs = uneven_eval_check(model, _eval_rows(name, model, mesh.size("dp")), whole=want["whole"])
     if routed and (mesh.size("pp") > 1 or mesh.size("sp") > 1):
         errs = {"uneven_eval": errs["uneven_eval"] * 0.0, "uneven_eval_with_aux": errs["uneven_eval"]}
-    folder = os.path.join(tempfile.gettempdir(), f"cuboid-plan-save-{os.getppid()}-{mesh.world_size}-{index}-{name}")
-    errs.update(save_and_reload_check(model, folder))
+    folder = save_folder(f"cuboid-plan-save-{os.getppid()}-{mesh.world_size}-{index}-{name}")
+    errs.update(save_and_reload_check(model, folder, whole=pairs))
     return errs
 
 
@@ -416,11 +448,15 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     import cuboid
     from cuboid.parallel import Mesh, comm
     from cuboid.parallel.compile import compiled_blocks
+    from cuboid.parallel.mesh import init_distributed
     from cuboid.parallel.optim import clip_grad_norm_
     from cuboid.parallel.spec import blocks_of
 
     report = {}
     runs = list(_runs(plans, optimizers, rotate, per_plan, families))
+    world = init_distributed()[1]
+    _WHOLE_FOR.update(_ref_key(*args) for index, _, _, name, _, _, args in runs
+                      if checks_reliability(index, name, world))
     share_references([args for *_, args in runs])
     mesh_of = None  # (plan index, its mesh): one mesh for a plan's runs
     for index, label, plan, name, extra, kind, args in runs:
@@ -459,7 +495,8 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
                 batch = step_batch(name, model, step, args.packed, size)
                 loss = task_step(model, opt, batch, args.task, args.index, max_grad_norm=1.0).loss
             errs["loss"] = worst(errs["loss"], rel(loss, want["losses"][step]))
-        errs["params"] = _params_err(model, want["params"])
+        pairs = gathered(model)
+        errs["params"] = _params_err(model, want["params"], pairs)
         if plan.compile:  # the steps ran Dynamo's graphs
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, (label, name)
         # an odd-sized batch, the same on every rank, without grad, with and without labels: one device's
@@ -474,7 +511,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
             assert free.loss is None, label
             errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
         if checks_reliability(index, name, mesh.world_size):
-            errs.update(reliability(model, name, index, mesh))
+            errs.update(reliability(model, name, index, mesh, want, pairs))
         dist.barrier()
         errs["seconds"] = time.perf_counter() - start
         report[f"{label}/{name}/{kind}" + (f"/{args.task}" if args.task else "")] = errs
