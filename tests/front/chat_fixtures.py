@@ -56,16 +56,32 @@ _LLAMA3 = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
+# DeepSeek-V3's layout: a bos, the system prompt bare, <｜User｜> and <｜Assistant｜> turns, each answer ended by
+# the eos <｜end▁of▁sentence｜>
+_DEEPSEEK = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{- message['content'] }}"
+    "{%- elif message['role'] == 'user' %}{{- '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{{- '<｜Assistant｜>' }}"
+    "@GEN{{- message['content'] + '<｜end▁of▁sentence｜>' }}@END"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
+)
+
 STYLES = {
     # style: (template, special tokens, eos, pad, bos)
     "qwen2": (_QWEN2, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|endoftext|>", None),
     "llama3": (_LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|eot_id|>"], "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>"),
+    "deepseek": (_DEEPSEEK, ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                             "<｜▁pad▁｜>"], "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>"),
 }
 
 
 def chat_template(style: str, markers: bool = True) -> str:
-    """The Jinja chat template of ``style`` ("qwen2" | "llama3"), with or without generation markers."""
+    """The Jinja chat template of ``style`` ("qwen2" | "llama3" | "deepseek"), with or without generation markers."""
     template = STYLES[style][0]
     gen, end = ("{%- generation %}", "{%- endgeneration %}") if markers else ("", "")
     return template.replace("@GEN", gen).replace("@END", end)
