@@ -32,10 +32,11 @@ def validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) -> 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{_OP}: {name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    for i, what in ((0, "batch"), (3, "head_dim")):
-        if not q.shape[i] == k.shape[i] == v.shape[i]:
-            raise ValueError(f"{_OP}: q, k, v must share {what} (dim {i}), got "
-                             f"{q.shape[i]}, {k.shape[i]}, {v.shape[i]}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"{_OP}: q, k, v must share batch (dim 0), got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{_OP}: q and k must share head_dim (dim 3), got {q.shape[3]} and {k.shape[3]} "
+                         f"(v's may differ)")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"{_OP}: k and v must share heads (dim 1), got {k.shape[1]} and {v.shape[1]}")
     if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
@@ -56,8 +57,11 @@ def validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) -> 
             raise ValueError(f"{_OP}: key_padding_mask must have shape (batch, seq_k) = {want}, "
                              f"got {tuple(key_padding_mask.shape)}")
     D = q.shape[3]
-    if triton_path and not 16 <= D <= 256:
-        raise ValueError(f"{_OP}: the Triton kernel supports head_dim 16..256, got {D} (use backend='torch')")
+    for name, d in (("head_dim", D), ("v's head_dim", v.shape[3])):
+        if triton_path and not 16 <= d <= 256:
+            raise ValueError(f"{_OP}: the Triton kernel supports {name} 16..256, got {d} (use backend='torch')")
+        if d < 1:
+            raise ValueError(f"{_OP}: {name} must be >= 1, got {d}")
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -65,6 +69,25 @@ def validate(q, k, v, causal, key_padding_mask, scale, *, triton_path: bool) -> 
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{_OP}: scale must be positive and finite, got {scale}")
     return float(scale)
+
+
+def check_sinks(sinks, q) -> Optional[torch.Tensor]:
+    """``sinks`` as given (None, or (H,) float on q's device, one logit per query head); raises on a bad one.
+
+    A sink is gpt-oss's learned logit that joins every softmax's denominator
+    and contributes no value: ``out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij} +
+    e^{sink_h})``, whatever the mask keeps (a row with no kept key gives 0).
+    """
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        got = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise TypeError(f"{_OP}: sinks must be a float tensor (one logit per query head), got {got}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"{_OP}: sinks must have shape (heads,) = ({q.shape[1]},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"{_OP}: sinks must be on q's device {q.device}, got {sinks.device}")
+    return sinks
 
 
 def check_docs(q, k, doc_ids, doc_ids_k) -> Optional[tuple]:
@@ -136,19 +159,24 @@ def doc_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(position_ids == 0, dim=-1, dtype=torch.int32)
 
 
-def _ref_chunk(q, k, v, keep, scale: float):
+def _ref_chunk(q, k, v, keep, scale: float, sink=None):
     """Softmax attention for one chunk of queries, heads grouped.
 
-    ``q`` is (B, Hkv, G, c, D), ``k``/``v`` (B, Hkv, 1, Sk, D): the matmuls
+    ``q`` is (B, Hkv, G, c, D), ``k``/``v`` (B, Hkv, 1, Sk, D) / (B, Hkv, 1, Sk, Dv): the matmuls
     broadcast each K/V head over its G query heads (no copies), and autograd
     sums dK/dV over the group. ``keep`` broadcasts to (B, Hkv, G, c, Sk).
+    ``sink`` (1, Hkv, G, 1, 1) or None: one more logit in each row's denominator (lse includes it).
     """
     s = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, c, Sk)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True).detach()
+    if sink is not None:
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty rows: shift by 0
     p = torch.exp(s - m)  # unnormalized; exactly 0 where masked
     l = p.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        l = l + torch.exp(sink - m)
     empty = l == 0
     l_safe = torch.where(empty, torch.ones_like(l), l)
     out = torch.matmul(p, v) / l_safe
@@ -159,7 +187,7 @@ def _ref_chunk(q, k, v, keep, scale: float):
 def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[torch.Tensor] = None,
                   scale: Optional[float] = None, return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
                   doc_ids_k: Optional[torch.Tensor] = None, chunk_size: int = 1024, window: Optional[int] = None,
-                  window_shift: int = 0):
+                  window_shift: int = 0, sinks: Optional[torch.Tensor] = None):
     """Plain-torch attention with the same conventions as :func:`attention`.
 
     Computes in fp32 (halves are upcast; float64 stays float64), queries in
@@ -167,10 +195,13 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
     live; when gradients are needed and there are several chunks, each chunk is
     recomputed in backward (activation checkpointing) so memory stays bounded
     there too. Document ids make the mask block-diagonal (query and key in one
-    document); a ``window`` bands it (:func:`check_window`). Differentiable by autograd, including through
-    ``lse``.
+    document); a ``window`` bands it (:func:`check_window`); ``sinks`` (H,) add
+    one logit per head to every row's denominator (:func:`check_sinks`; the
+    lse then includes it). Differentiable by autograd, including through
+    ``lse`` and into ``sinks``.
     """
     scale = validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
+    sinks = check_sinks(sinks, q)
     docs = check_docs(q, k, doc_ids, doc_ids_k)
     lo = check_window(window, window_shift, q, k)
     if chunk_size < 1:
@@ -182,7 +213,9 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
     qf = q.to(cdt).unflatten(1, (Hkv, H // Hkv))
     kf, vf = k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
     key_keep = None if key_padding_mask is None else key_padding_mask[:, None, None, None, :]  # (B, 1, 1, 1, Sk)
-    checkpoint = Sq > chunk_size and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    sink = None if sinks is None else sinks.to(cdt).view(1, Hkv, H // Hkv, 1, 1)
+    checkpoint = Sq > chunk_size and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, sinks))
     outs, lses = [], []
     for start in range(0, Sq, chunk_size):
         stop = min(Sq, start + chunk_size)
@@ -199,9 +232,9 @@ def attention_ref(q, k, v, *, causal: bool = False, key_padding_mask: Optional[t
             keep = keep & (docs[0][:, None, None, start:stop, None] == docs[1][:, None, None, None, :])
         if checkpoint:
             o, l = torch.utils.checkpoint.checkpoint(_ref_chunk, qf[:, :, :, start:stop], kf, vf, keep, scale,
-                                                     use_reentrant=False)
+                                                     sink, use_reentrant=False)
         else:
-            o, l = _ref_chunk(qf[:, :, :, start:stop], kf, vf, keep, scale)
+            o, l = _ref_chunk(qf[:, :, :, start:stop], kf, vf, keep, scale, sink)
         outs.append(o)
         lses.append(l)
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)).flatten(1, 2).to(q.dtype)

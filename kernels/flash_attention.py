@@ -63,8 +63,9 @@ import triton
 from torch.library import custom_op, register_autograd, register_fake
 
 from ._backend import dot_options, interpreter_active, picked, resolve_backend
+from .library import empty_output, or_none
 from .attention_torch import (  # noqa: F401 (re-exported)
-    attention_ref, check_docs, check_window, doc_ids_from_positions, sdpa_attention, validate)
+    attention_ref, check_docs, check_sinks, check_window, doc_ids_from_positions, sdpa_attention, validate)
 from .flash_attention_bwd import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
 from .flash_attention_fwd import attn_fwd_kernel
 
@@ -116,10 +117,11 @@ _GPU_FWD_DOCS = {(2, 128): ((64, 64, 8, 3), (128, 32, 8, 3))}
 AUTOTUNE = {"attention": max(len(c) for t in _TABLES.values() for rows in t.values() for _, c in rows)}
 
 
-def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool = False) -> dict:
+def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool = False,
+            head_dim_v: Optional[int] = None) -> dict:
     """Block sizes and launch options of one kernel, ``"fwd"``, ``"dkdv"`` or ``"dq"``: a table, entry
     :func:`~._backend.picked` of the row (``docs``: the forward keeps per-row key bounds, document ids or a
-    window's).
+    window's). ``head_dim_v``: v's head dim where it differs (BLOCK_DV; the row is the larger padded dim's).
 
     The interpreter runs programs one after another in numpy and pays per op,
     so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
@@ -130,14 +132,15 @@ def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool =
     if kernel not in _TABLES:
         raise ValueError(f"{_OP}: kernel must be one of {sorted(_TABLES)}, got {kernel!r}")
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = block_d if head_dim_v is None else max(16, triton.next_power_of_2(head_dim_v))
     if interpreter_active():
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_stages=1)
     size = 4 if dtype == torch.float32 else 2
-    limit, candidates = next((limit, c) for limit, c in _TABLES[kernel][size] if block_d <= limit)
+    limit, candidates = next((limit, c) for limit, c in _TABLES[kernel][size] if max(block_d, block_dv) <= limit)
     if docs and kernel == "fwd":
         candidates = _GPU_FWD_DOCS.get((size, limit), candidates)
     bm, bn, warps, stages = picked(_OP, candidates)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps, num_stages=stages)
 
 
 def tile_summary(head_dim: int, dtype: torch.dtype) -> str:
@@ -208,65 +211,72 @@ def doc_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor, causal: bool, win_lo: O
 
 
 def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None,
-               win_lo: Optional[int] = None):
-    """(out, lse) of q (B, H, Sq, D) over k, v (B, Hkv, Sk, D), H % Hkv == 0 (checked by the caller).
+               win_lo: Optional[int] = None, sinks: Optional[torch.Tensor] = None):
+    """(out, lse) of q (B, H, Sq, D) over k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), H % Hkv == 0 (checked by the
+    caller); out is (B, H, Sq, Dv).
 
     ``docs``: None, or (doc_q (B, Sq), doc_k (B, Sk)) int32 contiguous document ids (:func:`kernel_doc_ids`).
     ``win_lo``: None, or the window's bound (:func:`~.attention_torch.check_window`): query i keeps keys
-    ``j >= i + win_lo``.
+    ``j >= i + win_lo``. ``sinks``: None or (H,) sink logits; the lse then includes them.
     """
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = _config(D, q.dtype, "fwd", docs=docs is not None or win_lo is not None)
+    cfg = _config(D, q.dtype, "fwd", docs=docs is not None or win_lo is not None, head_dim_v=Dv)
+    sinks_arg = lse if sinks is None else sinks.to(torch.float32).contiguous()
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     keys = (q, q) if docs is None else doc_ranges(*docs, causal, win_lo)[0]
     win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
     attn_fwd_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
-        q, k, v, out, lse, m_ptr, *keys,
+        q, k, v, out, lse, sinks_arg, m_ptr, *keys,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), smb, smn,
-        H, H // Hkv, Sq, Sk, D, scale * _LOG2E, 0 if win_lo is None else win_lo,
+        H, H // Hkv, Sq, Sk, D, Dv, scale * _LOG2E, 0 if win_lo is None else win_lo,
         IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None, HAS_WINDOW=win_lo is not None,
-        **dot_options(q.dtype), **cfg,
+        HAS_SINKS=sinks is not None, **dot_options(q.dtype), **cfg,
     )
     return out, lse
 
 
 def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float, docs: Optional[tuple] = None,
-               win_lo: Optional[int] = None):
-    """(dq, dk, dv): dq like q (B, H, Sq, D); dk, dv like k (B, Hkv, Sk, D), summed over each group.
+               win_lo: Optional[int] = None, sinks: Optional[torch.Tensor] = None):
+    """(dq, dk, dv, dsinks): dq like q, dk like k, dv like v, dk and dv summed over each group; dsinks (H,)
+    fp32 summed over batch and rows, or None without sinks.
 
-    ``docs`` and ``win_lo`` as for :func:`_flash_fwd`.
+    ``docs``, ``win_lo`` and ``sinks`` as for :func:`_flash_fwd` (``lse`` is the forward's, sinks included).
     """
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     keys, queries = ((q, q), (q, q)) if docs is None else doc_ranges(*docs, causal, win_lo)
     win_lo = None if docs is not None else win_lo  # with documents the ranges hold the window
     delta = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
     dlse_arg = dlse.to(torch.float32).contiguous() if has_dlse else delta
-    block_d = max(16, triton.next_power_of_2(D))
-    pre_m = 64 if block_d <= 128 else 32
+    block_dv = max(16, triton.next_power_of_2(Dv))
+    pre_m = 64 if block_dv <= 128 else 32
+    dsink_rows = None if sinks is None else torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+    sinks_arg = delta if sinks is None else sinks.to(torch.float32).contiguous()
     attn_bwd_preprocess_kernel[_grid(Sq, pre_m, B * H)](
-        out, do, dlse_arg, delta, *out.stride(), *do.stride(), H, Sq, D,
-        HAS_DLSE=has_dlse, BLOCK_M=pre_m, BLOCK_D=block_d, num_warps=4,
+        out, do, dlse_arg, delta, lse, sinks_arg, delta if dsink_rows is None else dsink_rows,
+        *out.stride(), *do.stride(), H, Sq, Dv,
+        HAS_DLSE=has_dlse, HAS_SINKS=sinks is not None, BLOCK_M=pre_m, BLOCK_D=block_dv, num_warps=4,
     )
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Sk, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, Hkv, Sk, D), dtype=v.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Sk, Dv), dtype=v.dtype, device=q.device)
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), smb, smn,
-              H, H // Hkv, Sq, Sk, D, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
+              H, H // Hkv, Sq, Sk, D, Dv, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
                  HAS_WINDOW=win_lo is not None, **dot_options(q.dtype))
-    cfg = _config(D, q.dtype, "dkdv")
+    cfg = _config(D, q.dtype, "dkdv", head_dim_v=Dv)
     attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags, **cfg)
-    cfg = _config(D, q.dtype, "dq")
+    cfg = _config(D, q.dtype, "dq", head_dim_v=Dv)
     attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags, **cfg)
-    return dq, dk, dv
+    dsinks = None if dsink_rows is None else dsink_rows.sum(dim=(0, 2))  # deterministic: no atomics
+    return dq, dk, dv, dsinks
 
 
 # ----------------------------------------------------------------------------
@@ -276,45 +286,50 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
 
 @custom_op("cuboid::flash_attention", mutates_args=())
 def _flash(q: Tensor, k: Tensor, v: Tensor, mask_u8: Optional[Tensor], doc_q: Optional[Tensor],
-           doc_k: Optional[Tensor], causal: bool, scale: float, win_lo: Optional[int]) -> Tuple[Tensor, Tensor]:
-    """(out (B, H, Sq, D), lse (B, H, Sq) fp32) of the Triton forward."""
-    return _flash_fwd(q, k, v, mask_u8, causal, scale, None if doc_q is None else (doc_q, doc_k), win_lo)
+           doc_k: Optional[Tensor], causal: bool, scale: float, win_lo: Optional[int],
+           sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, sinks included) of the Triton forward."""
+    return _flash_fwd(q, k, v, mask_u8, causal, scale, None if doc_q is None else (doc_q, doc_k), win_lo, sinks)
 
 
 @register_fake("cuboid::flash_attention")
-def _flash_fake(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo):
-    B, H, Sq, D = q.shape
-    return q.new_empty((B, H, Sq, D)), q.new_empty((B, H, Sq), dtype=torch.float32)
+def _flash_fake(q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo, sinks=None):
+    B, H, Sq, _ = q.shape
+    return q.new_empty((B, H, Sq, v.shape[3])), q.new_empty((B, H, Sq), dtype=torch.float32)
 
 
 @custom_op("cuboid::flash_attention_backward", mutates_args=())
 def _flash_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     mask_u8: Optional[Tensor], doc_q: Optional[Tensor], doc_k: Optional[Tensor], causal: bool,
-                    scale: float, win_lo: Optional[int]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the Triton backward kernels; dk, dv summed over each group of query heads."""
+                    scale: float, win_lo: Optional[int],
+                    sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsinks) of the Triton backward kernels; dk, dv summed over each group of query heads;
+    dsinks (H,) in sinks' dtype, or :func:`~.library.empty_output` without sinks."""
     docs = None if doc_q is None else (doc_q, doc_k)
-    return _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, causal, scale, docs, win_lo)
+    dq, dk, dv, dsinks = _flash_bwd(dout, dlse, q, k, v, out, lse, mask_u8, causal, scale, docs, win_lo, sinks)
+    return dq, dk, dv, empty_output(q, torch.float32) if dsinks is None else dsinks.to(sinks.dtype)
 
 
 @register_fake("cuboid::flash_attention_backward")
-def _flash_backward_fake(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, causal, scale, win_lo):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _flash_backward_fake(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, causal, scale, win_lo, sinks=None):
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _flash_setup(ctx, inputs, output):
-    q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo = inputs
+    q, k, v, mask_u8, doc_q, doc_k, causal, scale, win_lo, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k)
+    ctx.save_for_backward(q, k, v, out, lse, mask_u8, doc_q, doc_k, sinks)
     ctx.causal, ctx.scale, ctx.win_lo = causal, scale, win_lo
     ctx.set_materialize_grads(False)
 
 
 def _flash_grad(ctx, dout, dlse):
-    q, k, v, out, lse, mask_u8, doc_q, doc_k = ctx.saved_tensors
+    q, k, v, out, lse, mask_u8, doc_q, doc_k, sinks = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.to(out.dtype)
-    dq, dk, dv = _flash_backward(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, ctx.causal, ctx.scale,
-                                 ctx.win_lo)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv, dsinks = _flash_backward(dout, dlse, q, k, v, out, lse, mask_u8, doc_q, doc_k, ctx.causal,
+                                         ctx.scale, ctx.win_lo, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, or_none(dsinks)
 
 
 register_autograd("cuboid::flash_attention", _flash_grad, setup_context=_flash_setup)
@@ -350,14 +365,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         docs = kernel_doc_ids(doc_ids, doc_ids_k)
     win_lo = check_window(window, window_shift, q, k)
     return _flash_backward(dout.contiguous(), None, q, k, v, out, lse.contiguous(), mask_u8, *(docs or (None, None)),
-                           causal, float(scale), win_lo)
+                           causal, float(scale), win_lo)[:3]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
               return_lse: bool = False, doc_ids: Optional[torch.Tensor] = None,
               doc_ids_k: Optional[torch.Tensor] = None, window: Optional[int] = None, window_shift: int = 0,
-              backend: Optional[str] = None):
+              sinks: Optional[torch.Tensor] = None, backend: Optional[str] = None):
     """Softmax attention ``softmax(scale * q @ k^T) @ v`` over (B, H, S, D) tensors.
 
     Args:
@@ -386,10 +401,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         window_shift: the queries sit this many positions further right of
             the keys than end alignment says (ring attention's chunk pairs);
             0 otherwise.
+        sinks: None or (H,) float, gpt-oss's attention sinks: one learned
+            logit per query head that joins every row's softmax denominator
+            and adds no value, ``out_i = sum_j e^{s_ij} v_j / (sum_j e^{s_ij}
+            + e^{sinks[h]})`` over the kept keys (window, mask and documents
+            do not touch it; a row with no kept key gives 0). Computed in
+            fp32; its gradient (H,) is summed over batch and rows. With
+            ``return_lse`` the lse includes the sink (``logaddexp(lse over
+            the keys, sink)``); to merge blocks by lse, as ring attention
+            does, compute the blocks without sinks and add the sink once
+            to the merged lse.
         backend: ``"triton"``, ``"torch"`` or None for the automatic rule
             (:func:`cuboid.kernels.resolve_backend`).
 
-    Returns ``out`` (B, H, Sq, D) in q's dtype, or ``(out, lse)``. Rows with no
+    ``v`` may have its own head dim Dv (DeepSeek-V3's latent attention: 192
+    for q/k, 128 for v); ``out`` is then (B, H, Sq, Dv).
+
+    Returns ``out`` (B, H, Sq, Dv) in q's dtype, or ``(out, lse)``. Rows with no
     kept key (padding, no key of their document) give ``out = 0`` and
     ``lse = -inf``, with zero gradients, so blocks merge exactly by lse. The
     gradients of k and v are (B, Hkv, Sk, D), summed over each group's heads.
@@ -397,11 +425,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    tensors: Sequence[torch.Tensor] = [q, k, v] + [t for t in (key_padding_mask, doc_ids, doc_ids_k) if isinstance(t, torch.Tensor)]
+    tensors: Sequence[torch.Tensor] = [q, k, v] + [t for t in (key_padding_mask, doc_ids, doc_ids_k, sinks)
+                                                   if isinstance(t, torch.Tensor)]
     chosen = resolve_backend(_OP, tensors, backend)
     win_lo = check_window(window, window_shift, q, k)
+    sinks = check_sinks(sinks, q)
     if chosen == "torch":
-        if not return_lse:
+        if not return_lse and sinks is None:  # SDPA has no sink: those go to the reference
             checked = validate(q, k, v, causal, key_padding_mask, scale, triton_path=False)
             fast = sdpa_attention(q, k, v, causal, key_padding_mask, checked, check_docs(q, k, doc_ids, doc_ids_k),
                                   win_lo)
@@ -409,11 +439,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                 return fast
         return attention_ref(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
                              return_lse=return_lse, doc_ids=doc_ids, doc_ids_k=doc_ids_k,
-                             window=None if win_lo is None else window, window_shift=window_shift)
+                             window=None if win_lo is None else window, window_shift=window_shift, sinks=sinks)
     scale = validate(q, k, v, causal, key_padding_mask, scale, triton_path=True)
     mask_u8 = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
     doc_q = doc_k = None
     if check_docs(q, k, doc_ids, doc_ids_k) is not None:
         doc_q, doc_k = kernel_doc_ids(doc_ids, doc_ids_k)
-    out, lse = _flash(q, k, v, mask_u8, doc_q, doc_k, causal, float(scale), win_lo)
+    out, lse = _flash(q, k, v, mask_u8, doc_q, doc_k, causal, float(scale), win_lo, sinks)
     return (out, lse) if return_lse else out

@@ -2,7 +2,9 @@
 
 Three launches, no atomics, deterministic:
 
-- ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O) - dlse`` per query row.
+- ``attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O) - dlse`` per query row, and with sinks each row's
+  share of the sink's gradient, ``-exp(sink - lse) * delta`` (the lse includes the sink, so P of the keys and
+  of the sink come from it; the sink carries no value, so dP of its column is 0 and dS_sink = -P_sink delta).
 - ``attn_bwd_dkdv_kernel``: one program per block of BLOCK_N keys of one K/V head; it keeps K, V and the fp32
   dK, dV tiles on chip and walks the query blocks (BLOCK_M rows each) that see its keys, over every query head of
   its group (grouped-query heads sum into the same tiles).
@@ -36,14 +38,15 @@ from .flash_attention_fwd import doc_span, key_loop_bounds, tile_ids
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    O,  # (B, H, Sq, D) forward output, any strides
-    DO,  # (B, H, Sq, D) gradient of the output, any strides
+    O,  # (B, H, Sq, Dv) forward output, any strides
+    DO,  # (B, H, Sq, Dv) gradient of the output, any strides
     DLSE,  # (B, H, Sq) fp32 gradient of lse, contiguous; unused unless HAS_DLSE
     DELTA,  # (B, H, Sq) fp32 output, contiguous: rowsum(dO * O) - dlse
+    LSE, SINKS, DSINK,  # (B, H, Sq) fp32 lse, (H,) fp32 sinks, (B, H, Sq) fp32 output; unused unless HAS_SINKS
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     H, SEQ_Q, HEAD_D,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
     off_b = pid_bh // H
@@ -60,6 +63,10 @@ def attn_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta = delta - tl.load(DLSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=0.0)
     tl.store(DELTA + pid_bh * SEQ_Q + offs_m, delta, mask=m_ok)
+    if HAS_SINKS:  # d lse / d sink = P_sink; d out / d sink = -P_sink out
+        lse = tl.load(LSE + pid_bh * SEQ_Q + offs_m, mask=m_ok, other=float("-inf"))
+        p_sink = tl.where(lse == float("-inf"), 0.0, tl.exp(tl.load(SINKS + off_h) - lse))
+        tl.store(DSINK + pid_bh * SEQ_Q + offs_m, -p_sink * delta, mask=m_ok)
 
 
 @triton.jit
@@ -80,8 +87,8 @@ def _masked_start(t, start, t_lo, t_hi, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, lse_base, delta_base, start_m, offs_m0, offs_n,
-               offs_d, d_ok, stride_qm, stride_qd, stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               offs_d, d_ok, offs_dv, dv_ok, stride_qm, stride_qd, stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO,
+               qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV += this program's keys' share of one block of BLOCK_M queries (rows start_m..).
 
@@ -92,13 +99,15 @@ def _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, lse_base, delta_base, 
         m_ok = offs_m < SEQ_Q
         io = m_ok[:, None] & d_ok[None, :]
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=io, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=io, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                     mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
     else:  # every row in range: bounds on the head dim only
         io = (offs_m0 >= 0)[:, None] & d_ok[None, :]
         q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=io, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod, mask=io, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                     mask=(offs_m0 >= 0)[:, None] & dv_ok[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m)
         delta = tl.load(delta_base + offs_m)
     if UPCAST:
@@ -158,11 +167,11 @@ def _query_walk(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_Q, SEQ_K, 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, D) inputs, any strides
-    DO,  # (B, H, Sq, D) gradient of the output, any strides
+    Q, K, V,  # (B, H, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv) inputs, any strides
+    DO,  # (B, H, Sq, Dv) gradient of the output, any strides
     LSE,  # (B, H, Sq) fp32 forward lse (natural log), contiguous
     DELTA,  # (B, H, Sq) fp32 from the preprocess kernel, contiguous
-    DK, DV,  # (B, Hkv, Sk, D) outputs, input dtype, contiguous
+    DK, DV,  # (B, Hkv, Sk, D), (B, Hkv, Sk, Dv) outputs, input dtype, contiguous
     MASK,  # (B, Sk) uint8 key keep-mask; unused unless HAS_MASK
     RANGE_LO, RANGE_HI,  # (B, Sk) int32: key j is seen by queries [lo, hi) (its document, causal); HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -170,11 +179,11 @@ def attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D, HEAD_DV,  # GROUP = H // Hkv query heads per K/V head
     sm_scale, qk_scale,  # scale, and scale * log2(e)
     WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # The group sum of dK/dV happens in the program's fp32 tiles: no (B, H, Sk, D) per-query-head temporaries,
@@ -187,19 +196,22 @@ def attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < SEQ_K
     d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < HEAD_DV
     kv_mask = n_ok[:, None] & d_ok[None, :]
+    v_mask = n_ok[:, None] & dv_ok[None, :]
 
     k = tl.load(K + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_kn
                 + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
     v = tl.load(V + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+                + offs_dv[None, :] * stride_vd, mask=v_mask, other=0.0)  # (BLOCK_N, BLOCK_DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # fp32 accumulators, summed over the group
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, n_blocks, t_lo, t_hi, lo_n, hi_n = _query_walk(RANGE_LO, RANGE_HI, off_b, start_n, offs_n, n_ok, SEQ_Q,
                                                        SEQ_K, WIN_LO, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M,
@@ -212,12 +224,13 @@ def attn_bwd_dkdv_kernel(
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         for t in range(t_lo, t_hi):  # the blocks that need no mask
             dk, dv = _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
-                                lo + t * BLOCK_M, offs_m0, offs_n, offs_d, d_ok, stride_qm, stride_qd, stride_dom,
-                                stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, False, IS_CAUSAL, HAS_DOCS, HAS_WINDOW,
-                                UPCAST, PRECISION)
+                                lo + t * BLOCK_M, offs_m0, offs_n, offs_d, d_ok, offs_dv, dv_ok, stride_qm, stride_qd,
+                                stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, False, IS_CAUSAL, HAS_DOCS,
+                                HAS_WINDOW, UPCAST, PRECISION)
         for t in range(0, n_masked):  # the diagonal band, the window's edge, the last partial block, documents
             dk, dv = _dkdv_step(dk, dv, k, v, lo_n, hi_n, q_base, do_base, LSE + row0, DELTA + row0,
-                                _masked_start(t, lo, t_lo, t_hi, BLOCK_M), offs_m0, offs_n, offs_d, d_ok, stride_qm,
+                                _masked_start(t, lo, t_lo, t_hi, BLOCK_M), offs_m0, offs_n, offs_d, d_ok, offs_dv,
+                                dv_ok, stride_qm,
                                 stride_qd, stride_dom, stride_dod, SEQ_Q, SEQ_K, WIN_LO, qk_scale, True, IS_CAUSAL,
                                 HAS_DOCS, HAS_WINDOW, UPCAST, PRECISION)
 
@@ -226,25 +239,28 @@ def attn_bwd_dkdv_kernel(
         km = tl.load(MASK + off_b * stride_mb + offs_n * stride_mn, mask=n_ok, other=0)
         dk = tl.where((km != 0)[:, None], dk, 0.0)
         dv = tl.where((km != 0)[:, None], dv, 0.0)
-    out_offs = pid_bkv * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :]
-    tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    tl.store(DK + pid_bkv * SEQ_K * HEAD_D + offs_n[:, None] * HEAD_D + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + pid_bkv * SEQ_K * HEAD_DV + offs_n[:, None] * HEAD_DV + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, lo_m, hi_m, k_base, v_base, mask_base, start_n, offs_m, offs_n0, offs_d, d_ok,
-             stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, SEQ_Q, SEQ_K, WIN_LO, qk_scale,
+             offs_dv, dv_ok, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, SEQ_Q, SEQ_K, WIN_LO, qk_scale,
              MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr,
              HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """dQ += the program's queries' share from one block of BLOCK_N keys (keys start_n..)."""
     offs_n = start_n + offs_n0
     if MASKED:
         n_ok = offs_n < SEQ_K
-        io = n_ok[:, None] & d_ok[None, :]
+        rows = n_ok
     else:  # every key in range: bounds on the head dim only
-        io = (offs_n0 >= 0)[:, None] & d_ok[None, :]
-    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=io, other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=io, other=0.0)
+        rows = offs_n0 >= 0
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=rows[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=rows[:, None] & dv_ok[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -283,11 +299,11 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D, HEAD_DV,  # GROUP = H // Hkv
     sm_scale, qk_scale,  # scale, and scale * log2(e)
     WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
@@ -297,14 +313,16 @@ def attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SEQ_Q
     d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < HEAD_DV
     qd_mask = m_ok[:, None] & d_ok[None, :]
 
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=qd_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+                 + offs_dv[None, :] * stride_dod, mask=m_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_DV)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -332,11 +350,13 @@ def attn_bwd_dq_kernel(
         t_lo, t_hi = _full_run(n_blocks, first, last)
     for t in range(t_lo, t_hi):  # the blocks that need no mask
         dq = _dq_step(dq, q, do, lse, delta, lo_m, hi_m, k_base, v_base, mask_base, lo + t * BLOCK_N, offs_m,
-                      offs_n0, offs_d, d_ok, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, SEQ_Q, SEQ_K,
+                      offs_n0, offs_d, d_ok, offs_dv, dv_ok, stride_kn, stride_kd, stride_vn, stride_vd, stride_mn, SEQ_Q,
+                      SEQ_K,
                       WIN_LO, qk_scale, False, IS_CAUSAL, HAS_MASK, HAS_DOCS, HAS_WINDOW, UPCAST, PRECISION)
     for t in range(0, n_blocks - (t_hi - t_lo)):  # the window's edge, the diagonal band, the last partial block
         dq = _dq_step(dq, q, do, lse, delta, lo_m, hi_m, k_base, v_base, mask_base,
-                      _masked_start(t, lo, t_lo, t_hi, BLOCK_N), offs_m, offs_n0, offs_d, d_ok, stride_kn, stride_kd,
+                      _masked_start(t, lo, t_lo, t_hi, BLOCK_N), offs_m, offs_n0, offs_d, d_ok, offs_dv, dv_ok,
+                      stride_kn, stride_kd,
                       stride_vn, stride_vd, stride_mn, SEQ_Q, SEQ_K, WIN_LO, qk_scale, True, IS_CAUSAL, HAS_MASK,
                       HAS_DOCS, HAS_WINDOW, UPCAST, PRECISION)
 

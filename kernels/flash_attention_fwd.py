@@ -67,9 +67,10 @@ def key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ
 def attn_fwd_kernel(
     Q,  # (B, H, Sq, D) input, any strides
     K,  # (B, Hkv, Sk, D) input, any strides; H % Hkv == 0
-    V,  # (B, Hkv, Sk, D) input, any strides
-    O,  # (B, H, Sq, D) output, q's dtype, any strides
-    LSE,  # (B, H, Sq) fp32 output, contiguous
+    V,  # (B, Hkv, Sk, Dv) input, any strides (Dv may differ from D: latent attention)
+    O,  # (B, H, Sq, Dv) output, q's dtype, any strides
+    LSE,  # (B, H, Sq) fp32 output, contiguous (with sinks: over the keys and the sink)
+    SINKS,  # (H,) fp32 sink logits (natural log), contiguous; unused unless HAS_SINKS
     MASK,  # (B, Sk) uint8 key keep-mask (1 = keep); unused unless HAS_MASK
     RANGE_LO, RANGE_HI,  # (B, Sq) int32: query i sees keys [lo, hi) (its document, causal); HAS_DOCS only
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -77,11 +78,12 @@ def attn_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_mb, stride_mn,
-    H, GROUP, SEQ_Q, SEQ_K, HEAD_D,  # GROUP = H // Hkv query heads per K/V head
+    H, GROUP, SEQ_Q, SEQ_K, HEAD_D, HEAD_DV,  # GROUP = H // Hkv query heads per K/V head
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
     WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
 ):
@@ -92,8 +94,10 @@ def attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SEQ_Q
     d_ok = offs_d < HEAD_D
+    dv_ok = offs_dv < HEAD_DV
 
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
@@ -105,7 +109,7 @@ def attn_fwd_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max (log2 domain)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # fp32 accumulator of P @ V
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # fp32 accumulator of P @ V
 
     lo, hi, lo_m, hi_m = key_loop_bounds(RANGE_LO, RANGE_HI, off_b, start_m, offs_m, m_ok, SEQ_Q, SEQ_K, WIN_LO,
                                           IS_CAUSAL, HAS_DOCS, HAS_WINDOW, BLOCK_M, BLOCK_N)
@@ -114,8 +118,8 @@ def attn_fwd_kernel(
         n_ok = offs_n < SEQ_K
         kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=n_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -140,9 +144,17 @@ def attn_fwd_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:  # one more logit in the denominator, no value: out and lse take it once, at the end
+        sink = tl.load(SINKS + off_h) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.exp2(sink - m_safe)
+        acc = acc * alpha[:, None]
+        m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=m_ok)

@@ -63,7 +63,12 @@ the lse and the (small, bool) masks of every block seen in forward (B x T
 bytes), sends K, V around again, and lets each block's dK, dV accumulator
 (fp32) travel with it, so that it arrives home after sp hops. Block gradients
 use the FINAL output and lse (the standard flash backward: P = exp(S scale -
-lse), D = rowsum(dO * O), dS = P (dP - D)): with Triton (CUDA, or the
+lse), D = rowsum(dO * O), dS = P (dP - D)); with attention sinks (gpt-oss) the
+blocks run without them and the sink joins the merged lse once at the end
+(out scaled by exp(lse - logaddexp(lse, sink))), so the final lse holds it and
+the block backward is unchanged; the sink's gradient, -sum exp(sink - lse) D
+over this rank's rows, is a share that the plan's gradient sum over sp adds
+up (as for every replicated weight): with Triton (CUDA, or the
 interpreter) the kernel's own backward (``attention_backward``), which takes
 out and lse as arguments; on the torch backend a plain-torch block backward
 in fp32 (fp64 for fp64 inputs), queries in chunks so at most a
@@ -116,7 +121,7 @@ import torch
 import torch.distributed as dist
 
 import cuboid.kernels as kernels
-from cuboid.kernels.attention_torch import check_window, window_keep
+from cuboid.kernels.attention_torch import check_sinks, check_window, window_keep
 from . import comm
 
 __all__ = ["ring_attention", "all_to_all_attention", "zigzag_split", "zigzag_merge", "zigzag_positions",
@@ -347,7 +352,7 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str, docs, window):
+    def forward(ctx, q, k, v, mask, group, causal: bool, scale: float, backend: str, docs, window, sinks):
         sp, r = comm.group_size(group), comm.group_rank(group)
         c = q.shape[2] // 2
         shares = None if docs is None else docs.shares
@@ -355,7 +360,7 @@ class _RingAttention(torch.autograd.Function):
         masks = [None] * sp  # every block's mask, kept for backward (B x T bools in all)
         calls = [None] * sp  # every block's kernel calls, the same in backward
         kb, vb, mb = k, v, mask
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for t in range(sp):
             s = (r - t) % sp
@@ -374,21 +379,28 @@ class _RingAttention(torch.autograd.Function):
                 got = nxt.wait()
                 kb, vb = got[0], got[1]
                 mb = None if mask is None else got[2].view(torch.bool)
+        if sinks is not None:  # the blocks' lse are over keys alone: the sink joins the merged denominator once
+            full = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+            out.mul_(torch.exp(lse - full).unsqueeze(-1))
+            lse = full
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.masks, ctx.calls, ctx.docs, ctx.group = masks, calls, docs, group
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, scale, docs = ctx.group, ctx.scale, ctx.docs
         sp, r = comm.group_size(group), comm.group_rank(group)
         acc = lse.dtype
         do = dout.to(out.dtype).contiguous()
         triton = ctx.backend == "triton"
-        delta = None if triton else (do.to(acc) * out.to(acc)).sum(-1)  # (B, H, S): rowsum(dO * O)
+        delta = None if triton and sinks is None else (do.to(acc) * out.to(acc)).sum(-1)  # (B, H, S): rowsum(dO O)
+        dsinks = None  # this rank's rows' share: d out / d sink = -P_sink out, P_sink = exp(sink - lse)
+        if sinks is not None:
+            dsinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * delta).sum(dim=(0, 2)).to(sinks.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kb, vb = k, v
         home = None  # the dK, dV accumulators in flight
@@ -418,7 +430,7 @@ class _RingAttention(torch.autograd.Function):
             if nxt is not None:
                 kb, vb = nxt.wait()
         dk, dv = home.wait()  # after sp hops, our own block's sums
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, dsinks
 
 
 def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
@@ -426,9 +438,9 @@ def _check_qkv(q, k, v, key_padding_mask, what: str) -> None:
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{what}: {name} must be a 4-D tensor (batch, heads, seq, head_dim)")
     B, H, S, D = q.shape
-    if k.shape != v.shape or (k.shape[0], k.shape[2], k.shape[3]) != (B, S, D):
-        raise ValueError(f"{what}: k and v must have one shape (batch, kv heads, seq, head_dim) matching q's "
-                         f"batch, seq and head_dim, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or (k.shape[0], k.shape[2], k.shape[3]) != (B, S, D):
+        raise ValueError(f"{what}: k and v must share (batch, kv heads, seq), matching q's batch and seq, and k "
+                         f"q's head_dim (v's may differ), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[1] < 1 or H % k.shape[1]:
         raise ValueError(f"{what}: q's {H} heads must be a multiple of k/v's {k.shape[1]} heads "
                          f"(grouped-query attention).")
@@ -469,7 +481,7 @@ def _row_docs(doc_ids, q, sp: int, what: str):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
                    key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                   doc_ids=None, window: Optional[int] = None) -> torch.Tensor:
+                   doc_ids=None, window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's rows of the attention of the whole sequence, K/V passed around the ``group`` ring.
 
     Args:
@@ -491,10 +503,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
             ``window``; inside a packed document index differences are position
             differences). Chunk pairs wholly left of the window are not
             computed, so a rank's work is its T/sp tokens x the window.
+        sinks: (H,) attention sinks (the kernel's ``sinks``), the same on
+            every rank; each rank's gradient of them is its rows' share.
 
-    Returns (B, H, T/sp, D) in q's dtype, differentiable w.r.t. q, k, v.
+    ``v`` may have its own head dim Dv (latent attention). Returns (B, H, T/sp, Dv) in q's dtype,
+    differentiable w.r.t. q, k, v and sinks.
     """
     _check_qkv(q, k, v, key_padding_mask, "ring_attention")
+    sinks = check_sinks(sinks, q)
     window = _check_window(window, q, comm.group_size(group), "ring_attention")
     if not isinstance(causal, bool):
         raise TypeError(f"ring_attention: causal must be a bool, got {type(causal).__name__}")
@@ -502,14 +518,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
     ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "ring_attention")
     if not comm.active(group):
         return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                                 doc_ids=ids, window=window)
+                                 doc_ids=ids, window=window, sinks=sinks)
     if causal and q.shape[2] % 2:
         raise ValueError(f"ring_attention: a zigzag shard holds two equal chunks, got an odd length {q.shape[2]}")
     backend = kernels.resolve_backend("attention", [q, k, v, key_padding_mask])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # the kernel's default, bit for bit
     mask = None if key_padding_mask is None else key_padding_mask.contiguous()
     docs = doc_ids if isinstance(doc_ids, ZigzagDocs) or ids is None else ZigzagDocs(ids, sp)
-    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend, docs, window)
+    return _RingAttention.apply(q, k, v, mask, group, causal, scale, backend, docs, window, sinks)
 
 
 # ----------------------------------------------------------------- all-to-all attention
@@ -517,7 +533,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool,
                          key_padding_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                         layout: str = "contiguous", doc_ids=None, window: Optional[int] = None) -> torch.Tensor:
+                         layout: str = "contiguous", doc_ids=None, window: Optional[int] = None,
+                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's rows of the whole-sequence attention by a head/sequence all-to-all (Ulysses).
 
     Args:
@@ -534,18 +551,24 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             host sync.
         window: sliding-window attention over global positions, passed to
             the kernel's attention of the whole sequence.
+        sinks: (H,) attention sinks, the same on every rank: rank i's kernel
+            takes its heads' sinks, so its gradient of them is whole for
+            those heads and zero for the others (the sum over sp is one
+            device's).
 
-    Returns (B, H, T/sp, D) in the same layout, differentiable w.r.t. q, k, v.
+    ``v`` may have its own head dim Dv (it then takes its own all-to-all). Returns (B, H, T/sp, Dv) in the
+    same layout, differentiable w.r.t. q, k, v and sinks.
     """
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"all_to_all_attention: layout must be 'contiguous' or 'zigzag', got {layout!r}")
     _check_qkv(q, k, v, key_padding_mask, "all_to_all_attention")
+    sinks = check_sinks(sinks, q)
     window = _check_window(window, q, comm.group_size(group), "all_to_all_attention")
     sp = comm.group_size(group)
     ids = _row_docs(doc_ids, q, sp if comm.active(group) else 1, "all_to_all_attention")
     if not comm.active(group):
         return kernels.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale,
-                                 doc_ids=ids, window=window)
+                                 doc_ids=ids, window=window, sinks=sinks)
     H, Hkv = q.shape[1], k.shape[1]
     if H % sp:
         raise ValueError(f"all_to_all_attention needs heads ({H}) divisible by sp ({sp}).")
@@ -556,18 +579,28 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         raise ValueError(f"all_to_all_attention: a zigzag shard holds two equal chunks, got an odd length {q.shape[2]}")
     # rank i gets query heads [i H/sp, (i+1) H/sp) and the K/V heads they read, [i Hkv/sp, (i+1) Hkv/sp):
     # cut each tensor's heads in sp groups and put rank i's q, k, v heads side by side, one all-to-all
-    by_rank = torch.cat([t.unflatten(1, (sp, t.shape[1] // sp)) for t in (q, k, v)], dim=2)  # (B, sp, h, S, D)
+    # (v apart when its head dim differs: one more all-to-all of the same bytes)
+    same = v.shape[3] == q.shape[3]
+    parts = (q, k, v) if same else (q, k)
+    by_rank = torch.cat([t.unflatten(1, (sp, t.shape[1] // sp)) for t in parts], dim=2)  # (B, sp, h, S, D)
     qkv = comm.all_to_all(by_rank.flatten(1, 2), group, scatter_dim=1, gather_dim=2)  # (B, (H + 2 Hkv)/sp, T, D)
+    va = None if same else comm.all_to_all(v, group, scatter_dim=1, gather_dim=2)  # (B, Hkv/sp, T, Dv)
     mask = None
     if key_padding_mask is not None:
         shards = [m.view(torch.bool) for m in comm.all_gather_list(key_padding_mask.view(torch.uint8), group)]
         mask = zigzag_merge(shards, sp, dim=1) if layout == "zigzag" else torch.cat(shards, dim=1)  # (B, T)
     if layout == "zigzag":  # rank order -> global order
         qkv = zigzag_merge(list(qkv.chunk(sp, dim=2)), sp, dim=2)
+        va = None if same else zigzag_merge(list(va.chunk(sp, dim=2)), sp, dim=2)
     # (B, H/sp, T, D) and (B, Hkv/sp, T, D): the whole sequence for this rank's heads
-    qa, ka, va = qkv.split([H // sp, Hkv // sp, Hkv // sp], dim=1)
+    if same:
+        qa, ka, va = qkv.split([H // sp, Hkv // sp, Hkv // sp], dim=1)
+    else:
+        qa, ka = qkv.split([H // sp, Hkv // sp], dim=1)
+    r = comm.group_rank(group)
+    own = None if sinks is None else sinks[r * (H // sp):(r + 1) * (H // sp)]  # the sinks of this rank's heads
     out = kernels.attention(qa, ka, va, causal=causal, key_padding_mask=mask, scale=scale, doc_ids=ids,
-                            window=window)
+                            window=window, sinks=own)
     if layout == "zigzag":  # global order -> rank order
         out = torch.cat([zigzag_split(out, sp, i, dim=2) for i in range(sp)], dim=2)
     return comm.all_to_all(out, group, scatter_dim=2, gather_dim=1)

@@ -89,6 +89,7 @@ def drive_flash_attention(gate, mod) -> None:
         return
     with gate.case("attention bf16 d64 q257 k1000 causal mask"):  # Sq != Sk, both odd: the odd variants again
         _attention(mod, 2, 4, 2, 257, 64, BF16, True, True, s_k=1000)
+    _attention_sinks_and_latent(gate, mod)
     # grids: B * H = 2^17 (ViT inference at batch 8192 x 16 heads), one 4M-token sequence, many short ones
     for b, h, s in ((8192, 16, 256), (1, 1, 1 << 22), (1 << 16, 8, 16)):
         with gate.case(f"attention grid b{b} h{h} s{s}"):
@@ -99,15 +100,41 @@ def drive_flash_attention(gate, mod) -> None:
         _attention(mod, 1, 1, 1, 1 << 22, 64, BF16, True, False, False, 4096)
 
 
-def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False, window=None, s_k=None):
+def _attention_sinks_and_latent(gate, mod) -> None:
+    # gpt-oss's attention (sinks, d64, GQA; its full layers and its 128-token sliding ones, packed or not) and
+    # DeepSeek-V3's latent split (q/k head dim 192 on the d256 row, v's 128 unpadded; MHA). Sinks change only the
+    # forward and the backward's preprocess kernel; the split changes all four. CI: bf16 with the fullest, causal
+    # (a multiple of 16), window and packed + window sets (sinks) and the fullest, causal (odd and a multiple of
+    # 16) and packed sets (the split); fp16 and fp32 the fullest set of each. --full: every set at both lengths.
+    every = [(f, s) for f in (_FULLEST, _CAUSAL, _MASKED, _PACKED, _WINDOWED_DOCS, _PLAIN, _WINDOWED)
+             for s in (_ODD, _EVEN)]
+    for dtype in DTYPES:
+        sinks = [(_FULLEST, _ODD)] + ([(_CAUSAL, _EVEN), (_WINDOWED, _ODD), (_WINDOWED_DOCS, _ODD)]
+                                      if dtype == BF16 else [])
+        latent = [(_FULLEST, _ODD)] + ([(_CAUSAL, _ODD), (_CAUSAL, _EVEN), (_PACKED, _ODD)] if dtype == BF16 else [])
+        if gate.full:
+            sinks, latent = every, [c for c in every if c[0][4] is None]
+        for (causal, masked, hkv, docs, window), s in sinks:
+            flags = f"{' causal' if causal else ''}{' mask' if masked else ''}{' docs' if docs else ''}"
+            with gate.case(f"attention {_dn(dtype)} d64 s{s}{flags} gqa{' window' if window else ''} sinks"):
+                _attention(mod, 2, 4, 2, s, 64, dtype, causal, masked, docs, window and 128, sinks=True)
+        for (causal, masked, hkv, docs, window), s in latent:
+            flags = f"{' causal' if causal else ''}{' mask' if masked else ''}{' docs' if docs else ''}"
+            with gate.case(f"attention {_dn(dtype)} d192 dv128 s{s}{flags}"):
+                _attention(mod, 2, 4, 4, s, 192, dtype, causal, masked, docs, d_v=128)
+
+
+def _attention(mod, b, h, hkv, s, d, dtype, causal, masked, docs=False, window=None, s_k=None, sinks=False,
+               d_v=None):
     import torch
     s_k = s if s_k is None else s_k
     q = _meta(b, h, s, d, dtype=dtype)
-    k, v = _meta(b, hkv, s_k, d, dtype=dtype), _meta(b, hkv, s_k, d, dtype=dtype)
+    k, v = _meta(b, hkv, s_k, d, dtype=dtype), _meta(b, hkv, s_k, d if d_v is None else d_v, dtype=dtype)
     mask = torch.empty(b, s_k, dtype=torch.bool, device="meta") if masked else None
     ids = torch.empty(b, s, dtype=torch.int32, device="meta") if docs else None
+    sink = _meta(h, dtype=torch.float32) if sinks else None
     out, lse = mod.attention(q, k, v, causal=causal, key_padding_mask=mask, return_lse=True, doc_ids=ids,
-                             window=window)
+                             window=window, sinks=sink)
     _backward([out, lse])
 
 

@@ -123,8 +123,18 @@ def sp_worker():
                     _case(seed, causal, kind, p, ct_shard, ct_gather, a2a("contiguous"), shape, hkv))
             _record(out, "a2a zigzag " + key, _case(seed, causal, kind, p, zz_shard, zz_gather, a2a("zigzag"), shape, hkv))
 
+    # attention sinks (gpt-oss) with v's own head dim (latent attention), grouped heads, rows without any key
+    for how, shard, gather, op in (("ring", zz_shard, zz_gather, ring),
+                                   ("a2a contiguous", ct_shard, ct_gather, a2a("contiguous"))):
+        seed += 1
+        _record_sinks(out, f"{how} sp{p} sinks gqa 8/4 dv8 causal mask=chunk",
+                      _sinks_case(seed, True, "chunk", p, shard, gather, op, group))
+
     if p == 2 and interpreter_active():  # the Triton path (forward kernel + _flash_bwd per block), interpreted
         with use_backend("triton"):
+            _record_sinks(out, "ring triton sinks dv8 causal mask=pad",
+                          _sinks_case(97, True, "pad", p, zz_shard, zz_gather, ring, group, shape=(1, 2, 16, 16),
+                                      hkv=1, dv=16 + 8))
             errs = _case(99, True, "chunk", p, zz_shard, zz_gather, ring, shape=(2, 1, 16, 16))
             _record(out, "ring triton causal mask=chunk", errs)
             errs = _case(98, True, "pad", p, zz_shard, zz_gather, ring, shape=(1, 2, 16, 16), hkv=1)
@@ -189,6 +199,34 @@ def sp_worker():
                 got = tally.bytes("all_to_all", "sp")
         out[f"{how} gqa bytes {h}/{hkv}"] = (abs(got - want) + abs(tally.total - want), 0.0)
     return out
+
+
+def _sinks_case(seed, causal, kind, sp, shard, gather, op, group, shape=(B, 8, T, D), hkv=4, dv=8):
+    """(out, dq, dk, dv, dsinks) errors of ``op`` with sinks and v's head dim ``dv`` on fp32 shards against the
+    float64 whole-sequence attention; each rank's sinks gradient (its rows' or its heads' share) summed over
+    the group."""
+    from cuboid.kernels import attention
+    from cuboid.parallel import comm
+
+    g = torch.Generator().manual_seed(seed)
+    kv_shape = (shape[0], hkv, *shape[2:])
+    full = [torch.randn(*sh, generator=g, dtype=torch.float64)
+            for sh in (shape, kv_shape, (*kv_shape[:3], dv), (*shape[:3], dv))]
+    sinks = torch.randn(shape[1], generator=g, dtype=torch.float64) * 2
+    mask = _mask(kind, sp, shape[0], shape[2])
+    ref = [t.clone().requires_grad_() for t in full[:3] + [sinks]]
+    out = attention(*ref[:3], causal=causal, key_padding_mask=mask, sinks=ref[3], backend="torch")
+    out.backward(full[3])
+    loc = [shard(t, 2).float().requires_grad_() for t in full[:3]] + [sinks.float().requires_grad_()]
+    got = op(*loc[:3], causal=causal, key_padding_mask=None if mask is None else shard(mask, 1), sinks=loc[3])
+    got.backward(shard(full[3], 2).float())
+    errs = [rel(gather(got.detach()), out)] + [rel(gather(t.grad), r.grad) for t, r in zip(loc[:3], ref[:3])]
+    return errs + [rel(sum(comm.all_gather_list(loc[3].grad, group)), ref[3].grad)]
+
+
+def _record_sinks(out, key, errs):
+    _record(out, key, errs[:4])
+    out[f"{key} dsinks"] = (errs[4], TOL)
 
 
 def _doc_ids(rows):
@@ -400,6 +438,7 @@ def test_sequence_parallel_attention_matches_single_device(world):
         bad = {k: v for k, v in report.items() if not v[0] <= v[1]}
         assert not bad, (rank, bad)
     assert len(reports[0]) >= 3 * 6 * 4 + 7
+    assert sum(" sinks " in k for k in reports[0]) >= 2 * 5  # ring and all-to-all: out, dq, dk, dv, dsinks
 
 
 def test_one_rank_is_plain_attention():
