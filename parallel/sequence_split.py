@@ -78,7 +78,7 @@ class SequenceAttention(nn.Module):
         super().__init__()
         self.group, self.mode, self.window = group, mode, window
 
-    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None):
+    def forward(self, q, k, v, *, causal: bool, mask: Optional[Mask] = None, rope=None, sinks=None):
         if mask is not None and mask.docs is not None and not isinstance(mask, SequenceMask):
             raise TypeError("sequence-parallel attention takes packed rows as a SequenceMask (the whole rows' "
                             "document ids with this rank's): build it with SequenceSplit.local_mask")
@@ -91,11 +91,12 @@ class SequenceAttention(nn.Module):
                 q, k = rope(q, k, zigzag_positions(T, sp, rank, q.device), ("zigzag", T, sp, rank))
         keep = None if mask is None else mask.keep
         docs = None if mask is None else mask.row_docs
+        more = {} if sinks is None else {"sinks": sinks}  # gpt-oss's (H,) sink logits, this rank's heads
         if self.mode == "ring":
             return ring_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, doc_ids=docs,
-                                  window=self.window)
+                                  window=self.window, **more)
         return all_to_all_attention(q, k, v, self.group, causal=causal, key_padding_mask=keep, layout="zigzag",
-                                    doc_ids=docs, window=self.window)
+                                    doc_ids=docs, window=self.window, **more)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}" + ("" if self.window is None else f", window={self.window}")

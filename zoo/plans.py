@@ -37,6 +37,9 @@ _LLAMA_BLOCK = {
     # its gradient is a sum over the heads, which a mode that splits heads must sum over its ranks
     "blocks.*.attn.q_norm": "head_norm",
     "blocks.*.attn.k_norm": "head_norm",
+    # gpt-oss's (H,) sink logits: cut on their one dim in contiguous blocks, as q's heads are (a learned tensor's
+    # split on its last dim, which the modes call vocab)
+    "blocks.*.attn.sinks": "vocab",
     # mixture of experts: the router whole on every rank; the experts sharded over ep (parallel/experts.py)
     "blocks.*.mlp.router": "replicate",
     "blocks.*.mlp.experts": "experts",

@@ -4,7 +4,7 @@ SwiGLU, the attention sinks, and the MXFP4 dequantisation of the published exper
 Module names are public (specs and checkpoints address them): a gpt-oss layer's ``blocks.N.mlp`` holds ``router``
 (``.weight`` (E, C), ``.bias`` (E,)) and ``experts`` (``.gate_up`` (E, 2I, C), gate rows first then up rows;
 ``.gate_up_bias`` (E, 2I); ``.down`` (E, C, I); ``.down_bias`` (E, C)); ``blocks.N.attn.sinks.weight`` is the
-(H,) sink logits. transformers stores the experts transposed and the gate/up columns interleaved
+(H,) sink logits (a :class:`~cuboid.parallel.layers.LearnedTensor`, so that the spec gives it a role). transformers stores the experts transposed and the gate/up columns interleaved
 (``gate_up_proj`` (E, C, 2I), gate at even columns): zoo/llama/gpt_oss_hf.py maps them.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cuboid.parallel import layers as L
 from cuboid.parallel.moe import Experts, Router
 
 # MXFP4's sixteen values (the E2M1 codes 0..15: sign bit 3), as the format defines them
@@ -59,15 +58,6 @@ class GptOssExperts(Experts):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", alpha={self.alpha}, limit={self.limit}"
-
-
-class Sinks(L.LearnedTensor):
-    """The (H,) sink logits of one attention layer as a layer, so that the spec gives them a role: tensor
-    parallelism cuts them on their only dim in contiguous blocks, as it cuts q's heads (the spec's ``vocab``
-    role: a learned tensor split on its last dim)."""
-
-    def __init__(self, n_heads: int) -> None:
-        super().__init__(n_heads)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

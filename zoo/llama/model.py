@@ -19,7 +19,6 @@ from cuboid.zoo.common import (Decoder, Output, attention_mask_of, classifier_ou
                                last_tokens, linears, lm_output, pre_norm)
 
 from .config import LlamaConfig
-from .gpt_oss import Sinks
 from .moe import SparseMLP, recorder_for, with_router_outputs
 from .parts import GemmaRMSNorm, rotary
 
@@ -63,7 +62,7 @@ class Attention(nn.Module):
         self.core = L.Attention(window=window)
         self.proj = L.Linear(c.n_heads * d, c.dim, bias=c.o_bias)
         if c.attn_sinks:
-            self.sinks = Sinks(c.n_heads)
+            self.sinks = L.LearnedTensor(c.n_heads)  # a layer so that the spec cuts it with the heads
         self.dropout = L.Dropout(c.dropout)
         # the kernel scales scores by head_dim ** -0.5; Gemma's query_pre_attn_scalar asks for another scale
         self.q_scale = None if c.query_scale is None or c.query_scale == d else (d / c.query_scale) ** 0.5
