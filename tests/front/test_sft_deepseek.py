@@ -15,8 +15,6 @@ def test_sft_with_deepseeks_template_and_the_bias_update(tmp_path):
     import transformers as T
     from safetensors.torch import load_file
 
-    from cuboid.data.formats import load_source  # noqa: F401  (the front door's data path, as the CLI reads it)
-
     base = tmp_path / "base"
     tok = CF.chat_tokenizer(base, "deepseek")
     cfg = T.DeepseekV3Config(vocab_size=len(tok), hidden_size=48, intermediate_size=64, moe_intermediate_size=16,

@@ -9,6 +9,7 @@ numbers per token) instead of every head's keys and values, and expands them at 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -36,33 +37,8 @@ class PartialRotary(L.Rotary):
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], n_positions: int) -> None:
         super().__init__(head_dim, theta, scaling)
-        self.inv_freq, self.factor = self._frequencies(n_positions)  # on the CPU (explicitly: builds run on meta)
-
-    def _frequencies(self, n_positions: int) -> tuple:
-        D, base, s = self.head_dim, self.theta, self.scaling
-        if s is None or s.get("rope_type", s.get("type")) == "default":
-            return 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D)), 1.0
-        factor = s.get("factor") or n_positions / s["original_max_position_embeddings"]
-        att = s.get("attention_factor")
-        if att is None:
-            m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-            att = float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
-        fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-        original = s["original_max_position_embeddings"]
-
-        def dim_of(rotations):
-            return (D * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = dim_of(fast), dim_of(slow)
-        if s.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, D - 1)
-        if low == high:
-            high += 0.001
-        ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
-        pos = base ** (torch.arange(0, D, 2, device="cpu").to(dtype=torch.float) / D)
-        keep = 1 - ramp  # the extrapolated share of each frequency
-        return (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep, att
+        key = (head_dim, theta, tuple(sorted(scaling.items())) if scaling else None, n_positions)
+        self.inv_freq, self.factor = _frequencies(*key)  # on the CPU (explicitly: builds run on meta)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype, key: Optional[tuple] = None) -> tuple:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (..., T, D/2) fp32
@@ -76,6 +52,37 @@ class PartialRotary(L.Rotary):
         q = qr if q.shape[-1] == R else torch.cat([q[..., :-R], qr], -1)
         k = kr if k.shape[-1] == R else torch.cat([k[..., :-R], kr], -1)
         return q, k
+
+
+@functools.lru_cache(maxsize=16)
+def _frequencies(D: int, base: float, pairs: Optional[tuple], n_positions: int) -> tuple:
+    """(inverse frequencies (D / 2,) fp32 on the CPU, cos/sin factor) of RoPE over ``D`` features: default, or
+    YaRN's blend of interpolated and extrapolated frequencies (transformers' _compute_yarn_parameters).
+    Shared by the layers (cached): a meta build of 61 layers computes them once."""
+    s = dict(pairs) if pairs else None
+    if s is None or s.get("rope_type", s.get("type")) == "default":
+        return 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float() / D)), 1.0
+    factor = s.get("factor") or n_positions / s["original_max_position_embeddings"]
+    att = s.get("attention_factor")
+    if att is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        att = float(yarn_mscale(factor, m) / yarn_mscale(factor, m_all)) if m and m_all else yarn_mscale(factor)
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+    original = s["original_max_position_embeddings"]
+
+    def dim_of(rotations):
+        return (D * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos = base ** (torch.arange(0, D, 2, device="cpu").to(dtype=torch.float) / D)
+    keep = 1 - ramp  # the extrapolated share of each frequency
+    return (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep, att
 
 
 class LatentCore(L.Attention):
