@@ -70,6 +70,21 @@ _DEEPSEEK = (
     "{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}"
 )
 
+# gpt-oss's harmony layout: <|start|>role<|message|>...<|end|> turns; the assistant answers in the final channel,
+# <|return|> ending the conversation's last answer and <|end|> the others; the markers cover what the model writes
+# after the generation prompt <|start|>assistant (the channel header, the answer, its end token)
+_HARMONY = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|start|>assistant' }}"
+    "@GEN{{- '<|channel|>final<|message|>' + message['content'] + ('<|return|>' if loop.last else '<|end|>') }}@END"
+    "{%- else %}"
+    "{{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
 STYLES = {
     # style: (template, special tokens, eos, pad, bos)
     "qwen2": (_QWEN2, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|endoftext|>", None),
@@ -77,11 +92,14 @@ STYLES = {
                          "<|eot_id|>"], "<|eot_id|>", "<|end_of_text|>", "<|begin_of_text|>"),
     "deepseek": (_DEEPSEEK, ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
                              "<｜▁pad▁｜>"], "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜begin▁of▁sentence｜>"),
+    "harmony": (_HARMONY, ["<|endoftext|>", "<|start|>", "<|message|>", "<|channel|>", "<|end|>", "<|return|>"],
+                "<|return|>", "<|endoftext|>", None),
 }
 
 
 def chat_template(style: str, markers: bool = True) -> str:
-    """The Jinja chat template of ``style`` ("qwen2" | "llama3" | "deepseek"), with or without generation markers."""
+    """The Jinja chat template of ``style`` ("qwen2" | "llama3" | "deepseek" | "harmony"), with or without generation
+    markers."""
     template = STYLES[style][0]
     gen, end = ("{%- generation %}", "{%- endgeneration %}") if markers else ("", "")
     return template.replace("@GEN", gen).replace("@END", end)
