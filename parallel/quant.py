@@ -42,7 +42,7 @@ from cuboid.kernels.nf4_linear import dequantize_nf4, nf4_linear
 from cuboid.parallel import comm
 from cuboid.parallel import layers as L
 
-__all__ = ["NF4Layer", "quantize_linears", "quantized_layers", "QUANTIZE_CHOICES", "check_quantize",
+__all__ = ["NF4Layer", "quantize_linears", "quantized_layers", "QUANTIZE_CHOICES", "check_quantize", "check_plan",
            "nf4_weight_of", "quantized_bytes", "held_nf4_bytes", "gathered_nf4", "gathered_nf4_meta", "BlockCutError",
            "check_whole_blocks"]
 
@@ -58,6 +58,17 @@ def check_quantize(quantize: Optional[str]) -> Optional[str]:
     return quantize
 
 
+GRID_REFUSAL = ("a 4-bit NF4 base is built for one device and 1D tensor parallelism (with dp, ZeRO, pp and sp), "
+                "not for the 2D/2.5D/3D grids")
+
+
+def check_plan(plan) -> None:
+    """A 4-bit base under ``plan``: a 2D/2.5D/3D grid is refused in one sentence, from the plan alone, so every
+    rank refuses (a pipeline stage holding no block would find no grid layer of its own)."""
+    if plan is not None and plan.tp > 1 and plan.tp_mode != "1d":
+        raise NotImplementedError(f"tp_mode={plan.tp_mode}: {GRID_REFUSAL}")
+
+
 def _kind(layer: nn.Module) -> str:
     """The layout of a linear the NF4 base replaces (:func:`cuboid.parallel.lora.linear_kind`): one device's or
     1D tensor parallelism's; the 2D/2.5D/3D grids are refused."""
@@ -69,8 +80,7 @@ def _kind(layer: nn.Module) -> str:
         kind = "3d"
     if kind in ("plain", "kv", "column", "row"):
         return kind
-    raise NotImplementedError(f"{type(layer).__name__}: a 4-bit NF4 base is built for one device and 1D tensor "
-                              f"parallelism (with dp, ZeRO, pp and sp), not for the 2D/2.5D/3D grids")
+    raise NotImplementedError(f"{type(layer).__name__}: {GRID_REFUSAL}")
 
 
 class NF4Layer:

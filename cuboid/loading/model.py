@@ -144,6 +144,10 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
 
         check_folder(name_or_path)
     fit = _Fit(plan_of(plan, ModelBuilder(name_or_path, overrides=overrides), dtype=dtype), mesh)
+    if quantize:  # a grid refused from the plan, on every rank
+        from cuboid.parallel.quant import check_plan
+
+        check_plan(fit.plan)
     if str(device) == "meta":
         return _meta(name_or_path, fit, dtype=dtype, lora=lora, seed=seed, overrides=overrides, quantize=quantize)
     if is_folder(name_or_path) and not quantize:

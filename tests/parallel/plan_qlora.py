@@ -1,59 +1,89 @@
 """QLoRA in the generated plan test (test_plans.py): which runs load a 4-bit NF4 base with LoRA adapters.
 
-:func:`qlora_options` is one more field that test_plans.family_options turns by the plan's index: on one
-plan in :data:`EVERY` (index ``% EVERY == AT``) a Llama-family preset (llama-debug, qwen3-debug,
-gemma3-debug) loads as ``cuboid.load(name, plan, quantize="nf4", lora=LORA, ...)``, and one device's
-reference of the same overrides is ``cuboid.load(name, quantize="nf4", lora=LORA, ...)``: the plan is held to
-one device's QLoRA run through the public path (``rank_share`` + forward + backward + ``opt.step`` and
-``cuboid.train_step``), with the test's tolerances (parameters gathered: the frozen non-block weights and
-the adapters; the NF4 weights are buffers, no parameter).
+:func:`qlora_options` is one more field that test_plans.family_options turns by the plan's index: the runs it
+picks load as ``cuboid.load(name, plan, quantize="nf4", lora=LORA, ...)`` and one device's reference of the
+same overrides is ``cuboid.load(name, quantize="nf4", lora=LORA, ...)``, so the plan is held to one device's
+QLoRA run through the public path (``rank_share`` + forward + backward + ``opt.step`` and
+``cuboid.train_step``), with the test's tolerances (parameters gathered: the frozen non-block weights and the
+adapters; the NF4 weights are buffers, no parameter).
+
+**Every plan meets one**, whatever number of families a world gives each plan (test_plans.families_of:
+all six, two, or one): the run on ``FAMILIES[index // 3 % 6]`` (the one family of the one-family rule; among
+the six of the all-families rule) takes it, and so does the Llama-family preset ``LLAMA[index // 3 % 3]``
+when that family is none of the two-family rule's pair (one of OTHERS and that preset). So the 4- and
+8-rank worlds have one QLoRA run a plan; a plan on all six families (the 2-rank enumeration, the ready and
+EXTRA plans) one or two. No run is added: the index chooses which runs are QLoRA.
+
+Kept apart, as before: the runs with test_plans' reliability checks (test_plans.checks_reliability: a
+``checkpoint.save`` read back by ``cuboid.load(folder)`` on one device), since a LoRA model's save is its
+adapters alone, which load onto their base (``cuboid.load(base, lora=folder)``), not by themselves. A plan all
+of whose runs take those checks (every 4th on all six families; every 12th on 8 ranks) has no QLoRA run.
+
+A 2D/2.5D/3D grid plan is not trained on a 4-bit base: the product refuses it in one sentence, which the run
+that would take QLoRA checks (a meta load: no collective, no memory) before training its plain model. Plans
+with ``compile=true`` (test_plans.COMPILED, outside the enumeration) stay plain: a compiled run's time is its
+blocks' compile, which a second model configuration would double. The mixtures of experts (test_moe_plans)
+are not turned here: their experts stay unquantized (transformers' rule), tested in test_qlora_plans.
 
 The widths NF4 needs under 1D tensor parallelism (each rank's slice holds whole blocks of 64 values:
-:mod:`cuboid.parallel.quant`): the attention's inner width ``n_heads x head_dim`` = 4 x 64 = 256 and the MLP's
-256, so a row cut over tp = 2 or 4 keeps 128 or 64 columns a rank; column cuts keep whole rows of ``dim`` = 64.
-
-Left out, and why:
-
-- 2D/2.5D/3D tensor grids: the product refuses a 4-bit base there in one sentence (only one device and 1D
-  tensor parallelism, with dp, ZeRO, pp and sp, are built);
-- plans with ``compile=true`` (test_plans.COMPILED, one family each): a compiled run's time is its blocks'
-  compile, which a second model configuration would double;
-- gpt-debug, bert-debug and vit-debug: the issue's QLoRA is the Llama family's (peft and bitsandbytes' use);
-  the mixtures of experts: their experts stay unquantized (transformers' rule), tested in test_qlora_plans.
-
-The index rule picks odd indices (``% 6 == 1``), which the reliability checks (every 4th or 12th index,
-test_plans.RELIABILITY_EVERY) never take, and over which test_plans' tasks alternate (plan_tasks.task_of:
-``weighted`` and ``grpo``) and the classification head comes and goes (family_options). On 2 ranks it takes
-tp=2 with tp_sequence, pp=2 under ZBV and the EXTRA sp=2 with checkpointing, each on the three presets; on 4
-ranks one preset each of ten plans (tp=4 with tp_sequence, pp x tp, dp x tp with ZeRO-3, ...); on 8 ranks,
-where each plan runs on one family, the eight of them qwen3-debug takes.
+:mod:`cuboid.parallel.quant`; the enumerations reach tp = 4): the Llama family's attention inner width
+``n_heads x head_dim`` = 4 x 64 and MLP 256; GPT-2, BERT and ViT, whose attention inner width is ``dim``,
+``dim`` = 64 x tp and MLP 4 x dim, so a row cut keeps 64 columns or more a rank and column cuts whole rows.
 """
 from __future__ import annotations
 
-EVERY, AT = 6, 1
 LORA = "r=4,alpha=8,targets=attn+mlp"  # a string: a reference's key (test_plans.RefArgs) must hash
-LLAMA = ("llama-debug", "qwen3-debug", "gemma3-debug")
-NF4_DIMS = {"head_dim": 64, "mlp_hidden": 256}  # inner widths of whole NF4 blocks per rank up to tp = 4
+FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug")  # test_plans'
+LLAMA, OTHERS = FAMILIES[3:], FAMILIES[:3]
+NF4_DIMS = {"head_dim": 64, "mlp_hidden": 256}  # the Llama family's inner widths: whole NF4 blocks up to tp = 4
 
 
-def takes_qlora(name: str, plan, index: int) -> bool:
-    """Whether run ``index`` of ``plan`` on family ``name`` loads a 4-bit base with LoRA (module docstring)."""
-    return (index % EVERY == AT and name in LLAMA and not plan.compile
-            and (plan.tp == 1 or plan.tp_mode == "1d"))
+def takes_qlora(name: str, index: int) -> bool:
+    """Whether the run of plan ``index`` on family ``name`` loads a 4-bit base with LoRA (module docstring)."""
+    one = FAMILIES[index // 3 % len(FAMILIES)]  # test_plans.families_of's one family
+    pair = (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])  # its two families
+    return name == one or (one not in pair and name == pair[1])
+
+
+def nf4_dims(name: str, plan) -> dict:
+    """The config overrides that give every NF4 layer of ``name`` whole blocks of 64 values a rank under
+    ``plan``'s 1D tensor parallelism (module docstring)."""
+    if name in LLAMA:
+        return dict(NF4_DIMS)
+    return {"dim": 64 * plan.tp, "mlp_hidden": 256 * plan.tp}
+
+
+def check_grid_refused(name: str, plan, config: dict) -> None:
+    """A 4-bit base under a 2D/2.5D/3D grid: ``cuboid.load`` refuses it in one sentence (checked on the meta
+    device, this rank's layout; AssertionError if it loads)."""
+    import cuboid
+    from cuboid.parallel import Mesh
+
+    try:
+        cuboid.load(name, plan, device="meta", mesh=Mesh.layout(plan), quantize="nf4", lora=LORA, **config)
+    except NotImplementedError as e:
+        message = str(e)
+        assert "2D/2.5D/3D" in message and "\n" not in message and message.count(". ") == 0, message
+        return
+    raise AssertionError(f"{plan.describe()}: {name} with a 4-bit base loaded under a {plan.tp_mode} grid")
 
 
 def qlora_options(name: str, plan, index: int, config: dict) -> dict:
-    """The load options a QLoRA run adds to the config overrides ``config`` (test_plans.family_options'
-    own): ``quantize="nf4"``, the LoRA spec and the widths NF4 needs; {} for a run that does not take it
-    (:func:`takes_qlora`). A plan that those widths do not validate (none of the enumeration's) is left
-    plain."""
+    """The load options a QLoRA run adds to the config overrides ``config`` (test_plans.family_options' own):
+    ``quantize="nf4"``, the LoRA spec and the widths NF4 needs; {} for a run that does not take it
+    (:func:`takes_qlora`), a compiled plan, a run with test_plans' reliability checks (module docstring) and a
+    grid plan (checked to refuse: :func:`check_grid_refused`)."""
     from cuboid import zoo
 
-    if not takes_qlora(name, plan, index):
+    from .test_plans import checks_reliability
+
+    if not takes_qlora(name, index) or plan.compile:
         return {}
-    try:
-        plan.validate(zoo.config_of(name, **{k: v for k, v in {**config, **NF4_DIMS}.items()
-                                             if k not in ("quantize", "lora")}))
-    except ValueError:
+    if plan.tp > 1 and plan.tp_mode != "1d":
+        check_grid_refused(name, plan, config)
         return {}
-    return {**NF4_DIMS, "quantize": "nf4", "lora": LORA}
+    if checks_reliability(index, name, plan.world_size):
+        return {}
+    dims = nf4_dims(name, plan)
+    plan.validate(zoo.config_of(name, **{**config, **dims}))  # every enumerated plan takes these widths
+    return {**dims, "quantize": "nf4", "lora": LORA}

@@ -86,16 +86,17 @@ def family_options(name, plan, index):
     padding) and, for the Llama family, the key/value heads turned by the plan's index over KV_HEADS, the
     first the plan takes (2D/3D and all-to-all need them to divide their head split), and on some plans the
     sequence-classification head (each row's score at its last real token), with three classes or with one
-    output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index, and on one plan in
-    six a 4-bit NF4 base with LoRA adapters (plan_qlora.qlora_options)."""
+    output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index; on one run of
+    every plan (two of some plans on all six families) a 4-bit NF4 base with LoRA adapters, the family turned
+    by the index, never a run with the reliability checks (plan_qlora.qlora_options; a 2D/2.5D/3D grid checked
+    to refuse it)."""
     from cuboid import zoo
 
-    if name == "vit-debug":
-        return {}
     if name in MOE + MOE_OTHERS:
         return {"vocab_size": 510, "output_router_logits": True}
     if name not in LLAMA:
-        return {"vocab_size": 510}
+        options = {} if name == "vit-debug" else {"vocab_size": 510}
+        return {**options, **qlora_options(name, plan, index, options)}
     # every other run of three and every 2D/3D grid (rows cut over ranks) takes the classification head (under pp
     # each row's last token travels to the last stage; under sp the head gathers the rows)
     cls = {"head": "cls", "num_labels": 1 + 2 * (index % 2)} \
@@ -106,7 +107,7 @@ def family_options(name, plan, index):
         except ValueError:
             continue
         options = {"vocab_size": 510, "n_kv_heads": kv, **cls}
-        return {**options, **qlora_options(name, plan, index, options)}  # on some plans a 4-bit base with LoRA
+        return {**options, **qlora_options(name, plan, index, options)}
     raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
 
 
