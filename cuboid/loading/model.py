@@ -132,12 +132,22 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     ``quantize="nf4"``: the blocks' linears become a frozen 4-bit NF4 base (QLoRA; bitsandbytes' layout with
     double quantization), quantized while a folder is read, one tensor at a time
     (:mod:`cuboid.loading.quantize`); train it with ``lora``.
+
+    A folder of LoRA adapters alone (``checkpoint.save`` of a LoRA model, a fine-tune's ``final/``) loads as the
+    base its adapter config names with the adapters on (``quantize`` applies to that base); one that names no
+    base is refused in one sentence.
     """
     from cuboid.loading.hub import locate
     from cuboid.parallel.quant import check_quantize
 
     quantize = check_quantize(quantize)
     name_or_path = locate(name_or_path)  # a hub id: its folder in the Hugging Face cache (cuboid.loading.hub)
+    if is_folder(name_or_path) and lora is None:
+        from cuboid.zoo.checkpoint.lora_state import adapter_base, is_adapter_folder
+
+        if is_adapter_folder(name_or_path):  # a LoRA model's save: the base it names, with the adapters on
+            return load(adapter_base(name_or_path), plan, dtype=dtype, device=device, seed=seed, mesh=mesh,
+                        lora=str(name_or_path), quantize=quantize, **overrides)
     device = device or "cpu"
     if is_folder(name_or_path):  # the config against the weights' names, before anything is built from it
         from cuboid.zoo.checkpoint.precheck import check_folder

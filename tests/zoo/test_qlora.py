@@ -192,3 +192,30 @@ def test_merge_lora_of_a_qlora_run_dequantizes_the_base(folders, tmp_path):
         assert "quantization_config" not in json.loads((out / "config.json").read_text())
         got = merged["model.layers.1.mlp.down_proj.weight"]
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), base.name
+
+
+def test_a_lora_models_save_loads_back_with_its_adapters(folders, tmp_path):
+    """``checkpoint.save`` of a QLoRA model writes its adapters alone (peft's layout): ``cuboid.load`` of that
+    folder loads the base its adapter config names with the adapters on (a fine-tune's ``final/`` names it), the
+    same parameters and logits as the saved model; a folder naming no base is refused in one sentence."""
+    from cuboid.zoo import checkpoint
+
+    root, _ = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32, lora="r=4,alpha=8")
+    for _, layer in model.named_modules():
+        if hasattr(layer, "lora_B"):
+            torch.nn.init.normal_(layer.lora_B.weight, std=0.02)  # trained-looking adapters
+    x = ids()
+    with torch.no_grad():
+        want = model(x).logits
+    checkpoint.save(model, tmp_path / "saved")
+    with pytest.raises(checkpoint.CheckpointError, match=r"adapters alone and names no base model: load them onto "
+                                                         r"their base with cuboid.load\(base, lora="):
+        cuboid.load(tmp_path / "saved")
+    cuboid.zoo.lora.save_adapters(model, tmp_path / "final", base=str(root / "bf16"))
+    back = cuboid.load(tmp_path / "final", quantize="nf4", dtype=torch.float32)
+    params = dict(back.named_parameters())
+    assert sum("lora_" in n for n in params) == sum("lora_" in n for n, _ in model.named_parameters()) > 0
+    assert all(torch.equal(params[n], p) for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, want)

@@ -52,6 +52,24 @@ def is_lora_checkpoint(path) -> bool:
     return (Path(path) / LORA_COMMIT).is_file()
 
 
+def is_adapter_folder(path) -> bool:
+    """Whether ``path`` holds LoRA adapters alone (peft's ``adapter_config.json``, no model ``config.json``): what
+    ``checkpoint.save`` writes for a LoRA model (:func:`save_adapters`)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file() and not (Path(path) / "config.json").is_file()
+
+
+def adapter_base(path) -> str:
+    """The base model an adapter folder names (peft's ``base_model_name_or_path``: a folder or a hub id), which
+    ``cuboid.load(path)`` loads with the adapters on; a one-sentence error for a folder that names none (a
+    model built from a preset: its base is its seed's, which the adapters do not record)."""
+    cfg = parse_json((Path(path) / ADAPTER_CONFIG).read_bytes(), Path(path) / ADAPTER_CONFIG)
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if not base:
+        raise CheckpointError(f"{path} holds LoRA adapters alone and names no base model: load them onto their "
+                              f"base with cuboid.load(base, lora={str(path)!r})")
+    return str(base)
+
+
 def _gather(obj, world: int) -> list:
     if world == 1:
         return [obj]
