@@ -45,10 +45,12 @@ from cuboid.parallel import lora as plora
 from cuboid.parallel.lora import LoraConfig
 
 from .checkpoint.adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_EXPERT_WEIGHTS, PEFT_PREFIX,  # noqa: F401
-                                  adapter_config, adapter_state, expert_adapter_name, expert_from_peft)
+                                  adapter_config, adapter_state, expert_adapter_name, expert_from_peft,
+                                  interleaved_gate_up)
 from .checkpoint.adapters import hf_modules as _rows
 from .checkpoint.lora_state import save_adapters  # noqa: F401
 from .families import family_of
+from .llama.gpt_oss import deinterleave
 
 
 # DeepSeek-V3's latent attention: q_a, q_b (the q low-rank path) and kv_a, kv_b (the latent's, for keys and
@@ -324,6 +326,8 @@ def load_adapters(model: nn.Module, path) -> None:
                     raise ValueError(f"{file}: {key} has shapes {tuple(a.shape)}, {tuple(b.shape)}: not rank "
                                      f"{conf.r} adapters of {n} experts")
                 a, b = expert_from_peft(a, b, n)
+                if interleaved_gate_up(model, name):  # gpt-oss: gate and up rows interleaved in peft's B
+                    b = deinterleave(b, 1)
                 experts.load_full(f"lora_{name}_A", a)
                 experts.load_full(f"lora_{name}_B", b)
 

@@ -165,3 +165,33 @@ def test_presets_count_what_transformers_counts_on_meta(name, layers, experts):
     expert = 3 * 2880 * 2880 + 2 * 2880 + 2880  # gate_up, down and their biases
     assert shape.active_parameters == want - layers * (experts - 4) * expert
     assert c.layer_types == tuple(cfg.layer_types)
+
+
+def test_peft_reads_lora_on_attention_and_experts(pair, tmp_path):
+    """LoRA with peft's names (q/k/v/o_proj; the experts' gate_up_proj and down_proj as target_parameters, gate/up
+    interleaved in lora_B as in the weight): peft on transformers gives the adapted logits, and reads back."""
+    import peft
+
+    from cuboid.zoo import lora as zlora
+
+    hf, folder, _ = pair
+    model = cuboid.load(folder, lora="r=2,alpha=4,targets=attn+experts").eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B off zero, so the adapters show in the logits
+        for n, p in model.named_parameters():
+            if n.endswith(("lora_B.weight", "_B")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    out = zlora.save_adapters(model, tmp_path / "adapters", base=str(folder))
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(cfg["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert {m.rsplit(".", 1)[1] for m in cfg["target_modules"]} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    ids, mask = batch(padded=False)
+    with torch.no_grad():
+        ours = model(ids).logits
+        plain = hf(input_ids=ids).logits
+        ref = peft.PeftModel.from_pretrained(T.GptOssForCausalLM.from_pretrained(folder), out).eval()(input_ids=ids)
+    assert (ours - plain).abs().max() > 1e-2
+    assert rel_err(ours, ref.logits) < 1e-5
+    again = cuboid.load(folder, lora=out).eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ours)

@@ -21,6 +21,8 @@ from torch import nn
 from cuboid.parallel import lora as plora
 from cuboid.parallel import zero
 
+from cuboid.zoo.llama.gpt_oss import interleave
+
 from ..families import family_of
 from .shards import hf_prefix
 
@@ -64,6 +66,8 @@ def adapter_state(model: nn.Module) -> dict:
             a = experts.full_tensor(f"lora_{name}_A").detach().cpu()  # (E, r, in)
             b = experts.full_tensor(f"lora_{name}_B").detach().cpu()  # (E, out, r)
             key = PEFT_PREFIX + expert_adapter_name(model, path, name, experts.lora_weights)
+            if interleaved_gate_up(model, name):
+                b = interleave(b, 1)
             out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = expert_to_peft(a, b)
     return out
 
@@ -86,6 +90,12 @@ def expert_adapter_name(model: nn.Module, path: str, name: str, names) -> str:
     ``base_layer.`` once per later wrapper."""
     names = [n for n in plora.EXPERT_WEIGHTS if n in names]
     return expert_module(model, path) + ".base_layer" * (len(names) - 1 - names.index(name))
+
+
+def interleaved_gate_up(model: nn.Module, name: str) -> bool:
+    """Whether transformers interleaves the output rows of the experts' weight ``name`` (gpt-oss's gate_up_proj:
+    gate at even columns), so that its lora_B rows are stored interleaved (:func:`~cuboid.zoo.llama.gpt_oss.interleave`)."""
+    return name == "gate_up" and getattr(model.config, "arch", None) == "gpt_oss"
 
 
 def expert_to_peft(a, b) -> tuple:
