@@ -94,7 +94,8 @@ def expert_adapter_name(model: nn.Module, path: str, name: str, names) -> str:
 
 def interleaved_gate_up(model: nn.Module, name: str) -> bool:
     """Whether transformers interleaves the output rows of the experts' weight ``name`` (gpt-oss's gate_up_proj:
-    gate at even columns), so that its lora_B rows are stored interleaved (:func:`~cuboid.zoo.llama.gpt_oss.interleave`)."""
+    gate at even columns), so that its lora_B rows are stored interleaved
+    (:func:`~cuboid.zoo.llama.gpt_oss.interleave`)."""
     return name == "gate_up" and getattr(model.config, "arch", None) == "gpt_oss"
 
 

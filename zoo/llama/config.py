@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # the HF family written
+# the HF family written
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types entries
 ACTS = ("silu", "gelu_tanh")  # the gated MLP's activation: SwiGLU, or GeGLU (gelu_pytorch_tanh)
 

@@ -4,7 +4,8 @@ SwiGLU, the attention sinks, and the MXFP4 dequantisation of the published exper
 Module names are public (specs and checkpoints address them): a gpt-oss layer's ``blocks.N.mlp`` holds ``router``
 (``.weight`` (E, C), ``.bias`` (E,)) and ``experts`` (``.gate_up`` (E, 2I, C), gate rows first then up rows;
 ``.gate_up_bias`` (E, 2I); ``.down`` (E, C, I); ``.down_bias`` (E, C)); ``blocks.N.attn.sinks.weight`` is the
-(H,) sink logits (a :class:`~cuboid.parallel.layers.LearnedTensor`, so that the spec gives it a role). transformers stores the experts transposed and the gate/up columns interleaved
+(H,) sink logits (a :class:`~cuboid.parallel.layers.LearnedTensor`, so that the spec gives it a role).
+transformers stores the experts transposed and the gate/up columns interleaved
 (``gate_up_proj`` (E, C, 2I), gate at even columns): zoo/llama/gpt_oss_hf.py maps them.
 """
 from __future__ import annotations
