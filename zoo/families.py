@@ -90,7 +90,8 @@ def _deepseek_shape(c: DeepSeekConfig) -> Shape:
                  experts=experts, top_k=c.experts_per_token if experts else 0,
                  expert_hidden=c.moe_hidden if experts else 0, sparse_layers=len(c.moe_layers),
                  shared_hidden=c.n_shared_experts * c.moe_hidden if experts else 0, q_rank=c.q_lora_rank or 0,
-                 latent=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, **_counts(c))
+                 latent=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim, balance_stats=False,
+                 **_counts(c))
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,6 +48,8 @@ class Shape:
     q_rank: int = 0
     v_head_dim: int = 0
     shared_hidden: int = 0      # a sparse layer's shared experts' gated-MLP width, run by every token (DeepSeek)
+    balance_stats: bool = True  # a forward sums its routers' statistics over dp x sp (the Llama MoEs' aux loss is
+                                # computed whether or not it trains; DeepSeek-V3 balances by a bias: none)
     parameters: int = 0         # the model's parameters, exact (0: not given)
     active_parameters: int = 0  # those one token uses: the router and top_k of each sparse layer's experts (0: not given)
 

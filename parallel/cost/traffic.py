@@ -60,7 +60,7 @@ def traffic(config, plan: Plan, params: dict, stage: Stage, batch: int, seq: int
         _add_expert_gradients(out, plan, {n: p for n, p in params.items() if id(p) in experts})
     if plan.pp > 1:
         _add_pipeline(out, shape, plan, stage, rows, seq, masked, params, spec)
-    if shape.sparse and plan.dp * plan.sp > 1:
+    if shape.sparse and shape.balance_stats and plan.dp * plan.sp > 1:
         _add_balance(out, shape, plan, stage)
     # train_step's scalars summed over dp (float64 on CPU): each micro-batch's label count, then the loss
     if plan.dp > 1:
@@ -140,12 +140,20 @@ def _add_sequence(out: dict, shape: Shape, plan: Plan, rows: int, seq: int, mask
 
     kv = shape.kv_heads or shape.n_heads
     sent = bytes_per_step(n_layers=shape.n_layers, heads=shape.n_heads // plan.tp,
-                          kv_heads=kv // plan.tp if kv % plan.tp == 0 else 1, head_dim=shape.q_dim // shape.n_heads,
+                          kv_heads=kv // plan.tp if kv % plan.tp == 0 else 1, head_dim=_moved_head_dim(shape),
                           batch=rows, seq=seq, sp=plan.sp, mode=plan.sp_mode, masked=masked,
                           elem=2 if _autocast(plan) is not None else 4, dim=shape.dim,
                           first_token=shape.first_token_tensors, recompute=plan.checkpoint != "none")
     for op, b in sent.items():
         _add(out, (op, "sp"), b, shape.n_layers * (plan.sp - 1) if op == "send" else shape.n_layers)
+
+
+def _moved_head_dim(shape: Shape):
+    """The head width sp's exchanges move per head: q/k's, or for latent attention (values of ``v_head_dim``)
+    the mean of q/k's and v's: a ring passes k and v, all-to-all q, k, v and the output (v's width), each as wide
+    as its head, so the bytes are those of heads of the mean width (measured equal at sp=2 on deepseek-v3-debug)."""
+    d = shape.q_dim // shape.n_heads
+    return d if not shape.v_head_dim else (d + shape.v_head_dim) / 2
 
 
 def _add_gradients(out: dict, shape: Shape, plan: Plan, named: dict, ps: list, spec) -> None:
