@@ -7,21 +7,23 @@ a collective): a hang shows as the world's timeout, a wrong result as an error p
 
 - :func:`uneven_eval_check`: ``cuboid.evaluate`` over the rows dealt by
   :func:`cuboid.data.formats.eval_batches` one row a batch, so that one dp rank is a batch short (dp + 1
-  rows) and so that a rank has no row at all (dp - 1 rows, dp > 1; with dp = 1, the dp + 1 rows in two
-  batches), against the evaluation of all the rows in one batch (:func:`whole_evals`): one device's, given
-  (``whole``), or the model's own on every rank (the same forwards everywhere, so it cannot hang).
-  ``uneven_eval`` is the worse relative error of ``eval_loss`` (float rounding, and one device's parameters
+  rows) and so that a rank has no row at all (dp - 1 rows, dp > 1; with dp = 1, two rows in two batches and
+  one in one), against the evaluation of all the rows in one batch (:func:`whole_evals`): one device's, given
+  (``whole``), or the model's own on every rank (the same forwards everywhere, so it cannot hang); the caller
+  may deal one of the two counts (``counts``). ``uneven_eval`` is the worse relative error of ``eval_loss`` (float rounding, and one device's parameters
   against the plan's when ``whole`` is one device's: under 1e-5).
 - :func:`save_and_reload_check`: ``cuboid.zoo.checkpoint.save`` under the plan (every rank), then the
   folder loaded on one device by rank 0 (``cuboid.load(folder)``) and compared with the parameters gathered
-  whole (given, or gathered here: every rank gathers; under pp each stage's, sent to rank 0). ``save_reload``
-  is the relative error over them on rank 0 (expected: 0.0, the bytes are the parameters'), 0.0 on the others.
+  whole (given, or gathered here: every rank gathers). ``save_reload`` is the relative error over them on
+  rank 0 (expected: 0.0, the bytes are the parameters'), 0.0 on the others; under pp, where rank 0 holds its
+  own stages only, the other stages' parameters are compared by a digest of their values sent to rank 0
+  (``inf`` where one differs).
 
 What they cost is their forwards and the save's gathers (each rank of a world shares the machine's cores):
 :func:`whole_evals` runs on one device once per reference (the plan worlds keep it with one device's run),
-so a plan's check runs three forwards of one row a rank (two when dp = 1), and a save whose parameters the
-caller gathered already gathers only inside the save. The folder lives where a write is cheapest (memory,
-``/dev/shm``, when the machine has it: a save fsyncs each file).
+so a plan's check runs one or two forwards of one row a rank per count dealt, and a save whose parameters
+the caller gathered already gathers only inside the save. The folder lives where a write is cheapest
+(memory, ``/dev/shm``, when the machine has it: a save fsyncs each file).
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ def _rel(a: float, b: float) -> float:
 
 def eval_counts(dp: int) -> list:
     """The row counts the uneven evaluation deals over ``dp`` ranks, one row a batch: dp + 1 (a rank a batch
-    short) and dp - 1 (a rank with no row) when dp > 1; dp + 1 = 2 rows in two batches when dp = 1."""
-    return [dp + 1] + ([dp - 1] if dp > 1 else [])
+    short) and dp - 1 (a rank with no row) when dp > 1; two rows in two batches and one in one when dp = 1."""
+    return [dp + 1, dp - 1] if dp > 1 else [2, 1]
 
 
 def whole_evals(model, rows: dict, dp: int, task=None, mesh=None) -> dict:
@@ -53,11 +55,12 @@ def whole_evals(model, rows: dict, dp: int, task=None, mesh=None) -> dict:
     return out
 
 
-def uneven_eval_check(model, rows: dict, task=None, whole: dict = None) -> dict:
+def uneven_eval_check(model, rows: dict, task=None, whole: dict = None, counts=None) -> dict:
     """``{"uneven_eval": error}``: see the module docstring. ``rows``: a batch in the single-device format of
     at least dp + 1 rows, the same on every rank (the rows of ``model(**rows)``); ``task``: a
     :class:`cuboid.tasks.Task` (default: the model's); ``whole``: :func:`whole_evals` of the same rows by one
-    device's model of the same parameters (None: the model's own, on every rank)."""
+    device's model of the same parameters (None: the model's own, on every rank); ``counts``: the row counts
+    to deal, some of :func:`eval_counts` (default: all)."""
     from cuboid.data.formats import eval_batches
     from cuboid.parallel import state_of, unwrap
     from cuboid.train.step import evaluate
@@ -67,10 +70,13 @@ def uneven_eval_check(model, rows: dict, task=None, whole: dict = None) -> dict:
     n = len(next(iter(rows.values())))
     if n < dp + 1:
         raise ValueError(f"uneven_eval_check needs at least dp + 1 = {dp + 1} rows, got {n}")
+    counts = eval_counts(dp) if counts is None else counts
+    if not set(counts) <= set(eval_counts(dp)):
+        raise ValueError(f"uneven_eval_check deals {eval_counts(dp)} rows over dp = {dp}, not {counts}")
     if whole is None:
         whole = whole_evals(model, rows, dp, task, mesh)
     err = 0.0
-    for count in eval_counts(dp):
+    for count in counts:
         part = {k: v[:count] for k, v in rows.items()}
         uneven = evaluate(model, eval_batches(part, 1, rank, dp), mesh, task=task)
         err = max(err, _rel(uneven["eval_loss"], whole[count]))
@@ -80,6 +86,14 @@ def uneven_eval_check(model, rows: dict, task=None, whole: dict = None) -> dict:
 def save_folder(name: str) -> str:
     """A folder ``name`` where a checkpoint is cheapest to write and read: memory when the machine has it."""
     return os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), name)
+
+
+def _digest(t) -> str:
+    """SHA-256 of a tensor's values (as float64, so a dtype the reader casts to compares equal) and shape."""
+    import hashlib
+
+    t = t.detach().cpu().double().contiguous()
+    return hashlib.sha256(str(tuple(t.shape)).encode() + t.view(-1).numpy().tobytes()).hexdigest()
 
 
 def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None) -> dict:
@@ -100,10 +114,11 @@ def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None
     # one device, no process group, on rank 0 (every rank holds the same whole parameters and would read the
     # same folder: the other ranks' loads would repeat it world-size times on shared cores)
     reader = not dist.is_initialized() or dist.get_rank() == 0
-    if dist.is_initialized() and state_of(unwrap(model)).mesh.size("pp") > 1:  # rank 0 holds its stages' only
+    theirs = {}  # under pp, the other stages' parameters (rank 0 holds its own stages'): their digests
+    if dist.is_initialized() and state_of(unwrap(model)).mesh.size("pp") > 1:
         stages = [None] * dist.get_world_size() if reader else None
-        dist.gather_object([(n, t.detach().cpu()) for n, t in whole], stages, dst=0)
-        whole = list({n: t for part in stages for n, t in part}.items()) if reader else whole
+        dist.gather_object({n: _digest(t) for n, t in whole}, stages, dst=0)
+        theirs = {n: d for part in stages for n, d in part.items()} if reader else {}
     one = dict(cuboid.load(str(path)).named_parameters()) if reader else {}
     err = 0.0
     for name, t in whole if reader else ():
@@ -113,8 +128,10 @@ def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None
             continue
         t, ref = t.detach().cpu().double(), ref.detach().double()
         err = max(err, float((t - ref).norm() / ref.norm().clamp(min=1e-30)))
-    if dist.is_initialized():
-        dist.barrier()
-    if not keep and (not dist.is_initialized() or dist.get_rank() == 0):
+    mine = {n for n, _ in whole}
+    for name, digest in theirs.items() if reader else ():
+        if name not in mine and (name not in one or _digest(one[name]) != digest):
+            err = float("inf")  # another stage's parameter read back other than it was saved
+    if not keep and reader:
         shutil.rmtree(path, ignore_errors=True)
     return {"save_reload": err if whole else float("inf")}

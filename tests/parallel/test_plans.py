@@ -371,9 +371,10 @@ def _params_err(model, want, pairs=None) -> float:
     return rel_norm(torch.cat([t.flatten() for _, t in pairs]), torch.cat([want[n].flatten() for n, _ in pairs]))
 
 
-# every how many plan indices a run also checks reliability (MoE, others) per world size: a check is three
-# evaluations of one row a rank, a save and a load on one device (rank 0); one device evaluates the rows whole
-# once per reference (whole_rows). The others' turn keeps the dense worlds' time (their runs are many)
+# every how many plan indices a run also checks reliability (MoE, others) per world size: a check is an
+# evaluation of one row a rank (a batch short: 2 forwards; no row: 1, turned by the index), a save and a load
+# on one device (rank 0); one device evaluates the rows whole once per reference (whole_rows). The others'
+# turn keeps the dense worlds' time (their runs are many)
 RELIABILITY_EVERY = {2: (1, 4), 4: (1, 4), 8: (1, 12)}
 
 
@@ -416,16 +417,20 @@ def whole_rows(ref, name: str, dp: int) -> dict:
 
 def reliability(model, name: str, index: int, mesh, want: dict, pairs: list) -> dict:
     """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid):
-    the uneven evaluation against one device's (``want["whole"]``: the reference's, whose parameters the
+    the uneven evaluation (one of its two row counts, turned by the index) against one device's (``want["whole"]``: the reference's, whose parameters the
     plan's match to 1e-6), the checkpoint read back against ``pairs`` (:func:`gathered` already)."""
     import os
 
-    from .reliability_checks import save_and_reload_check, save_folder, uneven_eval_check
+    from .reliability_checks import eval_counts, save_and_reload_check, save_folder, uneven_eval_check
 
+    # one dp rank a batch short (dp + 1 rows, one a batch) on even indices, a rank with no row (dp - 1) on odd
+    counts = eval_counts(mesh.size("dp"))
+    counts = counts[index % len(counts):][:1]
     # a pipeline's stream and sp's split fix a mixture of experts' routing when they are built: there the eval
     # must run on every rank and give a finite loss, and its value (moved by the aux loss) is kept apart, unchecked
     with _lm_loss_only(model) as routed:
-        errs = uneven_eval_check(model, _eval_rows(name, model, mesh.size("dp")), whole=want["whole"])
+        errs = uneven_eval_check(model, _eval_rows(name, model, mesh.size("dp")), whole=want["whole"],
+                                 counts=counts)
     if routed and (mesh.size("pp") > 1 or mesh.size("sp") > 1):
         errs = {"uneven_eval": errs["uneven_eval"] * 0.0, "uneven_eval_with_aux": errs["uneven_eval"]}
     folder = save_folder(f"cuboid-plan-save-{os.getppid()}-{mesh.world_size}-{index}-{name}")
