@@ -72,6 +72,34 @@ def test_logits_router_logits_and_aux_loss_match_transformers(pair):
     assert abs(got.loss.item() - want.loss.item()) <= 1e-5 * want.loss.item()  # the coefficient's share too
 
 
+def test_gradients_match_transformers(pair, tmp_path):
+    """One backward on a padded batch: every gradient (the sinks', the router's and the experts' biases included)
+    equals transformers', compared under transformers' names (the zoo's written by to_hf)."""
+    hf, folder, _ = pair
+    ours = cuboid.load(folder).train()
+    ref = T.GptOssForCausalLM.from_pretrained(folder).train()
+    ids, mask = batch(padded=True)
+    labels = ids.masked_fill(mask == 0, -100)
+    ours(ids, mask, labels=labels).loss.backward()
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    with torch.no_grad():  # the gradients in the weights' places, written under transformers' names
+        for p in ours.parameters():
+            p.copy_(p.grad)
+    zoo.to_hf(ours, tmp_path)
+    got = load_file(str(tmp_path / "model.safetensors"))
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    assert set(got) == set(want)
+    # transformers' token table has padding_idx (pad_token_id 0): its row's gradient is always zero there, while the
+    # zoo's table trains it like any row (the logits at the last padded position predict the first real token)
+    key = "model.embed_tokens.weight"
+    assert want[key][0].abs().max() == 0
+    got[key], want[key] = got[key][1:], want[key][1:]
+    scale = max(g.abs().max().item() for g in want.values())
+    for key, g in want.items():
+        assert (got[key] - g).abs().max().item() <= 1e-4 * max(g.abs().max().item(), 1e-3 * scale), key
+    assert all(want[f"model.layers.{i}.self_attn.sinks"].abs().max() > 0 for i in range(3))
+
+
 def test_sinks_and_windows_change_the_output(pair):
     """The parity above is not vacuous: zero sinks, or no window, give other logits."""
     _, _, ours = pair
