@@ -10,7 +10,8 @@ The correction bias steers which experts are chosen, never their weights, and tr
 it: it is a parameter with ``requires_grad=False`` (so checkpoints, resharding and ZeRO-3 carry it as they carry
 every parameter, and no optimizer touches it). DeepSeek-V3 moves it between steps by the rule
 ``bias += rate * sign(mean load - load)`` (:func:`update_routing_bias`); each router counts its load (the
-top-k choices per expert of the tokens it routed) during the training forwards since the last update.
+top-k choices per expert of the tokens it routed) in the backward of each trained forward since the last update
+(a forward whose routing weights get an all-zero gradient counts nothing: torch's pipeline shape inference).
 """
 from __future__ import annotations
 
@@ -34,17 +35,12 @@ def gated_mlp(dim: int, hidden: int) -> GatedMLP:
     return GatedMLP(SimpleNamespace(act="silu", dim=dim, mlp_hidden=hidden, mlp_bias=False))
 
 
-def _in_backward() -> bool:
-    """Whether autograd's engine is running (a block recomputed in backward under activation checkpointing)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class GroupRouter(ShardedModule):
     """DeepSeek-V3's router: ``forward(x (N, C)) -> (logits (N, E) fp32, weights (N, k) fp32, experts (N, k))``,
     transformers' DeepseekV3TopkRouter op for op (fp32 logits, sigmoid scores, the top ``topk_group`` groups by
     the sum of each group's top two biased scores, the top k biased scores within them, the unbiased scores of
-    those normalised and scaled). ``load`` (E,) fp32: the choices per expert of the training forwards since
-    the last :func:`update_routing_bias` (None before the first; a plain attribute, not in the state dict)."""
+    those normalised and scaled). ``load`` (E,) fp32: the choices per expert of the trained forwards (counted as
+    backward passes them) since the last :func:`update_routing_bias` (None before the first; a plain attribute, not in the state dict)."""
 
     role = "replicate"
 
@@ -71,12 +67,22 @@ class GroupRouter(ShardedModule):
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        if self.training and not _in_backward() and not x.is_meta:
-            with torch.no_grad():
-                if self.load is None or self.load.device != x.device:
-                    self.load = torch.zeros(self.n_experts, device=x.device)
-                self.load.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), device=x.device))
-        return logits, weights * self.scale, experts
+        weights = weights * self.scale
+        if self.training and weights.requires_grad:
+            # counted when backward reaches this forward, so once per trained forward: not for a block's recompute
+            # (backward runs through the first forward's graph; the recompute only refills its saved tensors),
+            # nor for a forward whose weights get an all-zero gradient (torch's pipeline shape inference, whose
+            # loss is multiplied by 0; a micro-batch without a trained token)
+            chosen = experts.detach()
+            weights.register_hook(lambda grad: self._count(chosen, grad))
+        return logits, weights, experts
+
+    @torch.no_grad()
+    def _count(self, experts: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.load is None or self.load.device != experts.device:
+            self.load = torch.zeros(self.n_experts, device=experts.device)
+        trained = (grad != 0).any().to(self.load.dtype)  # on the device: no host sync in backward
+        self.load.scatter_add_(0, experts.reshape(-1), trained.expand(experts.numel()))
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, top_k={self.top_k}, groups={self.topk_group}/{self.n_group}"
