@@ -117,13 +117,18 @@ def test_sinks_and_windows_change_the_output(pair):
 
 
 def test_to_hf_is_bit_exact(pair, tmp_path):
-    _, folder, ours = pair
+    hf, folder, ours = pair
     zoo.to_hf(ours, tmp_path)
     written, original = load_file(str(tmp_path / "model.safetensors")), load_file(str(folder / "model.safetensors"))
     assert set(written) == set(original)
     for key, t in written.items():
         assert torch.equal(t, original[key]), key
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GptOssForCausalLM"]
+    back = T.GptOssForCausalLM.from_pretrained(tmp_path).eval()  # the config written reads as the same model
+    ids, mask = batch(padded=True)
+    with torch.no_grad():
+        a, b = back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(a[mask.bool()], b[mask.bool()])
 
 
 def test_greedy_generation_equals_transformers_on_left_padded_prompts(pair):
