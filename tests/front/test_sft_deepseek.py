@@ -22,14 +22,16 @@ def test_sft_with_deepseeks_template_and_the_bias_update(tmp_path):
                              n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                              first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
                              qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=256, num_nextn_predict_layers=0,
-                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     T.DeepseekV3ForCausalLM(cfg).save_pretrained(str(base))
     rows = [{"messages": [dict(m, content=ANSWER) if m["role"] == "assistant" else m for m in c]}
             for c in CF.conversations(16, seed=3)]
     data = CF.write_jsonl(rows, tmp_path / "chat.jsonl")
     text = tok.apply_chat_template(rows[0]["messages"], tokenize=False)
-    assert text.startswith("<｜begin▁of▁sentence｜>") and "<｜Assistant｜>" + ANSWER + "<｜end▁of▁sentence｜>" in text
+    assert text.startswith("<｜begin▁of▁sentence｜>")
+    assert "<｜Assistant｜>" + ANSWER + "<｜end▁of▁sentence｜>" in text
     run = tmp_path / "run"
     rc, _, err = cli("finetune", "--model", str(base), "--data", str(data), "--task", "sft", "--max-length", "96",
                      "--steps", "6", "--batch-size", "4", "--lr", "2e-2", "--moe-bias-update-rate", "0.01",

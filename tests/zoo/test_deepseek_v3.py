@@ -89,7 +89,8 @@ def test_logits_loss_router_logits_and_gradients_match_transformers(pair, tmp_pa
                 p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
         save(m, out)
     from safetensors.torch import load_file
-    hg, zg = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "zoo" / "model.safetensors"))
+    hg = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    zg = load_file(str(tmp_path / "zoo" / "model.safetensors"))
     scale = max(g.abs().max().item() for g in hg.values())
     for key, g in zg.items():
         if key.endswith("e_score_correction_bias"):
@@ -108,7 +109,8 @@ def test_to_hf_is_bit_exact_and_transformers_loads_it(pair, tmp_path):
     back = T.DeepseekV3ForCausalLM.from_pretrained(tmp_path).eval()
     ids, mask, _ = batch()
     with torch.no_grad():
-        assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(back(input_ids=ids, attention_mask=mask).logits, want)
 
 
 def prompts():

@@ -81,11 +81,13 @@ def architecture_of(c: DeepSeekConfig) -> str:
 
 
 def _w(zoo: str, hf: str, bias: bool = False) -> list:
-    return [TensorMap(f"{zoo}.weight", (f"{hf}.weight",))] + ([TensorMap(f"{zoo}.bias", (f"{hf}.bias",))] if bias else [])
+    rows = [TensorMap(f"{zoo}.weight", (f"{hf}.weight",))]
+    return rows + ([TensorMap(f"{zoo}.bias", (f"{hf}.bias",))] if bias else [])
 
 
 def _mlp(z: str, h: str) -> list:
-    return [r for zn, hn in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")) for r in _w(z + zn, h + hn)]
+    pairs = (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj"))
+    return [r for zn, hn in pairs for r in _w(z + zn, h + hn)]
 
 
 def tensor_maps(c: DeepSeekConfig) -> list:
@@ -98,7 +100,8 @@ def tensor_maps(c: DeepSeekConfig) -> list:
         if c.q_lora_rank is None:
             rows += _w(a + "q", s + "q_proj")
         else:
-            rows += _w(a + "q_a", s + "q_a_proj", b) + _w(a + "q_norm", s + "q_a_layernorm") + _w(a + "q_b", s + "q_b_proj")
+            rows += _w(a + "q_a", s + "q_a_proj", b) + _w(a + "q_norm", s + "q_a_layernorm")
+            rows += _w(a + "q_b", s + "q_b_proj")
         rows += _w(a + "kv_a", s + "kv_a_proj_with_mqa", b) + _w(a + "kv_norm", s + "kv_a_layernorm")
         rows += _w(a + "kv_b", s + "kv_b_proj") + _w(a + "proj", s + "o_proj", b)
         if not c.is_sparse(i):

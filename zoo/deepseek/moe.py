@@ -40,7 +40,8 @@ class GroupRouter(ShardedModule):
     transformers' DeepseekV3TopkRouter op for op (fp32 logits, sigmoid scores, the top ``topk_group`` groups by
     the sum of each group's top two biased scores, the top k biased scores within them, the unbiased scores of
     those normalised and scaled). ``load`` (E,) fp32: the choices per expert of the trained forwards (counted as
-    backward passes them) since the last :func:`update_routing_bias` (None before the first; a plain attribute, not in the state dict)."""
+    backward passes them) since the last :func:`update_routing_bias` (None before the first; a plain attribute,
+    not in the state dict)."""
 
     role = "replicate"
 
