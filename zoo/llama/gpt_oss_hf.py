@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from cuboid.zoo.hf_io import TensorMap, _slices, shape_of
+from cuboid.zoo.hf_io import TensorMap, shape_of
 
 from .config import LlamaConfig, gpt_oss_layers
 from .gpt_oss import deinterleave, dequantize_mxfp4, interleave
@@ -72,7 +72,8 @@ class _Experts:
         return torch.float32
 
     def __getitem__(self, idx) -> torch.Tensor:
-        first, *rest = _slices(idx, self.shape)
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        first, *rest = idx + (slice(None),) * (len(self.shape) - len(idx))
         parts = [torch.as_tensor(s[(first,) + tuple(slice(0, n) for n in shape_of(s)[1:])]) for s in self.stored]
         return self.make(*parts)[(slice(None), *rest)]
 
