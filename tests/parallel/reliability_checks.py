@@ -10,8 +10,8 @@ a collective): a hang shows as the world's timeout, a wrong result as an error p
   rows) and so that a rank has no row at all (dp - 1 rows, dp > 1; with dp = 1, two rows in two batches and
   one in one), against the evaluation of all the rows in one batch (:func:`whole_evals`): one device's, given
   (``whole``), or the model's own on every rank (the same forwards everywhere, so it cannot hang); the caller
-  may deal one of the two counts (``counts``). ``uneven_eval`` is the worse relative error of ``eval_loss`` (float rounding, and one device's parameters
-  against the plan's when ``whole`` is one device's: under 1e-5).
+  may deal one of the two counts (``counts``). ``uneven_eval`` is the worse relative error of ``eval_loss``
+  (float rounding, and one device's parameters against the plan's when ``whole`` is one device's: under 1e-5).
 - :func:`save_and_reload_check`: ``cuboid.zoo.checkpoint.save`` under the plan (every rank), then the
   folder loaded on one device by rank 0 (``cuboid.load(folder)``) and compared with the parameters gathered
   whole (given, or gathered here: every rank gathers). ``save_reload`` is the relative error over them on

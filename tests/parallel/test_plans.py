@@ -417,8 +417,9 @@ def whole_rows(ref, name: str, dp: int) -> dict:
 
 def reliability(model, name: str, index: int, mesh, want: dict, pairs: list) -> dict:
     """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid):
-    the uneven evaluation (one of its two row counts, turned by the index) against one device's (``want["whole"]``: the reference's, whose parameters the
-    plan's match to 1e-6), the checkpoint read back against ``pairs`` (:func:`gathered` already)."""
+    the uneven evaluation (one of its two row counts, turned by the index) against one device's
+    (``want["whole"]``: the reference's, whose parameters the plan's match to 1e-6), the checkpoint read back
+    against ``pairs`` (:func:`gathered` already)."""
     import os
 
     from .reliability_checks import eval_counts, save_and_reload_check, save_folder, uneven_eval_check
