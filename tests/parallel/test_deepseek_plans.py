@@ -37,11 +37,8 @@ def bias_update(plan):
 def deepseek_worker(world: int, plans=None):
     from cuboid.parallel import Plan
 
-    from . import test_plans
     from .cost_checks import cost_worker
 
-    # the family runs on every plan here (the generated test's families_of does not list it)
-    test_plans.families_of = lambda index, per_plan=None: DEEPSEEK
     report = plan_parity_worker(plans or PLANS, rotate=True, families=DEEPSEEK)
     biases = bias_update(Plan()), {p: bias_update(Plan.parse(p)) for p in BIAS_PLANS}
     return report, *biases, cost_worker(COST_PLANS, "deepseek-v3-debug", {})

@@ -11,12 +11,6 @@ PLANS = ["dp=2,ep=2,zero=3", "tp=2", "sp=2", "sp=2,sp_mode=all_to_all,ep=2", "pp
 
 
 def gpt_oss_worker(world: int):
-    from . import test_plans
-
-    # the family runs on every plan here, as the other MoE families: their batch, their load-balancing loss
-    # (output_router_logits) and its reference per micro-batch (the generated test's lists do not name it)
-    test_plans.families_of = lambda index, per_plan=None: GPT_OSS
-    test_plans.MOE_OTHERS = test_plans.MOE_OTHERS + GPT_OSS
     return plan_parity_worker(PLANS, rotate=True, families=GPT_OSS)
 
 

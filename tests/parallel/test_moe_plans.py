@@ -2,12 +2,15 @@
 through :func:`test_plans.plan_parity_worker` (the public path, one device's run with the plan's micro-batches
 as the reference: the auxiliary loss is per micro-batch), and the other two MoE families on a few plans each.
 
-qwen3-moe-debug (a dense layer before the sparse one, 8 experts top 2, its load-balancing loss trained:
-``output_router_logits``) runs every plan of its 2-, 4- and 8-rank enumerations; Mixtral (fp32 routing weights, every layer sparse) and OLMoE (q/k norms over all heads' width,
+The enumerations' plans (qwen3-moe-debug's, 2, 4 and 8 ranks) turn three families by index
+(test_plans.moe_family): qwen3-moe-debug (a dense layer before the sparse one, 8 experts top 2, its
+load-balancing loss trained: ``output_router_logits``), gpt-oss-debug (sinks, alternating windows, biased router
+and experts; 8 experts here) and deepseek-v3-debug (latent attention, group-limited routing with a correction
+bias, a shared expert), each world asserting all three ran; Mixtral (fp32 routing weights, every layer sparse) and OLMoE (q/k norms over all heads' width,
 no renormalised top-k) run dp x ep, sp x ep and pp on 2 ranks.
 """
 from .launch import run_world
-from .test_plans import MOE, MOE_OTHERS, check, plan_parity_worker
+from .test_plans import MOE, MOE_OTHERS, MOE_ROTATION, check, plan_parity_worker
 
 
 def moe_plans(world: int, pipeline: bool = True) -> list:
@@ -25,7 +28,7 @@ MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", 
 
 
 def moe_worker(world: int):
-    return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE)
+    return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE_ROTATION)
 
 
 def test_moe_plans_on_2_ranks():
@@ -39,6 +42,7 @@ def test_moe_plans_on_2_ranks():
     reports = run_world(moe_worker, 2, 2, timeout=900)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans} | set(MOE_EXTRA[2])
+    assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)
 
 
 def test_moe_plans_on_4_ranks():
@@ -48,6 +52,7 @@ def test_moe_plans_on_4_ranks():
     reports = run_world(moe_worker, 4, 4, timeout=1500)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+    assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)
 
 
 def test_moe_plans_on_8_ranks():
@@ -57,6 +62,7 @@ def test_moe_plans_on_8_ranks():
     reports = run_world(moe_worker, 8, 8, timeout=1800)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
+    assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)
 
 
 OTHER_PLANS = ["dp=2,ep=2", "sp=2,sp_mode=all_to_all,ep=2", "pp=2,microbatches=2"]

@@ -78,6 +78,12 @@ OTHERS = tuple(f for f in FAMILIES if f not in LLAMA)
 # (output_router_logits): test_moe_plans_on_2_ranks runs its enumeration (ep plans included) on it
 MOE = ("qwen3-moe-debug",)
 MOE_OTHERS = ("mixtral-debug", "olmoe-debug")  # the other two MoE families (test_moe_plans.py): a few plans each
+# the late-2025 MoE families: gpt-oss (sinks, alternating windows, a biased router and biased experts) and
+# DeepSeek-V3 (latent attention, group-limited routing with a correction bias, a shared expert); the MoE
+# enumeration turns MOE_ROTATION by plan index (:func:`moe_family`)
+MOE_LATE = ("gpt-oss-debug", "deepseek-v3-debug")
+MOE_ROTATION = MOE + MOE_LATE
+MOE_FAMILIES = MOE + MOE_OTHERS + MOE_LATE
 KV_HEADS = (1, 2, 4)  # the Llama family's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
 
 
@@ -92,8 +98,9 @@ def family_options(name, plan, index):
     to refuse it)."""
     from cuboid import zoo
 
-    if name in MOE + MOE_OTHERS:
-        return {"vocab_size": 510, "output_router_logits": True}
+    if name in MOE_FAMILIES:
+        experts = {"n_experts": 8} if name == "gpt-oss-debug" else {}  # its 4 experts made 8: ep = 8 splits them
+        return {"vocab_size": 510, "output_router_logits": True, **experts}
     if name not in LLAMA:
         options = {} if name == "vit-debug" else {"vocab_size": 510}
         return {**options, **qlora_options(name, plan, index, options)}
@@ -111,14 +118,33 @@ def family_options(name, plan, index):
     raise AssertionError(f"{plan.describe()} takes no key/value head count of {KV_HEADS}")
 
 
-def families_of(index, per_plan=len(FAMILIES)):
+def moe_family(index, plan):
+    """The family of MOE_ROTATION that plan number ``index`` of the MoE enumeration runs on: turned by the index,
+    the first from there whose config the plan validates (DeepSeek-V3 takes 1D tensor parallelism without
+    tp_sequence only)."""
+    from cuboid import zoo
+
+    for name in MOE_ROTATION[index % len(MOE_ROTATION):] + MOE_ROTATION[:index % len(MOE_ROTATION)]:
+        options = family_options(name, plan, index)
+        try:
+            plan.validate(zoo.config_of(name, **options))
+        except ValueError:
+            continue
+        return name
+    raise AssertionError(f"{plan.describe()} takes none of {MOE_ROTATION}")
+
+
+def families_of(index, per_plan=len(FAMILIES), families=FAMILIES, plan=None):
     """The families plan number ``index`` runs on, ``per_plan`` of them (:func:`families_per_plan`): all (6); one
     of OTHERS turned by the index and one Llama-family preset turned by ``index // 3`` (2); or one of the six
     turned by ``index // 3`` (1). Three consecutive plans share a family, so over 3 plans (1) or 9 (2) each
     Llama-family preset meets each key/value head count of :func:`family_options` (turned by ``index % 3``)
-    and with and without its classification head (on by ``(index // 3 + index // 18) % 2``)."""
+    and with and without its classification head (on by ``(index // 3 + index // 18) % 2``). Over MOE_ROTATION
+    (the MoE enumeration), one family a plan (:func:`moe_family`)."""
+    if families == MOE_ROTATION:
+        return (moe_family(index, plan),)
     if per_plan == len(FAMILIES):
-        return FAMILIES + MOE + MOE_OTHERS
+        return FAMILIES + MOE_FAMILIES
     if per_plan == 2:
         return (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])
     assert per_plan == 1, per_plan
@@ -128,7 +154,7 @@ def families_of(index, per_plan=len(FAMILIES)):
 def global_batch(name, model, size=8):
     """test_data_parallel's global batch of family ``name`` (a Llama-family preset's as llama-debug's: a label per
     row for the classification head)."""
-    return dp_batch("llama-debug" if name in LLAMA + MOE + MOE_OTHERS else name, model, size)
+    return dp_batch("llama-debug" if name in LLAMA + MOE_FAMILIES else name, model, size)
 
 
 def even_batch(name, model, size=8):
@@ -383,7 +409,7 @@ def checks_reliability(index: int, name: str, world: int) -> bool:
     (reliability_checks): every mixture of experts' run; every 4th (12th on 8 ranks) of the others, turned by
     the plan's index (RELIABILITY_EVERY)."""
     moe, other = RELIABILITY_EVERY.get(world, (4, 4))
-    return index % (moe if name in MOE + MOE_OTHERS else other) == 0
+    return index % (moe if name in MOE_FAMILIES else other) == 0
 
 
 @contextlib.contextmanager
@@ -535,12 +561,12 @@ def _runs(plans, optimizers, rotate, per_plan, families):
         plan = Plan.parse(spec, READY_PLANS)
         label = spec if isinstance(spec, str) else plan.describe()
         for f, name in enumerate(families):
-            if name not in families_of(index, per_plan):
+            if name not in families_of(index, per_plan, families, plan):
                 continue
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
             for kind in kinds:
-                micro = plan.microbatches if name in MOE + MOE_OTHERS else 1  # the aux loss is per micro-batch
+                micro = plan.microbatches if name in MOE_FAMILIES else 1  # the aux loss is per micro-batch
                 task = task_of(index, name, extra, FAMILIES)
                 size, packed = _batch_size(plan.dp), packs(plan)
                 if task in PAIR_TASKS or task == "grpo":  # whole pairs in every split; rollouts are not packed
