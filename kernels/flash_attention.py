@@ -17,6 +17,20 @@ log, fp32), so that partial results over key blocks can be merged exactly (ring
 attention does this), and gradients flow through ``lse`` as well as ``out``.
 A row with no kept key gives ``out = 0``, ``lse = -inf`` and zero gradients.
 
+Attention sinks (gpt-oss): ``sinks`` (H,) gives each query head one more
+logit in every row's denominator that carries no value. The forward kernel
+folds it into the row's running max and sum once, after the key loop, so
+``out`` and ``lse`` include it; the backward needs nothing new for q, k, v
+(P comes from that lse, and the sink's column has dP = 0), and the sink's
+gradient is ``-sum_rows exp(sink - lse) * delta`` (delta = rowsum(dO * O) -
+dlse), each row's term written by the preprocess kernel and summed by one
+torch reduction. Blocks that are merged by lse (ring attention) run without
+sinks; the merge adds the sink once (parallel/sequence.py).
+
+``v`` may have a head dim Dv of its own (DeepSeek-V3's latent attention:
+q/k 192, v 128): the kernels tile it by ``BLOCK_DV`` beside q/k's
+``BLOCK_D``, so v is never padded to q's head dim; out and dV are Dv wide.
+
 Packed rows (several documents one after another in a row, Hugging Face's
 ``position_ids`` restarting at 0): ``doc_ids`` (B, Sq) and ``doc_ids_k``
 (B, Sk) give each token's document, non-decreasing along a row, and a query
@@ -223,7 +237,8 @@ def _flash_fwd(q, k, v, mask_u8, causal: bool, scale: float, docs: Optional[tupl
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty((B, H, Sq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
-    cfg = _config(D, q.dtype, "fwd", docs=docs is not None or win_lo is not None, head_dim_v=Dv)
+    dv_kw = {} if Dv == D else dict(head_dim_v=Dv)
+    cfg = _config(D, q.dtype, "fwd", docs=docs is not None or win_lo is not None, **dv_kw)
     sinks_arg = lse if sinks is None else sinks.to(torch.float32).contiguous()
     m_ptr, smb, smn = _mask_args(mask_u8, q)
     keys = (q, q) if docs is None else doc_ranges(*docs, causal, win_lo)[0]
@@ -269,10 +284,11 @@ def _flash_bwd(do, dlse, q, k, v, out, lse, mask_u8, causal: bool, scale: float,
               H, H // Hkv, Sq, Sk, D, Dv, scale, scale * _LOG2E, 0 if win_lo is None else win_lo)
     flags = dict(IS_CAUSAL=causal, HAS_MASK=mask_u8 is not None, HAS_DOCS=docs is not None,
                  HAS_WINDOW=win_lo is not None, **dot_options(q.dtype))
-    cfg = _config(D, q.dtype, "dkdv", head_dim_v=Dv)
+    dv_kw = {} if Dv == D else dict(head_dim_v=Dv)
+    cfg = _config(D, q.dtype, "dkdv", **dv_kw)
     attn_bwd_dkdv_kernel[_grid(Sk, cfg["BLOCK_N"], B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, m_ptr, *queries, *common, **flags, **cfg)
-    cfg = _config(D, q.dtype, "dq", head_dim_v=Dv)
+    cfg = _config(D, q.dtype, "dq", **dv_kw)
     attn_bwd_dq_kernel[_grid(Sq, cfg["BLOCK_M"], B * H)](
         q, k, v, do, lse, delta, dq, m_ptr, *keys, *common, **flags, **cfg)
     dsinks = None if dsink_rows is None else dsink_rows.sum(dim=(0, 2))  # deterministic: no atomics
@@ -289,7 +305,10 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, mask_u8: Optional[Tensor], doc_q: Op
            doc_k: Optional[Tensor], causal: bool, scale: float, win_lo: Optional[int],
            sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """(out (B, H, Sq, Dv), lse (B, H, Sq) fp32, sinks included) of the Triton forward."""
-    return _flash_fwd(q, k, v, mask_u8, causal, scale, None if doc_q is None else (doc_q, doc_k), win_lo, sinks)
+    docs = None if doc_q is None else (doc_q, doc_k)
+    if sinks is None:  # the window's bound stays the last argument: tests/kernels/test_attention_window.py spies it
+        return _flash_fwd(q, k, v, mask_u8, causal, scale, docs, win_lo)
+    return _flash_fwd(q, k, v, mask_u8, causal, scale, docs, win_lo, sinks)
 
 
 @register_fake("cuboid::flash_attention")

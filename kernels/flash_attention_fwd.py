@@ -145,15 +145,17 @@ def attn_fwd_kernel(
         m_i = m_new
 
     if HAS_SINKS:  # one more logit in the denominator, no value: out and lse take it once, at the end
-        sink = tl.load(SINKS + off_h) * 1.4426950408889634
+        # (a sink of -inf, no sink, is held at -1e30: the max stays finite, and exp2(-1e30 - m) is 0)
+        sink = tl.maximum(tl.load(SINKS + off_h) * 1.4426950408889634, -1e30)
         m_new = tl.maximum(m_i, sink)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.exp2(sink - m_safe)
-        acc = acc * alpha[:, None]
+        alpha = tl.exp2(m_i - m_new)  # the keys' sum rescaled to the new max, folded into out's row factor
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
         m_i = m_new
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        empty = l_i == 0.0
+        out = acc * (alpha / l_i)[:, None]
+    else:
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])

@@ -63,12 +63,10 @@ the lse and the (small, bool) masks of every block seen in forward (B x T
 bytes), sends K, V around again, and lets each block's dK, dV accumulator
 (fp32) travel with it, so that it arrives home after sp hops. Block gradients
 use the FINAL output and lse (the standard flash backward: P = exp(S scale -
-lse), D = rowsum(dO * O), dS = P (dP - D)); with attention sinks (gpt-oss) the
-blocks run without them and the sink joins the merged lse once at the end
-(out scaled by exp(lse - logaddexp(lse, sink))), so the final lse holds it and
-the block backward is unchanged; the sink's gradient, -sum exp(sink - lse) D
-over this rank's rows, is a share that the plan's gradient sum over sp adds
-up (as for every replicated weight): with Triton (CUDA, or the
+lse), D = rowsum(dO * O), dS = P (dP - D)); sinks (gpt-oss) join the merged
+lse once at the end, the blocks run without them, and the sink's gradient
+-sum exp(sink - lse) D is this rank's rows' share (summed over sp as for any
+replicated weight): with Triton (CUDA, or the
 interpreter) the kernel's own backward (``attention_backward``), which takes
 out and lse as arguments; on the torch backend a plain-torch block backward
 in fp32 (fp64 for fp64 inputs), queries in chunks so at most a
@@ -551,13 +549,11 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             host sync.
         window: sliding-window attention over global positions, passed to
             the kernel's attention of the whole sequence.
-        sinks: (H,) attention sinks, the same on every rank: rank i's kernel
-            takes its heads' sinks, so its gradient of them is whole for
-            those heads and zero for the others (the sum over sp is one
-            device's).
+        sinks: (H,) attention sinks, the same on every rank; rank i's kernel
+            takes its heads' (its gradient: theirs whole, the others' 0).
 
-    ``v`` may have its own head dim Dv (it then takes its own all-to-all). Returns (B, H, T/sp, Dv) in the
-    same layout, differentiable w.r.t. q, k, v and sinks.
+    ``v`` may have its own head dim Dv (then its own all-to-all). Returns (B, H, T/sp, Dv) in the same
+    layout, differentiable w.r.t. q, k, v and sinks.
     """
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"all_to_all_attention: layout must be 'contiguous' or 'zigzag', got {layout!r}")

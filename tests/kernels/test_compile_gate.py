@@ -138,6 +138,22 @@ def test_attention_is_compiled_at_lengths_that_are_not_multiples_of_16(gate):
                 assert ids("s1024") and odd and not odd & ids("s1024"), (kernel, dt, d)
 
 
+def test_attention_with_sinks_and_a_192_128_head_split_is_compiled(gate):
+    """gpt-oss's sinks (HAS_SINKS: the forward and the backward's preprocess kernel) and DeepSeek-V3's q/k head
+    dim 192 beside v's 128 (BLOCK_D 256, BLOCK_DV 128: v not padded) for fp16 and bf16, all four kernels; the
+    checks above (compile, shared memory, registers, spills, tensor cores) cover these variants too."""
+    for dt in ("fp16", "bf16"):
+        half = [v for v in gate["variants"] if v["kernel"].startswith("attn_")
+                and v["signature"].get("Q", v["signature"].get("O", ""))[1:] == dt]
+        sinks = {v["kernel"] for v in half if v["shown"].get("HAS_SINKS")}
+        assert sinks == {"attn_fwd_kernel", "attn_bwd_preprocess_kernel"}, (dt, sinks)
+        split = {v["kernel"] for v in half if v["shown"].get("BLOCK_D") == 256 and v["shown"].get("BLOCK_DV") == 128}
+        assert split == {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}, (dt, split)
+        pre = [v for v in gate["variants"] if v["kernel"] == "attn_bwd_preprocess_kernel"
+               and any(" d192 dv128 " in c for c in v["cases"])]
+        assert pre and all(v["shown"]["BLOCK_D"] == 128 for v in pre), "the preprocess kernel reads O, dO at Dv"
+
+
 def test_every_autotune_entry_is_compiled(gate):
     """Each module's AUTOTUNE entries 1.. were driven through the launchers (entry 0 is the default run)."""
     for name, ops in gate["autotune"].items():
