@@ -9,7 +9,8 @@ FIELDS = ("plan", "fits", "why", "layout", "step_s", "compute_s", "comm_s", "com
           "bubble", "params", "grads", "optimizer", "masters", "activations", "activations_checkpointed", "memory",
           "peak_parts", "peak_rank", "sent", "sent_total", "flops")
 
-_HELP_JSON = ("print a JSON list, one object per plan, fastest first, with the fields: " + ", ".join(FIELDS)
+_HELP_JSON = ("print a JSON list, one object per plan priced (every plan with --exhaustive), fastest first, with the "
+              "fields: " + ", ".join(FIELDS)
               + " (times: the slowest rank's, comm_s exposed and comm_total_s all of it; bytes: the fullest rank's, "
                 "memory its estimated peak, params/grads/optimizer/masters/sent exact; sent: bytes per group per step; "
                 "bubble: idle over busy time of a pipeline)")
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--lora", default=None, metavar="SPEC",
                    help="price LoRA adapters as the only trained weights, e.g. r=16,alpha=32,targets=attn+mlp "
                         "(with --quantize nf4 the default is r=8,alpha=16 on attn and mlp)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="price every plan: by default plans whose model states alone cannot fit and plans whose "
+                        "step-time floor is past the last one shown are not priced (one line says how many)")
     p.add_argument("--no-search", action="store_true",
                    help="price the plans as enumerated, without trying micro-batch counts and checkpointing")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 4 per GPU, >= 8)")
@@ -83,7 +87,8 @@ def cmd_plans(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
     from dataclasses import replace
 
-    from cuboid.loading.planner import check_batch, config_of, default_seq, parse_size, rank_plans
+    from cuboid.loading.planner import (SEARCH_TOP, check_batch, config_of, default_seq, parse_size, rank_plans,
+                                        skipped_line)
 
     hw = cost.load_hardware(args.hardware)
     if args.gpu_memory:
@@ -97,13 +102,18 @@ def cmd_plans(args: argparse.Namespace) -> int:
     batch = max(8, 4 * args.gpus) if args.batch is None else args.batch
     seq = default_seq(config) if args.seq is None else args.seq
     check_batch(config, batch, seq)
+    skipped: dict = {}
     ests = rank_plans(args.model, args.gpus, hw, batch, seq, dtype=args.dtype, progress=not args.json,
                       layout=args.layout, headroom=args.headroom, search=not args.no_search,
-                      quantize=args.quantize, lora=_lora_spec(args.lora))
+                      quantize=args.quantize, lora=_lora_spec(args.lora), skipped=skipped,
+                      keep=None if args.exhaustive else max(args.top, SEARCH_TOP))
+    skip = skipped_line(skipped, hw.memory_bytes * (1 - args.headroom))
     if not ests:
         raise ValueError(f"no plan of {args.gpus} ranks fits {args.model}: its {config.n_heads} heads, "
                          f"{config.n_layers} layers and the batch of {batch} leave no split")
     if args.json:
+        if skip:
+            print(skip, file=sys.stderr)
         print(json.dumps([{k: e.to_dict()[k] for k in FIELDS} for e in ests], indent=1))
         return 0
     biggest = max(max(e.memory, e.sent_total) for e in ests)
@@ -127,6 +137,8 @@ def cmd_plans(args: argparse.Namespace) -> int:
                      f"+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
     print(table(rows, ("#", "plan", "=params", "=grads", "=optim", "~peak", "=sent", "bubble", "~step",
                         "~compute+comm+other ms")))
+    if skip:
+        print(f"\n{skip}")
     why_no_tp = _no_tensor_split(config, args.gpus)
     if why_no_tp:
         print(f"\nno tensor-parallel plan: {why_no_tp}")

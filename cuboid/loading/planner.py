@@ -23,6 +23,7 @@ into one (:func:`builder_of`). The planner builds meta models only through it.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import sys
@@ -155,7 +156,7 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
 def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
                plans: Optional[Iterable[Plan]] = None, progress: bool = False, layout: str = "autocast",
                headroom: float = DEFAULT_HEADROOM, search: bool = True, quantize: Optional[str] = None,
-               lora: Any = None) -> list[Estimate]:
+               lora: Any = None, keep: Optional[int] = SEARCH_TOP, skipped: Optional[dict] = None) -> list[Estimate]:
     """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last, fullest
     last. A plan that does not fit is tried once more fully checkpointed; ``search``: then the
     :data:`SEARCH_TOP` best with every micro-batch count and checkpointing (:func:`search_space`). ``layout``: ``autocast``
@@ -163,7 +164,12 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
     ``quantize="nf4"``: the blocks' linears a frozen 4-bit base (QLoRA, priced at its real bytes) trained through
     LoRA adapters (``lora``, default cuboid's LoRA defaults); the 2D/2.5D/3D grids, which do not build a 4-bit
     base, and tensor cuts through its blocks of 64, which the load refuses, are not candidates. ``lora``
-    alone: adapters on the full-precision base."""
+    alone: adapters on the full-precision base.
+
+    ``keep``: price only what can change the first ``keep`` plans that fit (:func:`_pruned`): plans whose model
+    states alone pass the usable memory are not priced, the rest are priced cheapest floor first until the next
+    floor passes the ``keep``-th fitting step time; None prices every plan. ``skipped`` (a dict) receives how
+    many plans each rule left out, ``memory`` and ``slower``."""
     import torch
 
     half = layout == "half" and dtype != "fp32"
@@ -177,9 +183,18 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
     if quantize and plans is None:
         todo = [p for p in todo if p.tp == 1 or p.tp_mode == "1d"]
-    out, seen = [], set()
-    bar = _bar(len(todo), progress)
-    for plan in todo:  # each plan as given; one that does not fit, checkpointed
+    floors, skip = _pruned(shards, todo, hw, batch, seq, headroom, keep)
+    out, seen, fitting, index = [], set(), [], {}
+    listed = {}
+    for k, plan in enumerate(todo):
+        listed.setdefault(plan, k)
+    bar = _bar(len(floors), progress)
+    for i, (floor, plan) in enumerate(floors):  # each plan as given; one that does not fit, checkpointed
+        if floor is None and fitting:
+            break  # the plans past the memory only matter when none fits: the smallest of them then
+        if floor is not None and keep is not None and len(fitting) >= keep and floor > fitting[keep - 1]:
+            skip["slower"] = sum(f is not None for f, _ in floors[i:])
+            break  # every plan left takes longer than the keep-th that fits
         if quantize and plans is None and _cuts_blocks(shards, plan):
             bar.update(1)
             continue
@@ -187,9 +202,17 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
         if not est.fits and plan.checkpoint != "full":
             est = estimate(model, plan.replace(checkpoint="full"), hw, batch, seq, shards=shards, headroom=headroom)
         out.append(est)
+        index[id(est)] = listed[plan]
         seen.add(est.plan)
+        if est.fits:
+            bisect.insort(fitting, est.step_s)
+        if floor is None:
+            skip["memory"] -= 1
         bar.update(1)
     bar.close()
+    if skipped is not None:
+        skipped.update(skip)
+    out.sort(key=lambda e: index[id(e)])  # as listed: ties rank as a full pricing ranks them
     if search:  # the best structures again with every micro-batch count and checkpointing
         out.sort(key=_rank_key)
         best = [e.plan for e in out[:SEARCH_TOP]]
@@ -199,6 +222,46 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
                 out.append(estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom))
     out.sort(key=_rank_key)
     return out
+
+
+def _pruned(shards: _Shards, todo: list, hw: Hardware, batch: int, seq: int, headroom: float,
+            keep: Optional[int]) -> tuple:
+    """([(step floor, plan)] to price, in order, and ``{"memory": n, "slower": 0}``) of ``todo``: without ``keep``
+    every plan as listed (floors 0). With it, a plan whose model states' floor passes the usable memory
+    (:func:`cuboid.parallel.cost.bound.memory_floor`: its states counted on one unsplit meta model, and the
+    activations it keeps) cannot fit under any checkpointing: the ``keep`` smallest of those come last with floor None (priced only when no plan fits, so
+    that the smallest misfit still says why) and the others are left out (``n``). The rest come cheapest step
+    floor first (:func:`~cuboid.parallel.cost.bound.step_floor`), ties as listed."""
+    if keep is None or not todo:
+        return [(0.0, p) for p in todo], {"memory": 0, "slower": 0}
+    from cuboid.parallel import Mesh
+    from cuboid.parallel.cost import layout_of
+    from cuboid.parallel.cost.bound import ModelCounts, memory_floor, step_floor
+    from cuboid.zoo import spec_of
+
+    whole = shards.build(Plan(), Mesh.layout(Plan(), 0))
+    counts = ModelCounts.of(whole, spec_of(whole))
+    ps = list(whole.parameters())
+    dtype = next((p.dtype for p in ps if p.requires_grad), ps[0].dtype if ps else None)
+    room = hw.memory_bytes * (1 - headroom)
+    states = [memory_floor(counts, whole.config, p, batch, seq, layout_of(p, dtype)) for p in todo]
+    fit = [i for i, b in enumerate(states) if b <= room]
+    floors = sorted((step_floor(whole.config, todo[i], hw, batch, seq, dtype, counts), i) for i in fit)
+    over = sorted((b, i) for i, b in enumerate(states) if b > room)
+    return ([(f, todo[i]) for f, i in floors] + [(None, todo[i]) for _, i in over[:keep]],
+            {"memory": len(over), "slower": 0})
+
+
+def skipped_line(skipped: dict, room: float) -> str:
+    """One line of what :func:`rank_plans` left unpriced and why, or '' when it priced every plan."""
+    parts = []
+    if skipped.get("memory"):
+        parts.append(f"{skipped['memory']} whose model states or activations alone need more than the "
+                     f"{room / 1e9:.1f} GB usable")
+    if skipped.get("slower"):
+        parts.append(f"{skipped['slower']} whose step-time floor (compute, bubble, tensor/sequence/expert "
+                     f"collectives) is past the last plan ranked here")
+    return ("not priced: " + "; ".join(parts) + " (--exhaustive prices them)") if parts else ""
 
 
 def _cuts_blocks(shards: _Shards, plan: Plan) -> bool:
