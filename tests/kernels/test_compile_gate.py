@@ -17,6 +17,7 @@ Also here, in the interpreter: the pieces the gate made the kernels change
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -46,11 +47,18 @@ def gate(tmp_path_factory):
         pytest.skip(why)
     out = tmp_path_factory.mktemp("compile_gate") / "gate.json"
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, GATE, "--json", str(out)], env=env, capture_output=True, text=True,
-                          timeout=1800)
+    # in a session of its own, so that a timeout stops the compile processes it forked too (killing the gate
+    # alone leaves them asleep, holding its pipes)
+    proc = subprocess.Popen([sys.executable, GATE, "--json", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the compile gate ran past 1800 s (its processes were stopped)")
     if not out.exists():
-        pytest.fail(f"the compile gate did not run (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-4000:]}")
+        pytest.fail(f"the compile gate did not run (exit {proc.returncode}):\n{stdout[-4000:]}\n{stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["violations"] = G.violations(result)
     return result
