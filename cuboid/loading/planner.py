@@ -183,7 +183,7 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
     todo = list(plans) if plans is not None else candidate_plans(config, world, batch, dtype=dtype)
     if quantize and plans is None:
         todo = [p for p in todo if p.tp == 1 or p.tp_mode == "1d"]
-    floors, skip = _pruned(shards, todo, hw, batch, seq, headroom, keep)
+    floors, skip, too_big = _pruned(shards, todo, hw, batch, seq, headroom, keep)
     out, seen, fitting, index = [], set(), [], {}
     listed = {}
     for k, plan in enumerate(todo):
@@ -210,8 +210,6 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
             skip["memory"] -= 1
         bar.update(1)
     bar.close()
-    if skipped is not None:
-        skipped.update(skip)
     out.sort(key=lambda e: index[id(e)])  # as listed: ties rank as a full pricing ranks them
     if search:  # the best structures again with every micro-batch count and checkpointing
         out.sort(key=_rank_key)
@@ -219,21 +217,27 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
         for plan in search_space(config, best, batch, world):
             if plan not in seen:
                 seen.add(plan)
+                if too_big(plan):
+                    skip["memory"] += 1
+                    continue
                 out.append(estimate(model, plan, hw, batch, seq, shards=shards, headroom=headroom))
     out.sort(key=_rank_key)
+    if skipped is not None:
+        skipped.update(skip)
     return out
 
 
 def _pruned(shards: _Shards, todo: list, hw: Hardware, batch: int, seq: int, headroom: float,
             keep: Optional[int]) -> tuple:
-    """([(step floor, plan)] to price, in order, and ``{"memory": n, "slower": 0}``) of ``todo``: without ``keep``
+    """([(step floor, plan)] to price, in order, ``{"memory": n, "slower": 0}`` and whether a plan cannot fit)
+    of ``todo``: without ``keep``
     every plan as listed (floors 0). With it, a plan whose model states' floor passes the usable memory
     (:func:`cuboid.parallel.cost.bound.memory_floor`: its states counted on one unsplit meta model, and the
     activations it keeps) cannot fit under any checkpointing: the ``keep`` smallest of those come last with floor None (priced only when no plan fits, so
     that the smallest misfit still says why) and the others are left out (``n``). The rest come cheapest step
     floor first (:func:`~cuboid.parallel.cost.bound.step_floor`), ties as listed."""
     if keep is None or not todo:
-        return [(0.0, p) for p in todo], {"memory": 0, "slower": 0}
+        return [(0.0, p) for p in todo], {"memory": 0, "slower": 0}, lambda plan: False
     from cuboid.parallel import Mesh
     from cuboid.parallel.cost import layout_of
     from cuboid.parallel.cost.bound import ModelCounts, memory_floor, step_floor
@@ -244,12 +248,15 @@ def _pruned(shards: _Shards, todo: list, hw: Hardware, batch: int, seq: int, hea
     ps = list(whole.parameters())
     dtype = next((p.dtype for p in ps if p.requires_grad), ps[0].dtype if ps else None)
     room = hw.memory_bytes * (1 - headroom)
-    states = [memory_floor(counts, whole.config, p, batch, seq, layout_of(p, dtype)) for p in todo]
+    def need(plan):
+        return memory_floor(counts, whole.config, plan, batch, seq, layout_of(plan, dtype))
+
+    states = [need(p) for p in todo]
     fit = [i for i, b in enumerate(states) if b <= room]
     floors = sorted((step_floor(whole.config, todo[i], hw, batch, seq, dtype, counts), i) for i in fit)
     over = sorted((b, i) for i, b in enumerate(states) if b > room)
     return ([(f, todo[i]) for f, i in floors] + [(None, todo[i]) for _, i in over[:keep]],
-            {"memory": len(over), "slower": 0})
+            {"memory": len(over), "slower": 0}, lambda plan: need(plan) > room)
 
 
 def skipped_line(skipped: dict, room: float) -> str:

@@ -102,13 +102,14 @@ def states_floor(counts: ModelCounts, plan: Plan, grads: bool = True) -> float:
 def memory_floor(counts: ModelCounts, config, plan: Plan, batch: int, seq: int, layout: str) -> float:
     """Bytes the fullest rank of ``plan`` needs at the least under any checkpointing: the larger of its states'
     floor and the activations the rank with the most blocks keeps (fewest micro-batches in flight, the cheaper
-    of no and full checkpointing); without a pipeline every rank holds the same blocks, so its states less the
+    of no and full checkpointing, of the plan's micro-batches and the most the search tries); without a pipeline every rank holds the same blocks, so its states less the
     gradients (which the peak does not hold beside the activations) add to them."""
     shape = Shape.of(config)
     stage = Stage(math.ceil(max(shape.n_layers, 1) / plan.pp), first=False, last=False, index=plan.pp - 1)
-    micro = batch // plan.dp // plan.microbatches
-    act = min(held_activations(shape, plan.replace(checkpoint=ck), stage, micro, seq, layout)
-              for ck in ("none", "full"))
+    rows = batch // plan.dp
+    fewest = max(rows // max(plan.batch_parts, 1), 1) if plan.pp > 1 else 1  # micro-batches of one block each
+    act = min(held_activations(shape, plan.replace(checkpoint=ck, microbatches=m), stage, rows // m, seq, layout)
+              for ck in ("none", "full") for m in {plan.microbatches, fewest})
     if plan.pp == 1:
         return max(states_floor(counts, plan), states_floor(counts, plan, grads=False) + act)
     return max(states_floor(counts, plan), act)

@@ -1,0 +1,58 @@
+"""``cuboid plans`` prices only what can change what it shows (issue 52: ``--model deepseek-v3 --gpus 256``
+enumerates 13,802 plans): the floors it skips plans by (:mod:`cuboid.parallel.cost.bound`) never pass what a
+full pricing says of any plan, and the pruned ranking is the exhaustive one on a mixture of experts small
+enough to price every plan of (deepseek-v3-debug on 4 ranks; the file about 50 s at a load of 25 on 2 cores)."""
+from __future__ import annotations
+
+import json
+
+BATCH, SEQ = 16, 64
+
+
+def test_floors_never_pass_the_priced_figures(name="deepseek-v3-debug"):
+    """Every plan of 4 ranks, plain and fully checkpointed: the memory floor is at most the priced peak, the
+    step floor at most the priced step, and a plan whose memory floor passes a device fits on none."""
+    from cuboid.loading.planner import _Shards, candidate_plans, estimate
+    from cuboid.parallel import Mesh, Plan, cost
+    from cuboid.parallel.cost.bound import ModelCounts, memory_floor, step_floor
+    from cuboid.zoo import spec_of
+
+    hw = cost.load_hardware("h100")
+    shards = _Shards(name)
+    whole = shards.build(Plan(), Mesh.layout(Plan(), 0))
+    counts = ModelCounts.of(whole, spec_of(whole))
+    assert counts.experts[0] > 0 and len(counts.blocks) == whole.config.n_layers
+    dtype = next(whole.parameters()).dtype
+    plans = candidate_plans(whole.config, 4, BATCH, dtype="bf16")
+    assert any(p.ep > 1 for p in plans) and any(p.pp > 1 for p in plans) and any(p.zero == 3 for p in plans)
+    tight = []
+    for plan in plans:
+        for p in (plan, plan.replace(checkpoint="full")):
+            e = estimate(shards.build, p, hw, BATCH, SEQ, shards=shards)
+            need = memory_floor(counts, whole.config, p, BATCH, SEQ, cost.layout_of(p, dtype))
+            least = step_floor(whole.config, p, hw, BATCH, SEQ, dtype, counts)
+            assert 0 < need <= e.memory * (1 + 1e-9), (p.describe(), need, e.memory)
+            assert 0 < least <= e.step_s * (1 + 1e-9), (p.describe(), least, e.step_s)
+            tight.append(least / e.step_s)
+    assert max(tight) > 0.5  # the floor says something: within a factor 2 of some priced step
+
+
+def test_pruned_ranking_is_the_exhaustive_one(capsys):
+    """With a device that some plans' states or activations cannot fit and a short table, the plans shown,
+    their order and figures are those of pricing every plan, and one line says how many were not priced."""
+    from cuboid.cli import main
+
+    args = ["plans", "--model", "deepseek-v3-debug", "--gpus", "4", "--batch", str(BATCH), "--seq", str(SEQ),
+            "--gpu-memory", "4MB", "--headroom", "0", "--top", "3", "--json"]
+    assert main(args) == 0
+    pruned = capsys.readouterr()
+    assert main(args + ["--exhaustive"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    rows = json.loads(pruned.out)
+    fits = [r for r in full if r["fits"]]
+    assert 24 < len(fits) < len(full)  # more fit than the search keeps, and some do not
+    assert [(r["plan"], r["step_s"], r["memory"]) for r in rows if r["fits"]][:24] == \
+        [(r["plan"], r["step_s"], r["memory"]) for r in fits][:24]
+    assert len(rows) < len(full)
+    line = pruned.err.strip().splitlines()[-1]
+    assert line.startswith("not priced: ") and "step-time floor" in line and "--exhaustive" in line, pruned.err
