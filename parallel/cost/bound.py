@@ -103,7 +103,8 @@ def memory_floor(counts: ModelCounts, config, plan: Plan, batch: int, seq: int, 
     """Bytes the fullest rank of ``plan`` needs at the least under any checkpointing: the larger of its states'
     floor and the activations the rank with the most blocks keeps (fewest micro-batches in flight, the cheaper
     of no and full checkpointing, of the plan's micro-batches and the most the search tries); without a pipeline every rank holds the same blocks, so its states less the
-    gradients (which the peak does not hold beside the activations) add to them."""
+    gradients (which the peak does not hold beside the activations) add to them; under one, the states of the
+    smallest blocks that rank holds (:func:`_stage_states`)."""
     shape = Shape.of(config)
     stage = Stage(math.ceil(max(shape.n_layers, 1) / plan.pp), first=False, last=False, index=plan.pp - 1)
     rows = batch // plan.dp
@@ -112,7 +113,21 @@ def memory_floor(counts: ModelCounts, config, plan: Plan, batch: int, seq: int, 
               for ck in ("none", "full") for m in {plan.microbatches, fewest})
     if plan.pp == 1:
         return max(states_floor(counts, plan), states_floor(counts, plan, grads=False) + act)
-    return max(states_floor(counts, plan), act)
+    return max(states_floor(counts, plan), _stage_states(counts, plan, shape.n_layers) + act)
+
+
+def _stage_states(counts: ModelCounts, plan: Plan, n_layers: int) -> float:
+    """States less gradients of the trainable bytes the rank with the most blocks holds at the least
+    (:func:`_held_bytes`), elements as the model's mean element size gives them."""
+    dense, experts = _held_bytes(counts, plan, n_layers)
+    n = plan.dp * plan.sp
+    out = 0.0
+    for nbytes, total, size in ((dense, counts.dense if plan.ep > 1 else tuple(
+            a + b for a, b in zip(counts.dense, counts.experts)), n), (experts, counts.experts, n // plan.ep)):
+        if nbytes and total[1]:
+            elements = nbytes * total[0] / total[1]
+            out += _group_states((elements, nbytes, elements * total[2] / total[0]), plan.zero, size, grads=False)
+    return out
 
 
 def _floor_params(dtype):
