@@ -156,7 +156,7 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
 def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: str = "fp32",
                plans: Optional[Iterable[Plan]] = None, progress: bool = False, layout: str = "autocast",
                headroom: float = DEFAULT_HEADROOM, search: bool = True, quantize: Optional[str] = None,
-               lora: Any = None, keep: Optional[int] = SEARCH_TOP, skipped: Optional[dict] = None) -> list[Estimate]:
+               lora: Any = None, keep: Optional[int] = None, skipped: Optional[dict] = None) -> list[Estimate]:
     """Estimates of every candidate plan (or ``plans``), fastest first; those that do not fit last, fullest
     last. A plan that does not fit is tried once more fully checkpointed; ``search``: then the
     :data:`SEARCH_TOP` best with every micro-batch count and checkpointing (:func:`search_space`). ``layout``: ``autocast``
@@ -168,7 +168,7 @@ def rank_plans(model, world: int, hw: Hardware, batch: int, seq: int, *, dtype: 
 
     ``keep``: price only what can change the first ``keep`` plans that fit (:func:`_pruned`): plans whose model
     states alone pass the usable memory are not priced, the rest are priced cheapest floor first until the next
-    floor passes the ``keep``-th fitting step time; None prices every plan. ``skipped`` (a dict) receives how
+    floor passes the ``keep``-th fitting step time; None (the default) prices every plan. ``skipped`` (a dict) receives how
     many plans each rule left out, ``memory`` and ``slower``."""
     import torch
 
