@@ -9,7 +9,7 @@ FIELDS = ("plan", "fits", "why", "layout", "step_s", "compute_s", "comm_s", "com
           "bubble", "params", "grads", "optimizer", "masters", "activations", "activations_checkpointed", "memory",
           "peak_parts", "peak_rank", "sent", "sent_total", "flops")
 
-_HELP_JSON = ("print a JSON list, one object per plan priced (every plan with --exhaustive), fastest first, with the "
+_HELP_JSON = ("print a JSON list, one object per plan (every plan priced, as --exhaustive), fastest first, with the "
               "fields: " + ", ".join(FIELDS)
               + " (times: the slowest rank's, comm_s exposed and comm_total_s all of it; bytes: the fullest rank's, "
                 "memory its estimated peak, params/grads/optimizer/masters/sent exact; sent: bytes per group per step; "
@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
                    help="price LoRA adapters as the only trained weights, e.g. r=16,alpha=32,targets=attn+mlp "
                         "(with --quantize nf4 the default is r=8,alpha=16 on attn and mlp)")
     p.add_argument("--exhaustive", action="store_true",
-                   help="price every plan: by default plans whose model states alone cannot fit and plans whose "
-                        "step-time floor is past the last one shown are not priced (one line says how many)")
+                   help="price every plan (as --json does): by default the table leaves out plans whose model "
+                        "states or activations alone cannot fit and plans whose step-time floor is past the last "
+                        "one shown (one line says how many)")
     p.add_argument("--no-search", action="store_true",
                    help="price the plans as enumerated, without trying micro-batch counts and checkpointing")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 4 per GPU, >= 8)")
@@ -106,7 +107,7 @@ def cmd_plans(args: argparse.Namespace) -> int:
     ests = rank_plans(args.model, args.gpus, hw, batch, seq, dtype=args.dtype, progress=not args.json,
                       layout=args.layout, headroom=args.headroom, search=not args.no_search,
                       quantize=args.quantize, lora=_lora_spec(args.lora), skipped=skipped,
-                      keep=None if args.exhaustive else max(args.top, SEARCH_TOP))
+                      keep=None if args.exhaustive or args.json else max(args.top, SEARCH_TOP))
     skip = skipped_line(skipped, hw.memory_bytes * (1 - args.headroom))
     if not ests:
         raise ValueError(f"no plan of {args.gpus} ranks fits {args.model}: its {config.n_heads} heads, "
