@@ -125,8 +125,8 @@ def test_llama_family_configs_refused_in_one_sentence(tmp_path):
             "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64}
     gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 16}
-    cases = [({"sliding_window": None, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
-              "rope_scaling of type 'yarn' is not supported"),
+    cases = [({"sliding_window": None, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+              "rope_scaling of type 'longrope' is not supported"),
              ({"sliding_window": None, "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
              ({**gemma, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
              ({**gemma, "use_bidirectional_attention": True}, "use_bidirectional_attention=True is not supported"),

@@ -12,10 +12,11 @@ HF_CLASSES = {
     "vit": (T.ViTConfig, {"cls": T.ViTForImageClassification, "none": T.ViTModel}),
     "llama": ({"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "mistral": T.MistralConfig, "qwen3": T.Qwen3Config,
                "gemma3": T.Gemma3TextConfig, "qwen3_moe": T.Qwen3MoeConfig, "mixtral": T.MixtralConfig,
-               "olmoe": T.OlmoeConfig},
+               "olmoe": T.OlmoeConfig, "gpt_oss": T.GptOssConfig},
               {"lm": {"llama": T.LlamaForCausalLM, "qwen2": T.Qwen2ForCausalLM, "mistral": T.MistralForCausalLM,
                       "qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM,
-                      "qwen3_moe": T.Qwen3MoeForCausalLM, "mixtral": T.MixtralForCausalLM, "olmoe": T.OlmoeForCausalLM}}),
+                      "qwen3_moe": T.Qwen3MoeForCausalLM, "mixtral": T.MixtralForCausalLM, "olmoe": T.OlmoeForCausalLM,
+                      "gpt_oss": T.GptOssForCausalLM}}),
     "deepseek": (T.DeepseekV3Config, {"lm": T.DeepseekV3ForCausalLM}),
 }
 
