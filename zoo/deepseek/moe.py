@@ -23,9 +23,10 @@ from torch import nn
 
 from cuboid.parallel import comm
 from cuboid.parallel.layers import ShardedModule
-from cuboid.parallel.moe import Experts, active_recorder
+from cuboid.parallel.moe import Experts
 from cuboid.parallel.state import planned
 from cuboid.zoo.llama.model import GatedMLP
+from cuboid.zoo.llama.moe import SparseMLP
 
 from .config import DeepSeekConfig
 
@@ -100,13 +101,7 @@ class DeepSeekMoE(nn.Module):
         self.shared = gated_mlp(c.dim, c.moe_hidden * c.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # (N, C)
-        logits, weights, experts = self.router(flat)
-        recorder = active_recorder()
-        if recorder is not None:
-            recorder.add(logits)
-        return self.experts(flat, weights, experts).view(shape) + self.shared(x)
+        return SparseMLP.forward(self, x) + self.shared(x)  # the routed part is the Llama family's, same router API
 
 
 def routers(model: nn.Module) -> list:
