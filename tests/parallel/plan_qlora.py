@@ -14,10 +14,11 @@ when that family is none of the two-family rule's pair (one of OTHERS and that p
 8-rank worlds have one QLoRA run a plan; a plan on all six families (the 2-rank enumeration, the ready and
 EXTRA plans) one or two. No run is added: the index chooses which runs are QLoRA.
 
-Kept apart, as before: the runs with test_plans' reliability checks (test_plans.checks_reliability: a
-``checkpoint.save`` read back by ``cuboid.load(folder)`` on one device), since a LoRA model's save is its
-adapters alone, which load onto their base (``cuboid.load(base, lora=folder)``), not by themselves. A plan all
-of whose runs take those checks (every 4th on all six families; every 12th on 8 ranks) has no QLoRA run.
+A QLoRA run may also take test_plans' reliability checks (test_plans.checks_reliability): a LoRA model's
+``checkpoint.save`` is its adapters alone (a peft folder naming no base), so one device reads it back the way
+a user would, onto its base: ``cuboid.load(name, lora=folder, quantize="nf4", seed=0, ...)`` with the run's
+overrides (test_plans.reliability passes them to reliability_checks.save_and_reload_check), its parameters
+(the adapters and the frozen non-block weights) compared with the plan's gathered ones.
 
 A 2D/2.5D/3D grid plan is not trained on a 4-bit base: the product refuses it in one sentence, which the run
 that would take QLoRA checks (a meta load: no collective, no memory) before training its plain model. Plans
@@ -71,18 +72,13 @@ def check_grid_refused(name: str, plan, config: dict) -> None:
 def qlora_options(name: str, plan, index: int, config: dict) -> dict:
     """The load options a QLoRA run adds to the config overrides ``config`` (test_plans.family_options' own):
     ``quantize="nf4"``, the LoRA spec and the widths NF4 needs; {} for a run that does not take it
-    (:func:`takes_qlora`), a compiled plan, a run with test_plans' reliability checks (module docstring) and a
-    grid plan (checked to refuse: :func:`check_grid_refused`)."""
+    (:func:`takes_qlora`), a compiled plan and a grid plan (checked to refuse: :func:`check_grid_refused`)."""
     from cuboid import zoo
-
-    from .test_plans import checks_reliability
 
     if not takes_qlora(name, index) or plan.compile:
         return {}
     if plan.tp > 1 and plan.tp_mode != "1d":
         check_grid_refused(name, plan, config)
-        return {}
-    if checks_reliability(index, name, plan.world_size):
         return {}
     dims = nf4_dims(name, plan)
     plan.validate(zoo.config_of(name, **{**config, **dims}))  # every enumerated plan takes these widths

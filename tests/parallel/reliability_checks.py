@@ -13,11 +13,15 @@ a collective): a hang shows as the world's timeout, a wrong result as an error p
   may deal one of the two counts (``counts``). ``uneven_eval`` is the worse relative error of ``eval_loss``
   (float rounding, and one device's parameters against the plan's when ``whole`` is one device's: under 1e-5).
 - :func:`save_and_reload_check`: ``cuboid.zoo.checkpoint.save`` under the plan (every rank), then the
-  folder loaded on one device by rank 0 (``cuboid.load(folder)``) and compared with the parameters gathered
-  whole (given, or gathered here: every rank gathers). ``save_reload`` is the relative error over them on
-  rank 0 (expected: 0.0, the bytes are the parameters'), 0.0 on the others; under pp, where rank 0 holds its
-  own stages only, the other stages' parameters are compared by a digest of their values sent to rank 0
-  (``inf`` where one differs).
+  folder loaded on one device by rank 0 and compared with the parameters gathered whole (given, or gathered
+  here: every rank gathers). The folder loads as a user's one-device program would: ``cuboid.load(folder)``;
+  a LoRA model's save is its adapters alone (a peft folder naming no base), so it loads onto its base,
+  ``cuboid.load(base, lora=folder, **options)`` (the caller's ``base``: the preset and the run's overrides,
+  ``quantize="nf4"`` included, and seed), and the parameters compared are the adapters and the frozen
+  weights that are parameters (the seed's; a 4-bit base's NF4 weights are buffers). ``save_reload`` is the
+  relative error over them on rank 0 (expected: 0.0, the bytes are the parameters'), 0.0 on the others;
+  under pp, where rank 0 holds its own stages only, the other stages' parameters are compared by a digest
+  of their values sent to rank 0 (``inf`` where one differs).
 
 What they cost is their forwards and the save's gathers (each rank of a world shares the machine's cores):
 :func:`whole_evals` runs on one device once per reference (the plan worlds keep it with one device's run),
@@ -96,18 +100,24 @@ def _digest(t) -> str:
     return hashlib.sha256(str(tuple(t.shape)).encode() + t.view(-1).numpy().tobytes()).hexdigest()
 
 
-def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None) -> dict:
+def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None, base: tuple = None) -> dict:
     """``{"save_reload": error}``: see the module docstring. ``path``: one folder, the same on every rank (it
     is replaced; removed afterwards unless ``keep``). ``whole``: (full name, full tensor) of every parameter
     (``zoo.common.sharded_parameters``' order, ``full_tensor``), already gathered by the caller; None: gathered
-    here (every rank)."""
+    here (every rank). ``base``: for a LoRA model (required; None otherwise), ``(name, options)``: the folder
+    is read back as ``cuboid.load(name, lora=folder, **options)`` (options: what the model was loaded with
+    but its plan, mesh and ``lora``: its config overrides, ``quantize`` and ``seed``)."""
     import torch.distributed as dist
 
     import cuboid
     from cuboid import zoo
     from cuboid.parallel import state_of, unwrap
     from cuboid.zoo import checkpoint
+    from cuboid.zoo.checkpoint.adapters import has_adapters
 
+    if has_adapters(model) != (base is not None):  # every rank, before any collective
+        raise ValueError("save_and_reload_check: a LoRA model's adapters load onto their base: pass base=(name, "
+                         "options), and only for a LoRA model")
     if whole is None:
         whole = [(full, mod.full_tensor(local)) for full, mod, local, _ in zoo.common.sharded_parameters(model)]
     checkpoint.save(model, path)
@@ -119,7 +129,12 @@ def save_and_reload_check(model, path, *, keep: bool = False, whole: list = None
         stages = [None] * dist.get_world_size() if reader else None
         dist.gather_object({n: _digest(t) for n, t in whole}, stages, dst=0)
         theirs = {n: d for part in stages for n, d in part.items()} if reader else {}
-    one = dict(cuboid.load(str(path)).named_parameters()) if reader else {}
+    if not reader:
+        one = {}
+    elif base is None:
+        one = dict(cuboid.load(str(path)).named_parameters())
+    else:
+        one = dict(cuboid.load(base[0], lora=str(path), **base[1]).named_parameters())
     err = 0.0
     for name, t in whole if reader else ():
         ref = one.get(name)

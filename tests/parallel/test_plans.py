@@ -441,11 +441,13 @@ def whole_rows(ref, name: str, dp: int) -> dict:
         return whole_evals(ref, _eval_rows(name, ref, dp), dp)
 
 
-def reliability(model, name: str, index: int, mesh, want: dict, pairs: list) -> dict:
+def reliability(model, name: str, index: int, mesh, want: dict, pairs: list, extra: dict) -> dict:
     """reliability_checks' two checks of ``model`` (every rank; the folder the same on all: the parent's pid):
     the uneven evaluation (one of its two row counts, turned by the index) against one device's
     (``want["whole"]``: the reference's, whose parameters the plan's match to 1e-6), the checkpoint read back
-    against ``pairs`` (:func:`gathered` already)."""
+    against ``pairs`` (:func:`gathered` already). ``extra``: the run's config overrides; a LoRA run's
+    (``lora`` in it: its adapters are its save) reads back onto its base, ``cuboid.load(name, lora=folder,
+    seed=0, **extra)`` without extra's own ``lora``, ``quantize="nf4"`` kept."""
     import os
 
     from .reliability_checks import eval_counts, save_and_reload_check, save_folder, uneven_eval_check
@@ -461,7 +463,8 @@ def reliability(model, name: str, index: int, mesh, want: dict, pairs: list) -> 
     if routed and (mesh.size("pp") > 1 or mesh.size("sp") > 1):
         errs = {"uneven_eval": errs["uneven_eval"] * 0.0, "uneven_eval_with_aux": errs["uneven_eval"]}
     folder = save_folder(f"cuboid-plan-save-{os.getppid()}-{mesh.world_size}-{index}-{name}")
-    errs.update(save_and_reload_check(model, folder, whole=pairs))
+    base = (name, {**{k: v for k, v in extra.items() if k != "lora"}, "seed": 0}) if "lora" in extra else None
+    errs.update(save_and_reload_check(model, folder, whole=pairs, base=base))
     return errs
 
 
@@ -544,7 +547,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
             assert free.loss is None, label
             errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
         if checks_reliability(index, name, mesh.world_size):
-            errs.update(reliability(model, name, index, mesh, want, pairs))
+            errs.update(reliability(model, name, index, mesh, want, pairs, extra))
         dist.barrier()
         errs["seconds"] = time.perf_counter() - start
         report[f"{label}/{name}/{kind}" + (f"/{args.task}" if args.task else "")] = errs
