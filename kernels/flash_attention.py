@@ -135,7 +135,9 @@ def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool =
             head_dim_v: Optional[int] = None) -> dict:
     """Block sizes and launch options of one kernel, ``"fwd"``, ``"dkdv"`` or ``"dq"``: a table, entry
     :func:`~._backend.picked` of the row (``docs``: the forward keeps per-row key bounds, document ids or a
-    window's). ``head_dim_v``: v's head dim where it differs (BLOCK_DV; the row is the larger padded dim's).
+    window's). ``head_dim_v``: v's head dim where it differs (BLOCK_DV; the row is the larger padded dim's);
+    the kernels take v's own offsets and bounds only then (``SPLIT_DV``: one more live mask spilled registers
+    in the d64 half-precision tiles on sm_80).
 
     The interpreter runs programs one after another in numpy and pays per op,
     so it wants few, mid-sized blocks (BLOCK_M != BLOCK_N there also keeps the
@@ -147,14 +149,17 @@ def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool =
         raise ValueError(f"{_OP}: kernel must be one of {sorted(_TABLES)}, got {kernel!r}")
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_dv = block_d if head_dim_v is None else max(16, triton.next_power_of_2(head_dim_v))
+    split = head_dim_v is not None and head_dim_v != head_dim  # SPLIT_DV: v's own offsets and mask
     if interpreter_active():
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT_DV=split, num_warps=4,
+                    num_stages=1)
     size = 4 if dtype == torch.float32 else 2
     limit, candidates = next((limit, c) for limit, c in _TABLES[kernel][size] if max(block_d, block_dv) <= limit)
     if docs and kernel == "fwd":
         candidates = _GPU_FWD_DOCS.get((size, limit), candidates)
     bm, bn, warps, stages = picked(_OP, candidates)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps, num_stages=stages)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, SPLIT_DV=split, num_warps=warps,
+                num_stages=stages)
 
 
 def tile_summary(head_dim: int, dtype: torch.dtype) -> str:

@@ -184,6 +184,7 @@ def attn_bwd_dkdv_kernel(
     WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT_DV: tl.constexpr,  # v has its own head dim (HEAD_DV, BLOCK_DV); else it shares q/k's offsets and mask
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # The group sum of dK/dV happens in the program's fp32 tiles: no (B, H, Sk, D) per-query-head temporaries,
@@ -196,10 +197,12 @@ def attn_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < SEQ_K
     d_ok = offs_d < HEAD_D
-    dv_ok = offs_dv < HEAD_DV
+    offs_dv, dv_ok = offs_d, d_ok
+    if SPLIT_DV:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < HEAD_DV
     kv_mask = n_ok[:, None] & d_ok[None, :]
     v_mask = n_ok[:, None] & dv_ok[None, :]
 
@@ -304,6 +307,7 @@ def attn_bwd_dq_kernel(
     WIN_LO,  # window: query i keeps keys j >= i + WIN_LO; unused unless HAS_WINDOW
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT_DV: tl.constexpr,  # v has its own head dim (HEAD_DV, BLOCK_DV); else it shares q/k's offsets and mask
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_bh = tile_ids(SEQ_Q, BLOCK_M)
@@ -313,10 +317,12 @@ def attn_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SEQ_Q
     d_ok = offs_d < HEAD_D
-    dv_ok = offs_dv < HEAD_DV
+    offs_dv, dv_ok = offs_d, d_ok
+    if SPLIT_DV:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < HEAD_DV
     qd_mask = m_ok[:, None] & d_ok[None, :]
 
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,

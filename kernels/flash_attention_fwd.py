@@ -84,6 +84,7 @@ def attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SPLIT_DV: tl.constexpr,  # v has its own head dim (HEAD_DV, BLOCK_DV); else it shares q/k's offsets and mask
     UPCAST: tl.constexpr,  # convert tiles to fp32 before tl.dot (fp32 inputs, bf16 in the interpreter)
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands
 ):
@@ -94,10 +95,12 @@ def attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SEQ_Q
     d_ok = offs_d < HEAD_D
-    dv_ok = offs_dv < HEAD_DV
+    offs_dv, dv_ok = offs_d, d_ok
+    if SPLIT_DV:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < HEAD_DV
 
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
