@@ -27,6 +27,21 @@ MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", 
                  "pp=2,microbatches=2,checkpoint=selective"]}
 
 
+def record(world: int, reports: list) -> None:
+    """Writes each run's seconds (the slowest rank's) to /tmp/cuboid-plan-parity/moe{N}.json and prints the
+    world's count, total and slowest runs (``pytest -s``), as test_plans.run_generated does for its worlds."""
+    import json
+    import os
+
+    seconds = {k: max(r[k]["seconds"] for r in reports) for k in reports[0]}
+    os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
+    with open(f"/tmp/cuboid-plan-parity/moe{world}.json", "w") as fh:
+        json.dump({"world": world, "runs": len(seconds), "per_run_s": seconds}, fh, indent=1)
+    slow = sorted(seconds, key=seconds.get)[-3:]
+    print(f"\nMoE plan parity on {world} ranks: {len(seconds)} runs, {sum(seconds.values()):.0f} s in runs; slowest "
+          + ", ".join(f"{k} {seconds[k]:.1f} s" for k in slow))
+
+
 def moe_worker(world: int):
     return plan_parity_worker(moe_plans(world) + MOE_EXTRA.get(world, []), rotate=True, families=MOE_ROTATION)
 
@@ -40,6 +55,7 @@ def test_moe_plans_on_2_ranks():
     assert {p.ep for p in plans} == {1, 2} and any(p.tp == 2 for p in plans) and any(p.sp == 2 for p in plans)
     assert any(p.pp == 2 for p in plans)
     reports = run_world(moe_worker, 2, 2, timeout=900)
+    record(2, reports)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans} | set(MOE_EXTRA[2])
     assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)
@@ -50,6 +66,7 @@ def test_moe_plans_on_4_ranks():
     plans = moe_plans(4)
     assert {p.ep for p in plans} == {1, 2, 4} and any(p.pp > 1 and p.ep > 1 for p in plans)
     reports = run_world(moe_worker, 4, 4, timeout=1500)
+    record(4, reports)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
     assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)
@@ -60,6 +77,7 @@ def test_moe_plans_on_8_ranks():
     plans = moe_plans(8)
     assert {p.ep for p in plans} == {1, 2, 4, 8} and any(p.pp > 1 and p.ep > 1 for p in plans)
     reports = run_world(moe_worker, 8, 8, timeout=1800)
+    record(8, reports)
     check(reports)
     assert {k.split("/")[0] for k in reports[0]} == {p.describe() for p in plans}
     assert {k.split("/")[1] for k in reports[0]} == set(MOE_ROTATION)

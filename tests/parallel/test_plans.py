@@ -84,6 +84,12 @@ MOE_OTHERS = ("mixtral-debug", "olmoe-debug")  # the other two MoE families (tes
 MOE_LATE = ("gpt-oss-debug", "deepseek-v3-debug")
 MOE_ROTATION = MOE + MOE_LATE
 MOE_FAMILIES = MOE + MOE_OTHERS + MOE_LATE
+# the later MoE presets' shapes in the plan worlds: gpt-oss-debug's 4 experts made 8 (ep = 8 splits them) and
+# both cut to two layers, each kind still there (a windowed layer and a full one; a dense layer before a sparse
+# one, as qwen3-moe-debug): a run's time goes with its sparse layers (all-to-alls, routers, experts), and the
+# 8-rank world runs 331 plans
+MOE_SHAPES = {"gpt-oss-debug": {"n_experts": 8, "n_layers": 2, "layer_types": ("sliding_attention", "full_attention")},
+              "deepseek-v3-debug": {"n_layers": 2}}
 KV_HEADS = (1, 2, 4)  # the Llama family's 4 query heads over 1 (multi-query), 2 (grouped) or 4 key/value heads
 
 
@@ -94,13 +100,12 @@ def family_options(name, plan, index):
     sequence-classification head (each row's score at its last real token), with three classes or with one
     output (a reward model: plan_tasks.task_of gives it the reward task), turned by the index; on one run of
     every plan (two of some plans on all six families) a 4-bit NF4 base with LoRA adapters, the family turned
-    by the index, never a run with the reliability checks (plan_qlora.qlora_options; a 2D/2.5D/3D grid checked
-    to refuse it)."""
+    by the index (plan_qlora.qlora_options; a 2D/2.5D/3D grid checked to refuse it); the later MoE presets in
+    the shapes of MOE_SHAPES."""
     from cuboid import zoo
 
     if name in MOE_FAMILIES:
-        experts = {"n_experts": 8} if name == "gpt-oss-debug" else {}  # its 4 experts made 8: ep = 8 splits them
-        return {"vocab_size": 510, "output_router_logits": True, **experts}
+        return {"vocab_size": 510, "output_router_logits": True, **MOE_SHAPES.get(name, {})}
     if name not in LLAMA:
         options = {} if name == "vit-debug" else {"vocab_size": 510}
         return {**options, **qlora_options(name, plan, index, options)}

@@ -140,10 +140,10 @@ def test_qlora_plans_2_ranks(tmp_path):
 
 def test_every_enumerated_plan_meets_qlora():
     """The generated plan test's QLoRA field (plan_qlora.qlora_options, turned by the plan's index): in each world
-    (2, 4, 8 ranks) every enumerated, ready and EXTRA plan with a run free of the reliability checks has a run on
-    a 4-bit base with LoRA (never one with those checks), and every 2D/2.5D/3D grid instead a run that checked
-    the one-sentence refusal (test_plans._runs without a world: the
-    runs' options only, the refusal on the meta device)."""
+    (2, 4, 8 ranks) every enumerated, ready and EXTRA plan has a run on a 4-bit base with LoRA (some of them with
+    the reliability checks: their save is read back onto its base), and every 2D/2.5D/3D grid instead a run that
+    checked the one-sentence refusal (test_plans._runs without a world: the runs' options only, the refusal on
+    the meta device)."""
     from unittest import mock
 
     from cuboid.parallel import Plan
@@ -152,20 +152,21 @@ def test_every_enumerated_plan_meets_qlora():
     from . import plan_qlora
     from .test_plans import FAMILIES, OPTIMIZERS, _runs, checks_reliability, families_per_plan, generated
 
+    both = set()  # (world, plan index) of the QLoRA runs that also take the reliability checks
     for world in (2, 4, 8):
         plans, others = generated(world)
         for group, per_plan in ((plans, families_per_plan(world, plans)), (others, len(FAMILIES))):
-            met, unchecked = set(), set()  # plans with a QLoRA run; plans with a run free of the reliability checks
+            met = set()  # plans with a QLoRA run
             with mock.patch.object(plan_qlora, "check_grid_refused", wraps=plan_qlora.check_grid_refused) as grid:
                 for index, _, plan, name, extra, *_ in _runs(group, OPTIMIZERS, True, per_plan, FAMILIES):
-                    if not checks_reliability(index, name, world):
-                        unchecked.add(index)
                     if extra.get("quantize") == "nf4":
                         assert plan.tp == 1 or plan.tp_mode == "1d", (world, plan.describe())
-                        assert not checks_reliability(index, name, world), (world, plan.describe(), name)
                         met.add(index)
+                        if checks_reliability(index, name, world):
+                            both.add((world, index))
             grids = {i for i, spec in enumerate(group)
                      if (lambda p: p.tp > 1 and p.tp_mode != "1d")(Plan.parse(spec, READY_PLANS))}
-            assert met == unchecked - grids, (world, sorted(unchecked - grids - met))
+            assert met == set(range(len(group))) - grids, (world, sorted(set(range(len(group))) - grids - met))
             checked = {c.args[1] for c in grid.call_args_list}
             assert checked == {Plan.parse(group[i], READY_PLANS) for i in grids}, (world, len(checked), len(grids))
+    assert {w for w, _ in both} == {2, 4, 8}, both  # a QLoRA save read back onto its base in every world
