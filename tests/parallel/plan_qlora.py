@@ -1,23 +1,23 @@
 """QLoRA in the generated plan test (test_plans.py): which runs load a 4-bit NF4 base with LoRA adapters.
 
-:func:`qlora_options` is one more field that test_plans.family_options turns by the plan's index: the runs it
+:func:`qlora_options` is one more field that plan_families.family_options turns by the plan's index: the runs it
 picks load as ``cuboid.load(name, plan, quantize="nf4", lora=LORA, ...)`` and one device's reference of the
 same overrides is ``cuboid.load(name, quantize="nf4", lora=LORA, ...)``, so the plan is held to one device's
 QLoRA run through the public path (``rank_share`` + forward + backward + ``opt.step`` and
 ``cuboid.train_step``), with the test's tolerances (parameters gathered: the frozen non-block weights and the
 adapters; the NF4 weights are buffers, no parameter).
 
-**Every plan meets one**, whatever number of families a world gives each plan (test_plans.families_of:
+**Every plan meets one**, whatever number of families a world gives each plan (plan_families.families_of:
 all six, two, or one): the run on ``FAMILIES[index // 3 % 6]`` (the one family of the one-family rule; among
 the six of the all-families rule) takes it, and so does the Llama-family preset ``LLAMA[index // 3 % 3]``
 when that family is none of the two-family rule's pair (one of OTHERS and that preset). So the 4- and
 8-rank worlds have one QLoRA run a plan; a plan on all six families (the 2-rank enumeration, the ready and
 EXTRA plans) one or two. No run is added: the index chooses which runs are QLoRA.
 
-A QLoRA run may also take test_plans' reliability checks (test_plans.checks_reliability): a LoRA model's
+A QLoRA run may also take test_plans' reliability checks (plan_reliability.checks_reliability): a LoRA model's
 ``checkpoint.save`` is its adapters alone (a peft folder naming no base), so one device reads it back the way
 a user would, onto its base: ``cuboid.load(name, lora=folder, quantize="nf4", seed=0, ...)`` with the run's
-overrides (test_plans.reliability passes them to reliability_checks.save_and_reload_check), its parameters
+overrides (plan_reliability.reliability passes them to reliability_checks.save_and_reload_check), its parameters
 (the adapters and the frozen non-block weights) compared with the plan's gathered ones.
 
 A 2D/2.5D/3D grid plan is not trained on a 4-bit base: the product refuses it in one sentence, which the run
@@ -34,14 +34,14 @@ The widths NF4 needs under 1D tensor parallelism (each rank's slice holds whole 
 from __future__ import annotations
 
 LORA = "r=4,alpha=8,targets=attn+mlp"  # a string: a reference's key (test_plans.RefArgs) must hash
-FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug")  # test_plans'
+FAMILIES = ("gpt-debug", "bert-debug", "vit-debug", "llama-debug", "qwen3-debug", "gemma3-debug")  # plan_families'
 LLAMA, OTHERS = FAMILIES[3:], FAMILIES[:3]
 NF4_DIMS = {"head_dim": 64, "mlp_hidden": 256}  # the Llama family's inner widths: whole NF4 blocks up to tp = 4
 
 
 def takes_qlora(name: str, index: int) -> bool:
     """Whether the run of plan ``index`` on family ``name`` loads a 4-bit base with LoRA (module docstring)."""
-    one = FAMILIES[index // 3 % len(FAMILIES)]  # test_plans.families_of's one family
+    one = FAMILIES[index // 3 % len(FAMILIES)]  # plan_families.families_of's one family
     pair = (OTHERS[index % len(OTHERS)], LLAMA[index // 3 % len(LLAMA)])  # its two families
     return name == one or (one not in pair and name == pair[1])
 
@@ -70,7 +70,7 @@ def check_grid_refused(name: str, plan, config: dict) -> None:
 
 
 def qlora_options(name: str, plan, index: int, config: dict) -> dict:
-    """The load options a QLoRA run adds to the config overrides ``config`` (test_plans.family_options' own):
+    """The load options a QLoRA run adds to the config overrides ``config`` (plan_families.family_options' own):
     ``quantize="nf4"``, the LoRA spec and the widths NF4 needs; {} for a run that does not take it
     (:func:`takes_qlora`), a compiled plan and a grid plan (checked to refuse: :func:`check_grid_refused`)."""
     from cuboid import zoo

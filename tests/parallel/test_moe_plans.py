@@ -3,14 +3,15 @@ through :func:`test_plans.plan_parity_worker` (the public path, one device's run
 as the reference: the auxiliary loss is per micro-batch), and the other two MoE families on a few plans each.
 
 The enumerations' plans (qwen3-moe-debug's, 2, 4 and 8 ranks) turn three families by index
-(test_plans.moe_family): qwen3-moe-debug (a dense layer before the sparse one, 8 experts top 2, its
+(plan_families.moe_family): qwen3-moe-debug (a dense layer before the sparse one, 8 experts top 2, its
 load-balancing loss trained: ``output_router_logits``), gpt-oss-debug (sinks, alternating windows, biased router
 and experts; 8 experts here) and deepseek-v3-debug (latent attention, group-limited routing with a correction
 bias, a shared expert), each world asserting all three ran; Mixtral (fp32 routing weights, every layer sparse) and OLMoE (q/k norms over all heads' width,
 no renormalised top-k) run dp x ep, sp x ep and pp on 2 ranks.
 """
 from .launch import run_world
-from .test_plans import MOE, MOE_OTHERS, MOE_ROTATION, check, plan_parity_worker
+from .plan_families import MOE, MOE_OTHERS, MOE_ROTATION
+from .test_plans import check, plan_parity_worker
 
 
 def moe_plans(world: int, pipeline: bool = True) -> list:

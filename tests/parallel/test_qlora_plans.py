@@ -150,7 +150,8 @@ def test_every_enumerated_plan_meets_qlora():
     from cuboid.zoo import READY_PLANS
 
     from . import plan_qlora
-    from .test_plans import FAMILIES, OPTIMIZERS, _runs, checks_reliability, families_per_plan, generated
+    from .plan_reliability import checks_reliability
+    from .test_plans import FAMILIES, OPTIMIZERS, _runs, families_per_plan, generated
 
     both = set()  # (world, plan index) of the QLoRA runs that also take the reliability checks
     for world in (2, 4, 8):
