@@ -7,13 +7,19 @@ skip plans without building their meta models.
   meta model) under the plan's ZeRO stage, over ``tp x pp`` (experts over ``tp x pp x ep``). The peak a plan
   is priced at adds activations, copies and buffers to its states, and checkpointing or micro-batches change
   none of them: a plan whose floor passes the usable memory fits under no checkpointing.
+- :func:`memory_floor`: bytes of the peak of the rank with the most blocks, at the least: its states, the
+  activations it keeps, the weight copies (autocast's, ZeRO-3's gathered blocks), DDP's buckets, the
+  pipeline's receive buffers and the optimizer step's gradients and temporaries, each for the cheapest
+  ``ceil(L / pp)`` blocks it may hold (:func:`_least`; blocks mix dense and expert bytes, so which are
+  cheapest depends on what is counted) and the cheapest checkpointing and micro-batches the search tries.
+  ``tests/parallel/test_plan_pruning.py`` holds it under the priced peak of every plan of small models.
 - :func:`step_floor`: seconds of a step of the rank with the most blocks (at least ``ceil(L / pp)``; the
   cost model always looks at it): its compute and elementwise work without recompute and without the head,
   its pipeline bubble, and the collectives that are on the critical path whatever the parameters are
   (tensor, sequence and the experts' all-to-alls, priced on the links of the groups of that rank's position,
   the cheapest over the pipeline's positions where those differ), and the gradient traffic over dp that stays
   exposed whatever the overlap (ZeRO-1's, ZeRO-2's all-gather, an eighth of ZeRO-3's) for the bytes of its
-  smallest ``ceil(L / pp)`` blocks. DDP's all-reduce, the optimizer step and the pipeline sends only add to
+  cheapest ``ceil(L / pp)`` blocks. DDP's all-reduce, the optimizer step and the pipeline sends only add to
   it. The tensor ranks of one position are taken to hold alike (the zoo's cuts are even).
 """
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Optional
 
 from ..plan import Plan
 from .hardware import Hardware
-from .memory import ADAMW_STATE_BYTES, elementwise_elements, expert_parameters, held_activations
+from .memory import (ADAMW_STATE_BYTES, elementwise_elements, expert_parameters, head_bytes,
+                     held_activations, OPTIMIZER_TEMPORARIES, pipeline_buffers)
 from .predict import compute_seconds, elementwise_seconds, tensor_axes
 from .shape import Shape, Stage, bubble_fraction
 from .traffic import traffic
@@ -36,13 +43,17 @@ FLOOR_GROUPS = ("tp", "sp", "ep")  # groups whose traffic predict always counts 
 class ModelCounts:
     """Elements and bytes of a whole model's parameters: trainable ones (``dense``: all but the experts;
     ``experts``), each as (elements, bytes, elements held in less than 4 bytes), frozen bytes, and each
-    block's trainable (dense bytes, expert bytes), smallest first."""
+    block's trainable (dense bytes, expert bytes), smallest first; ``shapes``: each block's elements, frozen
+    ones too, as (dense, expert, of the dense ones in matrices: what autocast copies), and ``itemsize``: the
+    smallest element size of any parameter (what :func:`.memory.peak_bytes` prices gathered units at, at least)."""
 
     dense: tuple = (0, 0, 0)
     experts: tuple = (0, 0, 0)
     frozen_dense: int = 0
     frozen_experts: int = 0
     blocks: tuple = ()
+    shapes: tuple = ()
+    itemsize: int = 0
 
     @classmethod
     def of(cls, model, spec=None) -> "ModelCounts":
@@ -53,12 +64,17 @@ class ModelCounts:
         trained = {True: [0, 0, 0], False: [0, 0, 0]}
         frozen = {True: 0, False: 0}
         per_block: dict = {}
+        shapes: dict = {}
         seen = set()
         for name, p in named.items():
             if id(p) in seen:
                 continue
             seen.add(id(p))
             key = id(p) in mine
+            if name.startswith(prefix):
+                e = shapes.setdefault(name[len(prefix):].split(".", 1)[0], [0, 0, 0])
+                e[key] += p.numel()
+                e[2] += p.numel() if p.dim() >= 2 and not key else 0
             if not p.requires_grad:
                 frozen[key] += p.numel() * p.element_size()
                 continue
@@ -70,7 +86,9 @@ class ModelCounts:
                 b = per_block.setdefault(name[len(prefix):].split(".", 1)[0], [0, 0])
                 b[key] += p.numel() * p.element_size()
         blocks = tuple(sorted(tuple(b) for b in per_block.values()))
-        return cls(tuple(trained[False]), tuple(trained[True]), frozen[False], frozen[True], blocks)
+        itemsize = min((p.element_size() for p in named.values()), default=0)
+        return cls(tuple(trained[False]), tuple(trained[True]), frozen[False], frozen[True], blocks,
+                   tuple(tuple(e) for e in shapes.values()), itemsize)
 
 
 def _group_states(counts: tuple, zero: int, n: int, grads: bool = True) -> float:
@@ -101,33 +119,92 @@ def states_floor(counts: ModelCounts, plan: Plan, grads: bool = True) -> float:
 
 def memory_floor(counts: ModelCounts, config, plan: Plan, batch: int, seq: int, layout: str) -> float:
     """Bytes the fullest rank of ``plan`` needs at the least under any checkpointing: the larger of its states'
-    floor and the activations the rank with the most blocks keeps (fewest micro-batches in flight, the cheaper
-    of no and full checkpointing, of the plan's micro-batches and the most the search tries); without a pipeline every rank holds the same blocks, so its states less the
-    gradients (which the peak does not hold beside the activations) add to them; under one, the states of the
-    smallest blocks that rank holds (:func:`_stage_states`)."""
+    floor and what the rank with the most blocks holds beside its activations (fewest micro-batches in flight,
+    the cheaper of no and full checkpointing, of the plan's micro-batches and the most the search tries):
+    without a pipeline every rank holds the same blocks, so its states less the gradients (which the peak
+    does not hold beside the activations); under one, the states of the smallest blocks that rank holds
+    (:func:`_stage_states`); and in both its weight copies, DDP's buckets and the pipeline's receive buffers
+    (:func:`_held_extras`), or, where the optimizer step peaks higher, its gradients and the step's
+    temporaries (:func:`_step_bytes`) in place of the activations and copies."""
     shape = Shape.of(config)
     stage = Stage(math.ceil(max(shape.n_layers, 1) / plan.pp), first=False, last=False, index=plan.pp - 1)
     rows = batch // plan.dp
     fewest = max(rows // max(plan.batch_parts, 1), 1) if plan.pp > 1 else 1  # micro-batches of one block each
-    act = min(held_activations(shape, plan.replace(checkpoint=ck, microbatches=m), stage, rows // m, seq, layout)
-              for ck in ("none", "full") for m in {plan.microbatches, fewest})
+    least = math.inf
+    for ck in ("none", "full"):
+        for m in {plan.microbatches, fewest}:
+            p = plan.replace(checkpoint=ck, microbatches=m)
+            fixed, beside = _held_extras(counts, shape, p, rows // m, seq, layout)
+            act = held_activations(shape, p, stage, rows // m, seq, layout)
+            least = min(least, fixed + max(act + beside, _step_bytes(counts, p, shape.n_layers, layout)))
     if plan.pp == 1:
-        return max(states_floor(counts, plan), states_floor(counts, plan, grads=False) + act)
-    return max(states_floor(counts, plan), _stage_states(counts, plan, shape.n_layers) + act)
+        return max(states_floor(counts, plan), states_floor(counts, plan, grads=False) + least)
+    return max(states_floor(counts, plan), _stage_states(counts, plan, shape.n_layers) + least)
+
+
+def _held_extras(counts: ModelCounts, shape: Shape, plan: Plan, micro_rows: int, seq: int, layout: str) -> tuple:
+    """(held throughout, held beside the activations): what :func:`.memory.peak_bytes` adds to the states of
+    the rank with the most blocks (at least ``ceil(L / pp)``, each cut over tp, experts over tp x ep), at the
+    least. Beside the activations: autocast's copies of the block linears (of its smallest blocks; under
+    checkpointing one block's, the smallest), ZeRO-3's two gathered blocks (at least the ``ceil(L / pp)``-th
+    smallest) and, without a pipeline, what the loss head keeps (:func:`.memory.head_bytes`); throughout:
+    DDP's gradient buckets (its trainable bytes) and the pipeline's receive buffers of a stage that is not
+    both first and last (it may be both under ``zbv``; ``interleaved`` is counted alike)."""
+    k = math.ceil(max(shape.n_layers, 1) / plan.pp)
+    split = (plan.tp, plan.tp * plan.ep) if plan.ep > 1 else (plan.tp, plan.tp)
+    held = sorted(d / split[0] + e / split[1] for d, e, _ in counts.shapes)
+    mats = sorted(m / plan.tp for _, _, m in counts.shapes)
+    out, fixed = 0.0, 0.0
+    if layout == "autocast" and mats:
+        out += 2 * (sum(mats[:k]) if plan.checkpoint == "none" else mats[0])
+    if plan.zero == 3 and plan.dp * plan.sp > 1 and held:
+        out += 2 * held[min(k, len(held)) - 1] * counts.itemsize
+    if plan.pp == 1:  # the one stage is the last: the loss head's saved gradients (and table)
+        out += head_bytes(shape, plan, micro_rows, seq, layout)[0]
+    if plan.zero == 0 and plan.dp * plan.sp > 1:
+        fixed += _least(counts, plan, shape.n_layers, lambda dense, experts: dense + experts)
+    if plan.pp > 1:
+        ends = [(True, False), (False, True)] + ([(True, True)] if plan.schedule in ("interleaved", "zbv") else [])
+        fixed += min(pipeline_buffers(plan, Stage(k, first=f, last=la), shape.dim, micro_rows, seq, layout)
+                     for f, la in ends)
+    return fixed, out
+
+
+def _step_bytes(counts: ModelCounts, plan: Plan, n_layers: int, layout: str) -> float:
+    """Gradients and the optimizer step's fp32 temporaries (:data:`.memory.OPTIMIZER_TEMPORARIES` per element
+    of its pieces) of the trainable bytes the rank with the most blocks holds at the least (:func:`_least`),
+    elements as the model's mean element size gives them."""
+    def step(dense, experts):
+        out = 0.0
+        for nbytes, total, n in _groups(counts, plan, dense, experts):
+            if nbytes and total[1]:
+                out += nbytes / (n if plan.zero >= 2 and n > 1 else 1)
+                out += nbytes * total[0] / total[1] * 4 * OPTIMIZER_TEMPORARIES[layout] / (
+                    1 if plan.zero == 0 or n <= 1 else n)
+        return out
+
+    return _least(counts, plan, n_layers, step)
+
+
+def _groups(counts: ModelCounts, plan: Plan, dense: float, experts: float) -> tuple:
+    """((bytes, the model's trainable counts they are of, ZeRO group size)) of the dense and expert bytes."""
+    n = plan.dp * plan.sp
+    merged = counts.dense if plan.ep > 1 else tuple(a + b for a, b in zip(counts.dense, counts.experts))
+    return (dense, merged, n), (experts, counts.experts, n // plan.ep)
 
 
 def _stage_states(counts: ModelCounts, plan: Plan, n_layers: int) -> float:
     """States less gradients of the trainable bytes the rank with the most blocks holds at the least
-    (:func:`_held_bytes`), elements as the model's mean element size gives them."""
-    dense, experts = _held_bytes(counts, plan, n_layers)
-    n = plan.dp * plan.sp
-    out = 0.0
-    for nbytes, total, size in ((dense, counts.dense if plan.ep > 1 else tuple(
-            a + b for a, b in zip(counts.dense, counts.experts)), n), (experts, counts.experts, n // plan.ep)):
-        if nbytes and total[1]:
-            elements = nbytes * total[0] / total[1]
-            out += _group_states((elements, nbytes, elements * total[2] / total[0]), plan.zero, size, grads=False)
-    return out
+    (:func:`_least`), elements as the model's mean element size gives them."""
+    def states(dense, experts):
+        out = 0.0
+        for nbytes, total, size in _groups(counts, plan, dense, experts):
+            if nbytes and total[1]:
+                elements = nbytes * total[0] / total[1]
+                out += _group_states((elements, nbytes, elements * total[2] / total[0]), plan.zero, size, grads=False)
+        return out
+
+    return _least(counts, plan, n_layers, states)
 
 
 def _floor_params(dtype):
@@ -143,17 +220,18 @@ def _symmetric(plan: Plan, hw: Hardware) -> bool:
     return plan.pp == 1 or per_pp % hw.gpus_per_node == 0 or hw.gpus_per_node % per_pp == 0
 
 
-def _held_bytes(counts: ModelCounts, plan: Plan, n_layers: int) -> tuple:
-    """(dense, expert) trainable bytes the rank with the most blocks holds at the least: the smallest
-    ``ceil(L / pp)`` blocks under a pipeline, the whole model without; cut over tp (experts over tp x ep)."""
+def _least(counts: ModelCounts, plan: Plan, n_layers: int, cost) -> float:
+    """The least ``cost(dense, experts)`` (linear in the trainable bytes, nothing for none) of what the rank with
+    the most blocks holds: of the whole model without a pipeline, under one the sum of its ``ceil(L / pp)``
+    cheapest blocks' (blocks mix dense and expert bytes: the cheapest depend on the cost); cut over tp
+    (experts over tp x ep)."""
+    def held(dense, experts):
+        return ((dense + experts) / plan.tp, 0.0) if plan.ep == 1 else (dense / plan.tp, experts / (plan.tp * plan.ep))
+
     if plan.pp == 1:
-        dense, experts = counts.dense[1], counts.experts[1]
-    else:
-        few = counts.blocks[:math.ceil(max(n_layers, 1) / plan.pp)]
-        dense, experts = sum(b[0] for b in few), sum(b[1] for b in few)
-    if plan.ep == 1:
-        return (dense + experts) / plan.tp, 0.0
-    return dense / plan.tp, experts / (plan.tp * plan.ep)
+        return cost(*held(counts.dense[1], counts.experts[1]))
+    k = math.ceil(max(n_layers, 1) / plan.pp)
+    return sum(sorted(cost(*held(d, e)) for d, e in counts.blocks)[:k])
 
 
 def _gradient_floor(counts: ModelCounts, plan: Plan, hw: Hardware, groups: dict, n_layers: int) -> float:
@@ -163,13 +241,17 @@ def _gradient_floor(counts: ModelCounts, plan: Plan, hw: Hardware, groups: dict,
     n = plan.dp * plan.sp
     if plan.zero == 0 or n == 1:
         return 0.0
-    dense, experts = _held_bytes(counts, plan, n_layers)
     ops = {1: ("reduce_scatter", "all_gather"), 2: ("all_gather",), 3: ("reduce_scatter", "all_gather")}[plan.zero]
     share = 1 / 8 if plan.zero == 3 else 1.0
-    t = 0.0
-    for nbytes, size, group in ((dense, n, "dpsp" if plan.sp > 1 else "dp"), (experts, n // plan.ep, "edp")):
-        if nbytes and size > 1:
-            t += sum(hw.collective_time(op, (size - 1) / size * nbytes, 0, groups.get(group, [0])) for op in ops)
+
+    def seconds(dense, experts):
+        t = 0.0
+        for nbytes, size, group in ((dense, n, "dpsp" if plan.sp > 1 else "dp"), (experts, n // plan.ep, "edp")):
+            if nbytes and size > 1:
+                t += sum(hw.collective_time(op, (size - 1) / size * nbytes, 0, groups.get(group, [0])) for op in ops)
+        return t
+
+    t = _least(counts, plan, n_layers, seconds)
     return t * share
 
 

@@ -7,28 +7,38 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 BATCH, SEQ = 16, 64
 
 
-def test_floors_never_pass_the_priced_figures(name="deepseek-v3-debug"):
-    """Every plan of 4 ranks, plain and fully checkpointed: the memory floor is at most the priced peak, the
-    step floor at most the priced step, and a plan whose memory floor passes a device fits on none."""
+@pytest.mark.parametrize("name,half", [("deepseek-v3-debug", False), ("deepseek-v3-debug", True),
+                                       ("qwen3-moe-debug", False), ("gpt-debug", False)])
+def test_floors_never_pass_the_priced_figures(name, half):
+    """Every plan of 4 ranks, plain, selectively and fully checkpointed, with fp32 weights under autocast or
+    (``half``) bf16 weights with fp32 masters: the memory floor (states, weight copies, DDP's buckets, the
+    pipeline's buffers, the optimizer step) is at most the priced peak, the step floor at most the priced
+    step, and a plan whose memory floor passes a device fits on none."""
+    import torch
+
     from cuboid.loading.planner import _Shards, candidate_plans, estimate
     from cuboid.parallel import Mesh, Plan, cost
     from cuboid.parallel.cost.bound import ModelCounts, memory_floor, step_floor
     from cuboid.zoo import spec_of
 
     hw = cost.load_hardware("h100")
-    shards = _Shards(name)
+    shards = _Shards(name, torch.bfloat16 if half else None)
     whole = shards.build(Plan(), Mesh.layout(Plan(), 0))
     counts = ModelCounts.of(whole, spec_of(whole))
-    assert counts.experts[0] > 0 and len(counts.blocks) == whole.config.n_layers
+    assert len(counts.blocks) == len(counts.shapes) == whole.config.n_layers
+    sparse = bool(getattr(whole.config, "n_experts", 0))
+    assert (counts.experts[0] > 0) == sparse
     dtype = next(whole.parameters()).dtype
     plans = candidate_plans(whole.config, 4, BATCH, dtype="bf16")
-    assert any(p.ep > 1 for p in plans) and any(p.pp > 1 for p in plans) and any(p.zero == 3 for p in plans)
+    assert any(p.pp > 1 for p in plans) and any(p.zero == 3 for p in plans) and any(p.ep > 1 for p in plans) == sparse
     tight = []
     for plan in plans:
-        for p in (plan, plan.replace(checkpoint="full")):
+        for p in (plan, plan.replace(checkpoint="selective"), plan.replace(checkpoint="full")):
             e = estimate(shards.build, p, hw, BATCH, SEQ, shards=shards)
             need = memory_floor(counts, whole.config, p, BATCH, SEQ, cost.layout_of(p, dtype))
             least = step_floor(whole.config, p, hw, BATCH, SEQ, dtype, counts)
