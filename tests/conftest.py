@@ -61,9 +61,12 @@ import torch  # noqa: E402
 
 
 def pytest_configure(config):
-    """The interpreter decision above, made from the raw command line, against the parsed ``-m`` (they differ
-    when pytest is started from Python, ``pytest.main([...])``): corrected while no kernel module is imported,
-    else a usage error rather than GPU tests run through the interpreter (or CPU ones without it)."""
+    """The files handed out in FIRST's order (below); and the interpreter decision above, made from the raw
+    command line, against the parsed ``-m`` (they differ when pytest is started from Python,
+    ``pytest.main([...])``): corrected while no kernel module is imported, else a usage error rather than GPU
+    tests run through the interpreter (or CPU ones without it)."""
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.7 hands files out by their test count
+        config.option.loadscopereorder = False
     if USER_SET_INTERPRET:
         return
     want = _compiled_gpu_run(config.getoption("markexpr", ""))
@@ -270,7 +273,9 @@ def _mark_slow(items):
 
 
 # The longest test files (minutes each on 2 cores), run first: CI runs the suite on two pytest-xdist workers by
-# file (`-n 2 --dist loadfile`), and one of these handed out last would leave the other worker idle meanwhile
+# file (`-n 2 --dist loadfile`), and one of these handed out last would leave the other worker idle meanwhile.
+# pytest-xdist 3.7+ would hand the files out by their number of tests (its loadscope reorder: these few-test files
+# last, the 8-rank worlds then overlapping at the end of the run), so pytest_configure turns that off
 FIRST = ("tests/parallel/test_moe_plans.py", "tests/parallel/test_plans.py", "tests/front/test_finetune.py",
          "tests/parallel/test_generation.py", "tests/parallel/test_pipeline.py", "tests/front/test_faults.py")
 
