@@ -96,11 +96,19 @@ class _Shards:
     """Meta models of a plan's ranks, shared between plans whose shards are the same (dp, sp, ZeRO,
     checkpointing and micro-batches do not change what a rank holds of the tensor, pipeline and expert split:
     each of ``ep`` ranks holds ``E / ep`` experts, the same shapes whichever they are).
-    ``model``: a model builder, or what :func:`builder_of` turns into one (then built in ``dtype``)."""
+    ``model``: a model builder, or what :func:`builder_of` turns into one (then built in ``dtype``).
+
+    :meth:`params` reads a rank's parameters off one model per tensor and expert split (built without a
+    pipeline): the pipeline cut only drops whole blocks and end modules, so a stage's parameters are those
+    of its blocks and ends there, in the same order (a :class:`~cuboid.loading.builder.ModelBuilder` of a
+    preset or config; any other builder is built per stage, :meth:`of`). The models are only read."""
 
     def __init__(self, model, dtype=None) -> None:
         self.build = builder_of(model, dtype)
         self.cache: dict = {}
+        self.wholes: dict = {}  # (tp, tp_mode, depth, ep, tensor rank) -> _Whole
+        self.cut_cache: dict = {}  # stages -> their cost-balanced block ranges
+        self.reuse = True  # False: every rank's parameters from its own stage's model (tests compare the two)
 
     def of(self, plan: Plan, rank: int):
         """The meta model ``rank`` of ``plan`` holds: built once per tensor and pipeline split and position."""
@@ -114,6 +122,96 @@ class _Shards:
         if (split, same) not in self.cache:
             self.cache[split, same] = self.build(split, Mesh.layout(split, same))
         return self.cache[split, same]
+
+    def cuttable(self) -> bool:
+        """Whether :meth:`params` reads ranks off the unsplit pipeline's model (see the class)."""
+        from cuboid.loading.builder import ModelBuilder, is_folder
+
+        return self.reuse and type(self.build) is ModelBuilder and not is_folder(self.build.source)
+
+    def layout(self, plan: Plan) -> tuple:
+        """(config, sharding spec, every pipeline stage's block range or ()) of ``plan``'s model."""
+        if not self.cuttable():
+            from cuboid.parallel.state import state_of
+            from cuboid.zoo import spec_of
+
+            first = self.of(plan, 0)
+            return first.config, spec_of(first), state_of(first).stages or ()
+        whole = self._whole(plan, 0)
+        return whole.config, whole.spec, self._cuts(plan, whole) if plan.pp > 1 else ()
+
+    def params(self, plan: Plan, rank: int) -> dict:
+        """``{name: parameter}`` of the meta model ``rank`` of ``plan`` holds (a new dict; the parameters
+        are shared with other plans and ranks, to be read only)."""
+        if not self.cuttable():
+            return dict(self.of(plan, rank).named_parameters())
+        from cuboid.parallel import Mesh
+        from cuboid.parallel.stages import stage_ids
+
+        coords = Mesh.layout(plan, rank).coords
+        whole = self._whole(plan, coords.get("tp", 0))
+        if plan.pp == 1:
+            return whole.params_of(None, set())
+        cuts = self._cuts(plan, whole)
+        ids = stage_ids(plan.schedule, coords["pp"], plan.pp)
+        spec = whole.spec
+        owned = (set(spec.first) if 0 in ids else set()) | (set(spec.last) if len(cuts) - 1 in ids else set())
+        ends = (set(spec.first) | set(spec.last)) - {spec.blocks}  # keep_stage drops those another stage owns
+        return whole.params_of({i for s in ids for i in cuts[s]}, ends - owned)
+
+    def _whole(self, plan: Plan, tensor_rank: int) -> "_Whole":
+        """The model of ``plan``'s tensor and expert split at tensor rank ``tensor_rank``, without a pipeline
+        (expert rank 0: every expert rank holds the same shapes)."""
+        from cuboid.parallel import Mesh
+
+        key = (plan.tp, plan.tp_mode, plan.depth, plan.ep, tensor_rank)
+        if key not in self.wholes:
+            base = Plan(tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth, dp=plan.ep, ep=plan.ep)
+            self.wholes[key] = _Whole(self.build(base, Mesh.layout(base, tensor_rank)))
+        return self.wholes[key]
+
+    def _cuts(self, plan: Plan, whole: "_Whole") -> list:
+        """Every pipeline stage's block range, as :func:`cuboid.parallel.stages.cut_model` cuts them (two
+        stages per rank for interleaved and ZBV, or the plan's ``stage_blocks``)."""
+        total = plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
+        if plan.stage_blocks:
+            starts = [sum(plan.stage_blocks[:s]) for s in range(total + 1)]
+            return [range(starts[s], starts[s + 1]) for s in range(total)]
+        if total not in self.cut_cache:
+            from cuboid.parallel.stages import cut_stages
+            from cuboid.zoo.plans import stage_costs
+
+            costs = stage_costs(whole.config)
+            self.cut_cache[total] = cut_stages(costs[0], total, costs[1], costs[2])
+        return list(self.cut_cache[total])
+
+
+class _Whole:
+    """A meta model without a pipeline, its parameters listed with the top-level module and block each
+    belongs to (tied ones under every name), for :meth:`_Shards.params` to keep a stage's."""
+
+    def __init__(self, model) -> None:
+        from cuboid.zoo import spec_of
+
+        self.config, self.spec = model.config, spec_of(model)
+        blocks = self.spec.blocks if self.spec is not None else None
+        self.entries = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            top, _, rest = name.partition(".")
+            block = int(rest.partition(".")[0]) if top == blocks and rest else None
+            self.entries.append((top if rest else "", block, name, p))
+
+    def params_of(self, blocks: Optional[set], dropped: set) -> dict:
+        """``{name: parameter}`` as the model cut to the blocks ``blocks`` (None: all) without the top-level
+        modules ``dropped``: each parameter once, under its first name (as ``named_parameters`` lists them)."""
+        out, seen = {}, set()
+        for top, block, name, p in self.entries:
+            if blocks is not None and (block not in blocks if block is not None else top in dropped):
+                continue
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[name] = p
+        return out
 
 
 def meta_shards(model, plan: Plan, rank: int):
@@ -136,20 +234,16 @@ def estimate(model, plan: Plan, hw: Hardware, batch: int, seq: int, *, shards: O
              name: str = "", headroom: float = DEFAULT_HEADROOM) -> Estimate:
     """The :class:`~cuboid.parallel.cost.Estimate` of one plan for ``model`` (a model builder, preset name,
     folder or config)."""
-    from cuboid.parallel.state import state_of
-    from cuboid.zoo import spec_of
-
     shards = shards or _Shards(model)
-    first = shards.of(plan, 0)
-    cuts = state_of(first).stages or ()  # pp: every stage's block range
+    config, spec, cuts = shards.layout(plan)  # cuts, under pp: every stage's block range
     ranks = _ranks_to_look_at(plan, cuts)
-    rank_params = {r: dict(shards.of(plan, r).named_parameters()) for r in ranks}
+    rank_params = {r: shards.params(plan, r) for r in ranks}
     quantized = None
     if getattr(shards.build, "quantize", None):  # a 4-bit base: its bytes beside the parameters
         from cuboid.parallel.quant import quantized_bytes
 
         quantized = {r: quantized_bytes(shards.of(plan, r)) for r in ranks}
-    return predict(first.config, plan, rank_params, hw, batch, seq, spec=spec_of(first), block_cuts=cuts,
+    return predict(config, plan, rank_params, hw, batch, seq, spec=spec, block_cuts=cuts,
                    name=name, headroom=headroom, quantized=quantized)
 
 
