@@ -136,7 +136,7 @@ def _config(head_dim: int, dtype: torch.dtype, kernel: str = "fwd", docs: bool =
     """Block sizes and launch options of one kernel, ``"fwd"``, ``"dkdv"`` or ``"dq"``: a table, entry
     :func:`~._backend.picked` of the row (``docs``: the forward keeps per-row key bounds, document ids or a
     window's). ``head_dim_v``: v's head dim where it differs (BLOCK_DV; the row is the larger padded dim's);
-    the kernels take v's own offsets and bounds only then (``SPLIT_DV``: one more live mask spilled registers
+    the kernels take v's own offsets and bounds only then (``SPLIT_DV``: one more live mask spills registers
     in the d64 half-precision tiles on sm_80).
 
     The interpreter runs programs one after another in numpy and pays per op,

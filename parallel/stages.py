@@ -90,11 +90,33 @@ def keep_stage(model: nn.Module, spec, blocks, first: bool, last: bool, where: s
     for i in range(len(seq)):
         if i not in keep:
             seq[i] = Elsewhere(f"{spec.blocks}.{i}", where)
-    owned = (set(spec.first) if first else set()) | (set(spec.last) if last else set())
+    gone = dropped_ends(spec, first, last)
     for name, _ in list(model.named_children()):
-        if name != spec.blocks and name not in owned and (name in spec.first or name in spec.last):
+        if name in gone:
             setattr(model, name, Elsewhere(name, where))
     return model
+
+
+def dropped_ends(spec, first: bool, last: bool) -> set:
+    """The end modules (``spec.first``, ``spec.last``) a rank's stages do not own: those of the first stage
+    unless it runs it (``first``), those of the last unless ``last``."""
+    owned = (set(spec.first) if first else set()) | (set(spec.last) if last else set())
+    return (set(spec.first) | set(spec.last)) - {spec.blocks} - owned
+
+
+def stage_count(plan) -> int:
+    """The pipeline's stages: one a rank, two for interleaved and ZBV (:func:`stage_ids`)."""
+    return plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
+
+
+def stage_ranges(plan, costs: tuple) -> list:
+    """Every stage's block range: the plan's ``stage_blocks``, or balanced by ``costs`` = (per-block,
+    embedding, head) (:func:`cut_stages`)."""
+    total = stage_count(plan)
+    if plan.stage_blocks:  # the plan's own split
+        starts = [sum(plan.stage_blocks[:s]) for s in range(total + 1)]
+        return [range(starts[s], starts[s + 1]) for s in range(total)]
+    return cut_stages(costs[0], total, costs[1], costs[2])
 
 
 
@@ -119,12 +141,8 @@ def cut_model(model: nn.Module, spec, mesh, costs: tuple) -> nn.Module:
     """
     plan = mesh.plan
     ids = stage_ids(plan.schedule, mesh.coords["pp"], plan.pp)
-    total = plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
-    if plan.stage_blocks:  # the plan's own split
-        starts = [sum(plan.stage_blocks[:s]) for s in range(total + 1)]
-        blocks = [range(starts[s], starts[s + 1]) for s in range(total)]
-    else:
-        blocks = cut_stages(costs[0], total, costs[1], costs[2])
+    blocks = stage_ranges(plan, costs)
+    total = len(blocks)
     keep = [i for s in ids for i in blocks[s]]
     keep_stage(model, spec, keep, 0 in ids, total - 1 in ids, where=f"stages {ids}")
     state = planned(model)

@@ -107,7 +107,7 @@ class _Shards:
         self.build = builder_of(model, dtype)
         self.cache: dict = {}
         self.wholes: dict = {}  # (tp, tp_mode, depth, ep, tensor rank) -> _Whole
-        self.cut_cache: dict = {}  # stages -> their cost-balanced block ranges
+        self.cut_cache: dict = {}  # (stages, stage_blocks) -> every stage's block range
         self.reuse = True  # False: every rank's parameters from its own stage's model (tests compare the two)
 
     def of(self, plan: Plan, rank: int):
@@ -146,7 +146,7 @@ class _Shards:
         if not self.cuttable():
             return dict(self.of(plan, rank).named_parameters())
         from cuboid.parallel import Mesh
-        from cuboid.parallel.stages import stage_ids
+        from cuboid.parallel.stages import dropped_ends, stage_ids
 
         coords = Mesh.layout(plan, rank).coords
         whole = self._whole(plan, coords.get("tp", 0))
@@ -154,10 +154,8 @@ class _Shards:
             return whole.params_of(None, set())
         cuts = self._cuts(plan, whole)
         ids = stage_ids(plan.schedule, coords["pp"], plan.pp)
-        spec = whole.spec
-        owned = (set(spec.first) if 0 in ids else set()) | (set(spec.last) if len(cuts) - 1 in ids else set())
-        ends = (set(spec.first) | set(spec.last)) - {spec.blocks}  # keep_stage drops those another stage owns
-        return whole.params_of({i for s in ids for i in cuts[s]}, ends - owned)
+        return whole.params_of({i for s in ids for i in cuts[s]}, dropped_ends(whole.spec, 0 in ids,
+                                                                                len(cuts) - 1 in ids))
 
     def _whole(self, plan: Plan, tensor_rank: int) -> "_Whole":
         """The model of ``plan``'s tensor and expert split at tensor rank ``tensor_rank``, without a pipeline
@@ -171,19 +169,15 @@ class _Shards:
         return self.wholes[key]
 
     def _cuts(self, plan: Plan, whole: "_Whole") -> list:
-        """Every pipeline stage's block range, as :func:`cuboid.parallel.stages.cut_model` cuts them (two
-        stages per rank for interleaved and ZBV, or the plan's ``stage_blocks``)."""
-        total = plan.pp * (1 if plan.schedule in ("gpipe", "1f1b") else 2)
-        if plan.stage_blocks:
-            starts = [sum(plan.stage_blocks[:s]) for s in range(total + 1)]
-            return [range(starts[s], starts[s + 1]) for s in range(total)]
-        if total not in self.cut_cache:
-            from cuboid.parallel.stages import cut_stages
-            from cuboid.zoo.plans import stage_costs
+        """Every pipeline stage's block range, as :func:`cuboid.parallel.stages.cut_model` cuts them
+        (:func:`~cuboid.parallel.stages.stage_ranges`), once per stage count and ``stage_blocks``."""
+        from cuboid.parallel.stages import stage_count, stage_ranges
+        from cuboid.zoo.plans import stage_costs
 
-            costs = stage_costs(whole.config)
-            self.cut_cache[total] = cut_stages(costs[0], total, costs[1], costs[2])
-        return list(self.cut_cache[total])
+        key = (stage_count(plan), plan.stage_blocks)
+        if key not in self.cut_cache:
+            self.cut_cache[key] = stage_ranges(plan, stage_costs(whole.config))
+        return list(self.cut_cache[key])
 
 
 class _Whole:
