@@ -11,7 +11,7 @@ no renormalised top-k) run dp x ep, sp x ep and pp on 2 ranks.
 """
 from .launch import run_world
 from .plan_families import MOE, MOE_OTHERS, MOE_ROTATION
-from .test_plans import check, plan_parity_worker
+from .test_plans import check, plan_parity_worker, record_seconds
 
 
 def moe_plans(world: int, pipeline: bool = True) -> list:
@@ -31,13 +31,7 @@ MOE_EXTRA = {2: ["dp=2,ep=2,checkpoint=full", "dp=2,ep=2,checkpoint=selective", 
 def record(world: int, reports: list) -> None:
     """Writes each run's seconds (the slowest rank's) to /tmp/cuboid-plan-parity/moe{N}.json and prints the
     world's count, total and slowest runs (``pytest -s``), as test_plans.run_generated does for its worlds."""
-    import json
-    import os
-
-    seconds = {k: max(r[k]["seconds"] for r in reports) for k in reports[0]}
-    os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
-    with open(f"/tmp/cuboid-plan-parity/moe{world}.json", "w") as fh:
-        json.dump({"world": world, "runs": len(seconds), "per_run_s": seconds}, fh, indent=1)
+    seconds = record_seconds(f"moe{world}", reports, world=world)
     slow = sorted(seconds, key=seconds.get)[-3:]
     print(f"\nMoE plan parity on {world} ranks: {len(seconds)} runs, {sum(seconds.values()):.0f} s in runs; slowest "
           + ", ".join(f"{k} {seconds[k]:.1f} s" for k in slow))

@@ -527,11 +527,22 @@ def generated_worker(world: int):
     return report
 
 
+def record_seconds(tag: str, reports: list, **info) -> dict:
+    """Each run's seconds (the slowest rank's), written with ``info`` to /tmp/cuboid-plan-parity/{tag}.json (the
+    worlds' budget figures); returned."""
+    import json
+    import os
+
+    seconds = {k: max(r[k]["seconds"] for r in reports) for k in reports[0]}
+    os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
+    with open(f"/tmp/cuboid-plan-parity/{tag}.json", "w") as fh:
+        json.dump({**info, "runs": len(seconds), "per_run_s": seconds}, fh, indent=1)
+    return seconds
+
+
 def run_generated(world: int, timeout: float, *extra_work):
     """Runs the generated parity test of ``world`` ranks; writes its per-plan times to
     /tmp/cuboid-plan-parity/world{N}.json and prints the count and time per N."""
-    import json
-    import os
     import time
 
     plans, others = generated(world)
@@ -539,12 +550,8 @@ def run_generated(world: int, timeout: float, *extra_work):
     results = run_world(generated_worker if not extra_work else extra_work[0], world, world, timeout=timeout)
     took = time.perf_counter() - start
     reports = [r if not extra_work else r[0] for r in results]
-    seconds = {k: max(r[k]["seconds"] for r in reports) for k in reports[0]}
-    os.makedirs("/tmp/cuboid-plan-parity", exist_ok=True)
-    with open(f"/tmp/cuboid-plan-parity/world{world}.json", "w") as fh:
-        json.dump({"world": world, "plans": len(plans), "ready_and_extra": len(others), "runs": len(seconds),
-                   "families_per_plan": families_per_plan(world, plans),
-                   "wall_s": took, "per_run_s": seconds, "errors": reports[0]}, fh, indent=1)
+    seconds = record_seconds(f"world{world}", reports, world=world, plans=len(plans), ready_and_extra=len(others),
+                             families_per_plan=families_per_plan(world, plans), wall_s=took, errors=reports[0])
     check(reports)
     families = families_per_plan(world, plans)
     assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others) + len(COMPILED.get(world, []))
