@@ -32,6 +32,7 @@ and the fused dequantize-matmul are in kernels/nf4_linear.py.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -126,6 +127,13 @@ def _grid_table(code: Tensor) -> Tensor:
     return torch.searchsorted(midpoints, grid, side="left").to(torch.uint8)  # midpoints strictly below the point
 
 
+@functools.lru_cache(maxsize=None)
+def _dynamic_table(device: torch.device) -> Tensor:
+    """:func:`_grid_table` of :func:`dynamic_map` on ``device``: a constant, built once per device (it is most of
+    a small tensor's quantization time)."""
+    return _grid_table(dynamic_map().to(device)).to(device)
+
+
 def _grid_index(normed: Tensor) -> Tensor:
     """The table row of each fp32 value in [-1, 1]: ``(v + 1) * 0.5 * 65535 + 0.5`` truncated, in fp32 steps."""
     v = normed.clamp(-1.0, 1.0)
@@ -144,7 +152,7 @@ def quantize_8bit(x: Tensor, blocksize: int) -> Tuple[Tensor, Tensor]:
     absmax = _block_scales(flat, blocksize)
     inv = 1.0 / absmax  # inf for an all-zero block, whose codes are set to 0 below
     normed = flat * _per_element(inv, flat.numel(), blocksize)
-    table = _grid_table(dynamic_map().to(flat.device)).to(flat.device)
+    table = _dynamic_table(flat.device)
     idx = table[_grid_index(torch.nan_to_num(normed, nan=0.0))]
     zero = _per_element(absmax == 0, flat.numel(), blocksize)
     return torch.where(zero, torch.zeros_like(idx), idx), absmax
