@@ -14,8 +14,9 @@ mesh=mesh)`` is compared with one device's run of the same seed (computed
 once per world for each family, optimizer and path, each by one rank, since every plan is
 held to the same run), with one optimizer built the plain way
 (``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB and LARS by
-the plan's index, so each plan meets all three over its families. Three
-steps on fixed global batches, alternating the two public ways to train:
+the plan's index, so each plan meets all three over its families. Two
+steps on fixed global batches (three on every fifth plan: :func:`steps_of`),
+alternating the two public ways to train:
 
 - the natural loop: ``share = cuboid.rank_share(model, batch)``,
   ``model(**share).loss.backward()``, ``clip_grad_norm_``, ``opt.step()``
@@ -67,7 +68,17 @@ from .plan_families import FAMILIES, LLAMA, MOE_FAMILIES, OTHERS, families_of, f
 from .plan_reliability import checks_reliability, reliability, whole_rows
 from .plan_tasks import PAIR_TASKS, pair_rows, task_batch, task_of, task_step
 
-STEPS = 3
+STEPS = 3  # a run's steps on every THIRD_STEP_EVERY-th plan index; the other runs take the first two
+
+
+def steps_of(index: int) -> int:
+    """The steps plan number ``index`` runs: 3 every THIRD_STEP_EVERY-th index, else 2 (the natural loop, then
+    ``train_step`` on packed rows). Turned by 5, apart from the families (3), key/value heads (3), tasks (4) and
+    reliability checks (4, 12) that other fields turn by."""
+    return STEPS if index % THIRD_STEP_EVERY == 0 else 2
+
+
+THIRD_STEP_EVERY = 5
 
 
 def even_batch(name, model, size=8):
@@ -220,6 +231,7 @@ class RefArgs(NamedTuple):
     dp: int = 1
     task: str = ""  # the objective of the train_step steps (plan_tasks.task_of; "" the model's loss)
     index: int = 0  # the plan's index (a task's options are turned by it)
+    steps: int = STEPS  # (:func:`steps_of`)
 
 
 def _ref_key(*args) -> tuple:
@@ -233,7 +245,7 @@ def _cached(key) -> bool:
     return key in _REFS and (key not in _WHOLE_FOR or _REFS[key]["whole"] is not None)
 
 
-def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0):
+def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0, steps=STEPS):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
@@ -242,14 +254,14 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index)
+    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index, steps)
     if _cached(key):
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
     opt = make_optimizer(kind, ref.parameters())
     losses, first = [], None
-    for step in range(STEPS):
+    for step in range(steps):
         if not pipelined and step % 2 == 0:  # the natural loop
             out = ref(**even_batch(name, ref, size))
             out.loss.backward()
@@ -287,22 +299,32 @@ def _plain(out) -> Optional[SimpleNamespace]:
 
 def share_references(keys: list) -> None:
     """One device's runs of ``keys`` (:func:`reference`'s arguments) not yet cached, each computed by one rank
-    and gathered by all: the ranks share a machine's cores, so each computing every run would take
-    world-size times the CPU for the same numbers (the runs are deterministic)."""
+    and read by all: the ranks share a machine's cores, so each computing every run would take world-size
+    times the CPU for the same numbers (the runs are deterministic). Each rank writes its runs to one file
+    (memory, /dev/shm, where the machine has it) that the others read: a third of ``all_gather_object``'s
+    CPU, whose every tensor is unpickled through a nested ``torch.load`` on every rank."""
+    import os
+
     import torch.distributed as dist
 
     from cuboid.parallel.mesh import init_distributed
+
+    from .reliability_checks import save_folder
 
     todo = list({_ref_key(*k): k for k in keys if not _cached(_ref_key(*k))}.values())
     if not todo:
         return
     rank, world = init_distributed()
-    mine = {i: reference(*todo[i]) for i in range(rank, len(todo), world)}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    for part in everyone:
-        for i, value in part.items():
+    folder = save_folder(f"cuboid-plan-refs-{os.getppid()}-{world}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{rank}.pt")
+    torch.save({i: reference(*todo[i]) for i in range(rank, len(todo), world)}, path)
+    dist.barrier()
+    for other in range(world):  # this test's own files, written just now by its ranks
+        for i, value in torch.load(os.path.join(folder, f"{other}.pt"), weights_only=False, mmap=True).items():
             _REFS[_ref_key(*todo[i])] = value
+    dist.barrier()
+    os.remove(path)
 
 
 def _params_err(model, want, pairs=None) -> float:
@@ -318,7 +340,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     index, so each plan meets AdamW, LAMB and LARS over its families. ``per_plan``: the families each plan
     runs on (:func:`families_of`; the CI budget, see RUN_BUDGET). A pipeline plan trains through
     ``cuboid.train_step`` only (its forward with gradients is refused); the others alternate the natural loop
-    and ``train_step``. Returns {key: errors} with each plan's seconds (load, 3 steps, evaluation) under
+    and ``train_step``. Returns {key: errors} with each plan's seconds (load, steps, evaluation) under
     ``seconds``."""
     import time
 
@@ -355,7 +377,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
             assert all(compiled_blocks(model, blocks_of(model.parallel.spec))), (label, name)
         errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
         opt = make_optimizer(kind, model.parameters())
-        for step in range(STEPS):
+        for step in range(args.steps):
             if not pipelined and step % 2 == 0:  # the natural loop
                 share = cuboid.rank_share(model, even_batch(name, model, size))
                 out = model(**share)
@@ -418,7 +440,8 @@ def _runs(plans, optimizers, rotate, per_plan, families):
                 if task in PAIR_TASKS or task == "grpo":  # whole pairs in every split; rollouts are not packed
                     size, packed = pair_rows(size, plan.dp, plan.microbatches), False
                 yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, size, extra, packed,
-                                                                     micro, plan.dp, task, index if task else 0)
+                                                                     micro, plan.dp, task, index if task else 0,
+                                                                     steps_of(index))
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail

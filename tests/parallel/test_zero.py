@@ -2,7 +2,7 @@
 
 - Plan parity: every ready ZeRO plan (zero1, zero2, zero3, dp2-tp2-zero3) and
   zero2 with activation checkpointing, for GPT, BERT and ViT with AdamW and
-  LAMB, three steps against one device (the same checks as
+  LAMB, two or three steps against one device (the same checks as
   test_plans.py: loss, outputs, parameters at 1e-5); dp2-pp2-zero1 runs in
   test_pipeline.py. bf16 parameters with fp32 masters under zero1 and zero3
   against one device's bf16 run (bf16 tolerance).
