@@ -60,6 +60,19 @@ def placement_of(param: torch.Tensor) -> Optional[Placement]:
     return getattr(param, "placement", None)
 
 
+def to_empty(module: nn.Module, device) -> nn.Module:
+    """``module.to_empty(device=device)``: every parameter and buffer allocated, uninitialised, on ``device``
+    with its shape, strides and dtype. A plain dense tensor's ``empty_like`` is its ``empty_strided``, which
+    skips the Python reference path ``empty_like`` of a meta tensor takes (about ten times the cost); tensor
+    subclasses (a DTensor) and other layouts take ``empty_like``."""
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.is_contiguous():
+            return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    return module._apply(empty)
+
+
 class ShardedModule(nn.Module):
     """Mixin: the full-tensor interface of a layer whose parameters may be sharded."""
 
@@ -71,8 +84,11 @@ class ShardedModule(nn.Module):
 
     def tag_placements(self) -> None:
         """Set ``placement`` on this layer's own parameters (see :class:`Placement`)."""
-        for name, p in self.named_parameters(recurse=False):
-            p.placement = self.norm_placement(name)
+        seen = set()  # named_parameters(recurse=False)'s order and names, without its generator stack
+        for name, p in self._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.placement = self.norm_placement(name)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

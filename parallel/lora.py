@@ -300,7 +300,7 @@ def adapted_experts(model: nn.Module) -> list:
 
 def adapted(model: nn.Module) -> list:
     """[(path, base layer)] of every layer of ``model`` carrying adapters, in module order."""
-    return [(p, m) for p, m in model.named_modules() if isinstance(getattr(m, "lora_A", None), nn.Module)]
+    return [(p, m) for p, m in model.named_modules() if isinstance(m._modules.get("lora_A"), nn.Module)]
 
 
 def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> list:
@@ -318,7 +318,7 @@ def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> 
         A, B = _layers(base, kind, config.r)
         device = base.weight.device
         if device.type != "meta":
-            A, B = A.to_empty(device=device), B.to_empty(device=device)
+            A, B = L.to_empty(A, device), L.to_empty(B, device)
         base.lora_A, base.lora_B = A, B
         base.lora_dropout = L.Dropout(config.dropout)
         base.lora_kind, base.lora_scaling, base.lora_r, base.lora_alpha = kind, config.scaling, config.r, config.alpha

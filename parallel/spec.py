@@ -7,6 +7,8 @@ stages read ``blocks``, ``first`` and ``last``.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,10 +38,8 @@ class ShardingSpec:
     last: tuple = ()    # those the last stage owns (final norm, pooler, heads); a module in both is tied
 
     def role_of(self, path: str) -> Optional[str]:
-        for pattern, role in self.roles.items():
-            if fnmatch.fnmatchcase(path, pattern):
-                return role
-        return None
+        """The role of the first pattern (in ``roles``' order) that ``path`` matches, as ``fnmatchcase``; None."""
+        return _role_table(tuple(self.roles.items()))(path)
 
     def apply_roles(self, model: nn.Module) -> None:
         """Set ``role`` on every cuboid layer the spec names."""
@@ -47,6 +47,21 @@ class ShardingSpec:
             role = self.role_of(path)
             if role is not None and hasattr(mod, "role"):
                 mod.role = role
+
+
+@functools.lru_cache(maxsize=64)
+def _role_table(roles: tuple):
+    """``path -> role`` for the ``(pattern, role)`` pairs ``roles``: the patterns compiled once and every path's
+    answer kept (a load asks for each module's role several times, and the specs are a few fixed tables)."""
+    matchers = [(re.compile(fnmatch.translate(pattern)).match, role) for pattern, role in roles]
+    known: dict = {}
+
+    def role_of(path: str) -> Optional[str]:
+        if path not in known:
+            known[path] = next((role for match, role in matchers if match(path)), None)
+        return known[path]
+
+    return role_of
 
 
 def blocks_of(spec: Optional[ShardingSpec]) -> str:

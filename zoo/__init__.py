@@ -18,6 +18,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from cuboid.parallel.layers import to_empty
 from cuboid.parallel.lora import adapters_off
 
 from . import hf_io
@@ -68,7 +69,7 @@ def build(name_or_config: Union[str, Config], *, device: Union[str, torch.device
 def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu", *, seed: int = 0,
                 dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Allocate a (meta) model on ``device`` and initialise it from ``seed``."""
-    model.to_empty(device=device)
+    to_empty(model, device)
     model.init_weights(seed)
     if dtype is not None:
         model.to(dtype)

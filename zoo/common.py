@@ -275,8 +275,8 @@ def sharded_parameters(model: nn.Module) -> Iterator[tuple[str, L.ShardedModule,
     """(full name, owning layer, local name, tensor) for every parameter, each once (ties skipped)."""
     seen: set[int] = set()
     for mod_name, mod in model.named_modules():
-        for local, p in mod.named_parameters(recurse=False):
-            if id(p) in seen:
+        for local, p in mod._parameters.items():  # named_parameters(recurse=False), each tensor once below
+            if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
             if not isinstance(mod, L.ShardedModule):
