@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from cuboid.kernels import nf4
+from tests import bnb_cpu
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bitsandbytes_reference_kernels():
+    """bitsandbytes' pure-torch dequantize as its CPU kernel where the native one is wrong on this CPU."""
+    bnb_cpu.use_reference_kernels()
 
 
 def weight(shape, dtype, seed):
@@ -70,6 +77,29 @@ def test_without_double_quant_equals_bitsandbytes():
     assert torch.equal(qw.weight, packed) and torch.equal(qw.absmax, state.absmax)
     assert set(qw.state_dict()) == {"weight"} | {f"weight.{k}" for k in state.as_dict(packed=True)}
     assert torch.equal(nf4.dequantize_nf4_ref(qw), bnbf.dequantize_4bit(packed, state))
+
+
+def test_the_cpu_kernels_used_are_bitsandbytes_pure_torch_dequantize():
+    """tests/bnb_cpu.py's reference is bitsandbytes' own "default" dequantize kernel (its pure-torch computation,
+    compiled as bitsandbytes runs it), and with the helper run bitsandbytes' CPU dequantize equals cuboid's where
+    blocks straddle rows (rows of 160: the shape the AVX-512 kernel gets wrong), on any CPU."""
+    assert set(bnb_cpu.use_reference_kernels()) == {"dequantize_4bit", "dequantize_blockwise", "gemv_4bit"}
+    default = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    for dtype, double_quant in ((F32, True), (BF16, True), (F32, False), (BF16, False)):
+        w = weight((24, 160), dtype, seed=13)
+        packed, state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=double_quant, quant_type="nf4")
+        absmax = state.absmax
+        if double_quant:
+            absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        ref = bnb_cpu.reference_dequantize_4bit(packed, absmax, 64, "nf4", state.shape, dtype)
+        if dtype == BF16 and double_quant:  # one compile of bitsandbytes' computation (seconds) for one case
+            theirs = torch.ops.bitsandbytes.dequantize_4bit.default.redispatch(
+                default, packed, absmax, 64, "nf4", list(state.shape), dtype)
+            assert torch.equal(ref, theirs)
+        qw = nf4.quantize_nf4(w, double_quant=double_quant)
+        assert torch.equal(qw.weight, packed)
+        assert torch.equal(bnbf.dequantize_4bit(packed, state), ref)
+        assert torch.equal(nf4.dequantize_nf4_ref(qw), ref), (dtype, double_quant)
 
 
 def test_dequantize_matches_float64():

@@ -11,6 +11,7 @@ import torch
 
 import cuboid
 from cuboid.parallel.quant import quantized_layers
+from tests import bnb_cpu
 
 HF_NAMES = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
             "attn.proj": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
@@ -20,9 +21,11 @@ HF_NAMES = {"attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """(root, transformers' 4-bit model loaded from root/bf16): hidden 128 (tensor parallelism's row cuts hold
-    whole blocks of 64), two layers, grouped-query heads; root/bnb4 is that 4-bit model saved by transformers."""
+    whole blocks of 64), two layers, grouped-query heads; root/bnb4 is that 4-bit model saved by transformers.
+    bitsandbytes' CPU kernels are its pure-torch ones where the native ones are wrong on this CPU."""
     from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
+    bnb_cpu.use_reference_kernels()
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
