@@ -1,11 +1,14 @@
 """Crash safety: a save killed (SIGKILL) at any stage leaves the previous checkpoint loadable.
 
 Each child process saves a seed-1 model over a seed-0 checkpoint and kills
-itself at one stage of the protocol (zoo/checkpoint/folder.py); all children
-run at once. Then the folder must still verify and load (the old weights, or
-the new ones once the rename happened), no partial temporary folder may pass
-verify, and the next save must succeed and clean up.
+itself (SIGKILL) at one stage of the protocol (zoo/checkpoint/folder.py); all
+children run at once, forked from the test's process (a new interpreter would
+import torch and cuboid first: seconds of CPU a child, for the same save).
+Then the folder must still verify and load (the old weights, or the new ones
+once the rename happened), no partial temporary folder may pass verify, and
+the next save must succeed and clean up.
 """
+import multiprocessing
 import warnings
 
 import pytest
@@ -16,11 +19,36 @@ from cuboid.zoo import checkpoint
 from cuboid.zoo.checkpoint import CheckpointError
 from cuboid.zoo.checkpoint.folder import old_of
 
-from .common import assert_same, params, spawn, wait
+from ._child import crash
+from .common import assert_same, params
 
 # stage -> which checkpoint `path` must hold afterwards
 STAGES = {"begin": 0, "file#1": 0, "file#4": 0, "written": 0, "moved-old": 0, "committed": 1}
 PARTIAL = ("begin", "file#1", "file#4")  # later, the temporary folder is complete (just not in place)
+
+
+def _crash(path, stage):
+    """A child's body: _child.py's ``crash`` (a seed-1 save over ``path``, killed at ``stage``), on the torch
+    kernels a child process uses."""
+    from cuboid.kernels import use_backend
+
+    with use_backend("torch"):
+        crash(path, stage, 1)
+
+
+def _killed_saves(paths: dict) -> dict:
+    """stage -> the exit code of its child (-9: killed by its own SIGKILL; 3: the stage never came), all at once."""
+    ctx = multiprocessing.get_context("fork")
+    procs = {stage: ctx.Process(target=_crash, args=(path, stage)) for stage, path in paths.items()}
+    for p in procs.values():
+        p.start()
+    for p in procs.values():
+        p.join(timeout=120)
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return {stage: p.exitcode for stage, p in procs.items()}
 
 
 def leftovers(path):
@@ -32,11 +60,10 @@ def test_killed_save_leaves_the_previous_checkpoint(tmp_path):
     paths = {stage: tmp_path / stage.replace("#", "") / "ckpt" for stage in STAGES}
     for path in paths.values():
         checkpoint.save(models[0], path, max_shard_size="100KB", state={"step": 0})
-    procs = {stage: spawn("crash", paths[stage], stage, 1) for stage in STAGES}
-    results = dict(zip(procs, wait(list(procs.values()))))
+    results = _killed_saves(paths)
     for stage, expect in STAGES.items():
-        rc, out = results[stage]
-        assert rc == -9, f"{stage}: child exited {rc}, not killed at the stage\n{out}"
+        rc = results[stage]
+        assert rc == -9, f"{stage}: child exited {rc}, not killed at the stage"
         path = paths[stage]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
