@@ -52,12 +52,10 @@ def batch_for(name, extra, model, size=8):
     return batch
 
 
-def free_err(model, ref, batch) -> float:
-    """Largest relative error of a label-free forward's outputs (every field one device has), without and
-    with gradients enabled; shapes must be one device's."""
+def free_err(model, want, batch) -> float:
+    """Largest relative error of a label-free forward's outputs (every field one device has, ``want``), without
+    and with gradients enabled; shapes must be one device's."""
     free = {k: v for k, v in batch.items() if k != "labels"}
-    with torch.no_grad():
-        want = ref(**free)
     errs = []
     for grad in (False, True):
         with torch.set_grad_enabled(grad):
@@ -67,13 +65,49 @@ def free_err(model, ref, batch) -> float:
     return worst(*errs)
 
 
-def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
+def reference(refs: dict, name, extra, head, kind, dtype) -> dict:
+    """One device's run that a plan of ``name`` with optimizer ``kind`` under ``dtype`` is compared with: its
+    parameters before (``init``, a copy) and after 3 steps (``ref``; none for a backbone), each step's loss and
+    gradient norm, and its evaluations (a label-free forward, the labelled forward and ``cuboid.evaluate`` of an
+    odd-sized batch). The run is deterministic (fixed seeds and batches), so it is computed once per job and
+    kept in ``refs`` for every plan that meets the same key."""
+    import copy
+
+    import cuboid
+
+    key = (name, tuple(sorted(extra.items())), tuple(sorted(head.items())), kind, dtype)
+    if key in refs:
+        return refs[key]
+    trains = head.get("head") != "none"
+    ref = cuboid.load(name, seed=0, **extra, **head).train()
+    init = copy.deepcopy(ref)
+    opt = make_optimizer(kind, ref.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if dtype == "fp16" else None
+    steps = []
+    for _ in range(3 if trains else 0):
+        a = cuboid.train_step(ref, opt, batch_for(name, head, ref), max_grad_norm=1.0, dtype=dtype, scaler=scaler)
+        steps.append((a.loss, a.grad_norm))
+    odd = {k: v[:5] for k, v in batch_for(name, head, ref).items()}
+    ref.eval()
+    run = dict(init=init, ref=ref, steps=steps, odd=odd, whole=batch_for(name, head, ref))
+    with torch.no_grad():
+        run["free"] = ref(**{k: v for k, v in odd.items() if k != "labels"})
+        run["eval"] = ref(**odd) if trains else None
+    run["metrics"] = cuboid.evaluate(ref, [run["whole"], odd, run["whole"]]) if trains else None
+    refs[key] = run
+    return run
+
+
+def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb"), refs=None):
+    """Each plan on each family and optimizer against one device's run (:func:`reference`; ``refs``: the runs
+    kept so far in this job, shared by the calls of one worker)."""
     import torch.distributed as dist
 
     import cuboid
     from cuboid.parallel import Mesh, Plan
     from cuboid.zoo import READY_PLANS
 
+    refs = {} if refs is None else refs
     report = {}
     for plan_name, extra in plans:
         plan = Plan.parse(plan_name, READY_PLANS)
@@ -81,42 +115,40 @@ def pp_worker(plans, families=FAMILIES, optimizers=("adamw", "lamb")):
         for name, head in families:
             trains = head.get("head") != "none"
             for kind in optimizers if trains else optimizers[:1]:
-                ref = cuboid.load(name, seed=0, **extra, **head).train()
+                want = reference(refs, name, extra, head, kind, plan.dtype)
+                ref = want["ref"]
                 model = cuboid.load(name, plan, seed=0, mesh=mesh, **extra, **head).train()
-                init = params_err(model, ref)
-                opt, opt_ref = make_optimizer(kind, model.parameters()), make_optimizer(kind, ref.parameters())
+                init = params_err(model, want["init"])
+                opt = make_optimizer(kind, model.parameters())
                 loss_err = 0.0
-                fp16 = plan.dtype == "fp16"  # each with its own grad scaler, as a user would
-                scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) if fp16 else None for _ in range(2)]
-                for _ in range(3 if trains else 0):
-                    batch = batch_for(name, head, ref)
-                    a = cuboid.train_step(ref, opt_ref, batch, max_grad_norm=1.0, dtype=plan.dtype, scaler=scalers[0])
-                    b = cuboid.train_step(model, opt, batch, max_grad_norm=1.0, scaler=scalers[1])
+                # fp16: its own grad scaler, as a user would (the reference has another)
+                scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if plan.dtype == "fp16" else None
+                for a_loss, a_norm in want["steps"]:
+                    b = cuboid.train_step(model, opt, batch_for(name, head, ref), max_grad_norm=1.0, scaler=scaler)
                     # (the norm before clipping: a gradient left scaled would hide behind clipping and Adam)
-                    loss_err = worst(loss_err, abs(a.loss - b.loss) / abs(a.loss),
-                                     abs(a.grad_norm - b.grad_norm) / a.grad_norm)
+                    loss_err = worst(loss_err, abs(a_loss - b.loss) / abs(a_loss), abs(a_norm - b.grad_norm) / a_norm)
                 params = params_err(model, ref)
                 # evaluation: an odd-sized batch (padded to the micro-batches inside), the same Output everywhere
-                odd = {k: v[:5] for k, v in batch_for(name, head, ref).items()}
-                model.eval(), ref.eval()
-                eval_err = free_err(model, ref, odd)  # inference: no labels, every schedule, every head
+                odd, whole = dict(want["odd"]), dict(want["whole"])  # (copies: the run's own stay as it had them)
+                model.eval()
+                eval_err = free_err(model, want["free"], odd)  # inference: no labels, every schedule, every head
                 if trains:
                     with torch.no_grad():
-                        out, want = model(**odd), ref(**odd)
-                    whole = batch_for(name, head, ref)  # batches of changing shapes
-                    metrics = cuboid.evaluate(model, [whole, odd, whole])
-                    want_metrics = cuboid.evaluate(ref, [whole, odd, whole])
+                        out = model(**odd)
+                    metrics = cuboid.evaluate(model, [whole, odd, whole])  # batches of changing shapes
+                    want_metrics = want["metrics"]
                     # under half precision one example's prediction may flip on a near tie (measured: ViT, bf16,
                     # LAMB, logits within 1.8e-3): accuracy may differ by that example, counted up to three times
                     # (in both whole batches and the odd one); the continuous metrics keep their tolerance
                     seen = 2 * len(whole["labels"]) + len(odd["labels"])
                     flips = 1 if plan.dtype != "fp32" and "accuracy" in want_metrics and round(
                         abs(metrics["accuracy"] - want_metrics["accuracy"]) * seen) <= 3 else 0
-                    eval_err = worst(eval_err, abs(out.loss.item() - want.loss.item()) / abs(want.loss.item()),
-                                     outputs_err(out, want, fields=("logits",)),
+                    ref_loss = want["eval"].loss.item()
+                    eval_err = worst(eval_err, abs(out.loss.item() - ref_loss) / abs(ref_loss),
+                                     outputs_err(out, want["eval"], fields=("logits",)),
                                      *(abs(metrics[k] - want_metrics[k]) / max(abs(want_metrics[k]), 1e-12)
                                        for k in want_metrics if not (k == "accuracy" and flips)))
-                model.train(), ref.train()
+                model.train()
                 names = sorted(n for n, _ in model.named_parameters())
                 report[f"{plan_name}/{name}/{head}/{kind}/{extra}"] = dict(
                     init=init, loss=loss_err, params=params, held=len(names), total=len(list(ref.parameters())),
@@ -197,8 +229,9 @@ def two_rank_worker(plans):
 
     from .test_contract import _scaler_skips_together
 
-    report = pp_worker(plans)
-    report.update(pp_worker(SCHEDULES_2, HEADS))  # classifier and backbones under every schedule
+    refs: dict = {}
+    report = pp_worker(plans, refs=refs)
+    report.update(pp_worker(SCHEDULES_2, HEADS, refs=refs))  # classifier and backbones under every schedule
     # fp16: an inf in the first stage's gradients makes the last stage skip the step too
     skip = _scaler_skips_together(Plan(pp=2, microbatches=2, dtype="fp16"))
     return report, dict(tie_worker(), skip=skip)
@@ -255,10 +288,11 @@ def refused_everywhere() -> str:
 
 
 def four_rank_worker(plans):
-    report = pp_worker(plans)
+    refs: dict = {}
+    report = pp_worker(plans, refs=refs)
     report["refused"] = refused_everywhere()
     report.update(pp_worker([("pp4", {}), ("dp2-pp2-zero1", {}), ("pp=2,sp=2,microbatches=2", {}), ZBV_ZERO3],
-                            HEADS[:1]))  # BERT sequence classification
+                            HEADS[:1], refs=refs))  # BERT sequence classification
     return report
 
 
