@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from . import chat_fixtures as CF
-from .test_finetune import cli, metrics
+from .test_finetune import cli, cli_here, metrics
 
 ANSWER = "sun moon sun"  # every conversation's answer: a few steps teach it
 PLANS = {"single": ("--plan", "single"), "dp2": ("--plan", "dp=2"),
@@ -26,7 +26,7 @@ def chat_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(PLANS))
-def test_sft_packed_run_then_chat(name, qwen, chat_file, tmp_path):
+def test_sft_packed_run_then_chat(name, qwen, chat_file, tmp_path, capsys):
     lora = "--lora" in PLANS[name]
     run = tmp_path / "run"
     rc, _, err = cli("finetune", "--model", str(qwen), "--data", str(chat_file), "--task", "sft", "--packing",
@@ -41,10 +41,12 @@ def test_sft_packed_run_then_chat(name, qwen, chat_file, tmp_path):
     final = run / "final"
     if lora:
         assert (final / "adapter_config.json").is_file()
-        rc, _, err = cli("convert", str(final), str(tmp_path / "merged"), "--merge-lora", "--quiet")
-        assert rc == 0, err
+        assert cli_here("convert", str(final), str(tmp_path / "merged"), "--merge-lora", "--quiet") == 0
         final = tmp_path / "merged"
-    rc, out, err = cli("generate", "--model", str(final), "--chat", "--prompt", "red cat?", "--max-new-tokens", "6")
+    # convert and generate in this process (their fresh-process runs: test_generate_cli, test_generate_chat)
+    capsys.readouterr()
+    rc = cli_here("generate", "--model", str(final), "--chat", "--prompt", "red cat?", "--max-new-tokens", "6")
+    out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.strip() and "<|im_start|>" not in out and "red cat?" not in out, out
     if not lora:  # the whole model learned the answer's first word
