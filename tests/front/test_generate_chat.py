@@ -9,7 +9,7 @@ import torch
 
 from . import chat_fixtures as CF
 from . import fixtures as F
-from .test_finetune import cli
+from .test_finetune import cli, cli_here
 
 EOS, EOT = "<|end_of_text|>", "<|eot_id|>"
 SYSTEM, QUESTION = "Be brief.", "what is red"
@@ -105,11 +105,15 @@ def test_prompts_file_holds_one_conversation_a_line(folder, tmp_path):
     assert out == "\n".join(lines) + "\n"
 
 
-def test_chat_needs_a_template_and_system_needs_chat(tmp_path):
+def test_chat_needs_a_template_and_system_needs_chat(tmp_path, capsys):
     plain = F.hf_qwen2_folder(tmp_path / "plain")  # its tokenizer has no chat template
-    rc, out, err = cli("generate", "--model", str(plain), "--chat", "--prompt", "hi", "--max-new-tokens", "2")
+    capsys.readouterr()
+    # the refusals in this process (no model runs); the run that generates as a user runs it
+    rc = cli_here("generate", "--model", str(plain), "--chat", "--prompt", "hi", "--max-new-tokens", "2")
+    out, err = capsys.readouterr()
     assert rc == 2 and out == "" and "no chat template" in err and len(err.strip().splitlines()) == 1, err
-    rc, _, err = cli("generate", "--model", str(plain), "--system", "Be brief.", "--prompt", "hi")
+    rc = cli_here("generate", "--model", str(plain), "--system", "Be brief.", "--prompt", "hi")
+    err = capsys.readouterr().err
     assert rc == 2 and "--system and --chat-template go with --chat" in err, err
     (tmp_path / "chat.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                          "{% if add_generation_prompt %}assistant:{% endif %}")
