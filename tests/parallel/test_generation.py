@@ -44,23 +44,20 @@ def generation_worker(folders: dict, expected: dict):
 
     plan = Plan.parse("dp=2,tp=2,zero=3")
     mesh = Mesh.build(plan)
-    folder = folders["LlamaForCausalLM"]
-    model, one = cuboid.load(folder, plan, mesh=mesh), cuboid.load(folder)
-    eos = int(one.generate(ids[:1], mask[:1], max_new_tokens=3)[0, -1])  # rank 0's row ends at its third token
-    rows = slice(0, 1) if mesh.coords["dp"] == 0 else slice(1, 3)
-    want = one.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    model = cuboid.load(folders["LlamaForCausalLM"], plan, mesh=mesh)
+    eos, wants, text, ppl_one = expected["zero3"]
+    dp = mesh.coords["dp"]
+    rows, want = (slice(0, 1), slice(1, 3))[dp], wants[dp]
     got = model.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     out["eos under zero3"] = (torch.equal(got[:, :want.shape[1]], want) and bool((got[:, want.shape[1]:] == 0).all()),
-                              want.shape[1] < got.shape[1] if mesh.coords["dp"] == 0 else True)
+                              want.shape[1] < got.shape[1] if dp == 0 else True)
     try:  # a prompt too long on rank 0 only: every dp rank refuses, none waits in a forward
-        model.generate(torch.ones(2, 20 if mesh.coords["dp"] == 0 else 3, dtype=torch.long), max_new_tokens=NEW)
+        model.generate(torch.ones(2, 20 if dp == 0 else 3, dtype=torch.long), max_new_tokens=NEW)
         out["too long under zero3"] = (False, False)
     except ValueError as e:
         out["too long under zero3"] = ("20 prompt tokens" in str(e), "exceed the model's 80 positions" in str(e))
-    text = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2))
-    ppl, ppl_one = perplexity(model, text, 32, 16), perplexity(one, text, 32, 16)
-    out["perplexity under zero3"] = (ppl["windows"] == 3, abs(ppl["perplexity"] - ppl_one["perplexity"])
-                                     <= 1e-5 * ppl_one["perplexity"])
+    ppl = perplexity(model, text, 32, 16)
+    out["perplexity under zero3"] = (ppl["windows"] == 3, abs(ppl["perplexity"] - ppl_one) <= 1e-5 * ppl_one)
     refused = ""
     try:
         sp = Plan(sp=2, dp=2)
@@ -68,6 +65,26 @@ def generation_worker(folders: dict, expected: dict):
     except NotImplementedError as e:
         refused = str(e)
     return out, refused
+
+
+def zero3_references(folder: str) -> tuple:
+    """One device's side of the ZeRO-3 checks, computed once here rather than on every rank: the end-of-text id
+    at which row 0 ends at its third token, the rows of each dp rank generated with it (dp rank 0: row 0; 1:
+    rows 1 and 2), and the text and perplexity of 3 windows."""
+    import cuboid
+    from cuboid.cli.eval import perplexity
+    from cuboid.kernels import use_backend
+
+    from ..zoo.test_generation import NEW, prompts
+
+    ids, mask = prompts()
+    one = cuboid.load(folder)
+    with use_backend("torch"):  # the ranks' CPU path
+        eos = int(one.generate(ids[:1], mask[:1], max_new_tokens=3)[0, -1])
+        wants = [one.generate(ids[rows], mask[rows], max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+                 for rows in (slice(0, 1), slice(1, 3))]
+        text = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(2))
+        return eos, wants, text, perplexity(one, text, 32, 16)["perplexity"]
 
 
 def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
@@ -89,6 +106,7 @@ def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
             assert torch.equal(one.generate(ids, mask, max_new_tokens=NEW), greedy)
             sampled = one.generate(ids, mask, max_new_tokens=NEW, do_sample=True, top_p=0.9, seed=11)
         expected[name] = (greedy, sampled)
+    expected["zero3"] = zero3_references(folders["LlamaForCausalLM"])
     results = run_world(generation_worker, 4, folders, expected, timeout=400)
     for rank, (out, refused) in enumerate(results):
         assert len(out) == len(PLANS) * len(folders) + 3, rank
