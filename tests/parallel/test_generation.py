@@ -1,7 +1,7 @@
 """Generation under plans: greedy tokens equal transformers' generate, sampled tokens equal one device's (4 ranks).
 
 One world of 4 ranks loads GPT-2, Llama (2 key/value heads for 4 query heads), Qwen2 (1, biases, tied) and
-Mistral (4) folders and generates 64 tokens for 3 left-padded prompts under tp=4 (1D: a rank holds its key/value
+Mistral (4) folders and generates 16 tokens for 3 left-padded prompts under tp=4 (1D: a rank holds its key/value
 heads, or a copy of one), tp=4 2D (batch rows and hidden split; the cache holds this rank's rows; Qwen2's one
 key/value head is refused in one sentence), dp2 x tp2 (each data-parallel rank generates for its own prompts),
 dp2 x tp2 with ZeRO-3 (FSDP2 gathers each block's parameters as in any forward: dp ranks whose rows end at
@@ -13,6 +13,9 @@ import torch
 
 from .launch import run_world
 
+# new tokens a plan's greedy and sampled runs take: past the prompts' 7 positions and the first decode steps
+# (every later step is the same cached step); the ZeRO-3 end-of-text and prompt-length checks keep zoo's 64
+STEPS = 16
 PLANS = ("tp=4", "tp=4,tp_mode=2d", "dp=2,tp=2", "dp=2,tp=2,zero=3", "pp=2,dp=2,microbatches=2", "pp=2,tp=2,microbatches=2")
 
 
@@ -35,8 +38,8 @@ def generation_worker(folders: dict, expected: dict):
                     out[f"{spec}/{name}"] = ("key/value heads do not divide" in str(e), "tp_mode 1d" in str(e))
                 continue
             model = cuboid.load(folder, plan, mesh=mesh)
-            greedy = model.generate(ids, mask, max_new_tokens=NEW)
-            sampled = model.generate(ids, mask, max_new_tokens=NEW, do_sample=True, top_p=0.9, seed=11)
+            greedy = model.generate(ids, mask, max_new_tokens=STEPS)
+            sampled = model.generate(ids, mask, max_new_tokens=STEPS, do_sample=True, top_p=0.9, seed=11)
             out[f"{spec}/{name}"] = (torch.equal(greedy, expected[name][0]), torch.equal(sampled, expected[name][1]))
     # ZeRO-3 gathers over dp in every forward: dp ranks with different prompts must stop at the same step (rank
     # 0's one row ends early here), and perplexity must run as many windows on each (3 windows over 2 ranks)
@@ -91,7 +94,7 @@ def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
     import cuboid
     from cuboid.kernels import use_backend
 
-    from ..zoo.test_generation import DECODERS, NEW, long_hf, prompts
+    from ..zoo.test_generation import DECODERS, long_hf, prompts
 
     ids, mask = prompts()
     folders, expected = {}, {}
@@ -99,12 +102,12 @@ def test_generation_under_plans_equals_one_device_and_transformers(tmp_path):
         hf = long_hf(name)
         hf.save_pretrained(tmp_path / name)
         folders[name] = str(tmp_path / name)
-        greedy = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+        greedy = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False,
                              pad_token_id=0, eos_token_id=None)
         one = cuboid.load(tmp_path / name)
         with use_backend("torch"):  # the CPU path the ranks run (this process has the Triton interpreter on)
-            assert torch.equal(one.generate(ids, mask, max_new_tokens=NEW), greedy)
-            sampled = one.generate(ids, mask, max_new_tokens=NEW, do_sample=True, top_p=0.9, seed=11)
+            assert torch.equal(one.generate(ids, mask, max_new_tokens=STEPS), greedy)
+            sampled = one.generate(ids, mask, max_new_tokens=STEPS, do_sample=True, top_p=0.9, seed=11)
         expected[name] = (greedy, sampled)
     expected["zero3"] = zero3_references(folders["LlamaForCausalLM"])
     results = run_world(generation_worker, 4, folders, expected, timeout=400)
