@@ -325,6 +325,9 @@ def share_references(keys: list) -> None:
             _REFS[_ref_key(*todo[i])] = value
     dist.barrier()
     os.remove(path)
+    dist.barrier()
+    if rank == 0:  # every rank's file is gone
+        os.rmdir(folder)
 
 
 def _params_err(model, want, pairs=None) -> float:
