@@ -129,8 +129,8 @@ def _grid_table(code: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _dynamic_table(device: torch.device) -> Tensor:
-    """:func:`_grid_table` of :func:`dynamic_map` on ``device``: a constant, built once per device (it is most of
-    a small tensor's quantization time)."""
+    """:func:`_grid_table` of :func:`dynamic_map` on ``device``: a constant, built once per device rather than
+    for every tensor quantized."""
     return _grid_table(dynamic_map().to(device)).to(device)
 
 

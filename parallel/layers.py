@@ -63,8 +63,8 @@ def placement_of(param: torch.Tensor) -> Optional[Placement]:
 def to_empty(module: nn.Module, device) -> nn.Module:
     """``module.to_empty(device=device)``: every parameter and buffer allocated, uninitialised, on ``device``
     with its shape, strides and dtype. A plain dense tensor's ``empty_like`` is its ``empty_strided``, which
-    skips the Python reference path ``empty_like`` of a meta tensor takes (about ten times the cost); tensor
-    subclasses (a DTensor) and other layouts take ``empty_like``."""
+    skips the Python reference path ``empty_like`` of a meta tensor takes; tensor subclasses (a DTensor) and
+    other layouts take ``empty_like``."""
     def empty(t: torch.Tensor) -> torch.Tensor:
         if type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.is_contiguous():
             return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)

@@ -108,7 +108,6 @@ class _Shards:
         self.cache: dict = {}
         self.wholes: dict = {}  # (tp, tp_mode, depth, ep, tensor rank) -> _Whole
         self.cut_cache: dict = {}  # (stages, stage_blocks) -> every stage's block range
-        self.reuse = True  # False: every rank's parameters from its own stage's model (tests compare the two)
 
     def of(self, plan: Plan, rank: int):
         """The meta model ``rank`` of ``plan`` holds: built once per tensor and pipeline split and position."""
@@ -127,7 +126,7 @@ class _Shards:
         """Whether :meth:`params` reads ranks off the unsplit pipeline's model (see the class)."""
         from cuboid.loading.builder import ModelBuilder, is_folder
 
-        return self.reuse and type(self.build) is ModelBuilder and not is_folder(self.build.source)
+        return type(self.build) is ModelBuilder and not is_folder(self.build.source)
 
     def layout(self, plan: Plan) -> tuple:
         """(config, sharding spec, every pipeline stage's block range or ()) of ``plan``'s model."""

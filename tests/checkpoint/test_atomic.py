@@ -3,7 +3,7 @@
 Each child process saves a seed-1 model over a seed-0 checkpoint and kills
 itself (SIGKILL) at one stage of the protocol (zoo/checkpoint/folder.py); all
 children run at once, forked from the test's process (a new interpreter would
-import torch and cuboid first: seconds of CPU a child, for the same save).
+import torch and cuboid before the same save).
 Then the folder must still verify and load (the old weights, or the new ones
 once the rename happened), no partial temporary folder may pass verify, and
 the next save must succeed and clean up.

@@ -1,6 +1,7 @@
 """The planner reads a rank's parameters off one model per tensor and expert split (``_Shards.params``) rather
 than building every pipeline stage's model: the same parameters (names, order, shapes, dtypes, ties) and the
-same estimates, plan after plan on one shared set of models, as building each stage's (``reuse = False``)."""
+same estimates, plan after plan on one shared set of models, as building each stage's (``cuttable`` answering
+False, as it does for a folder or another builder)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ def _described(params: dict) -> list:
 
 @pytest.mark.parametrize("name,world,half", [("deepseek-v3-debug", 8, True), ("llama-debug", 8, False),
                                              ("gpt-debug", 4, False)])
-def test_reused_shards_price_as_built_ones(name, world, half):
+def test_reused_shards_price_as_built_ones(name, world, half, monkeypatch):
     """Every plan of ``world`` ranks (pipelines of every schedule, expert splits, 2D/2.5D/3D grids; gpt-debug's
     tied embedding on both ends; ``half``: bf16 weights), and one with the plan's own ``stage_blocks``: each
     rank's parameters and each estimate equal those of the models built per stage."""
@@ -24,7 +25,7 @@ def test_reused_shards_price_as_built_ones(name, world, half):
     hw = cost.load_hardware("h100")
     dtype = torch.bfloat16 if half else None
     reused, built = _Shards(name, dtype), _Shards(name, dtype)
-    built.reuse = False
+    monkeypatch.setattr(built, "cuttable", lambda: False)  # every rank's parameters from its own stage's model
     config = reused.build.config
     batch, seq = 4 * world, default_seq(config)
     plans = candidate_plans(config, world, batch, dtype="bf16")

@@ -69,6 +69,7 @@ from .plan_reliability import checks_reliability, reliability, whole_rows
 from .plan_tasks import PAIR_TASKS, pair_rows, task_batch, task_of, task_step
 
 STEPS = 3  # a run's steps on every THIRD_STEP_EVERY-th plan index; the other runs take the first two
+THIRD_STEP_EVERY = 5
 
 
 def steps_of(index: int) -> int:
@@ -76,9 +77,6 @@ def steps_of(index: int) -> int:
     ``train_step`` on packed rows). Turned by 5, apart from the families (3), key/value heads (3), tasks (4) and
     reliability checks (4, 12) that other fields turn by."""
     return STEPS if index % THIRD_STEP_EVERY == 0 else 2
-
-
-THIRD_STEP_EVERY = 5
 
 
 def even_batch(name, model, size=8):
@@ -301,9 +299,10 @@ def share_references(keys: list) -> None:
     """One device's runs of ``keys`` (:func:`reference`'s arguments) not yet cached, each computed by one rank
     and read by all: the ranks share a machine's cores, so each computing every run would take world-size
     times the CPU for the same numbers (the runs are deterministic). Each rank writes its runs to one file
-    (memory, /dev/shm, where the machine has it) that the others read: a third of ``all_gather_object``'s
-    CPU, whose every tensor is unpickled through a nested ``torch.load`` on every rank."""
+    (memory, /dev/shm, where the machine has it) that the others read, rather than ``all_gather_object``, which
+    unpickles every tensor through a nested ``torch.load`` on every rank."""
     import os
+    import shutil
 
     import torch.distributed as dist
 
@@ -323,11 +322,9 @@ def share_references(keys: list) -> None:
     for other in range(world):  # this test's own files, written just now by its ranks
         for i, value in torch.load(os.path.join(folder, f"{other}.pt"), weights_only=False, mmap=True).items():
             _REFS[_ref_key(*todo[i])] = value
-    dist.barrier()
-    os.remove(path)
-    dist.barrier()
-    if rank == 0:  # every rank's file is gone
-        os.rmdir(folder)
+    dist.barrier()  # every rank has read every file
+    if rank == 0:
+        shutil.rmtree(folder)
 
 
 def _params_err(model, want, pairs=None) -> float:

@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 
 from cuboid.parallel import zero
+from cuboid.parallel.layers import to_empty
 
 from ..common import sharded_parameters
 from .. import hf_io
@@ -493,7 +494,7 @@ def read_new(model: torch.nn.Module, path, *, device="cpu", strict: bool = True)
     folder, reads, problems = _open(model, path, strict, False)
     if str(device) == "meta":
         return problems
-    model.to_empty(device=device)
+    to_empty(model, device)
     if len(reads) < sum(1 for _ in sharded_parameters(model)):
         model.init_weights(0)
     for r in reads:
