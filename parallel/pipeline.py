@@ -224,9 +224,13 @@ class StageModule(nn.Module):
         kwargs = {"last": last} if last is not None else {}
         return self.model.head(x, residual, labels, **kwargs, **({"logprobs": True} if logprobs else {}))
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, evaluate=None, logprobs: bool = False):
         """The schedule's call: the batch tensors (first stage) or the stream in; the stream or the
-        micro-batch's loss (last stage: the model's mean loss, or the :class:`Objective`'s sum) out."""
+        micro-batch's loss (last stage: the model's mean loss, or the :class:`Objective`'s sum) out.
+        ``evaluate``: :meth:`Pipeline.forward_only`'s call instead, :meth:`forward_only` of that micro-batch
+        or stream."""
+        if evaluate is not None:
+            return self.forward_only(evaluate, logprobs)
         info = self.info
         if info.stage == 0:
             batch, targets = self.batch_targets(dict(zip(self._keys_from.input_keys, inputs)))
@@ -646,9 +650,8 @@ class Pipeline:
                     if s > 0 and owner[s - 1] != self.rank:  # the stream comes from another rank
                         stream = comm.recv_described(self.stream_size, group, owner[s - 1], device)
                     module = self.modules[self.ids.index(s)]
-                    if self.fsdp:  # the stage's own unit (embeddings, head): its forward hook is not run here
-                        module.unshard()
-                    result = module.forward_only(mb if s == 0 else stream, logprobs)
+                    # through the module's call, so that ZeRO-3's FSDP2 hooks meet the stage's root unit first
+                    result = module(evaluate=mb if s == 0 else stream, logprobs=logprobs)
                     if s == total - 1:
                         result, rec = result
                         recorded += [rec] if rec is not None else []

@@ -10,7 +10,8 @@ Fields (sizes multiply to the world size: ``dp * pp * tp * sp``):
 
 - ``dp``: data-parallel replicas (gradients averaged over the ``dp`` group);
 - ``pp``: pipeline stages, with ``microbatches`` and ``schedule``
-  (``gpipe | 1f1b | interleaved``);
+  (``gpipe | 1f1b | interleaved | zbv``); ``microbatches`` left out (0) is what the
+  schedule needs: ``pp`` for 1f1b, interleaved and zbv, else 1 (:func:`default_microbatches`);
 - ``tp``: tensor-parallel ranks laid out by ``tp_mode``: ``1d`` (Megatron),
   ``2d`` (q x q, tp = q^2), ``2.5d`` (depth x q x q, tp = depth q^2),
   ``3d`` (q x q x q, tp = q^3);
@@ -61,6 +62,12 @@ def _int_root(n: int, k: int) -> Optional[int]:
     return None
 
 
+def default_microbatches(pp: int, schedule: str) -> int:
+    """The micro-batches a plan that names none gets: ``pp`` for the schedules that need at least one per
+    stage (1f1b, interleaved, zbv), 1 without pipeline or under gpipe."""
+    return pp if pp > 1 and schedule != "gpipe" else 1
+
+
 @dataclass(frozen=True)
 class Plan:
     dp: int = 1
@@ -71,7 +78,7 @@ class Plan:
     depth: int = 1                      # 2.5D depth d (tp = d * q * q)
     sp_mode: str = "ring"
     zero: int = 0
-    microbatches: int = 1
+    microbatches: int = 0               # 0: what the schedule needs (default_microbatches)
     schedule: str = "1f1b"
     dtype: str = "fp32"
     stage_blocks: tuple = ()            # blocks per pipeline stage, overriding the cost-balanced cut ("2/1/1")
@@ -95,6 +102,8 @@ class Plan:
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
             raise ValueError(f"plan field stage_blocks must be whole numbers >= 0, got {self.stage_blocks!r}")
         object.__setattr__(self, "stage_blocks", blocks)
+        if self.microbatches == 0 and isinstance(self.pp, int) and self.schedule in SCHEDULES:
+            object.__setattr__(self, "microbatches", default_microbatches(self.pp, self.schedule))
         for name in ("dp", "pp", "tp", "sp", "depth", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -356,8 +365,13 @@ class Plan:
 
     def replace(self, **changes) -> "Plan":
         """A copy with ``changes``; ``activation_checkpoint=True`` / ``False`` sets ``checkpoint`` to full / none
-        (of a selective plan too)."""
-        return replace(self, **_checkpoint_spelled(changes))
+        (of a selective plan too). Micro-batches that were the schedule's default follow a new ``pp`` or
+        ``schedule``."""
+        changes = _checkpoint_spelled(changes)
+        if "microbatches" not in changes and ("pp" in changes or "schedule" in changes) and \
+                self.microbatches == default_microbatches(self.pp, self.schedule):
+            changes["microbatches"] = 0  # it was the schedule's default: it stays the new one's
+        return replace(self, **changes)
 
 
 def _checkpoint_spelled(values: dict) -> dict:

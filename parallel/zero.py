@@ -454,9 +454,25 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts
     for block in getattr(model, blocks, ()):
         fully_shard(block, mesh=mesh, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+    model.register_forward_hook(_reshard_without_grad)  # after FSDP2's own post-forward hook
     for n, p in model.named_parameters():
         p.placement = tags[n]
-    return comm.guard_fsdp(model)  # a stalled gather or reduce-scatter names rank, group and op
+    return comm.guard_fsdp(model)
+
+
+def _reshard_without_grad(module: nn.Module, args, output):
+    """The root unit's post-forward: shard it again after a forward without gradients.
+
+    FSDP2 keeps the root unit gathered from forward to backward and swaps the
+    gathered tensors onto the module meanwhile; after a forward that no
+    backward follows (an evaluation under ``no_grad``, a generation step) they
+    would stay there, so ``model.parameters()`` would hand an optimizer built
+    then tensors that never get a gradient. Resharding keeps ``parameters()``
+    the same objects before and after every such forward.
+    """
+    if not torch.is_grad_enabled():
+        module.reshard()
+    return output  # a stalled gather or reduce-scatter names rank, group and op
 
 
 def reshard(model: nn.Module) -> None:

@@ -30,7 +30,7 @@ import sys
 from typing import Any, Iterable, Optional
 
 from cuboid.parallel.cost import DEFAULT_HEADROOM, Estimate, Hardware, predict
-from cuboid.parallel.plan import Plan
+from cuboid.parallel.plan import Plan, default_microbatches
 from cuboid.parallel.cost.space import enumerate_plans, refusal
 
 CHECKPOINTS = ("none", "selective", "full")
@@ -115,7 +115,7 @@ class _Shards:
 
         coords = Mesh.layout(plan, rank).coords
         split = Plan(pp=plan.pp, tp=plan.tp, tp_mode=plan.tp_mode, depth=plan.depth, dp=plan.ep, ep=plan.ep,
-                     microbatches=max(plan.pp, 1) if plan.schedule != "gpipe" else 1,
+                     microbatches=default_microbatches(plan.pp, plan.schedule),
                      schedule=plan.schedule, stage_blocks=plan.stage_blocks)
         same = coords.get("pp", 0) * plan.ep * plan.tp + coords.get("tp", 0)  # that rank without dp and sp
         if (split, same) not in self.cache:
