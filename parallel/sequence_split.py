@@ -38,6 +38,7 @@ model's own ``embed`` / blocks / ``head`` (the model code is unchanged):
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -392,6 +393,38 @@ class TensorSequenceSplit:
                     mod.seq_dim = 1
                 elif isinstance(mod, (LayerNorm, RMSNorm)):
                     mod.seq_group = self.group
+
+    def _sharded(self) -> list:
+        """(module, attribute, value) of every setting that shards the blocks' tokens over ``tp``."""
+        from .layers import LayerNorm, RMSNorm
+        from .tensor.d1 import ColumnLinear, RowLinear
+
+        out = []
+        for block in getattr(self.model, self.spec.blocks):
+            for mod in block.modules():
+                if isinstance(mod, (ColumnLinear, RowLinear)):
+                    out.append((mod, "seq_dim", mod.seq_dim))
+                elif isinstance(mod, (LayerNorm, RMSNorm)):
+                    out.append((mod, "seq_group", mod.seq_group))
+        return out
+
+    @contextlib.contextmanager
+    def unsplit(self):
+        """The model as under plain 1D tensor parallelism while inside: the linears copy and all-reduce, the
+        norms see whole sequences, and ``model(**batch)`` is the model's own forward. Generation decodes one
+        token a step against a cache of whole sequences, which has no sequence to shard; the weights are
+        plain 1D's either way."""
+        settings = self._sharded()
+        forward = self.model.__dict__.pop("forward", None)
+        for mod, name, _ in settings:
+            setattr(mod, name, None)
+        try:
+            yield self.model
+        finally:
+            for mod, name, value in settings:
+                setattr(mod, name, value)
+            if forward is not None:
+                self.model.forward = forward
 
     def forward(self, logprobs: bool = False, **batch):
         model = self.model

@@ -29,6 +29,7 @@ Sequence parallelism is refused in one sentence.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Optional, Sequence, Union
 
@@ -37,6 +38,7 @@ from torch import nn
 
 from cuboid.parallel import layers as L
 from cuboid.parallel.mask import Mask
+from cuboid.parallel.sequence_split import TensorSequenceSplit
 from cuboid.parallel.state import state_of
 
 
@@ -159,6 +161,15 @@ def _over_dp(value: float, model: nn.Module, op: str) -> float:
     return comm.all_reduce_(torch.tensor([float(value)], dtype=torch.float64), mesh.group("dp"), op=op).item()
 
 
+def _generators(seed, rows: int):
+    """The draws' generator: None (unseeded), one for ``seed``, or one per row for a list of seeds."""
+    if seed is None or isinstance(seed, int):
+        return torch.Generator().manual_seed(seed) if seed is not None else None
+    if len(seed) != rows:
+        raise ValueError(f"{len(seed)} seeds for {rows} rows: give one seed, or one a row")
+    return [torch.Generator().manual_seed(int(s)) for s in seed]
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
              max_new_tokens: int = 32, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
@@ -187,12 +198,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
         where = "" if longest == ids.shape[1] else " (the longest prompt of the data-parallel ranks)"
         raise ValueError(f"{longest} prompt tokens{where} + {max_new_tokens} new exceed the model's "
                          f"{config.n_positions} positions")
-    if seed is not None and not isinstance(seed, int):
-        if len(seed) != ids.shape[0]:
-            raise ValueError(f"{len(seed)} seeds for {ids.shape[0]} rows: give one seed, or one a row")
-        generator = [torch.Generator().manual_seed(int(s)) for s in seed]
-    else:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = _generators(seed, ids.shape[0])
     stops = [] if eos_token_id is None else [int(eos_token_id)] if isinstance(eos_token_id, int) else \
         [int(t) for t in eos_token_id]
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
@@ -203,35 +209,39 @@ def generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: Optional
     microbatches = pipeline.microbatches if pipeline is not None else None
     if pipeline is not None:  # one micro-batch a step: a stage's caches hold every row, in one order
         pipeline.microbatches = 1
-    if state.sequence_split is None:  # the blocks' outputs are whole sequences here
+    split = state.sequence_split
+    # tp_sequence: decoding runs as plain 1D tp (one token a step, whole sequences in the cache)
+    whole = split.unsplit() if isinstance(split, TensorSequenceSplit) else contextlib.nullcontext()
+    if split is None or isinstance(split, TensorSequenceSplit):  # the blocks' outputs are whole sequences here
         model.head = _last_position(model.head)
     learned_positions = "position_ids" in inspect.signature(model.embed).parameters  # GPT-2 (Llama: RoPE, in the core)
     was_training = model.training
     model.eval()
     try:
-        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-        new = ids
-        for step in range(max_new_tokens):
-            inputs = {"input_ids": new, "attention_mask": mask}
-            if learned_positions:  # (B, T_new): each row's kept tokens before each new one
-                inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -new.shape[1]:]
-            def sample(logits):  # (B, 1, V) -> (B,): every rank of a tensor group draws alike
-                return _sample(logits[:, -1].float(), do_sample, temperature, top_k, top_p, generator)
+        with whole:
+            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+            new = ids
+            for step in range(max_new_tokens):
+                inputs = {"input_ids": new, "attention_mask": mask}
+                if learned_positions:  # (B, T_new): each row's kept tokens before each new one
+                    inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp_min(0)[:, -new.shape[1]:]
+                def sample(logits):  # (B, 1, V) -> (B,): every rank of a tensor group draws alike
+                    return _sample(logits[:, -1].float(), do_sample, temperature, top_k, top_p, generator)
 
-            if pipeline is not None:  # the last stage samples; the pipeline sends the tokens, not the logits
-                token = pipeline.forward_only(inputs, last=sample).logits.to(ids.dtype)
-            else:  # reading the logits is a collective under tp: every rank reads them
-                token = sample(model(**inputs).logits).to(ids.dtype)
-            if stops:
-                token = torch.where(done, torch.full_like(token, pad), token)
-                done |= torch.isin(token, stop_ids)
-            ids = torch.cat([ids, token[:, None]], 1)
-            mask = torch.cat([mask, torch.ones_like(token[:, None])], 1)
-            new = token[:, None]
-            if streamer is not None:
-                streamer(token)
-            if stops and _over_dp(bool(done.all()), model, "min"):  # all dp ranks stop together
-                break
+                if pipeline is not None:  # the last stage samples; the pipeline sends the tokens, not the logits
+                    token = pipeline.forward_only(inputs, last=sample).logits.to(ids.dtype)
+                else:  # reading the logits is a collective under tp: every rank reads them
+                    token = sample(model(**inputs).logits).to(ids.dtype)
+                if stops:
+                    token = torch.where(done, torch.full_like(token, pad), token)
+                    done |= torch.isin(token, stop_ids)
+                ids = torch.cat([ids, token[:, None]], 1)
+                mask = torch.cat([mask, torch.ones_like(token[:, None])], 1)
+                new = token[:, None]
+                if streamer is not None:
+                    streamer(token)
+                if stops and _over_dp(bool(done.all()), model, "min"):  # all dp ranks stop together
+                    break
     finally:
         for mod, name, core in swapped:
             setattr(mod, name, core)

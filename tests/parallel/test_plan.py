@@ -63,6 +63,23 @@ def test_parse_errors():
         Plan.parse("missing.toml")
 
 
+def test_pipeline_plans_default_to_the_micro_batches_their_schedule_needs():
+    """``pp=2`` alone is a working pipeline: micro-batches left out are ``pp`` for 1f1b, interleaved and zbv (1
+    under gpipe and without pp), said by ``describe`` (the plan line), and follow a new pp or schedule."""
+    config = zoo.config_of("gpt-debug")
+    for spec, micro in (("pp=2", 2), ("pp=2,schedule=interleaved", 2), ("pp=2,schedule=zbv", 2),
+                        ("pp=2,schedule=gpipe", 1), ("dp=2", 1), ("pp=2,microbatches=4", 4)):
+        plan = Plan.parse(spec)
+        assert plan.microbatches == micro, spec
+        plan.validate(config, plan.world_size)
+    assert Plan.parse("pp=2").describe() == "pp=2,microbatches=2"
+    assert Plan(pp=2).microbatches == 2 and Plan().microbatches == 1
+    assert Plan.from_dict({"pp": 2}).microbatches == 2 and Plan.from_json('{"pp": 2}') == Plan.parse("pp=2")
+    assert Plan.parse("pp=2").replace(pp=4).microbatches == 4  # the default follows
+    assert Plan.parse("pp=2,schedule=gpipe").replace(schedule="1f1b").microbatches == 2
+    assert Plan.parse("pp=2,microbatches=6").replace(pp=3).microbatches == 6  # a given count stays
+
+
 @pytest.mark.parametrize("plan,world,message", [
     (Plan(dp=2, tp=2), 2, r"needs dp\*pp\*tp\*sp = 4 processes, but the world size is 2"),
     (Plan(tp=3, tp_mode="2d"), None, "tp_mode 2d needs tp to be a square"),

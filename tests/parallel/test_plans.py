@@ -65,6 +65,7 @@ import torch
 
 from .launch import run_world
 from .plan_families import FAMILIES, LLAMA, MOE_FAMILIES, OTHERS, families_of, family_options, global_batch
+from .plan_between import baseline, between_families, between_steps, generates, midway, same_parameters
 from .plan_reliability import checks_reliability, reliability, whole_rows
 from .plan_tasks import PAIR_TASKS, pair_rows, task_batch, task_of, task_step
 
@@ -230,6 +231,7 @@ class RefArgs(NamedTuple):
     task: str = ""  # the objective of the train_step steps (plan_tasks.task_of; "" the model's loss)
     index: int = 0  # the plan's index (a task's options are turned by it)
     steps: int = STEPS  # (:func:`steps_of`)
+    between: bool = False  # the between-steps axis (plan_between): evaluations and a generation around the steps
 
 
 def _ref_key(*args) -> tuple:
@@ -243,20 +245,25 @@ def _cached(key) -> bool:
     return key in _REFS and (key not in _WHOLE_FOR or _REFS[key]["whole"] is not None)
 
 
-def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0, steps=STEPS):
+def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, task="", index=0, steps=STEPS,
+              between=False):
     """One device's run of ``name`` with optimizer ``kind``: the steps a plan's run takes (the natural loop and
     ``train_step`` alternating, or ``train_step`` only for a pipeline), its losses, the outputs of the first
     step's batch, the parameters before and after, and the outputs of an odd-sized batch with and without
-    labels (and, for a key in _WHOLE_FOR, :func:`whole_rows`' evaluations). Every plan of this family, optimizer
-    and path is compared with the same run."""
+    labels (and, for a key in _WHOLE_FOR, :func:`whole_rows`' evaluations); with ``between``, what
+    plan_between's axis does around the steps (``baseline``, ``midway``: its output and generated tokens). Every
+    plan of this family, optimizer and path is compared with the same run."""
     import cuboid
     from cuboid.parallel.optim import clip_grad_norm_
 
-    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index, steps)
+    key = _ref_key(name, kind, pipelined, size, extra, packed, micro, dp, task, index, steps, between)
     if _cached(key):
         return _REFS[key]
     ref = cuboid.load(name, seed=0, **extra).train()
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
+    before = _plain(baseline(ref, odd)) if between else None
+    mid = None
     opt = make_optimizer(kind, ref.parameters())
     losses, first = [], None
     for step in range(steps):
@@ -274,14 +281,17 @@ def reference(name, kind, pipelined, size, extra, packed=True, micro=1, dp=1, ta
             if micro > 1:  # (a mixture of experts: the plan's global micro-batches)
                 batch = {k: v[micro_order(size, dp, micro)] for k, v in batch.items()}
             losses.append(task_step(ref, opt, batch, task, index, max_grad_norm=1.0, microbatches=micro).loss)
-    odd = {k: v[:5] for k, v in global_batch(name, ref).items()}
+        if between and step == 0:
+            out, tokens = midway(ref, odd, getattr(ref.config, "head", None) == "lm")
+            mid = dict(out=_plain(out), tokens=tokens)
     ref.eval()
     with torch.no_grad():
         evaluated = ref(**odd)
         free = ref(**{k: v for k, v in odd.items() if k != "labels"})
     whole = whole_rows(ref, name, dp) if key in _WHOLE_FOR else None
     _REFS[key] = dict(init=init, params={n: p.detach().clone() for n, p in ref.named_parameters()}, losses=losses,
-                      first=_plain(first), eval=_plain(evaluated), free=_plain(free), odd=odd, whole=whole)
+                      first=_plain(first), eval=_plain(evaluated), free=_plain(free), odd=odd, whole=whole,
+                      baseline=before, midway=mid)
     return _REFS[key]
 
 
@@ -357,7 +367,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     runs = list(_runs(plans, optimizers, rotate, per_plan, families))
     world = init_distributed()[1]
     _WHOLE_FOR.update(_ref_key(*args) for index, _, _, name, _, _, args in runs
-                      if checks_reliability(index, name, world))
+                      if checks_reliability(index, name, world) or args.between)
     share_references([args for *_, args in runs])
     mesh_of = None  # (plan index, its mesh): one mesh for a plan's runs
     for index, label, plan, name, extra, kind, args in runs:
@@ -376,6 +386,11 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
         if plan.compile:
             assert all(compiled_blocks(model, blocks_of(model.parallel.spec))), (label, name)
         errs = {"init": _params_err(model, want["init"]), "loss": 0.0, "outputs": 0.0}
+        loaded = [id(p) for p in model.parameters()]
+        if args.between:  # a user's starting loss, before the optimizer exists
+            out = baseline(model, want["odd"])
+            errs["baseline"] = worst(outputs_err(out, want["baseline"]), rel(out.loss.item(), want["baseline"].loss.item()))
+            assert same_parameters(model, loaded), (label, name, "parameters() changed by a no_grad forward")
         opt = make_optimizer(kind, model.parameters())
         for step in range(args.steps):
             if not pipelined and step % 2 == 0:  # the natural loop
@@ -396,6 +411,13 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
                 batch = step_batch(name, model, step, args.packed, size)
                 loss = task_step(model, opt, batch, args.task, args.index, max_grad_norm=1.0).loss
             errs["loss"] = worst(errs["loss"], rel(loss, want["losses"][step]))
+            if args.between and step == 0:  # an evaluation and a generation between the steps
+                out, tokens = midway(model, want["odd"], generates(plan, model))
+                errs["midway"] = worst(outputs_err(out, want["midway"]["out"]),
+                                       rel(out.loss.item(), want["midway"]["out"].loss.item()))
+                if tokens is not None:  # greedy tokens: one device's exactly
+                    errs["generated"] = 0.0 if torch.equal(tokens, want["midway"]["tokens"]) else float("inf")
+                assert same_parameters(model, loaded), (label, name, "parameters() changed by an evaluation")
         pairs = gathered(model)
         errs["params"] = _params_err(model, want["params"], pairs)
         if plan.compile:  # the steps ran Dynamo's graphs
@@ -411,8 +433,9 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
             free = model(**{k: v for k, v in odd.items() if k != "labels"})
             assert free.loss is None, label
             errs["free_outputs"] = outputs_err(free, want["free"], fields=fields)
-        if checks_reliability(index, name, mesh.world_size):
+        if checks_reliability(index, name, mesh.world_size) or args.between:
             errs.update(reliability(model, name, index, mesh, want, pairs, extra))
+        assert same_parameters(model, loaded), (label, name, "parameters() changed between the load and the end")
         dist.barrier()
         errs["seconds"] = time.perf_counter() - start
         report[f"{label}/{name}/{kind}" + (f"/{args.task}" if args.task else "")] = errs
@@ -425,11 +448,18 @@ def _runs(plans, optimizers, rotate, per_plan, families):
     from cuboid.parallel import Plan
     from cuboid.zoo import READY_PLANS
 
+    from cuboid.parallel.mesh import init_distributed
+
+    world = init_distributed()[1]
     for index, spec in enumerate(plans):
         plan = Plan.parse(spec, READY_PLANS)
         label = spec if isinstance(spec, str) else plan.describe()
+        between = between_steps(index, plan, world, every_zero3=families == FAMILIES)
+        runs_on = families_of(index, per_plan, families, plan)
+        if between and families == FAMILIES:
+            runs_on = between_families(index, plan, runs_on)
         for f, name in enumerate(families):
-            if name not in families_of(index, per_plan, families, plan):
+            if name not in runs_on:
                 continue
             extra = family_options(name, plan, index)
             kinds = (optimizers[(index + f) % len(optimizers)],) if rotate else optimizers
@@ -441,13 +471,14 @@ def _runs(plans, optimizers, rotate, per_plan, families):
                     size, packed = pair_rows(size, plan.dp, plan.microbatches), False
                 yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, size, extra, packed,
                                                                      micro, plan.dp, task, index if task else 0,
-                                                                     steps_of(index))
+                                                                     steps_of(index), between)
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
 KNOWN_BROKEN: dict = {}
 TOLERANCE = {"loss": 1e-5, "outputs": 1e-5, "eval_outputs": 1e-5, "eval_loss": 1e-5, "free_outputs": 1e-5,
-             "params": 1e-6, "uneven_eval": 1e-5, "save_reload": 1e-12}
+             "params": 1e-6, "uneven_eval": 1e-5, "save_reload": 1e-12, "baseline": 1e-5, "midway": 1e-5,
+             "generated": 1e-12}
 
 
 def check(reports):
