@@ -142,7 +142,7 @@ class StageModule(nn.Module):
         self.inferring = False  # set while torch's stage infers shapes (see :func:`_flag_inference`)
         self.objective = Objective()  # a training step's (set by :meth:`Pipeline.run` for its schedule)
         seq = sequence_split
-        self.seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
+        self._seq = seq if isinstance(seq, TensorSequenceSplit) else None  # tp_sequence: blocks on T / tp tokens
         self.sp = seq if isinstance(seq, SequenceSplit) else None  # sp: blocks on this rank's zigzag chunks
         routing = Routing.of(model)
         # a mixture of experts whose aux loss joins the loss (the config's, the same on every rank): the router
@@ -150,6 +150,12 @@ class StageModule(nn.Module):
         self.routing = routing if routing is not None and routing.routed else None  # (Plan refuses MoE + tp_sequence)
         # a head that reads each row's last token (the spec's pooled_last): the (B,) indices follow the labels
         self.width = 5 if spec.pooled_last else 4  # the stream's entries before the carried tensors
+
+    @property
+    def seq(self) -> Optional[TensorSequenceSplit]:
+        """tp_sequence's split while it shards the blocks' tokens; None without it, and while generation runs
+        the model as plain 1D tp (:meth:`~.sequence_split.TensorSequenceSplit.unsplit`)."""
+        return self._seq if self._seq is not None and self._seq.active else None
 
     def start(self, batch: dict) -> tuple:
         """The first stage's stream from a micro-batch: ``(x, residual, mask, labels)`` (labels None when the

@@ -387,6 +387,7 @@ class TensorSequenceSplit:
         self.model, self.spec, self.mesh = model, spec, mesh
         self.group, self.tp = mesh.group("tp"), mesh.size("tp")
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
+        self.active = True  # False inside :meth:`unsplit` (the pipeline's stages read it too)
         for block in getattr(model, spec.blocks):
             for mod in block.modules():
                 if isinstance(mod, (ColumnLinear, RowLinear)):
@@ -411,16 +412,20 @@ class TensorSequenceSplit:
     @contextlib.contextmanager
     def unsplit(self):
         """The model as under plain 1D tensor parallelism while inside: the linears copy and all-reduce, the
-        norms see whole sequences, and ``model(**batch)`` is the model's own forward. Generation decodes one
+        norms see whole sequences, and ``model(**batch)`` is the model's own forward (under pp the pipeline's,
+        whose stages then run plain 1D). Generation decodes one
         token a step against a cache of whole sequences, which has no sequence to shard; the weights are
         plain 1D's either way."""
         settings = self._sharded()
-        forward = self.model.__dict__.pop("forward", None)
+        # the split's own forward off the instance (under pp the pipeline's stays: its stages read ``active``)
+        forward = self.model.__dict__.pop("forward") if self.model.__dict__.get("forward") == self.forward else None
         for mod, name, _ in settings:
             setattr(mod, name, None)
+        self.active = False
         try:
             yield self.model
         finally:
+            self.active = True
             for mod, name, value in settings:
                 setattr(mod, name, value)
             if forward is not None:
