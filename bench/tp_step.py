@@ -37,7 +37,7 @@ def worker(steps: int):
     from cuboid.parallel import layers as L
     from cuboid.parallel.spec import ShardingSpec
     from cuboid.zoo.common import Block
-    from cuboid.zoo.plans import _BLOCK_ROLES
+    from cuboid.zoo.specs import _BLOCK_ROLES
 
     class Blocks(nn.Module):
         def __init__(self):

@@ -282,7 +282,7 @@ class SequenceSplit:
         fields = ["last_hidden_state"] + (["logits"] if token or labels is None else [])
         for name in fields:
             value = out.raw(name)  # as stored: a deferred field stays unmade
-            if value is None or (name == "logits" and not _is_per_token(model)):
+            if value is None or (name == "logits" and not self.spec.per_token):
                 continue
             out.defer(name, lambda t, _cut=cut: self._gather(t, _cut, length))
         for name in ("token_logps", "token_entropy") if logprobs else ():
@@ -357,12 +357,6 @@ class SequenceSplit:
         if rec is None:
             return out
         return self.routing.finish(out, rec, labels, routed, gather=lambda t: self.gather_router(t, tokens, length))
-
-
-def _is_per_token(model: nn.Module) -> bool:
-    """Whether the model's logits have one row per token (LM heads, base models) rather than per example."""
-    head = getattr(getattr(model, "config", None), "head", "none")
-    return head in ("lm", "mlm", "none")
 
 
 class TensorSequenceSplit:

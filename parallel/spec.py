@@ -34,6 +34,7 @@ class ShardingSpec:
     # the head reads each row's last token that is not padding (a decoder's classifier): the (B,) indices
     # ``model.last_tokens(input_ids)`` go to ``model.head(..., last=)``; sp gathers the rows for it, pp carries them
     pooled_last: bool = False
+    per_token: bool = True  # the head's logits have one row per token (LM, MLM, a backbone), not one per example
     first: tuple = ()   # top-level modules the first pipeline stage owns (embeddings)
     last: tuple = ()    # those the last stage owns (final norm, pooler, heads); a module in both is tied
 

@@ -22,28 +22,26 @@ from cuboid.parallel.layers import to_empty
 from cuboid.parallel.lora import adapters_off
 
 from . import hf_io
-from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
+from .bert.config import BertConfig
 from .bert.model import Bert
 from .common import Output, count_parameters
-from .deepseek.config import PRESETS as _DEEPSEEK_PRESETS, DeepSeekConfig
+from .deepseek.config import DeepSeekConfig
 from .deepseek.model import DeepSeekV3
 from .families import FAMILIES, family_of
 from .plans import READY_PLANS, SPECS
-from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
+from .gpt.config import GPTConfig
 from .gpt.model import GPT
-from .llama.config import PRESETS as _LLAMA_PRESETS, LlamaConfig
+from .llama.config import LlamaConfig
 from .llama.model import Llama
-from .vit.config import PRESETS as _VIT_PRESETS, ViTConfig
+from .registry import CLASSES as _CLASSES, PRESETS, FamilyRecord, after_step, record_of, register as register_family
+from .vit.config import ViTConfig
 from .vit.model import ViT
-
-PRESETS = {**_GPT_PRESETS, **_BERT_PRESETS, **_VIT_PRESETS, **_LLAMA_PRESETS, **_DEEPSEEK_PRESETS}
-_CLASSES = {GPTConfig: GPT, BertConfig: Bert, ViTConfig: ViT, LlamaConfig: Llama, DeepSeekConfig: DeepSeekV3}
 
 Config = Union[GPTConfig, BertConfig, ViTConfig, LlamaConfig, DeepSeekConfig]
 
 __all__ = ["PRESETS", "FAMILIES", "Output", "GPT", "Bert", "ViT", "Llama", "DeepSeekV3", "GPTConfig", "BertConfig", "ViTConfig", "LlamaConfig",
            "DeepSeekConfig", "READY_PLANS", "SPECS", "build", "materialize", "spec_of", "from_hf", "to_hf", "family_of", "count_parameters", "config_of",
-           "adapters_off"]
+           "adapters_off", "FamilyRecord", "register_family", "record_of", "after_step", "set_options"]
 
 
 def config_of(name_or_config: Union[str, Config], **overrides) -> Config:
@@ -57,6 +55,18 @@ def config_of(name_or_config: Union[str, Config], **overrides) -> Config:
     else:
         raise TypeError(f"expected a preset name or a zoo config, got {type(name_or_config).__name__}")
     return config.replace(**overrides) if overrides else config
+
+
+def set_options(model: nn.Module, **options) -> None:
+    """Set training options that are fields of ``model``'s config (``moe_bias_update_rate`` of DeepSeek-V3's,
+    read by its family's ``after_step``); a field its family's config lacks is a one-line ``ValueError``."""
+    config = model.config
+    names = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"{', '.join(unknown)}: not an option of {record_of(model).name} models "
+                         f"({type(config).__name__} has no such field)")
+    model.config = config.replace(**options)
 
 
 def build(name_or_config: Union[str, Config], *, device: Union[str, torch.device] = "meta", **overrides) -> nn.Module:
@@ -120,6 +130,9 @@ def spec_of(model: nn.Module):
         spec = dataclasses.replace(spec, last=tuple(n for n in spec.last if n not in tied))
     if spec.pooled_last and getattr(config, "head", None) != "cls":  # only a classifier reads the last tokens
         spec = dataclasses.replace(spec, pooled_last=False)
+    per_token = getattr(config, "head", "none") in ("lm", "mlm", "none")
+    if spec.per_token != per_token:
+        spec = dataclasses.replace(spec, per_token=per_token)
     return spec
 
 

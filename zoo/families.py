@@ -1,5 +1,6 @@
 """The model families the zoo knows (GPT, BERT, ViT, Llama with Qwen2, Mistral, Qwen3 and Gemma 3 as its
-options), which one a model belongs to, and its shape.
+options, DeepSeek-V3), registered one record each (:mod:`.registry`), which one a model belongs to, and its
+shape.
 
 Its own module, below both the package's front (``cuboid.zoo``) and the
 checkpoint package, so that the checkpoint code finds a model's Hugging Face
@@ -17,24 +18,28 @@ import functools
 import torch
 from torch import nn
 
-from cuboid.parallel.cost.shape import Shape, register_shape
+from cuboid.parallel.cost.shape import Shape
 
-from .bert.config import BertConfig
+from . import specs
+from .bert.config import PRESETS as _BERT_PRESETS, BertConfig
 from .bert.hf import FAMILY as _BERT
-from .deepseek.config import DeepSeekConfig
+from .deepseek.config import PRESETS as _DEEPSEEK_PRESETS, DeepSeekConfig
 from .deepseek.hf import FAMILY as _DEEPSEEK
-from .gpt.config import GPTConfig
+from .deepseek.moe import update_routing_bias
+from .gpt.config import PRESETS as _GPT_PRESETS, GPTConfig
 from .gpt.hf import FAMILY as _GPT
 from .hf_io import Family
-from .llama.config import LlamaConfig
+from .llama.config import PRESETS as _LLAMA_PRESETS, LlamaConfig
 from .llama.hf import FAMILY as _LLAMA
-from .vit.config import ViTConfig
+from .registry import CLASSES, HF, SHAPES, FamilyRecord, register
+from .vit.config import PRESETS as _VIT_PRESETS, ViTConfig
 from .vit.hf import FAMILY as _VIT
 
-FAMILIES = {"gpt": _GPT, "bert": _BERT, "vit": _VIT, "llama": _LLAMA, "deepseek": _DEEPSEEK}
+FAMILIES = HF  # family name -> its Hugging Face mapping (the registry's table)
 
 
 def family_of(model: nn.Module) -> Family:
+    """The Hugging Face mapping (``name``, tensor maps, ...) of the family ``model`` belongs to."""
     for fam in FAMILIES.values():
         if isinstance(model, fam.build):
             return fam
@@ -102,19 +107,24 @@ def _counts(config) -> dict:
     from .common import count_parameters
 
     with torch.device("meta"):
-        total = count_parameters(_BUILDS[type(config)](config)) - getattr(config, "uncounted_parameters", 0)
-    idle = config.inactive_parameters if isinstance(config, (LlamaConfig, DeepSeekConfig)) else 0
+        total = count_parameters(CLASSES[type(config)](config)) - getattr(config, "uncounted_parameters", 0)
+    idle = getattr(config, "inactive_parameters", 0)
     return {"parameters": total, "active_parameters": total - idle}
 
 
-_BUILDS = {GPTConfig: _GPT.build, BertConfig: _BERT.build, ViTConfig: _VIT.build, LlamaConfig: _LLAMA.build,
-           DeepSeekConfig: _DEEPSEEK.build}
+def _routing_bias_step(model: nn.Module) -> None:
+    """DeepSeek-V3 after each optimizer step: the routers' correction biases move by the config's
+    ``moe_bias_update_rate`` (0: off)."""
+    update_routing_bias(model, model.config.moe_bias_update_rate)
 
 
-SHAPES = {GPTConfig: _gpt_shape, BertConfig: _bert_shape, ViTConfig: _vit_shape, LlamaConfig: _llama_shape,
-          DeepSeekConfig: _deepseek_shape}
-for _config_type, _shape_fn in SHAPES.items():
-    register_shape(_config_type, _shape_fn)
+# the registry lines: one a family
+register(FamilyRecord("gpt", GPTConfig, _GPT.build, _GPT_PRESETS, specs.GPT, _gpt_shape, _GPT))
+register(FamilyRecord("bert", BertConfig, _BERT.build, _BERT_PRESETS, specs.BERT, _bert_shape, _BERT))
+register(FamilyRecord("vit", ViTConfig, _VIT.build, _VIT_PRESETS, specs.VIT, _vit_shape, _VIT))
+register(FamilyRecord("llama", LlamaConfig, _LLAMA.build, _LLAMA_PRESETS, specs.LLAMA, _llama_shape, _LLAMA))
+register(FamilyRecord("deepseek", DeepSeekConfig, _DEEPSEEK.build, _DEEPSEEK_PRESETS, specs.DEEPSEEK,
+                      _deepseek_shape, _DEEPSEEK, after_step=_routing_bias_step))
 
 
 def shape_of(config) -> Shape:

@@ -55,7 +55,7 @@ from cuboid.data.formats import (PREPARED_FLAGS, GlobalBatches, check_prepared, 
                                  load_tokenizer, model_inputs, num_classes, real_tokens, train_eval_split)
 from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_options
 from cuboid.loading.model import load, plan_of
-from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
+from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare, unwrap
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
@@ -63,8 +63,7 @@ from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
-from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
-from cuboid.zoo.deepseek.moe import update_routing_bias
+from cuboid.zoo import PRESETS, after_step, build, config_of, count_parameters, family_of, set_options, spec_of
 
 __all__ = ["FinetuneConfig", "Run", "finetune", "run", "make_optimizer"]
 
@@ -267,6 +266,9 @@ def load_stream_and_model(r: Run) -> None:
     r.eval_data = model_inputs(eval_tensors, routes(r.model))
 
 
+MODEL_OPTIONS = ("moe_bias_update_rate",)  # run options a family reads off its model's config (zoo.set_options)
+
+
 def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Optional[int], device, plan: Plan,
                mesh: Mesh):
     """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own.
@@ -306,6 +308,9 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
                      **overrides)
     task = task_of(model, task)
     configure(model, task, tokenizer)
+    options = {k: getattr(cfg, k) for k in MODEL_OPTIONS if getattr(cfg, k)}
+    if options:  # the run's options that are the model family's (its config's fields)
+        set_options(unwrap(model), **options)
     return model, tokenizer, task
 
 
@@ -504,10 +509,7 @@ def train_one_step(r: Run, step: int):
     result = train_step(r.model, r.optimizer, model_inputs(batch, routes(r.model)), microbatches=r.accumulate,
                         max_grad_norm=r.cfg.max_grad_norm, dtype=r.plan.dtype, scaler=r.scaler, mesh=r.mesh,
                         share=r.streaming, task=r.task)
-    if r.cfg.moe_bias_update_rate:  # DeepSeek-V3's balancing: the routers' biases, from this step's loads
-        from cuboid.parallel import unwrap
-
-        update_routing_bias(unwrap(r.model), r.cfg.moe_bias_update_rate)
+    after_step(unwrap(r.model))  # the family's own (DeepSeek-V3: the routers' biases, from this step's loads)
     r.scheduler.step()
     return result, counted
 

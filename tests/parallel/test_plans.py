@@ -594,6 +594,18 @@ def record_seconds(tag: str, reports: list, **info) -> dict:
     return seconds
 
 
+def check_between(report: dict, plans: list) -> None:
+    """Every enumerated ZeRO-3 plan ran the between-steps axis (a baseline evaluation, one between steps, a save
+    read back) on a tied and on an untied causal LM (plan_between)."""
+    from .plan_between import TIED, UNTIED
+
+    for plan in (p for p in plans if p.zero == 3):
+        label = plan.describe()
+        ran = {k.split("/")[1] for k, errs in report.items()
+               if k.split("/")[0] == label and {"baseline", "midway", "save_reload"} <= set(errs)}
+        assert ran & set(TIED) and ran & set(UNTIED), (label, sorted(ran))
+
+
 def run_generated(world: int, timeout: float, *extra_work):
     """Runs the generated parity test of ``world`` ranks; writes its per-plan times to
     /tmp/cuboid-plan-parity/world{N}.json and prints the count and time per N."""
@@ -608,8 +620,12 @@ def run_generated(world: int, timeout: float, *extra_work):
                              families_per_plan=families_per_plan(world, plans), wall_s=took, errors=reports[0])
     check(reports)
     families = families_per_plan(world, plans)
-    assert len(reports[0]) == families * len(plans) + len(FAMILIES) * len(others) + len(COMPILED.get(world, []))
+    added = sum(len(between_families(i, p, families_of(i, families))) - len(families_of(i, families))
+                for i, p in enumerate(plans) if families < len(FAMILIES))  # the between-steps axis' LMs
+    assert len(reports[0]) == families * len(plans) + added + len(FAMILIES) * len(others) + \
+        len(COMPILED.get(world, []))
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
+    check_between(reports[0], plans)
     ran = {k.split("/")[3] for k in reports[0] if k.count("/") == 3}
     assert ran == {"weighted", "dpo", "grpo", "reward"}, f"the tasks turned by index: {sorted(ran)}"
     assert {"/".join(k.split("/")[:2]) for k in reports[0]} >= {"/".join(c) for c in COMPILED.get(world, [])}

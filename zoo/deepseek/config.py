@@ -55,6 +55,9 @@ class DeepSeekConfig:
     pad_token_id: Optional[int] = None
     output_router_logits: bool = False  # the forward returns each sparse layer's router logits (transformers')
     dropout: float = 0.0            # attention dropout (0 in every release)
+    # a training option, not HF's: after each optimizer step every router's correction bias += rate *
+    # sign(mean load - load) (the family's after_step, zoo/families.py); 0: off
+    moe_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
