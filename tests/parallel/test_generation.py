@@ -6,8 +6,8 @@ heads, or a copy of one), tp=4 2D (batch rows and hidden split; the cache holds 
 key/value head is refused in one sentence), dp2 x tp2 (each data-parallel rank generates for its own prompts),
 dp2 x tp2 with ZeRO-3 (FSDP2 gathers each block's parameters as in any forward: dp ranks whose rows end at
 different steps stop together, and perplexity runs as many windows on each), pp2 x dp2 with 2 micro-batches
-(a step is one micro-batch: each stage caches its own layers) and pp2 x tp2. Sequence parallelism refuses in
-one sentence.
+(a step is one micro-batch: each stage caches its own layers), pp2 x tp2, and pp2 x tp2 with tp_sequence (the
+stages decode as plain 1D tp). Sequence parallelism refuses in one sentence.
 """
 import torch
 
@@ -16,7 +16,8 @@ from .launch import run_world
 # new tokens a plan's greedy and sampled runs take: past the prompts' 7 positions and the first decode steps
 # (every later step is the same cached step); the ZeRO-3 end-of-text and prompt-length checks keep zoo's 64
 STEPS = 16
-PLANS = ("tp=4", "tp=4,tp_mode=2d", "dp=2,tp=2", "dp=2,tp=2,zero=3", "pp=2,dp=2,microbatches=2", "pp=2,tp=2,microbatches=2")
+PLANS = ("tp=4", "tp=4,tp_mode=2d", "dp=2,tp=2", "dp=2,tp=2,zero=3", "pp=2,dp=2,microbatches=2", "pp=2,tp=2,microbatches=2",
+         "pp=2,tp=2,tp_sequence=true")  # tp_sequence decodes as plain 1D tp
 
 
 def generation_worker(folders: dict, expected: dict):
