@@ -23,6 +23,7 @@ the same under every plan.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,6 +61,23 @@ def placement_of(param: torch.Tensor) -> Optional[Placement]:
     return getattr(param, "placement", None)
 
 
+@dataclass(frozen=True)
+class LayerRef:
+    """The cuboid layer that holds a parameter, and the parameter's name there: an optimizer that needs the
+    whole tensor (Muon's orthogonalisation) reaches the layer's full-tensor interface from the parameter alone.
+    The layer is held weakly (a parameter must not keep its module alive)."""
+
+    layer: Any   # weakref.ref to the ShardedModule
+    name: str
+
+
+def layer_of(param: torch.Tensor) -> Optional[tuple]:
+    """``(layer, name)`` of the cuboid layer holding ``param`` (None: not a cuboid layer's, or the layer is gone)."""
+    ref = getattr(param, "layer_ref", None)
+    layer = ref.layer() if ref is not None else None
+    return None if layer is None else (layer, ref.name)
+
+
 def to_empty(module: nn.Module, device) -> nn.Module:
     """``module.to_empty(device=device)``: every parameter and buffer allocated, uninitialised, on ``device``
     with its shape, strides and dtype. A plain dense tensor's ``empty_like`` is its ``empty_strided``, which
@@ -89,6 +107,7 @@ class ShardedModule(nn.Module):
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 p.placement = self.norm_placement(name)
+                p.layer_ref = LayerRef(weakref.ref(self), name)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)

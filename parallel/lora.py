@@ -319,6 +319,7 @@ def add_adapters(model: nn.Module, paths: Iterable[str], config: LoraConfig) -> 
         device = base.weight.device
         if device.type != "meta":
             A, B = L.to_empty(A, device), L.to_empty(B, device)
+        A.lora_adapter = B.lora_adapter = True  # (optimizers route adapters alike under every plan: parallel/muon.py)
         base.lora_A, base.lora_B = A, B
         base.lora_dropout = L.Dropout(config.dropout)
         base.lora_kind, base.lora_scaling, base.lora_r, base.lora_alpha = kind, config.scaling, config.r, config.alpha

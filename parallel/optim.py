@@ -173,7 +173,7 @@ class AdamW(_FusedOptimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, maximize: bool = False, master_weights: bool = True,
                  backend: Optional[str] = None):
-        _check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       maximize=maximize),
                          master_weights=master_weights, backend=backend)
@@ -199,7 +199,7 @@ class LAMB(_FusedOptimizer):
                  weight_decay: float = 0.01, *, trust_ratio: bool = True, exclude_1d: bool = True,
                  master_weights: bool = True, norm_reducer: Optional[Callable] = None,
                  backend: Optional[str] = None):
-        _check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        check_hparams(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       trust_ratio=trust_ratio, exclude_1d=exclude_1d),
                          master_weights=master_weights, norm_reducer=norm_reducer, backend=backend)
@@ -228,7 +228,7 @@ class LARS(_FusedOptimizer):
                  weight_decay: float = 0.0, *, trust_ratio: bool = True, exclude_1d: bool = True,
                  master_weights: bool = True, norm_reducer: Optional[Callable] = None,
                  backend: Optional[str] = None):
-        _check_hparams(lr=lr, weight_decay=weight_decay, eta=eta)
+        check_hparams(lr=lr, weight_decay=weight_decay, eta=eta)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"LARS: momentum must be in [0, 1), got {momentum}")
         super().__init__(params, dict(lr=lr, momentum=momentum, eta=eta, weight_decay=weight_decay,
@@ -259,7 +259,8 @@ def _recipe_flags(group, owners):
     return [0.0 if f else wd for f in flat], [trust and not f for f in flat]
 
 
-def _check_hparams(*, betas=None, **values) -> None:
+def check_hparams(*, betas=None, **values) -> None:
+    """Refuse a negative hyper-parameter (``name=value``) or betas outside [0, 1), in one line."""
     for name, v in values.items():
         if not v >= 0.0:
             raise ValueError(f"{name} must be >= 0, got {v}")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .zero import shard_experts_over_edp
+from .zero import param_tags, retag, shard_experts_over_edp
 
 
 def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = False, *, experts=(),
@@ -37,7 +37,7 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
 
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")  # as zero.py
     mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
-    tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
+    tags = param_tags(model)
     with torch.no_grad():
         for p in model.parameters():
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
@@ -54,8 +54,7 @@ def shard_stages(model: nn.Module, modules: list, group, split_backward: bool = 
         sharded.update(id(e) for e in m.ends.values())
     for m in modules:
         comm.guard_fsdp(m)  # a stalled gather or reduce-scatter names rank, group and op
-    for name, p in model.named_parameters():  # tensor-parallel placements survive the DTensor swap
-        p.placement = tags[name]
+    retag(model, tags)  # tensor-parallel placements (and layers) survive the DTensor swap
 
 
 def check_tied_reduce(schedule, rank: int, ids: list) -> None:

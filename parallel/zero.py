@@ -65,7 +65,8 @@ from torch import nn
 from . import comm
 
 __all__ = ["FlatShards", "Piece", "view_of", "shard_parameters", "reshard", "before_step", "after_step", "zero_grads",
-           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets", "group_of", "unscale_"]
+           "full_local", "piece_of", "model_state_bytes", "formula_bytes", "plan_buckets", "group_of", "unscale_",
+           "param_tags", "retag"]
 
 
 def group_of(mesh):
@@ -409,6 +410,20 @@ def unscale_(scaler, optimizer) -> None:
 # ------------------------------------------------------------------ stage 3
 
 
+def param_tags(model: nn.Module) -> dict:
+    """Each parameter's tags (``placement``, ``layer_ref``: parallel/layers.py) by name: what a wrap that makes new parameter
+    objects (FSDP2's DTensors) puts back with :func:`retag`."""
+    return {n: (getattr(p, "placement", None), getattr(p, "layer_ref", None)) for n, p in model.named_parameters()}
+
+
+def retag(model: nn.Module, tags: dict) -> None:
+    """Put :func:`param_tags`' tags back on the parameters of the same names."""
+    for name, p in model.named_parameters():
+        p.placement, p.layer_ref = tags[name]
+
+
+
+
 def shard_experts_over_edp(experts, expert_group, device_type: str, reshard_after_forward=None) -> set:
     """ZeRO-3 of expert-parallel layers (``experts``): an FSDP2 unit each over ``expert_group`` (``edp``, the
     ranks holding the same experts), made before the units that enclose them. With ``edp`` of one rank (None)
@@ -442,7 +457,7 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     p0 = next(model.parameters())
     mesh = DeviceMesh.from_group(group, p0.device.type)
-    tags = {n: getattr(p, "placement", None) for n, p in model.named_parameters()}
+    tags = param_tags(model)
     with torch.no_grad():
         for p in model.parameters():
             if not p.is_contiguous():  # FSDP2 takes contiguous parameters (folder loads map transposed views)
@@ -455,8 +470,7 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts
         fully_shard(block, mesh=mesh, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     model.register_forward_hook(_reshard_without_grad)  # after FSDP2's own post-forward hook
-    for n, p in model.named_parameters():
-        p.placement = tags[n]
+    retag(model, tags)
     return comm.guard_fsdp(model)
 
 

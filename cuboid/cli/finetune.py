@@ -47,8 +47,9 @@ FLAGS = [
     ("--batch-size", int, "global batch size, over all processes and micro-batches (default 32)"),
     ("--micro-batch-size", int, "per-process micro-batch; smaller than batch/dp accumulates gradients"),
     ("--lr", float, "peak learning rate at --reference-batch (default 1e-3)"),
-    ("--optimizer", str, "adamw | lamb | lars (default adamw; LARS wants a large --lr, its step is lr x 1e-3 "
-                         "x |w|/|g|); biases and norms take no decay and no trust ratio"),
+    ("--optimizer", str, "adamw | lamb | lars | muon (default adamw; LARS wants a large --lr, its step is lr x "
+                         "1e-3 x |w|/|g|; muon orthogonalises the hidden matrices' momentum, the rest takes AdamW "
+                         "at the same --lr); biases and norms take no decay and no trust ratio"),
     ("--lr-scaling", str, "none | linear | sqrt: scale --lr by (batch / reference batch) or its square root "
                           "(default none)"),
     ("--reference-batch", int, "the global batch --lr was tuned at, for --lr-scaling (default 256)"),

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 from cuboid import tasks
 from cuboid.train.schedule import LR_SCALINGS, SCHEDULES, lr_lambda
 
-OPTIMIZERS = ("adamw", "lamb", "lars")
+OPTIMIZERS = ("adamw", "lamb", "lars", "muon")
 PYTHON_ONLY = ("callbacks",)  # fields that no flag or --config file sets
 
 
@@ -28,7 +28,8 @@ class FinetuneConfig:
     batch_size: int = 32                  # global batch (all dp ranks, all micro-batches)
     micro_batch_size: Optional[int] = None  # per rank; default batch_size / dp (no accumulation)
     lr: float = 1e-3                      # peak lr at reference_batch (scaled to batch_size by lr_scaling)
-    optimizer: str = "adamw"              # adamw | lamb | lars (1-D params: no decay, no trust ratio)
+    optimizer: str = "adamw"              # adamw | lamb | lars | muon (1-D params: no decay, no trust ratio;
+                                          # muon: hidden matrices orthogonalised, the rest AdamW at the same lr)
     weight_decay: float = 0.01
     warmup: float = 0.1                   # fraction of steps (< 1) or a step count (>= 1)
     schedule: str = "cosine"              # after warmup: cosine | linear | constant | poly (cuboid/train/schedule.py)

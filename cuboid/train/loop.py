@@ -78,7 +78,7 @@ def log(msg: str) -> None:
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
-    """AdamW / LAMB / LARS with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
+    """AdamW / LAMB / LARS / Muon with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
 
     Built the plain way: under tensor parallelism the optimizers read each
     parameter's placement to see whole-tensor norms.
@@ -92,6 +92,10 @@ def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
         return optim.LAMB(groups, lr=lr, weight_decay=weight_decay)
     if name == "lars":
         return optim.LARS(groups, lr=lr, weight_decay=weight_decay)
+    if name == "muon":  # Moonlight's RMS matching: the hidden matrices' steps at AdamW's size, one lr for both
+        from cuboid.parallel.muon import Muon
+
+        return Muon(groups, lr=lr, weight_decay=weight_decay, adamw_lr=lr)
     raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 

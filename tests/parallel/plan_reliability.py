@@ -3,6 +3,8 @@ evaluation with a dp rank a batch short and a checkpoint saved and read back on 
 (tests/parallel/reliability_checks.py), on every mixture of experts' plan and a rotation of the dense ones."""
 import contextlib
 
+import torch
+
 from .plan_families import MOE_FAMILIES, global_batch
 
 # every how many plan indices a run also checks reliability (MoE, others) per world size: a check is an
@@ -37,7 +39,17 @@ def _lm_loss_only(model):
 
 
 def _eval_rows(name, model, dp: int) -> dict:
-    return global_batch(name, model, max(5, dp + 1))
+    """The rows the uneven evaluation deals. A classifier without a pad id reads each row's last position (HF's
+    rule), which cutting a batch's padded columns (``eval_batches``, as training's batches are cut) moves: its
+    rows are given no padding, so one row a batch and all rows in one read the same tokens."""
+    from cuboid.parallel import unwrap
+
+    rows = global_batch(name, model, max(5, dp + 1))
+    config = unwrap(model).config
+    if getattr(config, "head", None) == "cls" and getattr(config, "pad_token_id", 0) is None and \
+            "attention_mask" in rows:
+        rows = dict(rows, attention_mask=torch.ones_like(rows["attention_mask"]))
+    return rows
 
 
 def whole_rows(ref, name: str, dp: int) -> dict:

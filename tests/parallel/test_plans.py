@@ -13,8 +13,8 @@ with no edit. For each plan and family, ``cuboid.load(name, plan, seed=0,
 mesh=mesh)`` is compared with one device's run of the same seed (computed
 once per world for each family, optimizer and path, each by one rank, since every plan is
 held to the same run), with one optimizer built the plain way
-(``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB and LARS by
-the plan's index, so each plan meets all three over its families. Two
+(``Opt(model.parameters(), ...)``) and turned over AdamW, LAMB, LARS and Muon by
+the plan's index, so each plan meets all four over its families (Muon with fp32 Newton-Schulz). Two
 steps on fixed global batches (three on every fifth plan: :func:`steps_of`),
 alternating the two public ways to train:
 
@@ -199,10 +199,14 @@ def make_optimizer(kind, params):
         return AdamW(params, lr=1e-2, eps=1e-3)
     if kind == "lamb":
         return LAMB(params, lr=1e-2, eps=1e-3, weight_decay=0.01)
+    if kind == "muon":  # fp32 Newton-Schulz: bf16's would round plan-to-plan noise in the gradients into whole steps
+        from cuboid.parallel.muon import Muon
+
+        return Muon(params, lr=1e-2, weight_decay=0.01, ns_dtype="fp32", adamw_lr=1e-2, adamw_eps=1e-3)
     return LARS(params, lr=0.5, momentum=0.9, weight_decay=1e-3)
 
 
-OPTIMIZERS = ("adamw", "lamb", "lars")
+OPTIMIZERS = ("adamw", "lamb", "lars", "muon")
 _REFS: dict = {}  # one device's run, per RefArgs, computed once per world (share_references)
 _WHOLE_FOR: set = set()  # the RefArgs keys whose runs check reliability: their reference evaluates whole_rows too
 
@@ -347,7 +351,7 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
 
     ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
-    index, so each plan meets AdamW, LAMB and LARS over its families. ``per_plan``: the families each plan
+    index, so each plan meets AdamW, LAMB, LARS and Muon over its families. ``per_plan``: the families each plan
     runs on (:func:`families_of`; the CI budget, see RUN_BUDGET). A pipeline plan trains through
     ``cuboid.train_step`` only (its forward with gradients is refused); the others alternate the natural loop
     and ``train_step``. Returns {key: errors} with each plan's seconds (load, steps, evaluation) under
