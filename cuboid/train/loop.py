@@ -157,7 +157,20 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 
 
 def run(cfg: FinetuneConfig) -> dict:
-    """The whole run (module docstring); the final metrics."""
+    """The whole run (module docstring); the final metrics. A run that fails before it wrote anything of use
+    leaves its output folder as it found it (:func:`cuboid.train.resume.tidy_failed`)."""
+    from cuboid.train.resume import folder_before, tidy_failed
+
+    before = folder_before(Path(cfg.output_dir))
+    try:
+        return _run(cfg)
+    except BaseException:
+        if os.environ.get("RANK", "0") == "0":
+            tidy_failed(Path(cfg.output_dir), before)
+        raise
+
+
+def _run(cfg: FinetuneConfig) -> dict:
     r = start(checked(cfg))
     load_data_and_model(r)
     special_tokens(r)
@@ -195,6 +208,12 @@ def start(cfg: FinetuneConfig) -> Run:
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
+    if device.type == "cpu":
+        from cuboid.train.sizes import set_cpu_threads
+
+        line = set_cpu_threads()
+        if line is not None:
+            log(line)
     return Run(cfg=cfg, plan=plan, mesh=mesh, restart=restart, device=device, callbacks=Callbacks(cfg.callbacks),
                output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id)
 
@@ -206,16 +225,19 @@ def load_data_and_model(r: Run) -> None:
     if cfg.streaming:
         return load_stream_and_model(r)
     check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
-    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
+    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed, cfg.eval_data)
+    if eval_ds is None:
+        log("cuboid finetune: --eval-fraction 0 and no validation split: this run holds nothing out and evaluates "
+            "nothing")
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
         preset = isinstance(cfg.model, str) and not os.path.isdir(cfg.model)
-        num_labels = num_classes(train_ds, cfg.label_column, eval_ds, dense=preset)
+        num_labels = num_classes(train_ds, cfg.label_column, *[eval_ds] * (eval_ds is not None), dense=preset)
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = tasks.prepare(train_ds, r.task, **prep)
-    r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
+    r.eval_data = None if eval_ds is None else model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
     per = r.task.rows_per_example  # GRPO: completions a prompt; the batch size counts rows
     if cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} counts rows: it must be a multiple of the {per} the task "
@@ -223,7 +245,7 @@ def load_data_and_model(r: Run) -> None:
     fit_to_data(r, len(next(iter(train_data.values()))) if train_data else 0)
     r.batches = GlobalBatches(train_data, r.cfg.batch_size // per, seed=cfg.seed,
                               width_multiple=width_multiple(r.plan))
-    r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
+    r.train_examples, r.eval_examples = len(train_ds), len(eval_ds) if eval_ds is not None else 0
 
 
 def fit_to_data(r: Run, examples: int) -> None:
