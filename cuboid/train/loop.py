@@ -130,6 +130,7 @@ class Run:
     history: list = field(default_factory=list)
     hf_fields: dict = field(default_factory=dict)  # special token ids config.json gains (cuboid.train.generation_config)
     generation_config: Optional[dict] = None       # generation_config.json of a causal LM's folders
+    threads: Optional[str] = None         # the line that says a CPU run's intra-op threads (cuboid.train.sizes)
 
     @property
     def unit(self) -> str:
@@ -208,14 +209,11 @@ def start(cfg: FinetuneConfig) -> Run:
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    if device.type == "cpu":
-        from cuboid.train.sizes import set_cpu_threads
+    from cuboid.train.sizes import set_cpu_threads
 
-        line = set_cpu_threads()
-        if line is not None:
-            log(line)
     return Run(cfg=cfg, plan=plan, mesh=mesh, restart=restart, device=device, callbacks=Callbacks(cfg.callbacks),
-               output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id)
+               output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id,
+               threads=set_cpu_threads() if device.type == "cpu" else None)
 
 
 def load_data_and_model(r: Run) -> None:
@@ -460,6 +458,8 @@ def announce(r: Run) -> None:
         f"at peak lr {r.peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
                                          if cfg.lr_scaling != "none" else "")
         + f", {r.warmup} warmup steps, {cfg.schedule} decay")
+    if r.threads is not None:
+        log(r.threads)
     if r.streaming:
         log(r.batches.describe() + "; tokens/s counts real tokens")
     elif "input_ids" in r.batches.tensors:
