@@ -172,6 +172,9 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     if cfg.lr_scaling not in LR_SCALINGS:
         raise ValueError(f"unknown lr scaling {cfg.lr_scaling!r}; scalings: {', '.join(LR_SCALINGS)}")
     lr_lambda(cfg.schedule, 0, 1, cfg.decay_power)  # a bad --decay-power is an error here
+    if cfg.streaming and cfg.eval_data is not None:
+        raise ValueError("--eval-data is not read with --streaming: a stream's eval rows are its folder's eval file "
+                         "(validation.jsonl, ...) or its first rows")
     if cfg.shuffle_buffer < 1:
         raise ValueError(f"--shuffle-buffer {cfg.shuffle_buffer}: the buffer holds at least 1 example")
     unknown = sorted(set(cfg.task_options) - set(task_flags()))

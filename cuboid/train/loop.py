@@ -59,9 +59,9 @@ from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
-                                 write_run_file)
+                                 tidied_on_failure, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.train.sizes import padding_line, width_multiple
+from cuboid.train.sizes import padding_line, set_cpu_threads, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
 from cuboid.zoo.deepseek.moe import update_routing_bias
@@ -159,16 +159,9 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 
 def run(cfg: FinetuneConfig) -> dict:
     """The whole run (module docstring); the final metrics. A run that fails before it wrote anything of use
-    leaves its output folder as it found it (:func:`cuboid.train.resume.tidy_failed`)."""
-    from cuboid.train.resume import folder_before, tidy_failed
-
-    before = folder_before(Path(cfg.output_dir))
-    try:
+    leaves its output folder as it found it (:func:`cuboid.train.resume.tidied_on_failure`)."""
+    with tidied_on_failure(Path(cfg.output_dir)):
         return _run(cfg)
-    except BaseException:
-        if os.environ.get("RANK", "0") == "0":
-            tidy_failed(Path(cfg.output_dir), before)
-        raise
 
 
 def _run(cfg: FinetuneConfig) -> dict:
@@ -209,8 +202,6 @@ def start(cfg: FinetuneConfig) -> Run:
     random.seed(cfg.seed)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    from cuboid.train.sizes import set_cpu_threads
-
     return Run(cfg=cfg, plan=plan, mesh=mesh, restart=restart, device=device, callbacks=Callbacks(cfg.callbacks),
                output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id,
                threads=set_cpu_threads() if device.type == "cpu" else None)
@@ -225,8 +216,7 @@ def load_data_and_model(r: Run) -> None:
     check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
     train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed, cfg.eval_data)
     if eval_ds is None:
-        log("cuboid finetune: --eval-fraction 0 and no validation split: this run holds nothing out and evaluates "
-            "nothing")
+        log("cuboid finetune: --eval-fraction 0 and no validation split: this run evaluates nothing")
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own

@@ -14,6 +14,7 @@ reads (:func:`decided_on_rank0`), so no two ranks resume differently and the che
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -351,6 +352,19 @@ def folder_before(out: Path) -> FolderBefore:
     names = frozenset(p.name for p in out.iterdir()) if out.is_dir() else frozenset()
     run_file = (out / RUN_FILE).read_bytes() if (out / RUN_FILE).is_file() else None
     return FolderBefore(names, run_file, created)
+
+
+@contextlib.contextmanager
+def tidied_on_failure(out: Path):
+    """A run's body: when it raises, rank 0 puts ``out`` back as it was (:func:`tidy_failed`), and the error
+    goes on."""
+    before = folder_before(out)
+    try:
+        yield
+    except BaseException:
+        if os.environ.get("RANK", "0") == "0":
+            tidy_failed(out, before)
+        raise
 
 
 def tidy_failed(out: Path, before: FolderBefore) -> None:

@@ -70,6 +70,10 @@ def test_eval_data_and_no_eval(tmp_path):
     assert (len(train), len(ev)) == (30, 6) and set(ev["text"]) == {r["text"] for r in texts(6, "held")}
     train, ev = D.train_eval_split(D.load_source(data), 0.0, 0)
     assert len(train) == 30 and ev is None
+    from cuboid.train.config import FinetuneConfig, checked
+
+    with pytest.raises(ValueError, match="--eval-data is not read with --streaming"):
+        checked(FinetuneConfig(model="gpt-debug", data=str(data), streaming=True, steps=1, eval_data=str(held)))
 
 
 @pytest.mark.slow
