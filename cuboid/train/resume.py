@@ -357,12 +357,13 @@ def folder_before(out: Path) -> FolderBefore:
 @contextlib.contextmanager
 def tidied_on_failure(out: Path):
     """A run's body: when it raises, rank 0 puts ``out`` back as it was (:func:`tidy_failed`), and the error
-    goes on."""
+    goes on. Not when the elastic agent may restart the workers (``--max-restarts``): a restart takes the run's
+    id from the run file the first attempt wrote, and would take an earlier run's from a restored one."""
     before = folder_before(out)
     try:
         yield
     except BaseException:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) == 0:
             tidy_failed(out, before)
         raise
 

@@ -264,3 +264,16 @@ def test_the_metric_axis_says_eval_once():
     assert axis_label("eval_rewards/accuracies", evaluated=True) == "eval_rewards/accuracies"
     assert axis_label("perplexity", evaluated=True) == "eval perplexity"
     assert axis_label("reward", evaluated=False) == "reward"
+
+
+def test_the_tidy_keeps_what_a_restart_needs(tmp_path, monkeypatch):
+    from cuboid.train.resume import RUN_FILE, tidied_on_failure, write_run_file
+
+    out = tmp_path / "a" / "b"
+    for restarts, left in (("0", False), ("2", True)):
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+        with pytest.raises(OSError), tidied_on_failure(out):
+            out.mkdir(parents=True, exist_ok=True)
+            write_run_file(out, "new")
+            raise OSError("out of memory")
+        assert (out / RUN_FILE).is_file() == left and (tmp_path / "a").exists() == left
