@@ -61,7 +61,7 @@ from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
                                  tidied_on_failure, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.train.sizes import padding_line, set_cpu_threads, width_multiple
+from cuboid.train.sizes import padding_line, set_cpu_threads, threads_kept, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, build, config_of, count_parameters, family_of, spec_of
 from cuboid.zoo.deepseek.moe import update_routing_bias
@@ -160,7 +160,7 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 def run(cfg: FinetuneConfig) -> dict:
     """The whole run (module docstring); the final metrics. A run that fails before it wrote anything of use
     leaves its output folder as it found it (:func:`cuboid.train.resume.tidied_on_failure`)."""
-    with tidied_on_failure(Path(cfg.output_dir)):
+    with tidied_on_failure(Path(cfg.output_dir)), threads_kept():  # (a CPU run sets its own for its length)
         return _run(cfg)
 
 

@@ -10,12 +10,13 @@ Trainer's users expect a small file to train rather than stop. (Warmup rounds up
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 from cuboid.data.formats import real_tokens
 
-__all__ = ["fit_batch", "width_multiple", "padding_line", "cpu_threads", "set_cpu_threads"]
+__all__ = ["fit_batch", "width_multiple", "padding_line", "cpu_threads", "set_cpu_threads", "threads_kept"]
 
 MAX_CPU_THREADS = 16  # past this one process's intra-op threads gain little on a small model
 
@@ -41,6 +42,20 @@ def cpu_threads(env: dict, cores: int, local_processes: int = 1, quota: Optional
     if local_processes > 1:
         why.append(f"{local_processes} processes")
     return threads, ", ".join(why)
+
+
+@contextlib.contextmanager
+def threads_kept():
+    """torch's intra-op thread count as it was, once the block ends (a run's :func:`set_cpu_threads` is the
+    run's alone: the Python process that called ``cuboid.finetune`` keeps its own)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _cgroup_quota() -> Optional[float]:

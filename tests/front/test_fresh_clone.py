@@ -277,3 +277,15 @@ def test_the_tidy_keeps_what_a_restart_needs(tmp_path, monkeypatch):
             write_run_file(out, "new")
             raise OSError("out of memory")
         assert (out / RUN_FILE).is_file() == left and (tmp_path / "a").exists() == left
+
+
+def test_a_run_keeps_the_callers_threads():
+    import torch
+
+    from cuboid.train.sizes import set_cpu_threads, threads_kept
+
+    before = torch.get_num_threads()
+    with threads_kept():
+        torch.set_num_threads(1 if before > 1 else 2)
+        set_cpu_threads({})
+    assert torch.get_num_threads() == before
