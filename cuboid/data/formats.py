@@ -3,7 +3,8 @@
 Sources (:func:`load_source`): an in-memory ``datasets.Dataset`` /
 ``DatasetDict``; a local csv / json / jsonl / parquet / text file; a folder
 written by ``save_to_disk``; an ``imagefolder`` folder (one sub-folder per
-class); a folder of data files of one kind; or ``"digits"``, the 8x8
+class); a folder of data files of one kind (split into train / validation / test by their names as
+``datasets.load_dataset`` splits them, :func:`split_files`); or ``"digits"``, the 8x8
 handwritten digits that ship with scikit-learn (the embedded default).
 
 Rows (the tasks of :mod:`cuboid.tasks` choose among them): :func:`text_blocks`
