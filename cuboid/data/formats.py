@@ -169,7 +169,7 @@ def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0, eval_data:
     held = None
     if isinstance(data, datasets.DatasetDict):
         train = data.get("train") or data[next(iter(data))]
-        held = next((data[name] for name in EVAL_SPLITS if name in data), None)
+        held = next((data[name] for name in EVAL_SPLITS if name in data and data[name] is not train), None)
         data = train
     if eval_data is not None:
         held = load_source(eval_data)

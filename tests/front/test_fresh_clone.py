@@ -289,3 +289,20 @@ def test_a_run_keeps_the_callers_threads():
         torch.set_num_threads(1 if before > 1 else 2)
         set_cpu_threads({})
     assert torch.get_num_threads() == before
+
+
+def test_only_a_test_split_is_not_trained_and_evaluated_on(tmp_path, capsys):
+    import datasets
+
+    only = datasets.DatasetDict({"test": datasets.Dataset.from_list(texts(20, "t"))})
+    train, held = D.train_eval_split(only, 0.1, 0)
+    assert (len(train), len(held)) == (18, 2)  # a holdout of it, not the split twice
+    model = F.hf_gpt2_folder(tmp_path / "m")
+    data = jsonl(texts(20, "p"), tmp_path / "p.jsonl")
+    capsys.readouterr()
+    rc = main(["prepare", "--model", str(model), "--data", str(data), "--output", str(tmp_path / "out"),
+               "--eval-fraction", "0"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("cuboid prepare: error: --eval-fraction 0: cuboid prepare writes a validation "
+                                      "split") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
