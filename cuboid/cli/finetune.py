@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cuboid.train.config import PYTHON_ONLY, FinetuneConfig, add_task_flags, task_flags
+from cuboid.train.config import PYTHON_ONLY, FinetuneConfig, add_task_flags, metavar, task_flags
 
 # the embedded default job (no --model, no --data); its plan is chosen for the devices present (device_default)
 DEFAULT_JOB = {"model": "vit-debug", "data": "digits", "steps": 400, "batch_size": 64, "lr": 1e-2,
@@ -90,7 +90,10 @@ FLAGS = [
     ("--text-column", str, "text column (default 'text'; sft: the messages, prompt or text column)"),
     ("--label-column", str, "label column (default 'label')"),
     ("--image-column", str, "image column (default 'image')"),
-    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1)"),
+    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1; 0: no "
+                               "eval)"),
+    ("--eval-data", str, "the eval split from a file or folder of its own (default: the data's validation split "
+                         "(validation.*, valid, dev, test files of a folder, as datasets names them) or --eval-fraction)"),
     ("--log-every", int, "write a metrics line every N steps (default 10)"),
     ("--report-to", str, "experiment trackers that get metrics.jsonl's rows and the run's config: none (default), "
                          "all (those installed), or a comma list of trackio, tensorboard, wandb, mlflow; each "
@@ -131,31 +134,41 @@ Ctrl-C saves the step it finishes and prints the command that resumes; a second 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("finetune", help="fine-tune a zoo model on a dataset (the main job)", add_help=False,
-                       description=DESCRIPTION, epilog=DATA_FORMATS,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION, epilog=DATA_FORMATS, formatter_class=_Formatter,
+                       usage="%(prog)s [--model MODEL] [--data DATA] [--task TASK] [--plan PLAN] [--config FILE] "
+                             "[options below]")
     p.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help (after --task NAME: the task's options)")
     for flag, typ, help_ in FLAGS:
+        shown = metavar(flag[2:].replace("-", "_"), typ)
         if flag in ALIASES:
-            p.add_argument(flag, ALIASES[flag], type=typ, default=None, help=help_)
+            p.add_argument(flag, ALIASES[flag], type=typ, default=None, help=help_, metavar=shown)
             continue
         if flag == "--resume":  # a bare --resume means the latest checkpoint in --output-dir
-            p.add_argument(flag, type=typ, default=None, nargs="?", const="latest", help=help_)
+            p.add_argument(flag, type=typ, default=None, nargs="?", const="latest", help=help_, metavar="CKPT")
             continue
         if typ is bool:  # a switch; None when not given, so a --config file's value stands
             p.add_argument(flag, action="store_true", default=None, help=help_)
             continue
-        p.add_argument(flag, type=typ, default=None, help=help_)
+        p.add_argument(flag, type=typ, default=None, help=help_, metavar=shown)
     add_task_flags(p)  # the tasks' options with flags of their own (--beta, --loss-type, ...)
-    p.add_argument("--config", type=str, default=None, help="a YAML or TOML file with any of these keys")
-    p.add_argument("--nproc-per-node", type=int, default=None,
+    p.add_argument("--config", type=str, default=None, metavar="FILE",
+                   help="a YAML or TOML file with any of these keys")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="processes to launch on this machine (default: the plan's world size)")
-    p.add_argument("--max-restarts", type=int, default=None,
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="restart the workers up to N times when one dies; they resume from the newest complete "
                         "checkpoint (default 0; set --save-every)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="no curves.png")
     p.set_defaults(func=cmd_finetune, callbacks=(), module="cuboid")  # main() sets these for a wrapper
     return p
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The flags' help beside them (a column at 30), the description and epilog as written."""
+
+    def __init__(self, prog, **kw):
+        super().__init__(prog, max_help_position=30, **kw)
 
 
 class _Help(argparse.Action):
@@ -215,8 +228,17 @@ def read_config_file(path: str) -> dict:
     known = set(FinetuneConfig.__dataclass_fields__) - set(PYTHON_ONLY) | set(LAUNCHER_KEYS)
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}")
+        raise ValueError(f"--config {path}: unknown key(s) {', '.join(unknown)}{near_keys(unknown, known)}")
     return data
+
+
+def near_keys(unknown: list, known: set) -> str:
+    """"; did you mean lr? (...)": the known keys nearest the misspelt ones (difflib), or "" when none is near."""
+    import difflib
+
+    hints = [f"{k}: did you mean {near[0]}?" for k in unknown
+             if (near := difflib.get_close_matches(k, sorted(known | set(task_flags())), n=1, cutoff=0.7))]
+    return f"; {'; '.join(hints)} (cuboid finetune --help lists the keys as flags)" if hints else ""
 
 
 def resolve(args: argparse.Namespace) -> dict:

@@ -131,13 +131,16 @@ def cmd_plans(args: argparse.Namespace) -> int:
     print("= exact (what a run holds and sends): params, grads, optim, sent; ~ estimated: peak (the fullest rank, "
           "rank in brackets), step and its parts (the slowest rank; comm exposed / all)\n")
     rows = []
-    for i, e in enumerate([e for e in ests if e.fits][:args.top], 1):
+    fitting = [e for e in ests if e.fits]
+    for i, e in enumerate(fitting[:args.top], 1):
         rows.append((str(i), e.plan.describe(), _gb(e.params), _gb(e.grads), _gb(e.optimizer + e.masters),
                      f"{_gb(e.memory)} [{e.peak_rank}]", _gb(e.sent_total), f"{e.bubble:.2f}", f"{e.step_s * 1e3:.3g} ms",
                      f"{e.compute_s * 1e3:.3g}+{e.comm_s * 1e3:.3g}/{e.comm_total_s * 1e3:.3g}"
                      f"+{(e.bubble_s + e.optimizer_s) * 1e3:.3g}"))
     print(table(rows, ("#", "plan", "=params", "=grads", "=optim", "~peak", "=sent", "bubble", "~step",
                         "~compute+comm+other ms")))
+    if len(fitting) > args.top:
+        print(f"showing {args.top} of {len(fitting)} plans that fit{MORE}")
     if skip:
         print(f"\n{skip}")
     why_no_tp = _no_tensor_split(config, args.gpus)
@@ -145,10 +148,14 @@ def cmd_plans(args: argparse.Namespace) -> int:
         print(f"\nno tensor-parallel plan: {why_no_tp}")
     misfits = [e for e in ests if not e.fits]
     if misfits:
-        print(f"\n{len(misfits)} plan(s) do not fit:")
+        shown = f" (showing {args.top} of {len(misfits)}{MORE})" if len(misfits) > args.top else ""
+        print(f"\n{len(misfits)} plan(s) do not fit{shown}:")
         for e in misfits[:args.top]:
             print(f"  {e.plan.describe()}: {e.why}")
     return 0
+
+
+MORE = "; --top N shows more, --json lists all"
 
 
 def _lora_spec(text):

@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a jsonl/json/csv/parquet/txt file or a datasets folder")
     p.add_argument("--output", "--output-dir", dest="output", required=True,
                    help="the folder to write (cuboid finetune --data reads it)")
-    p.add_argument("--task", default=tasks.SFT.name, help=f"{tasks.SFT.name} (default) | {tasks.Causal.aliases[0]}, "
+    p.add_argument("--task", default=tasks.SFT.name, help=f"{' | '.join(preparable())} (default {tasks.SFT.name}), "
                    "with options as finetune's --task")
     p.add_argument("--max-length", "--seq-len", dest="max_length", type=int,
                    help="tokens per example, or per packed row (default: sft 1024, clm 128; at most the model's)")
@@ -89,11 +89,13 @@ def run(args: argparse.Namespace) -> int:
 
     task = with_flags(args.task, {k: getattr(args, k) for k in TASK_FLAGS})
     if not hasattr(task, "dataset_rows"):
-        able = [n for n in tasks.names() if hasattr(tasks.get(n), "dataset_rows")]
-        raise ValueError(f"cuboid prepare writes rows for {', '.join(able)}, not for task {task.label}")
+        raise ValueError(f"cuboid prepare writes rows for {', '.join(preparable())}, not for task {task.label}")
     tokenizer, positions = _tokenizer_and_positions(args)
     max_length = task.row_length({"seq_len": args.max_length, "config": SimpleNamespace(n_positions=positions or math.inf)})
     splits = train_eval_split(load_source(args.data), args.eval_fraction, args.seed)
+    if splits[1] is None:
+        raise ValueError(f"--eval-fraction 0: cuboid prepare writes a validation split beside the training one, and "
+                         f"{args.data} has none of its own; give a fraction above 0")
     prepared, stats = {}, {}
     for name, ds in zip(("train", "validation"), splits):
         prepared[name], stats[name] = prepare_split(ds, task, args, tokenizer, max_length, training=name == "train")
@@ -108,6 +110,16 @@ def run(args: argparse.Namespace) -> int:
     print(show_rows(prepared["train"], tokenizer, args.show, colour=sys.stdout.isatty() and "NO_COLOR" not in
                     os.environ))
     return 0
+
+
+def preparable() -> list:
+    """The registered tasks that have a tokenization path of their own (``dataset_rows``), by name and alias."""
+    out = []
+    for name in tasks.names():
+        cls = tasks.get(name)
+        if hasattr(cls, "dataset_rows"):
+            out.append(name if not getattr(cls, "aliases", ()) else f"{name} (or {', '.join(cls.aliases)})")
+    return out
 
 
 def _tokenizer_and_positions(args: argparse.Namespace):

@@ -3,7 +3,8 @@
 Sources (:func:`load_source`): an in-memory ``datasets.Dataset`` /
 ``DatasetDict``; a local csv / json / jsonl / parquet / text file; a folder
 written by ``save_to_disk``; an ``imagefolder`` folder (one sub-folder per
-class); a folder of data files of one kind; or ``"digits"``, the 8x8
+class); a folder of data files of one kind (split into train / validation / test by their names as
+``datasets.load_dataset`` splits them, :func:`split_files`); or ``"digits"``, the 8x8
 handwritten digits that ship with scikit-learn (the embedded default).
 
 Rows (the tasks of :mod:`cuboid.tasks` choose among them): :func:`text_blocks`
@@ -76,28 +77,49 @@ def load_source(source: Any):
         raise DataError(f"data {source}: {msg}") from None
 
 
-def _load_files(kind: str, files: list):
-    """``datasets.load_dataset(kind, data_files=files)``, the files checked before (empty, not UTF-8) and a
-    failed load traced to its row (:mod:`cuboid.data.damage`)."""
+def _load_files(kind: str, files):
+    """``datasets.load_dataset(kind, data_files=files)`` (a list: one train split; a dict: split -> files), the
+    files checked before (empty, not UTF-8) and a failed load traced to its row (:mod:`cuboid.data.damage`)."""
     import datasets
 
     from cuboid.data import damage
 
-    damage.check_text_files(files, kind)
+    every = [f for part in files.values() for f in part] if isinstance(files, dict) else list(files)
+    damage.check_text_files(every, kind)
     log = logging.getLogger("datasets")  # its reader logs a failed file at ERROR: the one line below says it
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(kind, data_files=files if len(files) > 1 else files[0])
+        return datasets.load_dataset(kind, data_files=files if isinstance(files, dict) or len(files) > 1
+                                     else files[0])
     except Exception as e:  # noqa: BLE001 - datasets' generation errors chain the cause; find the row
-        where = damage.locate(files, kind)
+        where = damage.locate(every, kind)
         if where is not None:
             raise DataError(where) from None
         cause = e.__cause__ or e
-        raise DataError(f"data {', '.join(map(str, files))}: {type(cause).__name__}: "
+        if "corresponds to no data" in str(cause):  # a header-only csv, a jsonl of blank lines
+            raise DataError(f"data {', '.join(map(str, every))}: no rows"
+                            + (" (a header and no rows below it)" if kind == "csv" else "")) from None
+        raise DataError(f"data {', '.join(map(str, every))}: {type(cause).__name__}: "
                         f"{(str(cause).splitlines() or [''])[0]}") from None
     finally:
         log.setLevel(level)
+
+
+def split_files(folder: Path, files: list) -> dict:
+    """``files`` (of ``folder``) by split, named as ``datasets.load_dataset(folder)`` names them: a file or
+    sub-folder called train / validation (valid, dev, val) / test (testing, eval, evaluation), with
+    datasets' own patterns (``datasets.data_files``); every file in ``train`` when none is named so."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except Exception:  # noqa: BLE001 - no pattern matched in datasets' sense: one split of every file
+        return {"train": [str(p) for p in files]}
+    wanted = {str(Path(p).resolve()) for p in files}
+    out = {str(split): [f for f in found[split] if str(Path(f).resolve()) in wanted] for split in found}
+    out = {k: v for k, v in out.items() if v}
+    return out if out else {"train": [str(p) for p in files]}
 
 
 def _load_source(source: Any):
@@ -129,23 +151,36 @@ def _load_source(source: Any):
     if len(kinds) == 1:
         kind = kinds.pop()
         ext = [e for e, k in DATA_FILE_KINDS.items() if k == kind]
-        data_files = [str(p) for p in files if p.suffix.lower() in ext]
-        return _load_files(kind, data_files)
+        data_files = split_files(path, sorted(p for p in files if p.suffix.lower() in ext))
+        return _load_files(kind, data_files if len(data_files) > 1 else data_files["train"]
+                           if "train" in data_files else next(iter(data_files.values())))
     raise DataError(f"data {source}: a folder with no images and {'mixed' if kinds else 'no'} data files")
 
 
-def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0):
-    """(train, eval) splits: the source's own validation/test split, or a seeded holdout."""
+EVAL_SPLITS = ("validation", "valid", "eval", "test")  # a DatasetDict's held-out split, the first of these
+
+
+def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0, eval_data: Any = None):
+    """(train, eval) splits: ``eval_data``'s (a source of its own: its validation/test split, or all of it),
+    else the source's own validation/test split, else a seeded holdout of ``eval_fraction``; eval is None
+    when ``eval_fraction`` is 0 (no eval) and neither gives one."""
     import datasets
 
+    held = None
     if isinstance(data, datasets.DatasetDict):
         train = data.get("train") or data[next(iter(data))]
-        for name in ("validation", "valid", "eval", "test"):
-            if name in data:
-                return train, data[name]
+        held = next((data[name] for name in EVAL_SPLITS if name in data and data[name] is not train), None)
         data = train
+    if eval_data is not None:
+        held = load_source(eval_data)
+        if isinstance(held, datasets.DatasetDict):
+            held = next((held[name] for name in EVAL_SPLITS if name in held), None) or held[next(iter(held))]
+        if len(held) == 0:
+            raise DataError(f"eval data {eval_data}: the dataset is empty")
     if len(data) == 0:
         raise DataError("the dataset is empty")
+    if held is not None or not eval_fraction:
+        return data, held
     if len(data) < 2:
         raise DataError(f"the dataset has {len(data)} example: too few to hold out an eval split")
     parts = data.train_test_split(test_size=eval_fraction, seed=seed)
@@ -260,7 +295,19 @@ def pretokenized_rows(ds, config, tokenizer, seq_len: Optional[int], packing: bo
                             pad_id=pad_id(tokenizer))
 
 
+# columns that say which task the data is for, when the text column is missing: (columns, the hint)
+TASK_COLUMNS = ((("prompt", "chosen", "rejected"), "looks like preference pairs: add --task dpo (or reward)"),
+                (("messages",), "looks like chat data: add --task sft"),
+                (("conversations",), "looks like chat data: add --task sft"),
+                (("prompt", "completion"), "looks like prompt/completion data: add --task sft"),
+                (("instruction", "output"), "looks like instruction data: add --task sft"))
+
+
 def _texts(ds, text_column: str) -> list:
+    if text_column not in ds.column_names:
+        hint = next((h for cols, h in TASK_COLUMNS if set(cols) <= set(ds.column_names)), None)
+        if hint is not None:
+            raise DataError(f"column {text_column!r} not found (columns: {', '.join(ds.column_names)}): {hint}")
     _need_column(ds, text_column, "--text-column")
     return [t if isinstance(t, str) else "" for t in ds[text_column]]
 

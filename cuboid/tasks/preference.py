@@ -127,7 +127,7 @@ class DPO(Task):
         """Each split's tensors with ``ref_logps`` (P, 2): the reference's (module docstring), one pass."""
         from cuboid.parallel import adapters_off
 
-        todo = [s for s in splits if "ref_logps" not in s]
+        todo = [s for s in splits if s is not None and "ref_logps" not in s]  # (None: no eval split)
         if not todo:
             return splits
         if self.options.ref_model is not None:
@@ -143,7 +143,7 @@ class DPO(Task):
             with off:
                 logps = [reference_logps(model, s, dtype=dtype) for s in todo]
         done = iter(logps)
-        return [s if "ref_logps" in s else {**s, "ref_logps": next(done)} for s in splits]
+        return [s if s is None or "ref_logps" in s else {**s, "ref_logps": next(done)} for s in splits]
 
     def before_step(self, batch: dict, step: int, *, tokenizer=None, seed: int = 0) -> dict:
         """Pairs (P, 2, ...) made interleaved rows (2P, ...) (:func:`cuboid.data.pairs.flatten`)."""

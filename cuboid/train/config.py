@@ -65,7 +65,8 @@ class FinetuneConfig:
     text_column: str = "text"
     label_column: str = "label"
     image_column: str = "image"
-    eval_fraction: float = 0.1
+    eval_fraction: float = 0.1            # held out when the data has no validation split (0: no eval)
+    eval_data: Any = None                 # a source of its own for the eval split (a file, a folder, a Dataset)
     log_every: int = 10
     progress: bool = True
     plot: bool = True
@@ -110,19 +111,39 @@ def add_task_flags(parser) -> None:
     """Every :func:`task_flags` option as ``--name`` on ``parser`` (default None: the task's default stands),
     its help naming the tasks that take it, with their defaults and choices."""
     for option, owners in task_flags().items():
-        parts = []
-        for task, f in owners:
-            choices = f.metadata.get("choices")
-            parts.append(f"{task}: {f.metadata.get('help', '')} (default {f.default}"
-                         + (f"; {' | '.join(choices)}" if choices else "") + ")")
+        parts = [f"{task}: {option_help(f)}" for task, f in owners]
         flag = "--" + option.replace("_", "-")
         typ = flag_type(owners[0][1])
         if typ is bool:
             parser.add_argument(flag, action="store_true", default=None, help="; ".join(parts))
         elif any(f.metadata.get("append") for _, f in owners):  # given again for more (grpo's --reward): a list
-            parser.add_argument(flag, action="append", type=typ, default=None, help="; ".join(parts))
+            parser.add_argument(flag, action="append", type=typ, default=None, help="; ".join(parts),
+                                metavar=metavar(option, typ))
         else:
-            parser.add_argument(flag, type=typ, default=None, help="; ".join(parts))
+            parser.add_argument(flag, type=typ, default=None, help="; ".join(parts), metavar=metavar(option, typ))
+
+
+def option_help(f: dataclasses.Field) -> str:
+    """A task option's help with its default and choices, each said once: a default the text gives already,
+    None or a switch's False is not repeated, nor choices the text lists."""
+    text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+    extra = []
+    if "default" not in text and f.default is not None and f.default is not False \
+            and f.default is not dataclasses.MISSING:
+        extra.append(f"default {f.default}")
+    if choices and not all(c in text for c in choices):
+        extra.append(" | ".join(choices))
+    return text + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def metavar(name: str, typ) -> str:
+    """The short placeholder a flag's help shows for its value: N (a count), X (a number), or its name."""
+    if typ is int:
+        return "N"
+    if typ is float:
+        return "X"
+    word = name.rsplit("_", 1)[-1].upper()
+    return word if len(word) <= 8 else "VALUE"
 
 
 def checked(cfg: FinetuneConfig) -> FinetuneConfig:
@@ -152,6 +173,9 @@ def checked(cfg: FinetuneConfig) -> FinetuneConfig:
     if cfg.lr_scaling not in LR_SCALINGS:
         raise ValueError(f"unknown lr scaling {cfg.lr_scaling!r}; scalings: {', '.join(LR_SCALINGS)}")
     lr_lambda(cfg.schedule, 0, 1, cfg.decay_power)  # a bad --decay-power is an error here
+    if cfg.streaming and cfg.eval_data is not None:
+        raise ValueError("--eval-data is not read with --streaming: a stream's eval rows are its folder's eval file "
+                         "(validation.jsonl, ...) or its first rows")
     if cfg.shuffle_buffer < 1:
         raise ValueError(f"--shuffle-buffer {cfg.shuffle_buffer}: the buffer holds at least 1 example")
     unknown = sorted(set(cfg.task_options) - set(task_flags()))

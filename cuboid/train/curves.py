@@ -7,6 +7,12 @@ from pathlib import Path
 from typing import Optional
 
 
+def axis_label(metric: str, evaluated: bool) -> str:
+    """The metric axis's label: ``eval perplexity`` for an eval's metric (a metric named ``eval_...`` already,
+    DPO's ``eval_rewards/accuracies``, as it is), the name alone for a training row's."""
+    return f"eval {metric}" if evaluated and not metric.startswith("eval") else metric
+
+
 def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Optional[str]:
     """Train/eval loss and the task's eval ``metric`` against steps (a metric the training rows log, GRPO's
     reward, when no eval gave it); None (with a note) without matplotlib."""
@@ -30,7 +36,7 @@ def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Op
     if logged and not evals:
         ax2.plot([r["step"] for r in logged], [r[metric] for r in logged], color="C2")
     ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
-    ax2.set_xlabel("step"), ax2.set_ylabel(metric if logged and not evals else f"eval {metric}"), ax2.grid(alpha=0.3)
+    ax2.set_xlabel("step"), ax2.set_ylabel(axis_label(metric, evaluated=not (logged and not evals))), ax2.grid(alpha=0.3)
     fig.suptitle(f"cuboid finetune: {metrics_path.parent}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)

@@ -32,7 +32,7 @@ RANGES: dict = {
     "max_grad_norm": (0.0, None, "[)", "a gradient norm; 0: no clipping"),
     "moe_bias_update_rate": (0.0, None, "[)", "a routing-bias step; 0: off"),
     "timeout_s": (0.0, 1e7, "(]", "seconds"),
-    "eval_fraction": (0.0, 1.0, "()", "a fraction of the examples"),
+    "eval_fraction": (0.0, 1.0, "[)", "a fraction of the examples; 0: no eval split"),
     "headroom": (0.0, 1.0, "[)", "a fraction of the memory"),
     "temperature": (0.0, None, "()", "a sampling temperature"),
     "top_p": (0.0, 1.0, "(]", "a probability"),

@@ -59,9 +59,9 @@ from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare, unwrap
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
-                                 write_run_file)
+                                 tidied_on_failure, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
-from cuboid.train.sizes import padding_line, width_multiple
+from cuboid.train.sizes import padding_line, set_cpu_threads, threads_kept, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
 from cuboid.zoo import PRESETS, after_step, build, config_of, count_parameters, family_of, set_options, spec_of
 
@@ -133,6 +133,7 @@ class Run:
     history: list = field(default_factory=list)
     hf_fields: dict = field(default_factory=dict)  # special token ids config.json gains (cuboid.train.generation_config)
     generation_config: Optional[dict] = None       # generation_config.json of a causal LM's folders
+    threads: Optional[str] = None         # the line that says a CPU run's intra-op threads (cuboid.train.sizes)
 
     @property
     def unit(self) -> str:
@@ -160,7 +161,13 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 
 
 def run(cfg: FinetuneConfig) -> dict:
-    """The whole run (module docstring); the final metrics."""
+    """The whole run (module docstring); the final metrics. A run that fails before it wrote anything of use
+    leaves its output folder as it found it (:func:`cuboid.train.resume.tidied_on_failure`)."""
+    with tidied_on_failure(Path(cfg.output_dir)), threads_kept():  # (a CPU run sets its own for its length)
+        return _run(cfg)
+
+
+def _run(cfg: FinetuneConfig) -> dict:
     r = start(checked(cfg))
     load_data_and_model(r)
     special_tokens(r)
@@ -199,7 +206,8 @@ def start(cfg: FinetuneConfig) -> Run:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     return Run(cfg=cfg, plan=plan, mesh=mesh, restart=restart, device=device, callbacks=Callbacks(cfg.callbacks),
-               output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id)
+               output_dir=Path(cfg.output_dir), peak_lr=peak_lr, run_id=run_id,
+               threads=set_cpu_threads() if device.type == "cpu" else None)
 
 
 def load_data_and_model(r: Run) -> None:
@@ -209,16 +217,18 @@ def load_data_and_model(r: Run) -> None:
     if cfg.streaming:
         return load_stream_and_model(r)
     check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
-    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
+    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed, cfg.eval_data)
+    if eval_ds is None:
+        log("cuboid finetune: --eval-fraction 0 and no validation split: this run evaluates nothing")
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
         preset = isinstance(cfg.model, str) and not os.path.isdir(cfg.model)
-        num_labels = num_classes(train_ds, cfg.label_column, eval_ds, dense=preset)
+        num_labels = num_classes(train_ds, cfg.label_column, *[eval_ds] * (eval_ds is not None), dense=preset)
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = tasks.prepare(train_ds, r.task, **prep)
-    r.eval_data = model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
+    r.eval_data = None if eval_ds is None else model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
     per = r.task.rows_per_example  # GRPO: completions a prompt; the batch size counts rows
     if cfg.batch_size % per:
         raise ValueError(f"--batch-size {cfg.batch_size} counts rows: it must be a multiple of the {per} the task "
@@ -226,7 +236,7 @@ def load_data_and_model(r: Run) -> None:
     fit_to_data(r, len(next(iter(train_data.values()))) if train_data else 0)
     r.batches = GlobalBatches(train_data, r.cfg.batch_size // per, seed=cfg.seed,
                               width_multiple=width_multiple(r.plan))
-    r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
+    r.train_examples, r.eval_examples = len(train_ds), len(eval_ds) if eval_ds is not None else 0
 
 
 def fit_to_data(r: Run, examples: int) -> None:
@@ -447,6 +457,8 @@ def announce(r: Run) -> None:
         f"at peak lr {r.peak_lr:.3g}" + (f" ({cfg.lr_scaling} scaling of {cfg.lr:g} at batch {cfg.reference_batch})"
                                          if cfg.lr_scaling != "none" else "")
         + f", {r.warmup} warmup steps, {cfg.schedule} decay")
+    if r.threads is not None:
+        log(r.threads)
     if r.streaming:
         log(r.batches.describe() + "; tokens/s counts real tokens")
     elif "input_ids" in r.batches.tensors:

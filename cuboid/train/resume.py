@@ -14,6 +14,8 @@ reads (:func:`decided_on_rank0`), so no two ranks resume differently and the che
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import uuid
@@ -327,3 +329,64 @@ def new_recipe(optimizer, scheduler, peak_lr: float) -> None:
     for g, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         g["lr"] = base * f(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in groups]
+
+
+@dataclasses.dataclass(frozen=True)
+class FolderBefore:
+    """What an output folder was before a run (:func:`folder_before`): its names, the bytes of its
+    :data:`RUN_FILE`, and the first folder of its path that did not exist (None: it existed)."""
+
+    names: frozenset
+    run_file: Optional[bytes]
+    created: Optional[Path]
+
+
+def folder_before(out: Path) -> FolderBefore:
+    """``out`` as it is before a run starts (:func:`tidy_failed` puts it back after an early failure)."""
+    out = Path(out)
+    created = None
+    for p in [out, *out.parents]:
+        if p.exists():
+            break
+        created = p
+    names = frozenset(p.name for p in out.iterdir()) if out.is_dir() else frozenset()
+    run_file = (out / RUN_FILE).read_bytes() if (out / RUN_FILE).is_file() else None
+    return FolderBefore(names, run_file, created)
+
+
+@contextlib.contextmanager
+def tidied_on_failure(out: Path):
+    """A run's body: when it raises, rank 0 puts ``out`` back as it was (:func:`tidy_failed`), and the error
+    goes on. Not when the elastic agent may restart the workers (``--max-restarts``): a restart takes the run's
+    id from the run file the first attempt wrote, and would take an earlier run's from a restored one."""
+    before = folder_before(out)
+    try:
+        yield
+    except BaseException:
+        if os.environ.get("RANK", "0") == "0" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) == 0:
+            tidy_failed(out, before)
+        raise
+
+
+def tidy_failed(out: Path, before: FolderBefore) -> None:
+    """After a failed run (rank 0): when it wrote nothing useful (no checkpoint, metrics, final/ or any file
+    beside its :data:`RUN_FILE`), the output folder as it was before: the run file it wrote removed (an
+    earlier one put back) and the folders it made removed if empty; anything else stays."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    new = {p.name for p in out.iterdir()} - before.names
+    if new - {RUN_FILE, f".{RUN_FILE}.tmp"}:
+        return  # the run left something of its own: keep it all
+    for name in new:
+        (out / name).unlink(missing_ok=True)
+    if before.run_file is not None and (out / RUN_FILE).is_file() and (out / RUN_FILE).read_bytes() != before.run_file:
+        (out / RUN_FILE).write_bytes(before.run_file)
+    if before.created is not None:
+        for p in [out, *out.parents]:
+            try:
+                p.rmdir()  # only an empty folder goes
+            except OSError:
+                break
+            if p == before.created:
+                break

@@ -1,5 +1,6 @@
 """How a run's sizes follow from its data and plan: the global batch fitted to a small training split, the
-width rows are rounded to (:func:`width_multiple`), and the line that describes the rows (:func:`padding_line`).
+width rows are rounded to (:func:`width_multiple`), the line that describes the rows (:func:`padding_line`),
+and a CPU run's intra-op threads (:func:`cpu_threads`).
 
 A global batch larger than the training split (examples, pairs, or packed rows) is reduced to the most of
 them that the plan splits evenly (a multiple of dp, of the pipeline's micro-batches and of a given
@@ -9,12 +10,79 @@ Trainer's users expect a small file to train rather than stop. (Warmup rounds up
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 from cuboid.data.formats import real_tokens
 
-__all__ = ["fit_batch", "width_multiple", "padding_line"]
+__all__ = ["fit_batch", "width_multiple", "padding_line", "cpu_threads", "set_cpu_threads", "threads_kept"]
+
+MAX_CPU_THREADS = 16  # past this one process's intra-op threads gain little on a small model
+
+
+def cpu_threads(env: dict, cores: int, local_processes: int = 1, quota: Optional[float] = None,
+                load: Optional[float] = None, cap: int = MAX_CPU_THREADS) -> tuple:
+    """(intra-op threads for each of ``local_processes`` CPU processes, why) or (None, None) when the user
+    chose (``OMP_NUM_THREADS`` in ``env``). ``cores``: those the process may run on
+    (``os.sched_getaffinity``), ``quota``: the cgroup's CPU limit in cores, ``load``: the machine's
+    one-minute load average, of which the run's own processes are taken to be ``local_processes``. Threads
+    beyond the idle cores wait on each other: a run whose threads shared two busy cores with other work
+    took 10x longer a step than with one thread, for the same loss."""
+    if env.get("OMP_NUM_THREADS"):
+        return None, None
+    usable = float(cores)
+    why = [f"{cores} core{'s' if cores != 1 else ''} available"]
+    if quota is not None and quota < usable:
+        usable, why = quota, why + [f"a CPU quota of {quota:g}"]
+    others = max(0.0, load - local_processes) if load is not None else 0.0  # the load of other work
+    if cores - others < usable:
+        usable, why = cores - others, why + [f"load {load:.1f}"]
+    threads = max(1, min(cap, int(usable // max(local_processes, 1)), cores))
+    if local_processes > 1:
+        why.append(f"{local_processes} processes")
+    return threads, ", ".join(why)
+
+
+@contextlib.contextmanager
+def threads_kept():
+    """torch's intra-op thread count as it was, once the block ends (a run's :func:`set_cpu_threads` is the
+    run's alone: the Python process that called ``cuboid.finetune`` keeps its own)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def _cgroup_quota() -> Optional[float]:
+    """The cgroup v2 CPU limit in cores (``cpu.max``), None when unlimited or unreadable."""
+    try:
+        limit, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        return None if limit == "max" else int(limit) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def set_cpu_threads(environ=None) -> Optional[str]:
+    """Set torch's intra-op threads for a CPU run by :func:`cpu_threads` (nothing when ``OMP_NUM_THREADS`` is
+    set); the one line that says so, or None."""
+    import os
+
+    import torch
+
+    environ = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    threads, why = cpu_threads(environ, cores, int(environ.get("LOCAL_WORLD_SIZE", "1")), _cgroup_quota(), load)
+    if threads is None:
+        return None
+    torch.set_num_threads(threads)
+    return (f"cuboid finetune: {threads} CPU thread{'s' if threads != 1 else ''} a process ({why}; set "
+            f"OMP_NUM_THREADS to choose)")
 
 
 def fit_batch(batch: int, examples: int, *, per: int = 1, dp: int = 1, pipeline_microbatches: int = 1,

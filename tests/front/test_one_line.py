@@ -21,7 +21,7 @@ REQUIRED = {"finetune": ["--model", f"{MISSING}/model", "--data", f"{MISSING}/d.
             "generate": ["--model", f"{MISSING}/model", "--prompt", "hi"]}
 # flags whose range holds 0 (the run goes on to the next error, the missing model or data)
 ZERO_IN_RANGE = {"--weight-decay", "--warmup", "--max-grad-norm", "--save-every", "--seed", "--max-restarts",
-                 "--show", "--top-k", "--num-fewshot", "--moe-bias-update-rate"}
+                 "--show", "--top-k", "--num-fewshot", "--moe-bias-update-rate", "--eval-fraction"}
 
 
 def numeric_flags(command: str) -> list:
