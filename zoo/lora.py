@@ -244,7 +244,7 @@ def describe(model: nn.Module) -> str:
         plora.add_adapters(whole, paths, conf)
         plora.add_expert_adapters(whole, experts, weights, conf)
     adapters = sum(int(torch.Size(shape).numel()) for shape in _adapter_shapes(whole))
-    total = count_parameters(whole) - adapters
+    total = count_parameters(whole) + _quantized_weights(whole) - adapters
     line = (f"LoRA r={conf.r} alpha={conf.alpha:g}: {adapters:,} trainable adapter parameters, "
             f"{adapters / max(total, 1):.3%} of the model's {total:,}")
     if _has_experts(model):
@@ -257,6 +257,14 @@ def describe(model: nn.Module) -> str:
                  f"; the experts are NOT adapted ({share} are in them): add the target 'experts' (or 'mlp') "
                  "to train them")
     return line
+
+
+def _quantized_weights(model: nn.Module) -> int:
+    """The values of the frozen NF4 weights (QLoRA's base; buffers, not parameters), counted unpacked: the
+    weights the model has, as peft's ``print_trainable_parameters`` counts a 4-bit model's."""
+    from cuboid.parallel.quant import quantized_layers
+
+    return sum(int(torch.Size(layer.nf4_full_shape).numel()) for _, layer in quantized_layers(model))
 
 
 def _rank() -> int:
