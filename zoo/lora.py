@@ -361,15 +361,18 @@ def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:
 # ---------------------------------------------------------------- training checkpoints
 
 
-def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None,
+                    base: Optional[str] = None, tokenizer=None, generation_config: Optional[dict] = None) -> Path:
     """A LoRA run's training checkpoint: the adapters in peft's layout (peft loads the folder), the model's
     ``config.json``, the optimizer state as full tensors by parameter name, ``trainer_state.json``
     (``state``, the scheduler, every rank's RNG) and the commit file recording every file's SHA-256
     (:mod:`cuboid.zoo.checkpoint.lora_state`). Every rank calls it; the folder is renamed into place when
-    complete, so an interrupted save never looks like a checkpoint."""
+    complete, so an interrupted save never looks like a checkpoint. ``base`` (the base model folder peft's
+    config names), ``tokenizer`` and ``generation_config`` are written as in ``final/``."""
     from .checkpoint.lora_state import save_lora_checkpoint
 
-    return save_lora_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+    return save_lora_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state, base=base,
+                                tokenizer=tokenizer, generation_config=generation_config)
 
 
 def is_checkpoint(path) -> bool:

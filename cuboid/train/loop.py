@@ -551,16 +551,23 @@ def save(r: Run, step: int) -> Path:
         if r.cfg.lora is not None:
             from cuboid.zoo.lora import save_checkpoint
 
-            save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state)
+            save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
+                            base=lora_base(r.cfg), tokenizer=r.tokenizer, generation_config=r.generation_config)
         else:
             ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
-                      config_fields=r.hf_fields, generation_config=r.generation_config)
+                      tokenizer=r.tokenizer, config_fields=r.hf_fields, generation_config=r.generation_config)
     if r.mesh.is_main:
         for old in own_checkpoints(path.parent, r.run_id)[:-max(r.cfg.keep, 1)]:  # never another run's
             shutil.rmtree(old, ignore_errors=True)
     r.mesh.barrier()
     r.callbacks.fire("on_save", r, step, path)
     return path
+
+
+def lora_base(cfg: FinetuneConfig) -> Optional[str]:
+    """The base model folder a LoRA run's adapter folders name (peft's ``base_model_name_or_path``), or None
+    for a preset or a module (their base is a seed's, which no folder holds)."""
+    return str(Path(cfg.model).resolve()) if isinstance(cfg.model, str) and os.path.isdir(cfg.model) else None
 
 
 def finish(r: Run) -> dict:
@@ -575,8 +582,7 @@ def finish(r: Run) -> dict:
     if cfg.lora is not None:  # peft.PeftModel.from_pretrained(base, final) reads it
         from cuboid.zoo.lora import save_adapters
 
-        save_adapters(r.model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
-                      and os.path.isdir(cfg.model) else None, tokenizer=r.tokenizer,
+        save_adapters(r.model, final, base=lora_base(cfg), tokenizer=r.tokenizer,
                       generation_config=r.generation_config)
     else:
         ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,
