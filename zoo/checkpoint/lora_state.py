@@ -9,12 +9,13 @@ A LoRA fine-tune's ``checkpoint-<step>/`` holds::
     optimizer.safetensors.index.json   + class, param groups and per-parameter steps (as a full checkpoint's)
     trainer_state.json                 step, scheduler, every rank's RNG, the caller's state, plan, world size
     tokenizer files, generation_config.json   the run's, when it has them (as in ``final/``)
+    base_quantization_config.json      a QLoRA run's: its base's NF4 settings (transformers' BitsAndBytesConfig)
     lora-checkpoint.json               the commit file, written last: size and SHA-256 of every file above
 
 and its ``final/`` (:func:`save_adapters`, what ``checkpoint.save`` writes for
 a LoRA model) holds ``adapter_config.json``, ``adapter_model.safetensors``,
-the tokenizer's files when given, and ``lora-adapters.json``, the commit file
-recording them (peft ignores it).
+the tokenizer's files when given, a QLoRA run's ``base_quantization_config.json``,
+and ``lora-adapters.json``, the commit file recording them (peft ignores both).
 
 Every file is fsync'd, the folder is written under a temporary name and
 renamed into place (:mod:`.folder`: a crash mid-write leaves the previous
@@ -34,7 +35,8 @@ from typing import Dict, Optional
 import torch
 
 from . import folder as folder_mod
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config, adapter_state
+from .adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_QUANTIZATION, PEFT_PREFIX, adapter_config,
+                       adapter_state, base_quantization)
 from .format import (ADAPTERS_COMMIT, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord,
                      lora_commit, parse_json, read_header, write_json)
 from .shards import Source, meta, plan_shards
@@ -141,6 +143,15 @@ def _write_adapters(job, files: dict, adapters: dict) -> None:
     files.update(write_shards(aplan, _sources(adapters), job, lambda f: {"format": "pt"}))
 
 
+def _write_quantization(job, model, files: dict) -> None:
+    """A QLoRA model's base quantization (:func:`~.adapters.base_quantization`), recorded beside its adapters."""
+    from .writer import write_record
+
+    record = base_quantization(model)
+    if record is not None:
+        write_record(job, BASE_QUANTIZATION, record, files)
+
+
 def _modules(adapters: dict) -> set:
     """peft's target modules: the adapted linears (the experts' adapters are its ``target_parameters``)."""
     found = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
@@ -176,6 +187,7 @@ def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None,
         write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
         _write_adapters(job, files, adapters)
         write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
+        _write_quantization(job, model, files)
         if generation_config is not None:
             write_record(job, "generation_config.json", generation_config, files)
 
@@ -201,6 +213,7 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
         _write_adapters(job, files, adapters)
         write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
         write_record(job, "config.json", hf_config(model), files)
+        _write_quantization(job, model, files)
         if generation_config is not None:
             write_record(job, "generation_config.json", generation_config, files)
         if oinfo is not None:
