@@ -59,7 +59,7 @@ from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
-                                 write_run_file)
+                                 starting_folder, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
@@ -391,7 +391,7 @@ def resume(r: Run) -> None:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
     r.run_id = decided_on_rank0(r.mesh, lambda: run_of(r, restart))
     if r.mesh.is_main:
-        write_run_file(r.output_dir, r.run_id)
+        write_run_file(r.output_dir, r.run_id, model=starting_folder(r.cfg.model))
     skipped = interrupted(r.output_dir) if restart and r.mesh.is_main else []
     if skipped:
         log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
@@ -552,7 +552,8 @@ def save(r: Run, step: int) -> Path:
             from cuboid.zoo.lora import save_checkpoint
 
             save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
-                            base=lora_base(r.cfg), tokenizer=r.tokenizer, generation_config=r.generation_config)
+                            base=starting_folder(r.cfg.model), tokenizer=r.tokenizer,
+                            generation_config=r.generation_config)
         else:
             ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
                       tokenizer=r.tokenizer, config_fields=r.hf_fields, generation_config=r.generation_config)
@@ -562,12 +563,6 @@ def save(r: Run, step: int) -> Path:
     r.mesh.barrier()
     r.callbacks.fire("on_save", r, step, path)
     return path
-
-
-def lora_base(cfg: FinetuneConfig) -> Optional[str]:
-    """The base model folder a LoRA run's adapter folders name (peft's ``base_model_name_or_path``), or None
-    for a preset or a module (their base is a seed's, which no folder holds)."""
-    return str(Path(cfg.model).resolve()) if isinstance(cfg.model, str) and os.path.isdir(cfg.model) else None
 
 
 def finish(r: Run) -> dict:
@@ -582,7 +577,7 @@ def finish(r: Run) -> dict:
     if cfg.lora is not None:  # peft.PeftModel.from_pretrained(base, final) reads it
         from cuboid.zoo.lora import save_adapters
 
-        save_adapters(r.model, final, base=lora_base(cfg), tokenizer=r.tokenizer,
+        save_adapters(r.model, final, base=starting_folder(cfg.model), tokenizer=r.tokenizer,
                       generation_config=r.generation_config)
     else:
         ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,
