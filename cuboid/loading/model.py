@@ -202,6 +202,28 @@ def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict, quantiz
     return model if dtype is None or is_folder(source) else model.to(dtype)
 
 
+def head_for(folder, task, num_labels: Optional[int], tokenizer, lora=None) -> dict:
+    """The overrides :func:`load` reads ``folder`` with for ``task`` (a :class:`cuboid.tasks.Task` or None) beyond
+    its own head: a causal LM's folder under a task that trains a classifier (reward, seqcls) gets a new one
+    (:mod:`cuboid.zoo.heads`) of the outputs the task gives (reward: 1; seqcls: its ``num_labels``, else the
+    data's ``num_labels`` classes), as TRL's RewardTrainer starts from ``AutoModelForSequenceClassification`` on
+    that folder; ``{}`` otherwise. Under ``lora`` a new head is refused in one sentence: it would stay untrained."""
+    if task is None or not os.path.isfile(os.path.join(folder, "config.json")):
+        return {}
+    from cuboid.zoo.heads import folder_config
+
+    family, config, _ = folder_config(folder)
+    head = getattr(config, "head", None)
+    if task.fits(family.name, head) or not task.fits(family.name, "cls") or not hasattr(config, "num_labels"):
+        return {}
+    if lora is not None:
+        raise ValueError(f"--lora on {folder}: task {task.label} needs a new score head in place of its {head} "
+                         "head, which LoRA would leave untrained (peft's modules_to_save is not supported): "
+                         "fine-tune it in full, or start from a sequence-classification folder")
+    n = task.model_config(config, tokenizer).get("num_labels", num_labels)
+    return {"head": "cls", **({"num_labels": n} if n is not None else {})}
+
+
 def _say_new_head(folder, overrides: dict) -> None:
     """The one line (rank 0, stderr) of a folder read under a new head: the head dropped, the one made."""
     import sys

@@ -287,14 +287,11 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
             attach(model, cfg.lora, seed=cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
     elif os.path.isdir(str(cfg.model)):
+        from cuboid.loading.model import head_for
+
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        head = new_head(cfg.model, task, num_labels, tokenizer)
-        if head and cfg.lora is not None:
-            raise ValueError(f"--lora on {cfg.model}: task {task.label} needs a new score head in place of its LM "
-                             "head, which LoRA would leave untrained (peft's modules_to_save is not supported): "
-                             "fine-tune it in full, or start from a sequence-classification folder")
         model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora,
-                     quantize=cfg.quantize, **head)
+                     quantize=cfg.quantize, **head_for(cfg.model, task, num_labels, tokenizer, lora=cfg.lora))
     else:
         if cfg.model not in PRESETS:
             raise ValueError(f"unknown model {cfg.model!r}: give a preset ({', '.join(PRESETS)}) "
@@ -312,23 +309,6 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
     task = task_of(model, task)
     configure(model, task, tokenizer)
     return model, tokenizer, task
-
-
-def new_head(folder, task: Optional[tasks.Task], num_labels: Optional[int], tokenizer) -> dict:
-    """What ``cuboid.load`` reads ``folder`` with for ``task`` beyond its own head: a causal LM's folder under a
-    task that trains a classifier (reward, seqcls) gets a new one (:mod:`cuboid.zoo.heads`) of the outputs the
-    task gives (reward: 1; seqcls: ``num_labels``, else the data's ``num_labels`` classes), as TRL's
-    RewardTrainer starts from ``AutoModelForSequenceClassification`` on that folder; ``{}`` otherwise."""
-    if task is None or not os.path.isfile(os.path.join(folder, "config.json")):
-        return {}
-    from cuboid.zoo.heads import folder_config
-
-    family, config, _ = folder_config(folder)
-    head = getattr(config, "head", None)
-    if task.fits(family.name, head) or not task.fits(family.name, "cls") or not hasattr(config, "num_labels"):
-        return {}
-    n = task.model_config(config, tokenizer).get("num_labels", num_labels)
-    return {"head": "cls", **({"num_labels": n} if n is not None else {})}
 
 
 def configure(model: nn.Module, task: tasks.Task, tokenizer) -> None:
