@@ -77,7 +77,7 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu", *, s
 
 
 def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = True,
-            transform=None, head: Optional[str] = None, num_labels: Optional[int] = None) -> nn.Module:
+            transform=None, head: Optional[str] = None, num_labels: Optional[int] = None, seed: int = 0) -> nn.Module:
     """Build the zoo model for a local folder (HF's or a cuboid checkpoint) and load its weights.
 
     The model is built on the meta device; ``transform(meta_model) -> model``
@@ -90,7 +90,7 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
 
     ``head`` (``"cls"``) reads a folder of another head (a ``*ForCausalLM``) under a new classification head of
     ``num_labels`` outputs, as ``AutoModelForSequenceClassification.from_pretrained`` does: the body loads, the
-    new head is initialised, the old head's tensors are dropped (:mod:`cuboid.zoo.heads`).
+    new head is initialised from ``seed``, the old head's tensors are dropped (:mod:`cuboid.zoo.heads`).
     """
     from .checkpoint.reader import CheckpointError, read_new  # late: the checkpoint package loads on first use
     from .heads import folder_config, unexplained
@@ -106,7 +106,7 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
     if config is stored:
         read_new(model, path, device=device or "cpu", strict=strict)
         return model
-    problems = read_new(model, path, device=device or "cpu", strict=False)  # the new head: initialised
+    problems = read_new(model, path, device=device or "cpu", strict=False, seed=seed)  # the new head: initialised
     left = unexplained(problems, model, family, stored)
     if strict and any(left.values()):
         raise CheckpointError(f"{path}: checkpoint does not fit the {family.name} model; "

@@ -123,7 +123,7 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     ``cuboid.parallel.prepare``); ``seed`` drives a fresh model's
     initialisation; ``overrides`` change preset fields (``num_labels=10``). A folder takes ``head="cls"`` and
     ``num_labels``: a causal LM's folder (``*ForCausalLM``) read as a sequence classifier, its body loaded and a
-    new ``score`` head of ``num_labels`` outputs initialised, the LM head dropped, as
+    new ``score`` head of ``num_labels`` outputs initialised from ``seed``, the LM head dropped, as
     ``AutoModelForSequenceClassification.from_pretrained`` does (a reward model: ``num_labels=1``), said in one
     line (:mod:`cuboid.zoo.heads`).
 
@@ -173,9 +173,9 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     if quantize and is_folder(name_or_path):
         from cuboid.loading.quantize import from_folder
 
-        model = from_folder(name_or_path, dtype=dtype, device=device, transform=fit, **overrides)
+        model = from_folder(name_or_path, dtype=dtype, device=device, transform=fit, seed=seed, **overrides)
     elif is_folder(name_or_path):
-        model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit, **overrides)
+        model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit, seed=seed, **overrides)
     else:
         model = materialize(fit(build(name_or_path, **overrides)), device, seed=seed, dtype=dtype)
         if quantize:

@@ -70,9 +70,9 @@ def _folder_views(model: nn.Module, path: Path) -> dict:
 
 
 def from_folder(path, *, dtype, device, transform, head: Optional[str] = None,
-                num_labels: Optional[int] = None) -> nn.Module:
+                num_labels: Optional[int] = None, seed: int = 0) -> nn.Module:
     """A folder's model with its blocks' linears in NF4 (the module docstring says how); ``head``,
-    ``num_labels``: read under a new classification head, as :func:`cuboid.zoo.from_hf` takes them."""
+    ``num_labels``, ``seed``: read under a new classification head, as :func:`cuboid.zoo.from_hf` takes them."""
     from cuboid.zoo.checkpoint.format import CheckpointError
     from cuboid.zoo.checkpoint.reader import read_new
     from cuboid.zoo.heads import folder_config, unexplained
@@ -86,7 +86,7 @@ def from_folder(path, *, dtype, device, transform, head: Optional[str] = None,
     if dtype is not None:
         model.to(dtype)
     paths = quantize_linears(model, block_linears(model))
-    problems = read_new(model, path, device=device, strict=False)  # everything but the quantized weights
+    problems = read_new(model, path, device=device, strict=False, seed=seed)  # all but the quantized weights
     problems = unexplained(problems, model, family, stored)  # (a new head's tensors: initialised)
     views = _folder_views(model, path)
     names = {f"{p}.weight" for p in paths}

@@ -51,6 +51,11 @@ def test_load_a_causal_lm_under_a_new_score_head_as_transformers_does(qwen3, cap
         assert torch.allclose(ours(input_ids=IDS).logits, hf(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="apply to presets"):
         cuboid.load(str(qwen3), n_layers=3)
+    # the new head is drawn from the load's seed (--seed), the body is the folder's whatever the seed
+    again, other = (cuboid.load(str(qwen3), head="cls", num_labels=3, seed=s) for s in (0, 1))
+    assert torch.equal(again.classifier.weight, cuboid.load(str(qwen3), head="cls", num_labels=3).classifier.weight)
+    assert not torch.equal(again.classifier.weight, other.classifier.weight)
+    assert torch.equal(again.blocks[0].attn.q.weight, other.blocks[0].attn.q.weight)
 
 
 def test_finetune_reward_from_a_causal_lm_folder(qwen3, tmp_path, capsys):
