@@ -87,7 +87,7 @@ def materialize(model: nn.Module, device: Union[str, torch.device] = "cpu", *, s
 
 
 def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=None, strict: bool = True,
-            transform=None) -> nn.Module:
+            transform=None, head: Optional[str] = None, num_labels: Optional[int] = None, seed: int = 0) -> nn.Module:
     """Build the zoo model for a local folder (HF's or a cuboid checkpoint) and load its weights.
 
     The model is built on the meta device; ``transform(meta_model) -> model``
@@ -97,23 +97,30 @@ def from_hf(path: os.PathLike, *, dtype: Optional[torch.dtype] = None, device=No
     parts read as they are stored stay backed by the mapped files
     (copy-on-write), as ``transformers`` keeps them. ``device="meta"`` checks
     names and shapes and returns the model unallocated.
+
+    ``head`` (``"cls"``) reads a folder of another head (a ``*ForCausalLM``) under a new classification head of
+    ``num_labels`` outputs, as ``AutoModelForSequenceClassification.from_pretrained`` does: the body loads, the
+    new head is initialised from ``seed``, the old head's tensors are dropped (:mod:`cuboid.zoo.heads`).
     """
-    from .checkpoint.reader import read_new  # late: the checkpoint package loads on first use
+    from .checkpoint.reader import CheckpointError, read_new  # late: the checkpoint package loads on first use
+    from .heads import folder_config, unexplained
 
     path = Path(path)
-    cfg = hf_io.read_config(path)
-    family, arch = hf_io.architecture_from_config(cfg, list(FAMILIES.values()), path)
-    try:
-        config = family.config_from_hf(cfg, arch)
-    except KeyError as e:
-        raise ValueError(f"{path / 'config.json'}: {arch} needs {e.args[0]!r}, which it lacks") from None
+    family, config, stored = folder_config(path, head, num_labels)
     with torch.device("meta"):
         model = family.build(config)
     if transform is not None:
         model = transform(model)
     if dtype is not None:
         model.to(dtype)  # on meta: free; every tensor is cast as it is read
-    read_new(model, path, device=device or "cpu", strict=strict)
+    if config is stored:
+        read_new(model, path, device=device or "cpu", strict=strict)
+        return model
+    problems = read_new(model, path, device=device or "cpu", strict=False, seed=seed)  # the new head: initialised
+    left = unexplained(problems, model, family, stored)
+    if strict and any(left.values()):
+        raise CheckpointError(f"{path}: checkpoint does not fit the {family.name} model; "
+                              + "; ".join(f"{kind}: {', '.join(v)}" for kind, v in left.items() if v))
     return model
 
 

@@ -244,7 +244,7 @@ def describe(model: nn.Module) -> str:
         plora.add_adapters(whole, paths, conf)
         plora.add_expert_adapters(whole, experts, weights, conf)
     adapters = sum(int(torch.Size(shape).numel()) for shape in _adapter_shapes(whole))
-    total = count_parameters(whole) - adapters
+    total = count_parameters(whole) + _quantized_weights(whole) - adapters
     line = (f"LoRA r={conf.r} alpha={conf.alpha:g}: {adapters:,} trainable adapter parameters, "
             f"{adapters / max(total, 1):.3%} of the model's {total:,}")
     if _has_experts(model):
@@ -257,6 +257,14 @@ def describe(model: nn.Module) -> str:
                  f"; the experts are NOT adapted ({share} are in them): add the target 'experts' (or 'mlp') "
                  "to train them")
     return line
+
+
+def _quantized_weights(model: nn.Module) -> int:
+    """The values of the frozen NF4 weights (QLoRA's base; buffers, not parameters), counted unpacked: the
+    weights the model has, as peft's ``print_trainable_parameters`` counts a 4-bit model's."""
+    from cuboid.parallel.quant import quantized_layers
+
+    return sum(int(torch.Size(layer.nf4_full_shape).numel()) for _, layer in quantized_layers(model))
 
 
 def _rank() -> int:
@@ -353,15 +361,18 @@ def merge_to_hf(adapters, out, *, base=None, dtype=None) -> Path:
 # ---------------------------------------------------------------- training checkpoints
 
 
-def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+def save_checkpoint(model: nn.Module, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None,
+                    base: Optional[str] = None, tokenizer=None, generation_config: Optional[dict] = None) -> Path:
     """A LoRA run's training checkpoint: the adapters in peft's layout (peft loads the folder), the model's
     ``config.json``, the optimizer state as full tensors by parameter name, ``trainer_state.json``
     (``state``, the scheduler, every rank's RNG) and the commit file recording every file's SHA-256
     (:mod:`cuboid.zoo.checkpoint.lora_state`). Every rank calls it; the folder is renamed into place when
-    complete, so an interrupted save never looks like a checkpoint."""
+    complete, so an interrupted save never looks like a checkpoint. ``base`` (the base model folder peft's
+    config names), ``tokenizer`` and ``generation_config`` are written as in ``final/``."""
     from .checkpoint.lora_state import save_lora_checkpoint
 
-    return save_lora_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state)
+    return save_lora_checkpoint(model, path, optimizer=optimizer, scheduler=scheduler, state=state, base=base,
+                                tokenizer=tokenizer, generation_config=generation_config)
 
 
 def is_checkpoint(path) -> bool:

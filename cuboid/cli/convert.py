@@ -43,8 +43,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "cache (default: the adapter config's base_model_name_or_path)")
     p.add_argument("--quantize", metavar="nf4",
                    help="with --merge-lora: the adapters were trained on a 4-bit NF4 base (QLoRA): merge them into "
-                        "the base dequantized from NF4, as peft's merge_and_unload does (a folder saved in 4 bits "
-                        "is recognised without it)")
+                        "the base dequantized from NF4, as peft's merge_and_unload does (a base folder saved in 4 "
+                        "bits, and adapters that record their NF4 base, as a QLoRA fine-tune's do, are recognised "
+                        "without it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -123,6 +124,19 @@ def _is_4bit(folder) -> bool:
     return folder_is_4bit(folder)
 
 
+def _trained_on_nf4(adapters) -> bool:
+    """Whether the adapter folder records that its base was NF4-quantized (a QLoRA run's; its
+    ``base_quantization_config.json``): then the merge goes into that base dequantized, which is what the
+    adapters were trained against (peft's ``merge_and_unload`` on the 4-bit model), said in one line."""
+    from cuboid.zoo.checkpoint.adapters import BASE_QUANTIZATION, recorded_quantization
+
+    if recorded_quantization(adapters) is None:
+        return False
+    print(f"cuboid convert: {adapters} was trained on an NF4-quantized base ({BASE_QUANTIZATION}): merging into "
+          f"that base dequantized from NF4, as peft's merge_and_unload does on the 4-bit model", file=sys.stderr)
+    return True
+
+
 def merge_qlora(adapters, out, *, base, dtype=None):
     """A QLoRA run's adapters folded into its base dequantized from NF4 (as peft's ``merge_and_unload`` on a
     bitsandbytes base): ``W = dequantize(W4) + s B A`` in fp32, written to ``out`` as a Hugging Face folder in
@@ -159,6 +173,8 @@ def _merge_into(args: argparse.Namespace, dst) -> str:
     base = locate(args.base or read_config(args.src)[2].get("base_model_name_or_path"))
     merge = merge_to_hf
     quantize = getattr(args, "quantize", None)
+    if quantize is None and _trained_on_nf4(args.src):
+        quantize = "nf4"
     if quantize is not None or (base and os.path.isdir(base) and _is_4bit(base)):
         from cuboid.parallel.quant import check_quantize
 

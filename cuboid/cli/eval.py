@@ -20,7 +20,10 @@ needs a model (the reference's log-probabilities), and scored by
 ``eval_metrics``, in batches of ``--batch-size`` examples (dp ranks share
 them): the task's figures over the whole file, means over its units, as
 TRL's ``evaluate`` reports them for one batch. ``--json`` prints one JSON
-line (the keys without the ``eval_`` prefix).
+line (the keys without the ``eval_`` prefix). DPO's reference without
+``--ref-model``: the model the fine-tune of ``--model`` started from, where its
+run recorded one (``final/``, ``checkpoint-N/``), else the policy itself (every
+reward 0), one line says which.
 
 With ``--harness`` the model answers lm-evaluation-harness's tasks
 (:mod:`cuboid.cli.harness`; a task YAML over a local jsonl runs offline).
@@ -237,6 +240,34 @@ def task_metrics(model, tokenizer, task, ds, max_length: Optional[int] = None, b
     return {k.removeprefix("eval_"): v for k, v in metrics.items()}
 
 
+def with_reference(task, model, folder):
+    """``task`` with its ``ref_model`` (DPO's reference) set to the model the fine-tune of ``folder`` started from,
+    where its run recorded one (:func:`cuboid.train.resume.starting_model`) and none was given, with one line
+    saying so; where none is recorded, one line saying that the reference is the policy itself (every reward
+    0). A model with LoRA adapters is left alone: its reference is its base (the adapters off)."""
+    import dataclasses
+    import sys
+
+    from cuboid.parallel import unwrap
+    from cuboid.parallel.lora import carries_adapters
+    from cuboid.train.resume import starting_model
+
+    options = getattr(task, "options", None)
+    if not dataclasses.is_dataclass(options) or "ref_model" not in {f.name for f in dataclasses.fields(options)} \
+            or options.ref_model is not None or carries_adapters(unwrap(model)):
+        return task
+    found = starting_model(folder) if isinstance(folder, (str, os.PathLike)) and os.path.isdir(folder) else None
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    if found is None:
+        say(f"note: no --ref-model, and {folder} records no model its fine-tune started from: the reference is "
+            f"the policy itself, so every reward is 0 (give --ref-model FOLDER)", file=sys.stderr, flush=True)
+        return task
+    start, record = found
+    say(f"reference model: {start}, which the fine-tune of {folder} started from ({record}); --ref-model "
+        f"gives another", file=sys.stderr, flush=True)
+    return type(task)(dataclasses.replace(options, ref_model=start))
+
+
 def _task_of(args: argparse.Namespace):
     """The ``--task`` with its options given as flags of their own."""
     from cuboid.train.config import task_flags, with_flags
@@ -294,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         from cuboid.train.loop import configure
 
         configure(model, task, tokenizer)  # what the task gives its model (reward: the tokenizer's pad id)
+        task = with_reference(task, model, args.model)
         result = task_metrics(model, tokenizer, task, _first_split(D.load_source(args.data)), args.max_length,
                               args.batch_size)
         if int(os.environ.get("RANK", "0")) == 0:

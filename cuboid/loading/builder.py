@@ -27,11 +27,17 @@ def is_folder(source: Any) -> bool:
     return isinstance(source, (str, os.PathLike)) and os.path.isdir(source)
 
 
+FOLDER_OVERRIDES = ("head", "num_labels")  # what a folder may be read with beside its own (cuboid.zoo.heads)
+
+
 def check_source(source: Any, overrides: dict) -> None:
-    """A one-sentence error for a path that is not there, or preset overrides given to a folder."""
+    """A one-sentence error for a path that is not there, or preset overrides given to a folder (beyond a new
+    head: :data:`FOLDER_OVERRIDES`)."""
     if is_folder(source):
-        if overrides:
-            raise ValueError(f"overrides {sorted(overrides)} apply to presets, not to a checkpoint folder")
+        foreign = sorted(set(overrides) - set(FOLDER_OVERRIDES))
+        if foreign:
+            raise ValueError(f"overrides {foreign} apply to presets, not to a checkpoint folder (a folder takes "
+                             f"{' and '.join(FOLDER_OVERRIDES)}: a new classification head)")
     elif isinstance(source, str) and source not in PRESETS and (os.sep in source or source.startswith(".")):
         raise FileNotFoundError(f"{source}: no such model folder")
 
@@ -74,13 +80,14 @@ class ModelBuilder:
     @cached_property
     def config(self):
         if is_folder(self.source):
-            return from_hf(self.source, device="meta").config
+            return from_hf(self.source, device="meta", **self.overrides).config
         return config_of(self.source, **self.overrides)
 
     def __call__(self, plan: Plan, mesh: Optional[Mesh] = None) -> nn.Module:
         mesh = mesh if mesh is not None else Mesh.layout(plan)
         if is_folder(self.source):
-            model = from_hf(self.source, dtype=self.dtype, device="meta", transform=lambda m: cut(m, plan, mesh))
+            model = from_hf(self.source, dtype=self.dtype, device="meta", transform=lambda m: cut(m, plan, mesh),
+                            **self.overrides)
         else:
             model = cut(build(self.source, **self.overrides), plan, mesh)
             if self.dtype is not None:

@@ -121,7 +121,11 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
     ``dtype`` casts parameters; ``device`` defaults to CPU (``"meta"``: no
     memory, shapes only; materialise with ``cuboid.zoo.materialize`` and then
     ``cuboid.parallel.prepare``); ``seed`` drives a fresh model's
-    initialisation; ``overrides`` change preset fields (``num_labels=10``).
+    initialisation; ``overrides`` change preset fields (``num_labels=10``). A folder takes ``head="cls"`` and
+    ``num_labels``: a causal LM's folder (``*ForCausalLM``) read as a sequence classifier, its body loaded and a
+    new ``score`` head of ``num_labels`` outputs initialised from ``seed``, the LM head dropped, as
+    ``AutoModelForSequenceClassification.from_pretrained`` does (a reward model: ``num_labels=1``), said in one
+    line (:mod:`cuboid.zoo.heads`).
 
     ``lora``: train LoRA adapters instead of the weights: ``dict(r=16, alpha=32, dropout=0.05,
     targets=("attn", "mlp"))``, a ``"r=16,alpha=32"`` string, or a peft adapter folder (its config and
@@ -164,12 +168,14 @@ def load(name_or_path, plan=None, *, dtype=None, device=None, seed: int = 0, mes
         from cuboid.loading.quantize import folder_is_4bit
 
         quantize = "nf4" if folder_is_4bit(name_or_path) else None  # a bitsandbytes 4-bit folder reads as it is
+    if is_folder(name_or_path) and overrides:  # a new head (cuboid.zoo.heads), said in one line
+        _say_new_head(name_or_path, overrides)
     if quantize and is_folder(name_or_path):
         from cuboid.loading.quantize import from_folder
 
-        model = from_folder(name_or_path, dtype=dtype, device=device, transform=fit)
+        model = from_folder(name_or_path, dtype=dtype, device=device, transform=fit, seed=seed, **overrides)
     elif is_folder(name_or_path):
-        model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit)
+        model = from_hf(name_or_path, dtype=dtype, device=device, transform=fit, seed=seed, **overrides)
     else:
         model = materialize(fit(build(name_or_path, **overrides)), device, seed=seed, dtype=dtype)
         if quantize:
@@ -184,7 +190,7 @@ def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict, quantiz
     """Shapes only: the cut meta model with its plan and mesh, adapters attached, parameters in ``dtype``
     (a folder's are read in ``dtype``; a preset's are cast after the adapters are attached)."""
     if is_folder(source):
-        model = from_hf(source, dtype=dtype, device="meta", transform=fit)
+        model = from_hf(source, dtype=dtype, device="meta", transform=fit, **overrides)
     else:
         model = fit(build(source, **overrides))
     if quantize:  # the NF4 layers' shapes, no values
@@ -194,6 +200,39 @@ def _meta(source, fit: _Fit, *, dtype, lora, seed: int, overrides: dict, quantiz
     attach(model, ParallelState(plan=fit.plan, mesh=fit.mesh, spec=zoo.spec_of(model)))
     _attach_lora(model, lora, seed)
     return model if dtype is None or is_folder(source) else model.to(dtype)
+
+
+def head_for(folder, task, num_labels: Optional[int], tokenizer, lora=None) -> dict:
+    """The overrides :func:`load` reads ``folder`` with for ``task`` (a :class:`cuboid.tasks.Task` or None) beyond
+    its own head: a causal LM's folder under a task that trains a classifier (reward, seqcls) gets a new one
+    (:mod:`cuboid.zoo.heads`) of the outputs the task gives (reward: 1; seqcls: its ``num_labels``, else the
+    data's ``num_labels`` classes), as TRL's RewardTrainer starts from ``AutoModelForSequenceClassification`` on
+    that folder; ``{}`` otherwise. Under ``lora`` a new head is refused in one sentence: it would stay untrained."""
+    if task is None or not os.path.isfile(os.path.join(folder, "config.json")):
+        return {}
+    from cuboid.zoo.heads import folder_config
+
+    family, config, _ = folder_config(folder)
+    head = getattr(config, "head", None)
+    if task.fits(family.name, head) or not task.fits(family.name, "cls") or not hasattr(config, "num_labels"):
+        return {}
+    if lora is not None:
+        raise ValueError(f"--lora on {folder}: task {task.label} needs a new score head in place of its {head} "
+                         "head, which LoRA would leave untrained (peft's modules_to_save is not supported): "
+                         "fine-tune it in full, or start from a sequence-classification folder")
+    n = task.model_config(config, tokenizer).get("num_labels", num_labels)
+    return {"head": "cls", **({"num_labels": n} if n is not None else {})}
+
+
+def _say_new_head(folder, overrides: dict) -> None:
+    """The one line (rank 0, stderr) of a folder read under a new head: the head dropped, the one made."""
+    import sys
+
+    from cuboid.zoo.heads import describe
+
+    line = describe(folder, overrides.get("head"), overrides.get("num_labels"))
+    if line is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _attach_lora(model: nn.Module, lora, seed: int) -> None:

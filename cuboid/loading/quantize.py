@@ -46,7 +46,7 @@ def prequantized(cfg: dict, path) -> bool:
                          f"reads nf4")
     return True
 from cuboid.zoo import hf_io
-from cuboid.zoo.families import FAMILIES, family_of
+from cuboid.zoo.families import family_of
 
 
 def folder_is_4bit(path) -> bool:
@@ -69,22 +69,25 @@ def _folder_views(model: nn.Module, path: Path) -> dict:
     return views
 
 
-def from_folder(path, *, dtype, device, transform) -> nn.Module:
-    """A folder's model with its blocks' linears in NF4 (the module docstring says how)."""
+def from_folder(path, *, dtype, device, transform, head: Optional[str] = None,
+                num_labels: Optional[int] = None, seed: int = 0) -> nn.Module:
+    """A folder's model with its blocks' linears in NF4 (the module docstring says how); ``head``,
+    ``num_labels``, ``seed``: read under a new classification head, as :func:`cuboid.zoo.from_hf` takes them."""
     from cuboid.zoo.checkpoint.format import CheckpointError
     from cuboid.zoo.checkpoint.reader import read_new
+    from cuboid.zoo.heads import folder_config, unexplained
 
     path = Path(path)
     cfg = hf_io.read_config(path)
-    family, arch = hf_io.architecture_from_config(cfg, list(FAMILIES.values()), path)
-    config = family.config_from_hf(cfg, arch)
+    family, config, stored = folder_config(path, head, num_labels)
     with torch.device("meta"):
         model = family.build(config)
     model = transform(model)
     if dtype is not None:
         model.to(dtype)
     paths = quantize_linears(model, block_linears(model))
-    problems = read_new(model, path, device=device, strict=False)  # everything but the quantized weights
+    problems = read_new(model, path, device=device, strict=False, seed=seed)  # all but the quantized weights
+    problems = unexplained(problems, model, family, stored)  # (a new head's tensors: initialised)
     views = _folder_views(model, path)
     names = {f"{p}.weight" for p in paths}
     absent = [n for n in names if n not in views]

@@ -5,9 +5,21 @@ over examples), count samples, and report accuracy beside the eval loss.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 from cuboid.data import formats
 
-from .base import Task, register
+from .base import Task, TaskError, register
+
+
+@dataclass(frozen=True)
+class SequenceClassificationOptions:
+    """The options of task ``seqcls`` (``--task seqcls,num_labels=3``, or ``--num-labels 3``)."""
+
+    num_labels: Optional[int] = field(default=None, metadata={
+        "help": "classes of the head (default: the data's, or a classifier folder's own); a causal LM's folder "
+                "gets a new score head of this many outputs", "flag": True})
 
 
 class _Classification(Task):
@@ -33,6 +45,18 @@ class SequenceClassification(_Classification):
 
     name = "seqcls"
     families = ("bert", "gpt", "llama")
+    Options = SequenceClassificationOptions
+
+    def model_config(self, config, tokenizer) -> dict:
+        """``num_labels`` when the option gives it, and a decoder's pad id from the tokenizer where its config
+        names none (its head reads each row's last token that is not padding, as transformers' does)."""
+        n = self.options.num_labels
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise TaskError(f"task seqcls: num_labels {n!r}: a classifier has 1 or more classes")
+        out = {} if n is None else {"num_labels": n}
+        if tokenizer is not None and hasattr(config, "pad_token_id") and config.pad_token_id is None:
+            out["pad_token_id"] = formats.pad_id(tokenizer)
+        return out
 
     def rows(self, ds, *, config, tokenizer=None, seq_len=None, text_column="text", label_column="label",
              num_labels=None, **_) -> dict:

@@ -59,7 +59,7 @@ from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare, unwrap
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
                                  new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
-                                 tidied_on_failure, write_run_file)
+                                 starting_folder, tidied_on_failure, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, set_cpu_threads, threads_kept, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
@@ -303,9 +303,11 @@ def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Opti
             attach(model, cfg.lora, seed=cfg.seed)
         tokenizer = load_tokenizer(cfg.tokenizer)
     elif os.path.isdir(str(cfg.model)):
-        model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora,
-                     quantize=cfg.quantize)
+        from cuboid.loading.model import head_for
+
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora,
+                     quantize=cfg.quantize, **head_for(cfg.model, task, num_labels, tokenizer, lora=cfg.lora))
     else:
         if cfg.model not in PRESETS:
             raise ValueError(f"unknown model {cfg.model!r}: give a preset ({', '.join(PRESETS)}) "
@@ -410,7 +412,7 @@ def resume(r: Run) -> None:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
     r.run_id = decided_on_rank0(r.mesh, lambda: run_of(r, restart))
     if r.mesh.is_main:
-        write_run_file(r.output_dir, r.run_id)
+        write_run_file(r.output_dir, r.run_id, model=starting_folder(r.cfg.model))
     skipped = interrupted(r.output_dir) if restart and r.mesh.is_main else []
     if skipped:
         log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
@@ -569,10 +571,12 @@ def save(r: Run, step: int) -> Path:
         if r.cfg.lora is not None:
             from cuboid.zoo.lora import save_checkpoint
 
-            save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state)
+            save_checkpoint(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
+                            base=starting_folder(r.cfg.model), tokenizer=r.tokenizer,
+                            generation_config=r.generation_config)
         else:
             ckpt.save(r.model, path, optimizer=r.optimizer, scheduler=r.scheduler, state=state,
-                      config_fields=r.hf_fields, generation_config=r.generation_config)
+                      tokenizer=r.tokenizer, config_fields=r.hf_fields, generation_config=r.generation_config)
     if r.mesh.is_main:
         for old in own_checkpoints(path.parent, r.run_id)[:-max(r.cfg.keep, 1)]:  # never another run's
             shutil.rmtree(old, ignore_errors=True)
@@ -593,8 +597,7 @@ def finish(r: Run) -> dict:
     if cfg.lora is not None:  # peft.PeftModel.from_pretrained(base, final) reads it
         from cuboid.zoo.lora import save_adapters
 
-        save_adapters(r.model, final, base=str(Path(cfg.model).resolve()) if isinstance(cfg.model, str)
-                      and os.path.isdir(cfg.model) else None, tokenizer=r.tokenizer,
+        save_adapters(r.model, final, base=starting_folder(cfg.model), tokenizer=r.tokenizer,
                       generation_config=r.generation_config)
     else:
         ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,

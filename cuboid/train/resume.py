@@ -68,11 +68,31 @@ def folder_run_id(out: Path) -> Optional[str]:
     return _run_id(out / RUN_FILE, "run_id")
 
 
-def write_run_file(out: Path, run_id: str) -> None:
-    """Record ``run_id`` as ``out``'s current run (rank 0, before its first checkpoint)."""
+def write_run_file(out: Path, run_id: str, model: Optional[str] = None) -> None:
+    """Record ``run_id`` as ``out``'s current run (rank 0, before its first checkpoint), with the model folder
+    it starts from (``model``, when it is one: what ``cuboid eval --task dpo`` takes as the reference)."""
     tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
+    tmp.write_text(json.dumps({"run_id": run_id, **({"model": model} if model else {})}) + "\n")
     os.replace(tmp, out / RUN_FILE)
+
+
+def starting_folder(model) -> Optional[str]:
+    """The model folder a run starts from, resolved (None for a preset or a module)."""
+    return str(Path(model).resolve()) if isinstance(model, (str, os.PathLike)) and os.path.isdir(model) else None
+
+
+def starting_model(folder) -> Optional[tuple]:
+    """(the model folder a fine-tune started from, the file that records it) for one of its folders: a
+    ``checkpoint-<step>`` (its trainer state's run settings), or ``final/`` and the checkpoints beside it (the
+    output folder's :data:`RUN_FILE`); None where none is recorded, or the folder recorded is not there."""
+    from cuboid.zoo.checkpoint.format import TRAINER_STATE
+
+    folder = Path(folder)
+    for file, keys in ((folder / TRAINER_STATE, ("state", "run", "model")), (folder.parent / RUN_FILE, ("model",))):
+        model = _run_id(file, *keys)
+        if model and Path(model).is_dir() and Path(model).resolve() != folder.resolve():
+            return model, file
+    return None
 
 
 def own_checkpoints(out: Path, run_id: Optional[str]) -> list[Path]:
@@ -266,7 +286,8 @@ def run_settings(cfg, task, steps: int) -> dict:
 
         c = LoraConfig.parse(lora)
         lora = f"r={c.r},alpha={c.alpha:g},dropout={c.dropout:g},targets={'+'.join(c.targets)}"
-    settings = {"task": task.label, "task_options": task.describe(), "optimizer": cfg.optimizer,
+    settings = {"model": starting_folder(cfg.model), "task": task.label, "task_options": task.describe(),
+                "optimizer": cfg.optimizer,
                 "lora": None if lora is None else str(lora), "quantize": cfg.quantize, "steps": steps,
                 "batch_size": cfg.batch_size, "micro_batch_size": cfg.micro_batch_size, "lr": cfg.lr,
                 "lr_scaling": cfg.lr_scaling, "reference_batch": cfg.reference_batch, "warmup": cfg.warmup,

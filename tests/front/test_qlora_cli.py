@@ -37,3 +37,16 @@ def test_quantize_without_lora_is_refused(tmp_path, capsys):
                "--quantize", "int4", "--lora", "r=4", "--output-dir", str(tmp_path / "o"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "'nf4'" in err[0], err
+
+
+def test_the_lora_line_counts_the_4bit_base_unpacked():
+    """The LoRA line's share is of every parameter the model has: its NF4 weights counted as the values they
+    hold (peft's print_trainable_parameters on a 4-bit model), the same total as the model in full precision."""
+    import cuboid
+    from cuboid.zoo import count_parameters
+    from cuboid.zoo.lora import describe
+
+    whole = count_parameters(cuboid.load("qwen3-debug"))
+    line = describe(cuboid.load("qwen3-debug", lora="r=4,alpha=8", quantize="nf4"))
+    assert f"of the model's {whole:,}" in line, line
+    assert line == describe(cuboid.load("qwen3-debug", lora="r=4,alpha=8")), line

@@ -197,6 +197,40 @@ def test_merge_lora_of_a_qlora_run_dequantizes_the_base(folders, tmp_path):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), base.name
 
 
+def test_qlora_adapters_record_their_nf4_base_and_merge_into_it(folders, tmp_path, capsys):
+    """A QLoRA model's adapter folder records its base's quantization (transformers' BitsAndBytesConfig, beside
+    peft's config), so `cuboid convert --merge-lora` of it with no --quantize merges into the base dequantized from
+    NF4 (what the adapters were trained against), not the full-precision one, and says so in one line."""
+    from safetensors.torch import load_file
+    from transformers import BitsAndBytesConfig
+
+    from cuboid.cli.convert import main as convert
+
+    root, _ = folders
+    model = cuboid.load(root / "bf16", quantize="nf4", dtype=torch.float32, lora="r=4,alpha=8")
+    for _, layer in model.named_modules():
+        if hasattr(layer, "lora_B"):
+            torch.nn.init.normal_(layer.lora_B.weight, std=0.02)
+    cuboid.zoo.lora.save_adapters(model, tmp_path / "adapter", base=str(root / "bf16"))
+    record = json.loads((tmp_path / "adapter" / "base_quantization_config.json").read_text())
+    bnb = BitsAndBytesConfig.from_dict(record)
+    assert bnb.load_in_4bit and bnb.bnb_4bit_quant_type == "nf4" and bnb.bnb_4bit_use_double_quant
+    assert cuboid.zoo.checkpoint.verify(tmp_path / "adapter")  # recorded inside the commit
+    layer = model.blocks[1].mlp.proj
+    want = (layer.dequantized(torch.float32) + layer.lora_scaling * layer.lora_B.weight.detach()
+            @ layer.lora_A.weight.detach()).to(torch.bfloat16)
+    capsys.readouterr()
+    assert convert(["convert", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merge-lora", "--quiet"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "NF4" in line]
+    assert len(err) == 1 and "trained on an NF4-quantized base" in err[0], err
+    got = load_file(str(tmp_path / "merged" / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(got, want)
+    # a plain LoRA model's adapters record nothing, and merge into the base as it is
+    plain = cuboid.load(root / "bf16", lora="r=4,alpha=8")
+    cuboid.zoo.lora.save_adapters(plain, tmp_path / "plain", base=str(root / "bf16"))
+    assert not (tmp_path / "plain" / "base_quantization_config.json").exists()
+
+
 def test_a_lora_models_save_loads_back_with_its_adapters(folders, tmp_path):
     """``checkpoint.save`` of a QLoRA model writes its adapters alone (peft's layout): ``cuboid.load`` of that
     folder loads the base its adapter config names with the adapters on (a fine-tune's ``final/`` names it), the

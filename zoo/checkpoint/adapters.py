@@ -29,6 +29,9 @@ from .shards import hf_prefix
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# the 4-bit base the adapters were trained on (QLoRA): transformers' BitsAndBytesConfig as a dict, beside
+# peft's config (which has no such field; an unknown key there makes peft warn)
+BASE_QUANTIZATION = "base_quantization_config.json"
 
 
 def has_adapters(model: nn.Module) -> bool:
@@ -126,3 +129,39 @@ def adapter_config(model: nn.Module, modules, base: Optional[str] = None) -> dic
             "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "use_rslora": False,
             "use_dora": False, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
             "alpha_pattern": {}, "revision": None}
+
+
+def base_quantization(model: nn.Module) -> Optional[dict]:
+    """What the adapters' base was quantized to, when its linears are NF4 (a QLoRA model; None otherwise), as
+    transformers' ``BitsAndBytesConfig(...).to_dict()`` spells it (``BitsAndBytesConfig.from_dict`` reads it):
+    4-bit NF4 in blocks of 64, double quantization as the layers hold it, the dtype the weights were read in
+    (what they dequantize to)."""
+    from cuboid.parallel.quant import quantized_layers
+
+    layers = [layer for _, layer in quantized_layers(model)]
+    if not layers:
+        return None
+    layer = layers[0]
+    double = layer.weight_nested_absmax.numel() > 0 or layer.weight_absmax_codes.numel() > 0
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+            "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": bool(double),
+            "bnb_4bit_compute_dtype": str(layer.nf4_dtype).removeprefix("torch."),
+            "bnb_4bit_quant_storage": "uint8", "blocksize": 64}
+
+
+def recorded_quantization(folder) -> Optional[dict]:
+    """The base quantization an adapter folder records (:data:`BASE_QUANTIZATION`), read as data; None when it
+    records none. A file that is not a JSON object naming bitsandbytes' 4-bit NF4 is refused in one sentence."""
+    from pathlib import Path
+
+    from .format import CheckpointError, parse_json
+
+    file = Path(folder) / BASE_QUANTIZATION
+    if not file.is_file():
+        return None
+    record = parse_json(file.read_bytes(), file)
+    if not isinstance(record, dict) or record.get("quant_method") != "bitsandbytes" \
+            or record.get("bnb_4bit_quant_type") != "nf4" or not record.get("load_in_4bit"):
+        raise CheckpointError(f"{file}: not a record of a bitsandbytes 4-bit NF4 base (quant_method "
+                              f"{record.get('quant_method') if isinstance(record, dict) else None!r})")
+    return record

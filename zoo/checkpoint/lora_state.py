@@ -2,18 +2,20 @@
 
 A LoRA fine-tune's ``checkpoint-<step>/`` holds::
 
-    adapter_config.json                peft's config (peft loads the folder as adapters)
+    adapter_config.json                peft's config (peft loads the folder as adapters), naming the base
     adapter_model.safetensors          every adapter as a full tensor under its peft name
     config.json                        the model's HF config
     optimizer.safetensors              the adapters' optimizer state as full tensors by zoo parameter name
     optimizer.safetensors.index.json   + class, param groups and per-parameter steps (as a full checkpoint's)
     trainer_state.json                 step, scheduler, every rank's RNG, the caller's state, plan, world size
+    tokenizer files, generation_config.json   the run's, when it has them (as in ``final/``)
+    base_quantization_config.json      a QLoRA run's: its base's NF4 settings (transformers' BitsAndBytesConfig)
     lora-checkpoint.json               the commit file, written last: size and SHA-256 of every file above
 
 and its ``final/`` (:func:`save_adapters`, what ``checkpoint.save`` writes for
 a LoRA model) holds ``adapter_config.json``, ``adapter_model.safetensors``,
-the tokenizer's files when given, and ``lora-adapters.json``, the commit file
-recording them (peft ignores it).
+the tokenizer's files when given, a QLoRA run's ``base_quantization_config.json``,
+and ``lora-adapters.json``, the commit file recording them (peft ignores both).
 
 Every file is fsync'd, the folder is written under a temporary name and
 renamed into place (:mod:`.folder`: a crash mid-write leaves the previous
@@ -33,7 +35,8 @@ from typing import Dict, Optional
 import torch
 
 from . import folder as folder_mod
-from .adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, adapter_config, adapter_state
+from .adapters import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_QUANTIZATION, PEFT_PREFIX, adapter_config,
+                       adapter_state, base_quantization)
 from .format import (ADAPTERS_COMMIT, LORA_COMMIT, OPTIMIZER_INDEX, TRAINER_STATE, CheckpointError, FileRecord,
                      lora_commit, parse_json, read_header, write_json)
 from .shards import Source, meta, plan_shards
@@ -53,9 +56,12 @@ def is_lora_checkpoint(path) -> bool:
 
 
 def is_adapter_folder(path) -> bool:
-    """Whether ``path`` holds LoRA adapters alone (peft's ``adapter_config.json``, no model ``config.json``): what
-    ``checkpoint.save`` writes for a LoRA model (:func:`save_adapters`)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file() and not (Path(path) / "config.json").is_file()
+    """Whether ``path`` holds LoRA adapters without model weights (peft's ``adapter_config.json``, no
+    ``model.safetensors`` or index): what ``checkpoint.save`` writes for a LoRA model (:func:`save_adapters`),
+    and a LoRA run's training checkpoint (its ``config.json`` is the base's, beside no weights)."""
+    p = Path(path)
+    weights = (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
+    return (p / ADAPTER_CONFIG).is_file() and not weights
 
 
 def adapter_base(path) -> str:
@@ -137,6 +143,15 @@ def _write_adapters(job, files: dict, adapters: dict) -> None:
     files.update(write_shards(aplan, _sources(adapters), job, lambda f: {"format": "pt"}))
 
 
+def _write_quantization(job, model, files: dict) -> None:
+    """A QLoRA model's base quantization (:func:`~.adapters.base_quantization`), recorded beside its adapters."""
+    from .writer import write_record
+
+    record = base_quantization(model)
+    if record is not None:
+        write_record(job, BASE_QUANTIZATION, record, files)
+
+
 def _modules(adapters: dict) -> set:
     """peft's target modules: the adapted linears (the experts' adapters are its ``target_parameters``)."""
     found = {k[len(PEFT_PREFIX):-len(".lora_A.weight")] for k in adapters if k.endswith(".lora_A.weight")}
@@ -172,16 +187,20 @@ def save_adapters(model, path, *, base: Optional[str] = None, tokenizer=None,
         write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
         _write_adapters(job, files, adapters)
         write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
+        _write_quantization(job, model, files)
         if generation_config is not None:
             write_record(job, "generation_config.json", generation_config, files)
 
     return _committed(path, world, rank, ADAPTERS_COMMIT, body)
 
 
-def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None) -> Path:
+def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: Optional[dict] = None,
+                         base: Optional[str] = None, tokenizer=None, generation_config: Optional[dict] = None) -> Path:
     """Write a LoRA run's training checkpoint (module docstring) to ``path``, atomically. Every rank calls it
-    with the same arguments (the gathers are collectives); rank 0 writes; every rank raises rank 0's error."""
-    from .writer import hf_config, index_json, write_record, write_shards
+    with the same arguments (the gathers are collectives); rank 0 writes; every rank raises rank 0's error.
+    ``base``, ``tokenizer`` and ``generation_config`` as :func:`save_adapters` takes them, so the checkpoint
+    loads, generates and evaluates as ``final/`` does (HF's Trainer saves the tokenizer in every checkpoint)."""
+    from .writer import hf_config, index_json, write_record, write_shards, write_tokenizer
 
     path = folder_mod.real(path)
     rank, world = dist_info()
@@ -190,9 +209,13 @@ def save_lora_checkpoint(model, path, *, optimizer=None, scheduler=None, state: 
     trainer = dict(training_record(model, optimizer, scheduler, state, world), lora=True)
 
     def body(job, files: dict) -> None:
+        write_tokenizer(job, tokenizer, files)  # first: it records what save_pretrained added to the folder
         _write_adapters(job, files, adapters)
-        write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters)), files)
+        write_record(job, ADAPTER_CONFIG, adapter_config(model, _modules(adapters), base), files)
         write_record(job, "config.json", hf_config(model), files)
+        _write_quantization(job, model, files)
+        if generation_config is not None:
+            write_record(job, "generation_config.json", generation_config, files)
         if oinfo is not None:
             oplan = plan_shards(_sources(otensors), "optimizer", None)
             shards = write_shards(oplan, _sources(otensors), job, lambda f: {"format": "pt"})

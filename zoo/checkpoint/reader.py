@@ -473,7 +473,7 @@ def _fill(r: _Read, view) -> None:
             param.copy_(part)
 
 
-def read_new(model: torch.nn.Module, path, *, device="cpu", strict: bool = True) -> dict:
+def read_new(model: torch.nn.Module, path, *, device="cpu", strict: bool = True, seed: int = 0) -> dict:
     """Allocate the meta ``model`` on ``device`` and fill it from the folder ``path`` (what ``from_hf`` runs).
 
     The same plan and views as :func:`load`, but the parameters are new, so
@@ -489,14 +489,14 @@ def read_new(model: torch.nn.Module, path, *, device="cpu", strict: bool = True)
     assembled (tensor-parallel segments, stacked q/k/v, padding) or cast are
     made once and adopted. ``device="meta"``: the checks only, nothing
     allocated. Parameters the folder lacks (``strict=False``) are
-    initialised by ``model.init_weights(0)``, not left as garbage.
+    initialised by ``model.init_weights(seed)``, not left as garbage.
     """
     folder, reads, problems = _open(model, path, strict, False)
     if str(device) == "meta":
         return problems
     to_empty(model, device)
     if len(reads) < sum(1 for _ in sharded_parameters(model)):
-        model.init_weights(0)
+        model.init_weights(seed)
     for r in reads:
         _fill(r, _view(folder, r))
     return problems
