@@ -347,7 +347,8 @@ def _params_err(model, want, pairs=None) -> float:
 
 
 
-def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(FAMILIES), families=FAMILIES):
+def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(FAMILIES), families=FAMILIES,
+                       cover=None):
     """Each plan (a ready name, a spec or a Plan) on each family, through the public path, against one device.
 
     ``optimizers``: each plan runs with every one, or (``rotate``) with one per family, turned by the plan's
@@ -368,8 +369,9 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     from cuboid.parallel.spec import blocks_of
 
     report = {}
-    runs = list(_runs(plans, optimizers, rotate, per_plan, families))
     world = init_distributed()[1]
+    runs = list(_runs(plans, optimizers, rotate, per_plan, families, world) if cover is None else
+                _cover_runs(cover, optimizers))
     _WHOLE_FOR.update(_ref_key(*args) for index, _, _, name, _, _, args in runs
                       if checks_reliability(index, name, world) or args.between)
     share_references([args for *_, args in runs])
@@ -446,15 +448,12 @@ def plan_parity_worker(plans, optimizers=OPTIMIZERS, rotate=False, per_plan=len(
     return report
 
 
-def _runs(plans, optimizers, rotate, per_plan, families):
+def _runs(plans, optimizers, rotate, per_plan, families, world):
     """(plan index, label, Plan, family, config overrides, optimizer, :func:`reference`'s arguments) of each run
-    of :func:`plan_parity_worker`, in order."""
+    of :func:`plan_parity_worker` in a world of ``world`` ranks, in order."""
     from cuboid.parallel import Plan
     from cuboid.zoo import READY_PLANS
 
-    from cuboid.parallel.mesh import init_distributed
-
-    world = init_distributed()[1]
     for index, spec in enumerate(plans):
         plan = Plan.parse(spec, READY_PLANS)
         label = spec if isinstance(spec, str) else plan.describe()
@@ -476,6 +475,24 @@ def _runs(plans, optimizers, rotate, per_plan, families):
                 yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, size, extra, packed,
                                                                      micro, plan.dp, task, index if task else 0,
                                                                      steps_of(index), between)
+
+
+def _cover_runs(cover, optimizers):
+    """:func:`_runs`' tuples of plan_coverage's covering runs ``cover``: (plan index, spec, family, task, config
+    overrides) each, the optimizer turned by the index as the rotation turns it."""
+    from cuboid.parallel import Plan
+    from cuboid.zoo import READY_PLANS
+
+    for index, spec, name, task, extra in cover:
+        plan = Plan.parse(spec, READY_PLANS)
+        label = spec if isinstance(spec, str) else plan.describe()
+        kind = optimizers[(index + FAMILIES.index(name)) % len(optimizers)]
+        task = "" if task == "model" else task
+        size, packed = _batch_size(plan.dp), packs(plan)
+        if task in PAIR_TASKS or task == "grpo":
+            size, packed = pair_rows(size, plan.dp, plan.microbatches), False
+        yield index, label, plan, name, extra, kind, RefArgs(name, kind, plan.pp > 1, size, extra, packed, 1, plan.dp,
+                                                             task, index if task else 0, steps_of(index))
 
 
 # (plan, family) the generated test found wrong in this build, each with what goes wrong; checked to fail
@@ -573,12 +590,16 @@ COMPILED = {2: [("dp=2,compile=true", "bert-debug"), ("pp=2,microbatches=2,compi
 COMPILE_BACKEND = "aot_eager"
 
 
-def generated_worker(world: int):
+def generated_worker(world: int, cover: list = ()):
+    """One world's runs: its enumerated plans, its ready and extra ones (the rotation), the covering runs
+    ``cover`` (plan_coverage: the pairs the rotation leaves out), the compiled plans."""
     from cuboid.parallel import compile as pc
 
     plans, others = generated(world)
     report = plan_parity_worker(plans, rotate=True, per_plan=families_per_plan(world, plans))
     report.update(plan_parity_worker(others, rotate=True))
+    if cover:
+        report.update(plan_parity_worker([], cover=list(cover)))
     pc.BACKEND = COMPILE_BACKEND
     for spec, family in COMPILED.get(world, []):
         report.update(plan_parity_worker([spec], rotate=True, families=(family,)))
@@ -615,9 +636,12 @@ def run_generated(world: int, timeout: float, *extra_work):
     /tmp/cuboid-plan-parity/world{N}.json and prints the count and time per N."""
     import time
 
+    from .plan_coverage import all_covers
+
     plans, others = generated(world)
+    cover = all_covers()[world].runs
     start = time.perf_counter()
-    results = run_world(generated_worker if not extra_work else extra_work[0], world, world, timeout=timeout)
+    results = run_world(generated_worker if not extra_work else extra_work[0], world, world, cover, timeout=timeout)
     took = time.perf_counter() - start
     reports = [r if not extra_work else r[0] for r in results]
     seconds = record_seconds(f"world{world}", reports, world=world, plans=len(plans), ready_and_extra=len(others),
@@ -627,7 +651,10 @@ def run_generated(world: int, timeout: float, *extra_work):
     added = sum(len(between_families(i, p, families_of(i, families))) - len(families_of(i, families))
                 for i, p in enumerate(plans) if families < len(FAMILIES))  # the between-steps axis' LMs
     assert len(reports[0]) == families * len(plans) + added + len(FAMILIES) * len(others) + \
-        len(COMPILED.get(world, []))
+        len(COMPILED.get(world, [])) + len(cover)
+    ran = {tuple(k.split("/")[:2]) + (k.split("/")[3] if k.count("/") == 3 else "model",) for k in reports[0]}
+    assert {(s if isinstance(s, str) else s.describe(), name, task) for _, s, name, task, _ in cover} <= ran, \
+        "plan_coverage's covering runs, by plan/family/task"
     assert {k.split("/")[0] for k in reports[0]} >= {p.describe() for p in plans}  # every enumerated plan ran
     check_between(reports[0], plans)
     ran = {k.split("/")[3] for k in reports[0] if k.count("/") == 3}
@@ -638,6 +665,20 @@ def run_generated(world: int, timeout: float, *extra_work):
           f"runs in {took:.0f} s "
           f"({sum(seconds.values()) / len(seconds):.2f} s a run)")
     return results
+
+
+def test_the_worlds_cover_every_pair():
+    """Every (plan field value, family) and (plan field value, task) pair a world's plans allow runs in some world,
+    by the rotation or a covering run (plan_coverage); the report lists where."""
+    from .plan_coverage import WORLDS, all_covers, allowed_pairs, report
+
+    covers = all_covers()
+    family_pairs, task_pairs = allowed_pairs()
+    last = covers[WORLDS[-1]]
+    assert not family_pairs - last.family_pairs, sorted(family_pairs - last.family_pairs, key=str)
+    assert not task_pairs - last.task_pairs, sorted(task_pairs - last.task_pairs, key=str)
+    assert all(len(c.runs) <= 24 for c in covers.values()), {w: len(c.runs) for w, c in covers.items()}  # CI time
+    print("\n" + report())
 
 
 def test_every_enumerated_plan_on_2_ranks():
@@ -674,10 +715,10 @@ def groups_worker(loads: int = GROUP_LOADS) -> dict:
     return {"threads": (first[0], last[0]), "groups": (first[1], last[1]), "seconds": time.perf_counter() - start}
 
 
-def eight_rank_worker(world):
+def eight_rank_worker(world, cover=()):
     from .cost_checks import cost_worker
 
-    return generated_worker(world), cost_worker(EIGHT_RANK_COST), groups_worker()
+    return generated_worker(world, cover), cost_worker(EIGHT_RANK_COST), groups_worker()
 
 
 def test_every_enumerated_plan_on_8_ranks():

@@ -159,7 +159,7 @@ def test_every_enumerated_plan_meets_qlora():
         for group, per_plan in ((plans, families_per_plan(world, plans)), (others, len(FAMILIES))):
             met = set()  # plans with a QLoRA run
             with mock.patch.object(plan_qlora, "check_grid_refused", wraps=plan_qlora.check_grid_refused) as grid:
-                for index, _, plan, name, extra, *_ in _runs(group, OPTIMIZERS, True, per_plan, FAMILIES):
+                for index, _, plan, name, extra, *_ in _runs(group, OPTIMIZERS, True, per_plan, FAMILIES, world):
                     if extra.get("quantize") == "nf4":
                         assert plan.tp == 1 or plan.tp_mode == "1d", (world, plan.describe())
                         met.add(index)
