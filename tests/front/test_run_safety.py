@@ -78,7 +78,9 @@ def test_an_elastic_restart_with_no_checkpoint_starts_from_step_0(images, tmp_pa
     cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, **OPTS)
     older = run_id_of(out / "checkpoint-2")
     # a new run beside it dies before its first checkpoint; its restart starts at step 0 as that run (its id
-    # was recorded at the start), not from the older run's checkpoint-2
+    # was recorded at the start), not from the older run's checkpoint-2. torchrun's workers of a job that may
+    # restart see TORCHELASTIC_MAX_RESTARTS, which keeps the failed start's run file for the restart
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     with pytest.raises(Exception):
         cuboid.finetune("vit-debug", str(tmp_path / "no-such-data"), output_dir=str(out), steps=3,
                         overwrite_output_dir=True, **OPTS)
