@@ -171,6 +171,14 @@ class Task:
         later steps reuse its rollouts; :meth:`before_step` is then given None)."""
         return True
 
+    def state_dict(self) -> dict:
+        """JSON values a checkpoint keeps for an exact resume of what the task holds between steps (GRPO: the
+        generation a later step reuses); by default nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values on resume."""
+
     def step_log(self, result, step: int, output_dir=None) -> dict:
         """What the metrics row of step ``step`` gains from the step's
         :class:`~cuboid.train.step.StepResult` (by default its metrics, means over the counted units); the

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .base import Task, TaskError, register
+from .rollout import Rollouts
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -257,13 +258,40 @@ class GRPO(Task):
 
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
         self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
-        self.rollout: Optional[dict] = None  # the current generation (.rollout), kept num_iterations steps
+        self.rollouts = Rollouts()  # the current generation, kept num_iterations steps, and the tokens sampled
         self.records: list = []   # the prompts' records (every split rows() made), by index
         self.prompt_ids: list = []
         self.chat_template = o.chat_template
         self.model = None         # the policy to sample with (with_model)
         self.logged = False       # completions.jsonl written by this run yet
-        self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
+
+    @property
+    def rollout(self) -> Optional[dict]:
+        """The current generation (:class:`.rollout.Rollouts`' ``current``), kept ``num_iterations`` steps."""
+        return self.rollouts.current
+
+    @rollout.setter
+    def rollout(self, value: Optional[dict]) -> None:
+        self.rollouts.current = value
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and completion tokens sampled so far (TRL's ``num_tokens``)."""
+        return self.rollouts.num_tokens
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        self.rollouts.num_tokens = value
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps for an exact resume: the rollouts (the current generation only where a later
+        step reuses it, ``num_iterations`` > 1) and the tokens sampled."""
+        return {"rollouts": self.rollouts.state_dict(keep_current=self.options.num_iterations > 1)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollouts.load_state_dict(state.get("rollouts", {}))
+        r = self.rollout
+        self.empty_step = r is not None and not bool((r["batch"]["labels"][:, 1:] != -100).any())
 
     # ------------------------------------------------------------ the step on fixed rollouts
 

@@ -158,3 +158,67 @@ def length_metrics(completions: Sequence[list], stops: Sequence[int]) -> dict:
 
 def finite_or_none(x: float) -> Optional[float]:
     return x if x is not None and math.isfinite(x) else None
+
+
+def encode(t: torch.Tensor) -> dict:
+    """A tensor as JSON values, bit for bit: dtype, shape and its bytes in base64 (read back by :func:`decode`;
+    no pickle)."""
+    import base64
+
+    t = t.detach().cpu().contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode()}
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bool": torch.bool,
+           "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32}
+
+
+def decode(d: dict) -> torch.Tensor:
+    """The tensor :func:`encode` wrote; a one-line TaskError when the record is not one."""
+    import base64
+
+    try:
+        dtype, shape = _DTYPES[d["dtype"]], [int(n) for n in d["shape"]]
+        raw = bytearray(base64.b64decode(d["data"], validate=True))
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(shape).clone()
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise TaskError(f"a saved rollout tensor is unreadable ({type(e).__name__}: {e})") from None
+
+
+class Rollouts:
+    """The rollouts a GRPO run holds between steps, as a batch source's state: the current generation (``current``:
+    its step, batch with ``old_logps``/``ref_logps``, prompts, texts, completion ids, rewards, advantages and
+    logged figures), reused for ``num_iterations`` steps, and the tokens sampled so far (TRL's ``num_tokens``).
+
+    :meth:`state_dict` is JSON values (tensors through :func:`encode`, bit for bit) that the loop keeps in a
+    checkpoint's trainer state; :meth:`load_state_dict` restores them, so a run resumed between a generation's
+    iterations trains on the same rollouts as the uninterrupted run instead of sampling new ones."""
+
+    TENSORS = ("per_func", "rewards", "advantages")
+
+    def __init__(self) -> None:
+        self.current: Optional[dict] = None
+        self.num_tokens = 0
+
+    def state_dict(self, keep_current: bool = True) -> dict:
+        """``{"num_tokens", "current"}``; ``current`` None when there is none or ``keep_current`` is False."""
+        r = self.current
+        current = None
+        if r is not None and keep_current:
+            current = {k: v for k, v in r.items() if k not in self.TENSORS and k != "batch"}
+            current.update({k: encode(r[k]) for k in self.TENSORS})
+            current["batch"] = {k: encode(v) for k, v in r["batch"].items()}
+        return {"num_tokens": self.num_tokens, "current": current}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
+        saved = state.get("current")
+        if saved is None:
+            self.current = None
+            return
+        current = {k: v for k, v in saved.items() if k not in self.TENSORS and k != "batch"}
+        current.update({k: decode(saved[k]) for k in self.TENSORS})
+        current["batch"] = {k: decode(v) for k, v in saved["batch"].items()}
+        self.current = current

@@ -386,6 +386,7 @@ def resume(r: Run) -> None:
             raise ValueError(f"{r.resumed_from} was written by a --streaming run: resume it with --streaming")
         else:
             r.batches.position = int(saved["data"]["position"])
+        r.task.load_state_dict(saved.get("task", {}))  # GRPO: the generation the next step reuses
         log(f"resumed from {r.resumed_from} at step {r.start}" + (f" (restart {restart})" if restart else ""))
     elif restart:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
@@ -546,6 +547,9 @@ def save(r: Run, step: int) -> Path:
         data = {"position": r.batches.position}
     state = {"step": step, "data": data, "plan": r.plan.to_dict(), "run_id": r.run_id,
              "run": run_settings(r.cfg, r.task, r.steps)}
+    kept = r.task.state_dict()  # what the task holds between steps (GRPO's rollouts)
+    if kept:
+        state["task"] = kept
     r.callbacks.fire("on_save_begin", r, step, path)
     with r.callbacks.save_files(r, step):
         if r.cfg.lora is not None:

@@ -1,0 +1,57 @@
+"""A GRPO run resumed inside a generation (``num_iterations`` 2, its ``checkpoint-3`` between the generation's
+two steps) is the uninterrupted run: the same final weights, bit for bit (``torch.equal``), in one process and
+under ``dp=2``; the resumed run logs the same metrics rows (the generation's reward figures, ``num_tokens``).
+The rollout the next step reuses (its batch, ``old_logps``, figures) travels in the checkpoint's trainer state
+(:class:`cuboid.tasks.rollout.Rollouts`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.front.fixtures import hf_qwen2_folder
+from tests.front.test_grpo_finetune import finetune, grpo
+from tests.parallel.launch import run_world
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return hf_qwen2_folder(tmp_path_factory.mktemp("qwen2"))
+
+
+def weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted((out / "final").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def whole_and_resumed(folder: str, root: str, plan=None) -> tuple:
+    """4 steps of 2 generations saved every step, and steps 4 resumed from ``checkpoint-3`` (mid-generation):
+    (both runs' final weights equal bit for bit, the names that differ, both runs' metrics rows)."""
+    task = dict(num_iterations=2)
+    root = Path(root)
+    whole = finetune(Path(folder), root / "whole", steps=4, task=grpo(**task), save_every=1, keep=4, plan=plan)
+    part = finetune(Path(folder), root / "part", steps=4, task=grpo(**task), plan=plan,
+                    resume=str(root / "whole" / "checkpoint-3"))
+    a, b = weights(root / "whole"), weights(root / "part")
+    differ = sorted(k for k in a if not torch.equal(a[k], b[k]))
+    return bool(a) and a.keys() == b.keys(), differ, whole, part
+
+
+def check(same_keys, differ, whole, part):
+    assert same_keys
+    assert not differ, f"weights differ after a mid-generation resume: {differ[:4]}"
+    assert [r["step"] for r in part] == [4]
+    for key in ("reward", "reward_std", "num_tokens", "completions/mean_length"):
+        assert part[0][key] == whole[3][key], key
+
+
+def test_resume_inside_a_generation_is_exact(qwen2, tmp_path):
+    check(*whole_and_resumed(str(qwen2), str(tmp_path)))
+
+
+def test_resume_inside_a_generation_is_exact_dp2(qwen2, tmp_path):
+    check(*run_world(whole_and_resumed, 2, str(qwen2), str(tmp_path), "dp", timeout=600)[0])
