@@ -59,6 +59,8 @@ class GRPOOptions:
                                     flag=True, append=True)
     reward_weights: Optional[str] = _option(None, "the reward functions' weights, comma-separated (default 1 each)",
                                             flag=True)
+    reward_timeout_s: Optional[float] = _option(None, "seconds a reward function may run a step before the run "
+                                                      "fails (default: --timeout-s, 300)", flag=True)
     num_generations: int = _option(8, "completions sampled per prompt (G); --batch-size counts completions",
                                    flag=True)
     max_completion_length: int = _option(512, "tokens a completion may have", flag=True)
@@ -245,6 +247,8 @@ class GRPO(Task):
             raise TaskError("task grpo: num_iterations and max_completion_length must be at least 1")
         if o.beta < 0 or o.epsilon < 0 or (o.epsilon_high is not None and o.epsilon_high < 0):
             raise TaskError("task grpo: beta, epsilon and epsilon_high must not be negative")
+        if o.reward_timeout_s is not None and not o.reward_timeout_s > 0:
+            raise TaskError(f"task grpo: reward_timeout_s {o.reward_timeout_s} must be positive seconds")
         if o.temperature <= 0 or not 0.0 < o.top_p <= 1.0 or o.top_k < 0:
             raise TaskError(f"task grpo: need temperature > 0, 0 < top_p <= 1 and top_k >= 0; got "
                             f"{o.temperature}, {o.top_p}, {o.top_k}")
@@ -412,7 +416,8 @@ class GRPO(Task):
         columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
         from .grpo_rewards import score
 
-        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns)
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
+                         timeout_s=o.reward_timeout_s)
         rewards, adv, std_zero = advantages(per_func, self.reward_weights, G, o.scale_rewards)
         cut = [R.truncated(c, stops) for c in completions]
         masked = cut if o.mask_truncated_completions else [False] * len(cut)

@@ -11,8 +11,10 @@ gets ``[{"role": "assistant", "content": text}]`` as TRL does);
 columns of the prompts' records, one list each. ``None``: the function does not
 apply to that completion (ignored in the weighted sum). Importing
 ``MODULE:FUNCTION`` runs the user's code (docs/architecture.md, "What cuboid
-trusts"); a function that raises, returns the wrong length or a value that is
-not a number stops the run with one sentence naming it.
+trusts"); a function that raises (its file:line shown), calls ``exit()``,
+hangs past the timeout (``--timeout-s`` unless ``reward_timeout_s``), returns
+the wrong length or a value that is not a finite number (a string, NaN, inf)
+stops the run with one sentence naming it, the row and the step.
 """
 from __future__ import annotations
 
@@ -48,7 +50,9 @@ def load_reward(spec) -> tuple:
             if os.getcwd() not in sys.path:  # a module beside the run, as `python -m` finds it
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 (the user's module: any error is reported in one sentence)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 (the user's module: any error, exit() too, in one sentence)
         raise TaskError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
@@ -83,32 +87,93 @@ def parse_weights(text, n: int) -> torch.Tensor:
 
 
 def score(funcs: Sequence[Callable], names: Sequence[str], prompts: list, completions: list,
-          completion_ids: list, columns: Optional[dict] = None) -> torch.Tensor:
+          completion_ids: list, columns: Optional[dict] = None, *, step: Optional[int] = None,
+          timeout_s: Optional[float] = None) -> torch.Tensor:
     """(B, F) float64 rewards, NaN where a function returned None; a one-sentence error naming the function
-    that raised or returned something else than B numbers or Nones."""
+    (and ``step``) that raised (its own file:line), exited, ran past ``timeout_s`` seconds (None: the collective
+    timeout, ``--timeout-s``), or returned something else than B finite numbers or Nones (naming the row)."""
     columns = columns or {}
+    at = f" at step {step}" if step is not None else ""
+    if timeout_s is None:
+        from cuboid.parallel.timeouts import timeout_s as collective_timeout
+
+        timeout_s = collective_timeout()
     out = torch.full((len(completions), len(funcs)), float("nan"), dtype=torch.float64)
     for i, (fn, name) in enumerate(zip(funcs, names)):
-        try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # noqa: BLE001 (the user's function)
-            raise TaskError(f"reward function {name} raised {type(e).__name__}: {e}") from None
-        try:
-            values = list(values)
-        except TypeError:
-            raise TaskError(f"reward function {name} returned {type(values).__name__}, not a list") from None
+        values = call_user(fn, f"reward function {name}", at, timeout_s, prompts=prompts, completions=completions,
+                           completion_ids=completion_ids, **columns)
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TaskError(f"reward function {name} returned {type(values).__name__}, not a list{at}")
+        values = list(values)
         if len(values) != len(completions):
             raise TaskError(f"reward function {name} returned {len(values)} rewards for {len(completions)} "
-                            "completions")
+                            f"completions{at}")
         for j, v in enumerate(values):
-            if v is None:
-                continue
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise TaskError(f"reward function {name} returned {v!r} (not a number or None) for completion "
-                                f"{j}") from None
-            if math.isnan(v):
-                continue
-            out[j, i] = v
+            if v is not None:
+                out[j, i] = reward_value(v, name, j, at)
     return out
+
+
+def reward_value(v, name: str, row: int, at: str = "") -> float:
+    """One reward as a float: a real number (a bool, an int, a float, a one-element tensor or numpy value), finite;
+    a string, NaN or inf is refused naming the function and the row (TRL's None is how a function abstains)."""
+    if isinstance(v, (str, bytes)):
+        raise TaskError(f"reward function {name} returned the string {v!r} for completion {row}{at}: return a "
+                        "number (or None where it does not apply)")
+    try:
+        f = float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TaskError(f"reward function {name} returned {v!r} (not a number or None) for completion "
+                        f"{row}{at}") from None
+    if not math.isfinite(f):
+        raise TaskError(f"reward function {name} returned {f} for completion {row}{at}: rewards must be finite "
+                        "(return None where it does not apply)")
+    return f
+
+
+def call_user(fn: Callable, what: str, at: str, timeout_s: Optional[float], **kwargs):
+    """``fn(**kwargs)`` (user code) in a thread of its own, waited for at most ``timeout_s`` seconds (None or 0:
+    no bound): its value, or a one-line TaskError saying ``what`` raised (the exception and the user's
+    file:line), called ``exit()``, or did not return in time. Ctrl-C (KeyboardInterrupt) goes on as it is."""
+    import threading
+
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 (user code: exit() and the like end the run in one line)
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"cuboid {what}", daemon=True)  # a hung one never joins
+    worker.start()
+    worker.join(timeout_s if timeout_s else None)
+    if worker.is_alive():
+        raise TaskError(f"{what} did not return within {timeout_s:g} s{at} (a reward function that hangs; "
+                        "--timeout-s bounds it)")
+    e = box.get("error")
+    if e is None:
+        return box.get("value")
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    if isinstance(e, SystemExit):
+        raise TaskError(f"{what} called exit({e.code!r}){where(e, fn)}{at}: user code must return, not "
+                        "end the run") from None
+    message = " ".join(str(e).split())
+    raise TaskError(f"{what} raised {type(e).__name__}{': ' + message if message else ''}{where(e, fn)}{at}") \
+        from None
+
+
+def where(e: BaseException, fn: Callable) -> str:
+    """`` (file:line)`` of the user's frame an exception came from: the deepest in ``fn``'s own file, else the
+    deepest of all ('' without a traceback)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # past call_user's own frame
+    if not frames:
+        return ""
+    code = getattr(getattr(fn, "__code__", None), "co_filename", None) or \
+        getattr(getattr(type(fn).__call__, "__code__", None), "co_filename", None)
+    own = [f for f in frames if f.filename == code]
+    f = (own or frames)[-1]
+    return f" ({f.filename}:{f.lineno})"
