@@ -252,10 +252,10 @@ class GRPO(Task):
         if o.temperature <= 0 or not 0.0 < o.top_p <= 1.0 or o.top_k < 0:
             raise TaskError(f"task grpo: need temperature > 0, 0 < top_p <= 1 and top_k >= 0; got "
                             f"{o.temperature}, {o.top_p}, {o.top_k}")
-        from .grpo_rewards import load_rewards, parse_weights
+        from .grpo_rewards import load_rewards, parse_weights, split_specs
 
         named = [] if o.reward is None else [o.reward] if isinstance(o.reward, str) else list(o.reward)
-        named = [spec.strip() for text in named for spec in text.split(";") if spec.strip()]
+        named = [spec for text in named for spec in split_specs(text)]
         if named:  # spelled as one text (describe(), a checkpoint's record): "a.py:f;b:g"
             self.options = o = dataclasses.replace(o, reward=";".join(named))
         self.reward_funcs, self.reward_names = load_rewards(list(reward_funcs) + named)
@@ -457,9 +457,9 @@ class GRPO(Task):
         r, G = self.rollout, self.options.num_generations
         path = Path(output_dir) / "completions.jsonl"
         if not self.logged and path.exists():  # this run's first write: keep the earlier steps a resume keeps
-            kept = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line)["step"] < r["step"]]
-            path.write_text("".join(line + "\n" for line in kept))
+            from .rollout import cut_log
+
+            cut_log(path, r["step"])
         self.logged = True
         with open(path, "a") as f:
             for j, text in enumerate(r["texts"]):

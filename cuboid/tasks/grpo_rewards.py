@@ -35,9 +35,9 @@ def load_reward(spec) -> tuple:
     file: ``rewards.py:fn``)."""
     if callable(spec):
         return spec, getattr(spec, "__name__", type(spec).__name__)
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+    module_name, _, fn_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not module_name or not fn_name.isidentifier():  # from the right: a path may hold ':' (my:file.py:fn)
         raise TaskError(f"--reward {spec!r}: give MODULE:FUNCTION (a module on the path or a .py file)")
-    module_name, fn_name = spec.split(":")
     try:
         if module_name.endswith(".py"):
             path = os.path.abspath(module_name)
@@ -58,6 +58,28 @@ def load_reward(spec) -> tuple:
     if not callable(fn):
         raise TaskError(f"--reward {spec}: {module_name} has no function {fn_name}")
     return fn, fn_name
+
+
+def is_spec(text: str) -> bool:
+    """Whether ``text`` reads as MODULE:FUNCTION: a ``.py`` file or a dotted module name, then ':' and a name."""
+    module, _, fn = text.strip().rpartition(":")
+    return bool(module) and fn.isidentifier() and (module.endswith(".py")
+                                                   or all(part.isidentifier() for part in module.split(".")))
+
+
+def split_specs(text: str) -> list:
+    """The MODULE:FUNCTION specs of ``text`` joined by ';' (a checkpoint's record, ``--reward a.py:f;b:g``): a ';'
+    separates two only where the text before it reads as a whole spec (:func:`is_spec`), so a path may hold ';'
+    or ':' (``my;dir/r.py:fn``, ``path/to/my:file.py:fn``)."""
+    found, start = [], 0
+    for at, ch in enumerate(text):
+        if ch == ";" and is_spec(text[start:at]):
+            found.append(text[start:at].strip())
+            start = at + 1
+    rest = text[start:].strip()
+    if rest and not is_spec(rest) and found:  # not specs after all: load_reward names each piece it cannot read
+        return [spec.strip() for spec in text.split(";") if spec.strip()]
+    return found + ([rest] if rest else [])
 
 
 def load_rewards(specs: Sequence) -> tuple:

@@ -222,3 +222,43 @@ class Rollouts:
         current.update({k: decode(saved[k]) for k in self.TENSORS})
         current["batch"] = {k: decode(v) for k, v in saved["batch"].items()}
         self.current = current
+
+
+def cut_log(path, step: int) -> None:
+    """Keep the lines of the completions log ``path`` (``completions.jsonl``, appended step by step) before
+    ``step`` (a resume keeps the steps it resumes after), read a line at a time and cut in place (the log is
+    never held in memory). A last line a kill left cut off (no newline, not JSON) is dropped with a warning
+    naming the file; an unreadable line before it is a one-line error naming the file and line."""
+    import json
+    import sys
+
+    with open(path, "r+b") as f:
+        offset, number, cut = 0, 0, None
+        for raw in iter(f.readline, b""):
+            number += 1
+            if not raw.strip():
+                offset += len(raw)
+                continue
+            try:
+                line = json.loads(raw)
+                ok = isinstance(line, dict) and isinstance(line.get("step"), int)
+            except ValueError:
+                ok = False
+            if not ok:
+                if raw.endswith(b"\n") and f.read(1):
+                    raise TaskError(f"{path}:{number}: not a completions log line (a JSON object with its step); "
+                                    "fix or remove the file to resume")
+                print(f"warning: {path}: dropped its cut-off last line {number} (a write interrupted)",
+                      file=sys.stderr, flush=True)
+                cut = offset
+                break
+            if line["step"] >= step:
+                cut = offset
+                break
+            offset += len(raw)
+            if not raw.endswith(b"\n"):  # a whole last line the kill left without its newline
+                f.seek(0, 2)
+                f.write(b"\n")
+                offset += 1
+        if cut is not None:
+            f.truncate(cut)
