@@ -89,7 +89,8 @@ FLAGS = [
     ("--text-column", str, "text column (default 'text'; sft: the messages, prompt or text column)"),
     ("--label-column", str, "label column (default 'label')"),
     ("--image-column", str, "image column (default 'image')"),
-    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1)"),
+    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1; "
+                         "task grpo: 0, every prompt trains)"),
     ("--log-every", int, "write a metrics line every N steps (default 10)"),
     ("--report-to", str, "experiment trackers that get metrics.jsonl's rows and the run's config: none (default), "
                          "all (those installed), or a comma list of trackio, tensorboard, wandb, mlflow; each "

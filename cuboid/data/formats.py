@@ -135,7 +135,8 @@ def _load_source(source: Any):
 
 
 def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0):
-    """(train, eval) splits: the source's own validation/test split, or a seeded holdout."""
+    """(train, eval) splits: the source's own validation/test split, or a seeded holdout (``eval_fraction`` 0:
+    none, every example trains and the eval split is empty)."""
     import datasets
 
     if isinstance(data, datasets.DatasetDict):
@@ -146,6 +147,8 @@ def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0):
         data = train
     if len(data) == 0:
         raise DataError("the dataset is empty")
+    if not eval_fraction:
+        return data, data.select([])
     if len(data) < 2:
         raise DataError(f"the dataset has {len(data)} example: too few to hold out an eval split")
     parts = data.train_test_split(test_size=eval_fraction, seed=seed)

@@ -232,6 +232,7 @@ class GRPO(Task):
     forward_kwargs = {"logprobs": True}
     own_loss = True
     Options = GRPOOptions
+    eval_fraction = 0.0  # TRL trains on every prompt; an eval split is the data's own or --eval-fraction's
 
     def __init__(self, options: Any = None, *, reward_funcs: Sequence = (), **fields) -> None:
         super().__init__(options, **fields)
@@ -350,6 +351,8 @@ class GRPO(Task):
 
         from .rollout import tokenize_prompt
 
+        if len(ds) == 0:  # the eval split GRPO holds none out for (eval_fraction 0)
+            return {"index": torch.arange(0)}
         formats.check_split(ds)
         formats.need_tokenizer(tokenizer, self.label)
         column = self.options.prompt_column
@@ -367,8 +370,9 @@ class GRPO(Task):
         return self.options.num_generations
 
     def with_model(self, model, splits: list, **run) -> list:
-        """Keep the model to sample with (every rank calls this alike); the prompts have no eval split: TRL's
-        GRPO evaluates only on an eval set of its own, which the run does not build (None)."""
+        """Keep the model to sample with (every rank calls this alike) and check every prompt before a step
+        (:meth:`check_prompts`); the eval split (prompts to score greedy completions of, :meth:`evaluate`) is
+        kept where it has any."""
         from cuboid.parallel import state_of, unwrap
 
         sp = state_of(unwrap(model)).plan.sp
@@ -376,7 +380,28 @@ class GRPO(Task):
             raise TaskError(f"task grpo samples its completions with a key/value cache, which sequence parallelism "
                             f"(sp={sp}) does not have: train GRPO under a plan without sp")
         self.model = model
-        return [splits[0], None]
+        positions = getattr(unwrap(model).config, "n_positions", None)
+        for name, split in zip(("train", "eval"), splits):
+            if split is not None:
+                self.check_prompts(split["index"].tolist(), name, positions)
+        evals = splits[1] if len(splits) > 1 and splits[1] is not None and len(splits[1]["index"]) else None
+        return [splits[0], evals]
+
+    def check_prompts(self, index: list, split: str, positions: Optional[int]) -> None:
+        """A one-line TaskError naming the first prompt of ``split`` (its row there) that is empty or whose
+        tokens and ``max_completion_length`` pass the model's ``positions``, before any step samples it."""
+        m = self.options.max_completion_length
+        for row, i in enumerate(index):
+            n = len(self.prompt_ids[i])
+            shown = str(self.records[i][self.options.prompt_column])
+            shown = repr(shown[:40] + ("..." if len(shown) > 40 else ""))
+            if n == 0:
+                raise TaskError(f"task grpo: prompt {row} of the {split} split ({shown}) has no tokens: give every "
+                                "row a prompt")
+            if positions is not None and n + m > positions:
+                raise TaskError(f"task grpo: prompt {row} of the {split} split ({shown}) has {n} tokens, which with "
+                                f"max_completion_length {m} pass the model's {positions} positions: shorten it or "
+                                "lower --max-completion-length")
 
     def takes_data(self, step: int) -> bool:
         """Whether step ``step`` reads new prompts: the first of each generation (TRL repeats a generation's
@@ -398,13 +423,11 @@ class GRPO(Task):
         if model is None or tokenizer is None:
             raise TaskError("task grpo samples its completions: before_step needs the model and the tokenizer")
         from . import rollout as R
-        from cuboid.data.chat import stop_token_ids
 
         o = self.options
         index = batch["index"].tolist()
         prompts = [self.prompt_ids[i] for i in index]
-        stops = stop_token_ids(tokenizer, self.chat_template)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+        stops, pad = self.stops_and_pad(tokenizer)
         completions = R.sample(model, prompts, num_generations=o.num_generations, step=step, seed=seed,
                                max_new_tokens=o.max_completion_length, temperature=o.temperature, top_p=o.top_p,
                                top_k=o.top_k, stops=stops, pad=pad)
@@ -446,7 +469,70 @@ class GRPO(Task):
         if output_dir is not None and self.options.log_completions and self.rollout is not None \
                 and self.rollout["step"] == step:
             self.write_completions(output_dir)
+        self.watch(row, step, output_dir is not None)
         return row
+
+    FIRST_STEPS = 3  # the steps whose mean entropy a collapse is measured against
+
+    def watch(self, row: dict, step: int, main: bool) -> None:
+        """Warn once (on the writing rank) when the run may be collapsing (:func:`.rollout.collapse_note`)."""
+        from .rollout import collapse_note
+
+        s, entropy = self.rollouts, row.get("entropy")
+        if len(s.first_entropy) < self.FIRST_STEPS:
+            if entropy is not None:
+                s.first_entropy.append(float(entropy))
+            return
+        r = self.rollout or {}
+        fresh = r.get("step") == step  # a generation's completions are judged once
+        note = collapse_note(entropy, s.first_entropy, r.get("completion_ids", []) if fresh else [],
+                             r.get("texts", ()))
+        if note and not s.warned:
+            s.warned = True
+            if main:
+                import sys
+
+                print(f"warning: step {step}: the policy may be collapsing: {note}; lower --lr, or raise --beta "
+                      "(with --lora)", file=sys.stderr, flush=True)
+
+    def stops_and_pad(self, tokenizer) -> tuple:
+        """(the stop token ids, the pad id) completions are cut at and padded with."""
+        from cuboid.data.chat import stop_token_ids
+
+        stops = stop_token_ids(tokenizer, self.chat_template)
+        return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+
+    def evaluate(self, model, data: dict, *, tokenizer=None, step: int = 0) -> dict:
+        """The mean reward of greedy completions of the eval split's prompts (one each, every rank alike):
+        ``eval_reward``, ``eval_rewards/<fn>/mean`` and ``eval_completions/mean_length`` (TRL's names with its
+        ``eval_`` prefix)."""
+        from . import rollout as R
+        from .grpo_rewards import score
+
+        o = self.options
+        index = data["index"].tolist()
+        stops, pad = self.stops_and_pad(tokenizer)
+        model = model if model is not None else self.model
+        completions = R.eval_completions(model, [self.prompt_ids[i] for i in index],
+                                         max_new_tokens=o.max_completion_length, stops=stops, pad=pad)
+        records = [self.records[i] for i in index]
+        raw = [r[o.prompt_column] for r in records]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
+        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
+                         timeout_s=o.reward_timeout_s)
+        rewards = advantages(per_func, self.reward_weights, 1, "none")[0]
+        out = {"eval_reward": _finite(torch.nanmean(rewards))}
+        for i, name in enumerate(self.reward_names):
+            out[f"eval_rewards/{name}/mean"] = _finite(torch.nanmean(per_func[:, i]))
+        out["eval_completions/mean_length"] = R.length_metrics(completions, stops)["completions/mean_length"]
+        return out
+
+    def summary(self, history: Sequence[dict]) -> dict:
+        """What the run's ``done:`` line adds: ``reward``, the mean over the last (up to) 10 steps' rewards."""
+        last = [r["reward"] for r in history[-10:] if r.get("reward") is not None]
+        return {"reward": sum(last) / len(last)} if last else {}
 
     def write_completions(self, output_dir) -> None:
         """One line a completion: step, prompt (as given), completion (text), completion_ids, reward, each

@@ -52,9 +52,10 @@ def _dp(model):
 
 
 def sample(model, prompts: Sequence[list], *, num_generations: int, step: int, seed: int, max_new_tokens: int,
-           temperature: float, top_p: float, top_k: int, stops: Sequence[int], pad: int) -> list:
+           temperature: float, top_p: float, top_k: int, stops: Sequence[int], pad: int, greedy: bool = False) -> list:
     """The global batch's completions (``len(prompts) * G`` lists of token ids, each cut after its first stop
-    token), this dp rank sampling its share of the rows and every rank returning all of them."""
+    token), this dp rank sampling its share of the rows (``greedy``: the most likely tokens) and every rank
+    returning all of them."""
     core = unwrap(model)
     mesh, dp, rank = _dp(model)
     rows = len(prompts) * num_generations
@@ -69,7 +70,7 @@ def sample(model, prompts: Sequence[list], *, num_generations: int, step: int, s
         p = prompts[j // num_generations]
         ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, longest - len(p):] = 1
-    out = core.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+    out = core.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=temperature,
                         top_p=top_p, top_k=top_k, eos_token_id=list(stops) or None, pad_token_id=pad,
                         seed=[row_seed(seed, step, j) for j in mine])
     zero.reshard(core)  # ZeRO-3: free what a forward without backward left gathered
@@ -201,6 +202,8 @@ class Rollouts:
     def __init__(self) -> None:
         self.current: Optional[dict] = None
         self.num_tokens = 0
+        self.first_entropy: list = []  # the run's first steps' entropy, what a collapse is measured against
+        self.warned = False            # the collapse warning given
 
     def state_dict(self, keep_current: bool = True) -> dict:
         """``{"num_tokens", "current"}``; ``current`` None when there is none or ``keep_current`` is False."""
@@ -210,10 +213,13 @@ class Rollouts:
             current = {k: v for k, v in r.items() if k not in self.TENSORS and k != "batch"}
             current.update({k: encode(r[k]) for k in self.TENSORS})
             current["batch"] = {k: encode(v) for k, v in r["batch"].items()}
-        return {"num_tokens": self.num_tokens, "current": current}
+        return {"num_tokens": self.num_tokens, "current": current, "first_entropy": list(self.first_entropy),
+                "warned": self.warned}
 
     def load_state_dict(self, state: dict) -> None:
         self.num_tokens = int(state.get("num_tokens", 0))
+        self.first_entropy = [float(e) for e in state.get("first_entropy", [])]
+        self.warned = bool(state.get("warned", False))
         saved = state.get("current")
         if saved is None:
             self.current = None
@@ -262,3 +268,45 @@ def cut_log(path, step: int) -> None:
                 offset += 1
         if cut is not None:
             f.truncate(cut)
+
+
+COLLAPSE_RATIO, COLLAPSE_RISE, REPEAT_SHARE = 2.0, 0.3, 0.5
+
+
+def collapse_note(entropy: Optional[float], first: Sequence[float], completions: Sequence[list], texts=()) -> \
+        Optional[str]:
+    """What says a run may be collapsing, in a sentence, or None: the entropy at least
+    :data:`COLLAPSE_RATIO` times (and :data:`COLLAPSE_RISE` nats above) the mean of the run's first steps'
+    (``first``), or degenerate completions: at least :data:`REPEAT_SHARE` of their tokens (32 or more) the token
+    before them again."""
+    if entropy is not None and first:
+        base = sum(first) / len(first)
+        if entropy >= COLLAPSE_RATIO * base and entropy - base >= COLLAPSE_RISE:
+            return (f"the entropy rose to {entropy:.3g} from {base:.3g} over the first {len(first)} step(s) "
+                    f"({entropy / max(base, 1e-12):.1f}x)")
+    pairs = sum(max(len(c) - 1, 0) for c in completions)
+    if pairs >= 32:
+        repeats = sum(a == b for c in completions for a, b in zip(c, c[1:]))
+        if repeats >= REPEAT_SHARE * pairs:
+            sample = next((t for t in texts if t), "")
+            return (f"degenerate completions: {repeats / pairs:.0%} of their tokens repeat the one before"
+                    + (f" (e.g. {sample[:40]!r})" if sample else ""))
+    return None
+
+
+def eval_completions(model, prompts: Sequence[list], *, max_new_tokens: int, stops: Sequence[int], pad: int,
+                     chunk: int = 64) -> list:
+    """Greedy completions of ``prompts`` (one each), ``chunk`` prompts a dp rank at a time: the prompts padded
+    to a multiple of the dp size with the last one (its fillers dropped), each rank sampling its share."""
+    _, dp, _ = _dp(model)
+    core, out = unwrap(model), []
+    was_training = core.training
+    core.eval()
+    for start in range(0, len(prompts), chunk * dp):
+        part = list(prompts[start:start + chunk * dp])
+        filled = part + [part[-1]] * (-len(part) % dp)
+        got = sample(model, filled, num_generations=1, step=0, seed=0, max_new_tokens=max_new_tokens,
+                     temperature=1.0, top_p=1.0, top_k=0, stops=stops, pad=pad, greedy=True)
+        out.extend(got[:len(part)])
+    core.train(was_training)
+    return out

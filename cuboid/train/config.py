@@ -64,7 +64,7 @@ class FinetuneConfig:
     text_column: str = "text"
     label_column: str = "label"
     image_column: str = "image"
-    eval_fraction: float = 0.1
+    eval_fraction: Optional[float] = None  # held out without a validation split (None: the task's, 0.1; GRPO 0)
     log_every: int = 10
     progress: bool = True
     plot: bool = True

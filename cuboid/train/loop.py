@@ -206,7 +206,7 @@ def load_data_and_model(r: Run) -> None:
     if cfg.streaming:
         return load_stream_and_model(r)
     check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
-    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed)
+    train_ds, eval_ds = train_eval_split(load_source(cfg.data), eval_fraction(cfg), cfg.seed)
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
@@ -224,6 +224,14 @@ def load_data_and_model(r: Run) -> None:
     r.batches = GlobalBatches(train_data, r.cfg.batch_size // per, seed=cfg.seed,
                               width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds)
+
+
+def eval_fraction(cfg: FinetuneConfig) -> float:
+    """The fraction held out for evaluation: ``--eval-fraction``, else the task's (0.1; GRPO trains on every
+    prompt, as TRL does, unless a fraction is asked for)."""
+    if cfg.eval_fraction is not None:
+        return cfg.eval_fraction
+    return cfg.task.eval_fraction if cfg.task is not None else tasks.Task.eval_fraction
 
 
 def fit_to_data(r: Run, examples: int) -> None:
@@ -478,8 +486,10 @@ def steps(r: Run, bar, stop: StopOnInterrupt) -> None:
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}: lower --lr or use --dtype fp32")
         if r.eval_data is not None and (step % r.eval_every == 0 or step == r.steps):
-            r.last_eval = evaluate(r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"],
-                                                         r.mesh.size("dp")), r.mesh, r.plan.dtype, task=r.task)
+            own = r.task.evaluate(r.model, r.eval_data, tokenizer=r.tokenizer, step=step)  # (GRPO's rewards)
+            r.last_eval = own if own is not None else evaluate(
+                r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"], r.mesh.size("dp")), r.mesh,
+                r.plan.dtype, task=r.task)
             row.update(r.last_eval)
         record(r, row)
         if bar is not None:
@@ -586,8 +596,8 @@ def finish(r: Run) -> dict:
         ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,
                   generation_config=r.generation_config)
     r.mesh.barrier()
-    summary = {"step": r.steps, "task": r.task.describe(), **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
-               "model": str(final.resolve())}
+    summary = {"step": r.steps, "task": r.task.describe(), **r.task.summary(r.history), **r.last_eval,
+               "checkpoint": str(final_ckpt.resolve()), "model": str(final.resolve())}
     if r.mesh.is_main:
         if cfg.plot:
             summary["plot"] = plot_curves(r.metrics_path, (r.output_dir / "curves.png").resolve(), r.task.metric)
