@@ -55,3 +55,38 @@ def test_resume_inside_a_generation_is_exact(qwen2, tmp_path):
 
 def test_resume_inside_a_generation_is_exact_dp2(qwen2, tmp_path):
     check(*run_world(whole_and_resumed, 2, str(qwen2), str(tmp_path), "dp", timeout=600)[0])
+
+
+REWARD = """
+def reward_ae(prompts, completions, **columns):
+    return [sum(ch in "ae" for ch in c) / max(len(c), 1) for c in completions]
+"""
+
+
+def test_elastic_restart_inside_a_generation_is_exact_dp2(qwen2, tmp_path):
+    """``cuboid finetune --plan dp=2 --max-restarts 1``, rank 1 killed in step 4 (fault_job.py): the restart
+    resumes ``checkpoint-3``, between generation 3's two iterations, and ends as the uninterrupted run."""
+    import json
+    import os
+    import re
+    import sys
+
+    from tests.front.test_faults import ROOT, launch, tensors
+    from tests.front.test_grpo_finetune import PROMPTS
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS * 2))
+    (tmp_path / "rewards.py").write_text(REWARD)
+    args = ["finetune", "--model", str(qwen2), "--task", "grpo", "--data", str(tmp_path / "prompts.jsonl"),
+            "--reward", f"{tmp_path / 'rewards.py'}:reward_ae", "--num-generations", "4", "--num-iterations", "2",
+            "--max-completion-length", "8", "--batch-size", "8", "--steps", "4", "--save-every", "1", "--plan",
+            "dp=2", "--lr", "1e-2", "--log-every", "1", "--no-progress", "--no-plot"]
+    launch([sys.executable, "-m", "cuboid", *args, "--output-dir", str(tmp_path / "whole")], what="the reference")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    err, = launch([sys.executable, "-m", "tests.front.fault_job", *args, "--output-dir", str(tmp_path / "run"),
+                   "--max-restarts", "1", "--timeout-s", "60"], env={"CUBOID_FAULT": "1:4:step", "PYTHONPATH": path},
+                  what="the dp=2 run killed in step 4")
+    assert re.findall(r"resumed from \S+ at step (\d+) \(restart 1\)", err) == ["3"], err[-2000:]
+    a, b = tensors(tmp_path / "run" / "checkpoint-4"), tensors(tmp_path / "whole" / "checkpoint-4")
+    assert sorted(a) == sorted(b)
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, f"{len(differ)} of {len(a)} tensors differ from the uninterrupted run's, first {differ[0]}"
