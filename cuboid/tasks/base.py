@@ -182,6 +182,11 @@ class Task:
         """What the run's ``done:`` line adds from the metrics rows (``history``, rank 0's); by default nothing."""
         return {}
 
+    def wants_reference(self, lora: bool) -> bool:
+        """Whether the loop gives :meth:`with_model` a frozen copy of the starting model (``reference=``);
+        ``lora``: the model carries adapters (its base, adapters off, is a reference already)."""
+        return False
+
     def state_dict(self) -> dict:
         """JSON values a checkpoint keeps for an exact resume of what the task holds between steps (GRPO: the
         generation a later step reuses); by default nothing."""

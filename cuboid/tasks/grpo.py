@@ -69,8 +69,8 @@ class GRPOOptions:
     top_k: int = _option(0, "sample among the k most likely tokens (0: all)", flag=True)
     loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo: TRL's aggregations of the loss",
                              flag=True, choices=LOSS_TYPES)
-    beta: float = _option(0.0, "KL coefficient to the reference policy (needs --lora: the base, adapters off)",
-                          flag=True)
+    beta: float = _option(0.0, "KL coefficient to the reference policy (the starting model, a frozen copy; with "
+                               "--lora the base, adapters off)", flag=True)
     epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below", flag=True)
     epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)",
                                             flag=True)
@@ -268,6 +268,7 @@ class GRPO(Task):
         self.prompt_ids: list = []
         self.chat_template = o.chat_template
         self.model = None         # the policy to sample with (with_model)
+        self.reference = None     # beta > 0 without LoRA: the frozen starting model (with_model's reference=)
         self.logged = False       # completions.jsonl written by this run yet
 
     @property
@@ -370,7 +371,8 @@ class GRPO(Task):
         return self.options.num_generations
 
     def with_model(self, model, splits: list, **run) -> list:
-        """Keep the model to sample with (every rank calls this alike) and check every prompt before a step
+        """Keep the model to sample with (every rank calls this alike; ``reference``: the frozen starting model
+        for beta > 0 without LoRA) and check every prompt before a step
         (:meth:`check_prompts`); the eval split (prompts to score greedy completions of, :meth:`evaluate`) is
         kept where it has any."""
         from cuboid.parallel import state_of, unwrap
@@ -380,6 +382,7 @@ class GRPO(Task):
             raise TaskError(f"task grpo samples its completions with a key/value cache, which sequence parallelism "
                             f"(sp={sp}) does not have: train GRPO under a plan without sp")
         self.model = model
+        self.reference = run.get("reference")
         positions = getattr(unwrap(model).config, "n_positions", None)
         for name, split in zip(("train", "eval"), splits):
             if split is not None:
@@ -402,6 +405,10 @@ class GRPO(Task):
                 raise TaskError(f"task grpo: prompt {row} of the {split} split ({shown}) has {n} tokens, which with "
                                 f"max_completion_length {m} pass the model's {positions} positions: shorten it or "
                                 "lower --max-completion-length")
+
+    def wants_reference(self, lora: bool) -> bool:
+        """A frozen copy of the starting model for the KL term (``beta`` > 0), where no LoRA base is one."""
+        return self.options.beta != 0.0 and not lora
 
     def takes_data(self, step: int) -> bool:
         """Whether step ``step`` reads new prompts: the first of each generation (TRL repeats a generation's
@@ -450,8 +457,9 @@ class GRPO(Task):
         out = R.batch_of(prompts, completions, G, adv, masked, pad, math.lcm(8, 2 * plan.sp * plan.tp))
         if o.num_iterations > 1:  # the old policy's log-probs, before this generation's first update
             out["old_logps"] = R.logps_of(model, out)
-        if o.beta != 0.0:
-            out["ref_logps"] = R.logps_of(model, out, reference=True)
+        if o.beta != 0.0:  # the frozen copy's, or (LoRA) the base's with the adapters off
+            out["ref_logps"] = R.logps_of(self.reference, out) if self.reference is not None else \
+                R.logps_of(model, out, reference=True)
         self.empty_step = not bool((out["labels"][:, 1:] != -100).any())
         self.num_tokens += int(out["attention_mask"].sum())
         metrics = {**reward_metrics(per_func, self.reward_names, rewards, std_zero),

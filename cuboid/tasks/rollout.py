@@ -132,8 +132,9 @@ def logps_of(model, batch: dict, *, reference: bool = False) -> torch.Tensor:
     try:
         if reference:
             if not carries_adapters(core):
-                raise TaskError("task grpo with beta > 0 needs --lora: the reference policy is the base with the "
-                                "adapters off (a full fine-tune keeps no copy of it)")
+                raise TaskError("task grpo with beta > 0 needs a reference policy: LoRA adapters (the base, adapters "
+                                "off) or a frozen copy of the starting model (task.with_model(..., reference=copy); "
+                                "cuboid finetune makes one)")
             with adapters_off(core):
                 logps = core(**inputs, logprobs=True).token_logps
         else:

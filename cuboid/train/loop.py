@@ -366,7 +366,21 @@ def optimization(r: Run) -> None:
     r.scaler = torch.amp.GradScaler(r.device.type) if r.plan.dtype == "fp16" else None
     if not r.streaming:  # what the data gains from the model as it starts (DPO: the reference's log-probs)
         r.batches.tensors, r.eval_data = r.task.with_model(r.model, [r.batches.tensors, r.eval_data], device=r.device,
-                                                           dtype=r.plan.dtype, lora=cfg.lora is not None)
+                                                           dtype=r.plan.dtype, lora=cfg.lora is not None,
+                                                           reference=reference_copy(r))
+
+
+def reference_copy(r: Run) -> Optional[nn.Module]:
+    """A frozen copy of the policy as it starts, loaded again for the same plan (so sharded as the policy is),
+    for a task that asks for one (GRPO's beta > 0 without LoRA: TRL's reference model); None otherwise."""
+    if not r.task.wants_reference(lora=r.cfg.lora is not None):
+        return None
+    if isinstance(r.cfg.model, nn.Module):
+        raise ValueError(f"task {r.task.label} with a reference model loads it again: give the model as a preset "
+                         "or a folder (or train LoRA adapters: the reference is the base)")
+    reference = load_model(r.cfg, r.task, None, r.device, r.plan, r.mesh)[0]
+    reference.requires_grad_(False)
+    return reference.eval()
 
 
 def resume(r: Run) -> None:

@@ -115,3 +115,27 @@ def test_plot_has_a_moving_mean_beside_the_raw_reward(tmp_path, monkeypatch):
     assert lines["reward"] == rewards
     smooth = lines["reward, moving mean of 4 steps"]
     assert smooth[-1] == pytest.approx(sum(rewards[-4:]) / 4) and smooth[0] == rewards[0]
+
+
+def beta_rows(folder: str, out: str, plan=None) -> list:
+    """3 steps of GRPO with ``beta`` 0.04 and no LoRA (the loop's frozen reference copy): the metrics rows."""
+    from pathlib import Path
+
+    from tests.front.test_grpo_finetune import finetune
+
+    return finetune(Path(folder), Path(out), steps=3, task=grpo(beta=0.04), plan=plan)
+
+
+@pytest.mark.slow
+def test_beta_without_lora_keeps_a_frozen_reference(qwen2, tmp_path):
+    """``beta`` > 0 on a full fine-tune (TRL's reference model): kl 0 at step 1 (the policy is the reference),
+    above 0 after; under ``dp=2,zero=3`` (the reference sharded as the policy) the same kl and loss."""
+    from tests.parallel.launch import run_world
+
+    rows = beta_rows(str(qwen2), str(tmp_path / "one"))
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert all(r["kl"] > 1e-6 for r in rows[1:]), [r["kl"] for r in rows]
+    sharded = run_world(beta_rows, 2, str(qwen2), str(tmp_path / "z3"), "dp=2,zero=3", timeout=600)[0]
+    for a, b in zip(rows, sharded):
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-7)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
