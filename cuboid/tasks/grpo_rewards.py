@@ -153,10 +153,84 @@ def reward_value(v, name: str, row: int, at: str = "") -> float:
     return f
 
 
+class _Late(BaseException):
+    """Raised in the main thread by the watchdog's signal: the user's function ran past its time."""
+
+
 def call_user(fn: Callable, what: str, at: str, timeout_s: Optional[float], **kwargs):
-    """``fn(**kwargs)`` (user code) in a thread of its own, waited for at most ``timeout_s`` seconds (None or 0:
-    no bound): its value, or a one-line TaskError saying ``what`` raised (the exception and the user's
-    file:line), called ``exit()``, or did not return in time. Ctrl-C (KeyboardInterrupt) goes on as it is."""
+    """``fn(**kwargs)`` (user code), bounded by ``timeout_s`` seconds (None or 0: no bound): its value, or a
+    one-line TaskError saying ``what`` raised (the exception and the user's file:line), called ``exit()``, or
+    did not return in time. Ctrl-C (KeyboardInterrupt) goes on as it is.
+
+    From the main thread (a run's) the function runs there, as a reward function expects (math_verify's own
+    timeouts set SIGALRM, which only the main thread may), and a watchdog thread interrupts it with SIGURG
+    (ignored by default, so a late one harms nothing); elsewhere it runs in a thread of its own, waited for."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    if timeout_s and main and hasattr(signal, "SIGURG") and hasattr(signal, "pthread_kill"):
+        kind, got = _on_main(fn, timeout_s, kwargs)
+    else:
+        kind, got = _in_thread(fn, timeout_s, kwargs, what)
+    if kind == "value":
+        return got
+    if kind == "late":
+        raise TaskError(f"{what} did not return within {timeout_s:g} s{at} (a reward function that hangs; "
+                        "--timeout-s bounds it)")
+    if isinstance(got, KeyboardInterrupt):
+        raise got
+    if isinstance(got, SystemExit):
+        raise TaskError(f"{what} called exit({got.code!r}){where(got, fn)}{at}: user code must return, not "
+                        "end the run") from None
+    message = " ".join(str(got).split())
+    raise TaskError(f"{what} raised {type(got).__name__}{': ' + message if message else ''}{where(got, fn)}{at}") \
+        from None
+
+
+def _on_main(fn: Callable, timeout_s: float, kwargs: dict) -> tuple:
+    """``fn(**kwargs)`` in this (the main) thread, a watchdog's SIGURG raising :class:`_Late` past ``timeout_s``:
+    ("value", v), ("error", exception) or ("late", None)."""
+    import signal
+    import threading
+
+    guard, state = threading.Lock(), {"running": True, "fired": False}
+    main = threading.main_thread().ident
+
+    def fire() -> None:
+        with guard:
+            if state["running"]:
+                state["fired"] = True
+                signal.pthread_kill(main, signal.SIGURG)
+
+    def on_signal(signum, frame) -> None:
+        if state["fired"]:
+            raise _Late
+        if callable(previous):
+            previous(signum, frame)
+
+    previous = signal.signal(signal.SIGURG, on_signal)
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    try:
+        try:
+            timer.start()
+            return "value", fn(**kwargs)
+        finally:
+            with guard:
+                state["running"] = False
+            timer.cancel()
+    except _Late:
+        return "late", None
+    except BaseException as e:  # noqa: BLE001 (user code: exit() and the like end the run in one line)
+        return "error", e
+    finally:
+        signal.signal(signal.SIGURG, previous)
+
+
+def _in_thread(fn: Callable, timeout_s: Optional[float], kwargs: dict, what: str) -> tuple:
+    """``fn(**kwargs)`` in a thread of its own, waited for at most ``timeout_s`` seconds (a hung one is left
+    behind, a daemon): ("value", v), ("error", exception) or ("late", None)."""
     import threading
 
     box: dict = {}
@@ -164,26 +238,15 @@ def call_user(fn: Callable, what: str, at: str, timeout_s: Optional[float], **kw
     def target() -> None:
         try:
             box["value"] = fn(**kwargs)
-        except BaseException as e:  # noqa: BLE001 (user code: exit() and the like end the run in one line)
+        except BaseException as e:  # noqa: BLE001 (user code)
             box["error"] = e
 
-    worker = threading.Thread(target=target, name=f"cuboid {what}", daemon=True)  # a hung one never joins
+    worker = threading.Thread(target=target, name=f"cuboid {what}", daemon=True)
     worker.start()
     worker.join(timeout_s if timeout_s else None)
     if worker.is_alive():
-        raise TaskError(f"{what} did not return within {timeout_s:g} s{at} (a reward function that hangs; "
-                        "--timeout-s bounds it)")
-    e = box.get("error")
-    if e is None:
-        return box.get("value")
-    if isinstance(e, KeyboardInterrupt):
-        raise e
-    if isinstance(e, SystemExit):
-        raise TaskError(f"{what} called exit({e.code!r}){where(e, fn)}{at}: user code must return, not "
-                        "end the run") from None
-    message = " ".join(str(e).split())
-    raise TaskError(f"{what} raised {type(e).__name__}{': ' + message if message else ''}{where(e, fn)}{at}") \
-        from None
+        return "late", None
+    return ("error", box["error"]) if "error" in box else ("value", box.get("value"))
 
 
 def where(e: BaseException, fn: Callable) -> str:

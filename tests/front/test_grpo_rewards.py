@@ -103,3 +103,18 @@ def test_cli_exit_and_hang_fail_the_run(tmp_path, capsys, monkeypatch):
     assert time.perf_counter() - t0 < 60
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "reward function hangs did not return within 2 s at step 1" in err, err
+
+
+def test_a_reward_function_runs_in_the_main_thread():
+    """Reward functions run where they are called from (a run's main thread): signal-based timeouts of their
+    own (math_verify's SIGALRM) work there; the bound still holds."""
+    import signal
+    import threading
+
+    def alarmed(prompts, completions, **kw):
+        assert threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGALRM, lambda *a: None)  # what math_verify's timeout does
+        signal.signal(signal.SIGALRM, old)
+        return [1.0] * len(completions)
+
+    assert score(alarmed, timeout_s=5).tolist() == [[1.0], [1.0]]
