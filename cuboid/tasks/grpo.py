@@ -222,7 +222,9 @@ def _finite(t: torch.Tensor) -> Optional[float]:
 @register
 class GRPO(Task):
     """Online RL with verifiable rewards (TRL's GRPOTrainer): G sampled completions a prompt, advantages
-    against the group, the clipped policy loss (dapo by default)."""
+    against the group, the clipped policy loss (dapo by default). Every prompt trains unless an eval split is
+    asked for (``--eval-fraction``, or the data's own): its score is the mean reward of greedy completions
+    (``eval_reward``)."""
 
     name = "grpo"
     heads = ("lm",)

@@ -53,7 +53,12 @@ def load_reward(spec) -> tuple:
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 (the user's module: any error, exit() too, in one sentence)
-        raise TaskError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename][1:]
+        shown = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        raise TaskError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+                        f"{' '.join(str(e).split())}{shown}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise TaskError(f"--reward {spec}: {module_name} has no function {fn_name}")

@@ -118,3 +118,17 @@ def test_a_reward_function_runs_in_the_main_thread():
         return [1.0] * len(completions)
 
     assert score(alarmed, timeout_s=5).tolist() == [[1.0], [1.0]]
+
+
+def test_a_module_that_fails_on_import_names_its_line(tmp_path):
+    from cuboid.tasks.base import TaskError
+    from cuboid.tasks.grpo_rewards import load_reward
+
+    (tmp_path / "broken.py").write_text("import os\n\nanswer = undefined_name + 1\n")
+    with pytest.raises(TaskError) as e:
+        load_reward(f"{tmp_path / 'broken.py'}:fn")
+    assert "NameError: name 'undefined_name' is not defined" in str(e.value)
+    assert f"({tmp_path / 'broken.py'}:3)" in str(e.value)
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(TaskError, match="importing .*quits.py failed: SystemExit: 3"):
+        load_reward(f"{tmp_path / 'quits.py'}:fn")
