@@ -28,14 +28,15 @@ def weights(out: Path) -> dict:
     return {k: v for f in sorted((out / "final").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def whole_and_resumed(folder: str, root: str, plan=None) -> tuple:
+def whole_and_resumed(folder: str, root: str, plan=None, beta: float = 0.0, **options) -> tuple:
     """4 steps of 2 generations saved every step, and steps 4 resumed from ``checkpoint-3`` (mid-generation):
     (both runs' final weights equal bit for bit, the names that differ, both runs' metrics rows)."""
-    task = dict(num_iterations=2)
+    task = dict(num_iterations=2, beta=beta)
     root = Path(root)
-    whole = finetune(Path(folder), root / "whole", steps=4, task=grpo(**task), save_every=1, keep=4, plan=plan)
+    whole = finetune(Path(folder), root / "whole", steps=4, task=grpo(**task), save_every=1, keep=4, plan=plan,
+                     **options)
     part = finetune(Path(folder), root / "part", steps=4, task=grpo(**task), plan=plan,
-                    resume=str(root / "whole" / "checkpoint-3"))
+                    resume=str(root / "whole" / "checkpoint-3"), **options)
     a, b = weights(root / "whole"), weights(root / "part")
     differ = sorted(k for k in a if not torch.equal(a[k], b[k]))
     return bool(a) and a.keys() == b.keys(), differ, whole, part
@@ -51,6 +52,11 @@ def check(same_keys, differ, whole, part):
 
 def test_resume_inside_a_generation_is_exact(qwen2, tmp_path):
     check(*whole_and_resumed(str(qwen2), str(tmp_path)))
+
+
+def test_resume_inside_a_generation_is_exact_lora_beta(qwen2, tmp_path):
+    """LoRA adapters (their checkpoint keeps the rollout too), with beta > 0: ref_logps reused as well."""
+    check(*whole_and_resumed(str(qwen2), str(tmp_path), beta=0.04, lora="r=4,alpha=8,targets=attn+mlp"))
 
 
 def test_resume_inside_a_generation_is_exact_dp2(qwen2, tmp_path):
