@@ -59,6 +59,11 @@ def test_resume_inside_a_generation_is_exact_lora_beta(qwen2, tmp_path):
     check(*whole_and_resumed(str(qwen2), str(tmp_path), beta=0.04, lora="r=4,alpha=8,targets=attn+mlp"))
 
 
+def test_resume_inside_a_generation_is_exact_beta_full(qwen2, tmp_path):
+    """beta > 0 without LoRA: the resumed run's frozen reference is the starting model again."""
+    check(*whole_and_resumed(str(qwen2), str(tmp_path), beta=0.04))
+
+
 def test_resume_inside_a_generation_is_exact_dp2(qwen2, tmp_path):
     check(*run_world(whole_and_resumed, 2, str(qwen2), str(tmp_path), "dp", timeout=600)[0])
 
