@@ -36,7 +36,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .base import Task, TaskError, register
-from .rollout import Rollouts
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -265,6 +264,8 @@ class GRPO(Task):
 
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
         self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
+        from .rollout import Rollouts
+
         self.rollouts = Rollouts()  # the current generation, kept num_iterations steps, and the tokens sampled
         self.records: list = []   # the prompts' records (every split rows() made), by index
         self.prompt_ids: list = []
@@ -502,8 +503,8 @@ class GRPO(Task):
             if main:
                 import sys
 
-                print(f"warning: step {step}: the policy may be collapsing: {note}; lower --lr, or raise --beta "
-                      "(with --lora)", file=sys.stderr, flush=True)
+                print(f"warning: step {step}: the policy may be collapsing: {note}; lower --lr, or raise --beta",
+                      file=sys.stderr, flush=True)
 
     def stops_and_pad(self, tokenizer) -> tuple:
         """(the stop token ids, the pad id) completions are cut at and padded with."""
