@@ -139,3 +139,23 @@ def test_beta_without_lora_keeps_a_frozen_reference(qwen2, tmp_path):
     for a, b in zip(rows, sharded):
         assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-7)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
+def eval_rows(folder: str, out: str, plan=None) -> list:
+    """2 steps with 7 of the prompts held out (an odd count: dp=2 pads them), evaluated after each step."""
+    from pathlib import Path
+
+    from tests.front.test_grpo_finetune import finetune
+
+    return finetune(Path(folder), Path(out), steps=2, task=grpo(), plan=plan, eval_fraction=7 / 32, eval_every=1)
+
+
+@pytest.mark.slow
+def test_eval_under_dp2_is_one_devices(qwen2, tmp_path):
+    from tests.parallel.launch import run_world
+
+    one = eval_rows(str(qwen2), str(tmp_path / "one"))
+    two = run_world(eval_rows, 2, str(qwen2), str(tmp_path / "dp2"), "dp", timeout=600)[0]
+    for a, b in zip(one, two):
+        assert b["eval_reward"] == pytest.approx(a["eval_reward"], abs=1e-9)
+        assert b["eval_completions/mean_length"] == a["eval_completions/mean_length"]
