@@ -67,6 +67,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: Optional[float] =
         return dist.get_rank(), dist.get_world_size()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
+        if timeout_s is not None:  # no peers; what else is bounded by it (GRPO's reward functions) reads it
+            comm.set_timeout(timeout_s)
         return 0, 1
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -90,8 +90,8 @@ FLAGS = [
     ("--text-column", str, "text column (default 'text'; sft: the messages, prompt or text column)"),
     ("--label-column", str, "label column (default 'label')"),
     ("--image-column", str, "image column (default 'image')"),
-    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1; 0: no "
-                               "eval)"),
+    ("--eval-fraction", float, "held-out fraction when the data has no validation split (default 0.1; task "
+                               "grpo: 0, every prompt trains; 0: no eval)"),
     ("--eval-data", str, "the eval split from a file or folder of its own (default: the data's validation split "
                          "(validation.*, valid, dev, test files of a folder, as datasets names them) or --eval-fraction)"),
     ("--log-every", int, "write a metrics line every N steps (default 10)"),

@@ -163,7 +163,7 @@ EVAL_SPLITS = ("validation", "valid", "eval", "test")  # a DatasetDict's held-ou
 def train_eval_split(data, eval_fraction: float = 0.1, seed: int = 0, eval_data: Any = None):
     """(train, eval) splits: ``eval_data``'s (a source of its own: its validation/test split, or all of it),
     else the source's own validation/test split, else a seeded holdout of ``eval_fraction``; eval is None
-    when ``eval_fraction`` is 0 (no eval) and neither gives one."""
+    when ``eval_fraction`` is 0 (no eval: every example trains) and neither gives one."""
     import datasets
 
     held = None

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 from cuboid.data.formats import DataError
 
@@ -170,6 +170,30 @@ class Task:
         """Whether step ``step`` reads the next batch of examples (GRPO's ``num_iterations``: a generation's
         later steps reuse its rollouts; :meth:`before_step` is then given None)."""
         return True
+
+    eval_fraction = 0.1  # held out for evaluation when the data has no validation split and none is asked for
+
+    def evaluate(self, model, data: dict, *, tokenizer=None, step: int = 0) -> Optional[dict]:
+        """The eval metrics of a task that evaluates in its own way (GRPO: rewards of greedy completions), or
+        None: the loop's :func:`cuboid.train.step.evaluate` of the task's loss and metric (the default)."""
+        return None
+
+    def summary(self, history: Sequence[dict]) -> dict:
+        """What the run's ``done:`` line adds from the metrics rows (``history``, rank 0's); by default nothing."""
+        return {}
+
+    def wants_reference(self, lora: bool) -> bool:
+        """Whether the loop gives :meth:`with_model` a frozen copy of the starting model (``reference=``);
+        ``lora``: the model carries adapters (its base, adapters off, is a reference already)."""
+        return False
+
+    def state_dict(self) -> dict:
+        """JSON values a checkpoint keeps for an exact resume of what the task holds between steps (GRPO: the
+        generation a later step reuses); by default nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values on resume."""
 
     def step_log(self, result, step: int, output_dir=None) -> dict:
         """What the metrics row of step ``step`` gains from the step's

@@ -58,6 +58,8 @@ class GRPOOptions:
                                     flag=True, append=True)
     reward_weights: Optional[str] = _option(None, "the reward functions' weights, comma-separated (default 1 each)",
                                             flag=True)
+    reward_timeout_s: Optional[float] = _option(None, "seconds a reward function may run a step before the run "
+                                                      "fails (default: --timeout-s, 300)", flag=True)
     num_generations: int = _option(8, "completions sampled per prompt (G); --batch-size counts completions",
                                    flag=True)
     max_completion_length: int = _option(512, "tokens a completion may have", flag=True)
@@ -66,8 +68,8 @@ class GRPOOptions:
     top_k: int = _option(0, "sample among the k most likely tokens (0: all)", flag=True)
     loss_type: str = _option("dapo", "dapo | grpo | dr_grpo | bnpo | cispo: TRL's aggregations of the loss",
                              flag=True, choices=LOSS_TYPES)
-    beta: float = _option(0.0, "KL coefficient to the reference policy (needs --lora: the base, adapters off)",
-                          flag=True)
+    beta: float = _option(0.0, "KL coefficient to the reference policy (the starting model, a frozen copy; with "
+                               "--lora the base, adapters off)", flag=True)
     epsilon: float = _option(0.2, "clipping of the importance ratio: 1 - epsilon below", flag=True)
     epsilon_high: Optional[float] = _option(None, "1 + epsilon_high above (default: epsilon; cispo's cap)",
                                             flag=True)
@@ -219,7 +221,9 @@ def _finite(t: torch.Tensor) -> Optional[float]:
 @register
 class GRPO(Task):
     """Online RL with verifiable rewards (TRL's GRPOTrainer): G sampled completions a prompt, advantages
-    against the group, the clipped policy loss (dapo by default)."""
+    against the group, the clipped policy loss (dapo by default). Every prompt trains unless an eval split is
+    asked for (``--eval-fraction``, or the data's own): its score is the mean reward of greedy completions
+    (``eval_reward``)."""
 
     name = "grpo"
     heads = ("lm",)
@@ -229,6 +233,7 @@ class GRPO(Task):
     forward_kwargs = {"logprobs": True}
     own_loss = True
     Options = GRPOOptions
+    eval_fraction = 0.0  # TRL trains on every prompt; an eval split is the data's own or --eval-fraction's
 
     def __init__(self, options: Any = None, *, reward_funcs: Sequence = (), **fields) -> None:
         super().__init__(options, **fields)
@@ -244,26 +249,58 @@ class GRPO(Task):
             raise TaskError("task grpo: num_iterations and max_completion_length must be at least 1")
         if o.beta < 0 or o.epsilon < 0 or (o.epsilon_high is not None and o.epsilon_high < 0):
             raise TaskError("task grpo: beta, epsilon and epsilon_high must not be negative")
+        if o.reward_timeout_s is not None and not o.reward_timeout_s > 0:
+            raise TaskError(f"task grpo: reward_timeout_s {o.reward_timeout_s} must be positive seconds")
         if o.temperature <= 0 or not 0.0 < o.top_p <= 1.0 or o.top_k < 0:
             raise TaskError(f"task grpo: need temperature > 0, 0 < top_p <= 1 and top_k >= 0; got "
                             f"{o.temperature}, {o.top_p}, {o.top_k}")
-        from .grpo_rewards import load_rewards, parse_weights
+        from .grpo_rewards import load_rewards, parse_weights, split_specs
 
         named = [] if o.reward is None else [o.reward] if isinstance(o.reward, str) else list(o.reward)
-        named = [spec.strip() for text in named for spec in text.split(";") if spec.strip()]
+        named = [spec for text in named for spec in split_specs(text)]
         if named:  # spelled as one text (describe(), a checkpoint's record): "a.py:f;b:g"
             self.options = o = dataclasses.replace(o, reward=";".join(named))
         self.reward_funcs, self.reward_names = load_rewards(list(reward_funcs) + named)
 
         self.reward_weights = parse_weights(o.reward_weights, len(self.reward_funcs))
         self.empty_step = False   # the global batch trains no token (every completion masked): count one a part
-        self.rollout: Optional[dict] = None  # the current generation (.rollout), kept num_iterations steps
+        from .rollout import Rollouts
+
+        self.rollouts = Rollouts()  # the current generation, kept num_iterations steps, and the tokens sampled
         self.records: list = []   # the prompts' records (every split rows() made), by index
         self.prompt_ids: list = []
         self.chat_template = o.chat_template
         self.model = None         # the policy to sample with (with_model)
+        self.reference = None     # beta > 0 without LoRA: the frozen starting model (with_model's reference=)
         self.logged = False       # completions.jsonl written by this run yet
-        self.num_tokens = 0       # prompt and completion tokens sampled so far (TRL's num_tokens)
+
+    @property
+    def rollout(self) -> Optional[dict]:
+        """The current generation (:class:`.rollout.Rollouts`' ``current``), kept ``num_iterations`` steps."""
+        return self.rollouts.current
+
+    @rollout.setter
+    def rollout(self, value: Optional[dict]) -> None:
+        self.rollouts.current = value
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and completion tokens sampled so far (TRL's ``num_tokens``)."""
+        return self.rollouts.num_tokens
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        self.rollouts.num_tokens = value
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps for an exact resume: the rollouts (the current generation only where a later
+        step reuses it, ``num_iterations`` > 1) and the tokens sampled."""
+        return {"rollouts": self.rollouts.state_dict(keep_current=self.options.num_iterations > 1)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollouts.load_state_dict(state.get("rollouts", {}))
+        r = self.rollout
+        self.empty_step = r is not None and not bool((r["batch"]["labels"][:, 1:] != -100).any())
 
     # ------------------------------------------------------------ the step on fixed rollouts
 
@@ -318,6 +355,8 @@ class GRPO(Task):
 
         from .rollout import tokenize_prompt
 
+        if len(ds) == 0:  # the eval split GRPO holds none out for (eval_fraction 0)
+            return {"index": torch.arange(0)}
         formats.check_split(ds)
         formats.need_tokenizer(tokenizer, self.label)
         column = self.options.prompt_column
@@ -335,8 +374,10 @@ class GRPO(Task):
         return self.options.num_generations
 
     def with_model(self, model, splits: list, **run) -> list:
-        """Keep the model to sample with (every rank calls this alike); the prompts have no eval split: TRL's
-        GRPO evaluates only on an eval set of its own, which the run does not build (None)."""
+        """Keep the model to sample with (every rank calls this alike; ``reference``: the frozen starting model
+        for beta > 0 without LoRA) and check every prompt before a step
+        (:meth:`check_prompts`); the eval split (prompts to score greedy completions of, :meth:`evaluate`) is
+        kept where it has any."""
         from cuboid.parallel import state_of, unwrap
 
         sp = state_of(unwrap(model)).plan.sp
@@ -344,7 +385,33 @@ class GRPO(Task):
             raise TaskError(f"task grpo samples its completions with a key/value cache, which sequence parallelism "
                             f"(sp={sp}) does not have: train GRPO under a plan without sp")
         self.model = model
-        return [splits[0], None]
+        self.reference = run.get("reference")
+        positions = getattr(unwrap(model).config, "n_positions", None)
+        for name, split in zip(("train", "eval"), splits):
+            if split is not None:
+                self.check_prompts(split["index"].tolist(), name, positions)
+        evals = splits[1] if len(splits) > 1 and splits[1] is not None and len(splits[1]["index"]) else None
+        return [splits[0], evals]
+
+    def check_prompts(self, index: list, split: str, positions: Optional[int]) -> None:
+        """A one-line TaskError naming the first prompt of ``split`` (its row there) that is empty or whose
+        tokens and ``max_completion_length`` pass the model's ``positions``, before any step samples it."""
+        m = self.options.max_completion_length
+        for row, i in enumerate(index):
+            n = len(self.prompt_ids[i])
+            shown = str(self.records[i][self.options.prompt_column])
+            shown = repr(shown[:40] + ("..." if len(shown) > 40 else ""))
+            if n == 0:
+                raise TaskError(f"task grpo: prompt {row} of the {split} split ({shown}) has no tokens: give every "
+                                "row a prompt")
+            if positions is not None and n + m > positions:
+                raise TaskError(f"task grpo: prompt {row} of the {split} split ({shown}) has {n} tokens, which with "
+                                f"max_completion_length {m} pass the model's {positions} positions: shorten it or "
+                                "lower --max-completion-length")
+
+    def wants_reference(self, lora: bool) -> bool:
+        """A frozen copy of the starting model for the KL term (``beta`` > 0), where no LoRA base is one."""
+        return self.options.beta != 0.0 and not lora
 
     def takes_data(self, step: int) -> bool:
         """Whether step ``step`` reads new prompts: the first of each generation (TRL repeats a generation's
@@ -366,13 +433,11 @@ class GRPO(Task):
         if model is None or tokenizer is None:
             raise TaskError("task grpo samples its completions: before_step needs the model and the tokenizer")
         from . import rollout as R
-        from cuboid.data.chat import stop_token_ids
 
         o = self.options
         index = batch["index"].tolist()
         prompts = [self.prompt_ids[i] for i in index]
-        stops = stop_token_ids(tokenizer, self.chat_template)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+        stops, pad = self.stops_and_pad(tokenizer)
         completions = R.sample(model, prompts, num_generations=o.num_generations, step=step, seed=seed,
                                max_new_tokens=o.max_completion_length, temperature=o.temperature, top_p=o.top_p,
                                top_k=o.top_k, stops=stops, pad=pad)
@@ -384,7 +449,8 @@ class GRPO(Task):
         columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
         from .grpo_rewards import score
 
-        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns)
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
+                         timeout_s=o.reward_timeout_s)
         rewards, adv, std_zero = advantages(per_func, self.reward_weights, G, o.scale_rewards)
         cut = [R.truncated(c, stops) for c in completions]
         masked = cut if o.mask_truncated_completions else [False] * len(cut)
@@ -394,8 +460,9 @@ class GRPO(Task):
         out = R.batch_of(prompts, completions, G, adv, masked, pad, math.lcm(8, 2 * plan.sp * plan.tp))
         if o.num_iterations > 1:  # the old policy's log-probs, before this generation's first update
             out["old_logps"] = R.logps_of(model, out)
-        if o.beta != 0.0:
-            out["ref_logps"] = R.logps_of(model, out, reference=True)
+        if o.beta != 0.0:  # the frozen copy's, or (LoRA) the base's with the adapters off
+            out["ref_logps"] = R.logps_of(self.reference, out) if self.reference is not None else \
+                R.logps_of(model, out, reference=True)
         self.empty_step = not bool((out["labels"][:, 1:] != -100).any())
         self.num_tokens += int(out["attention_mask"].sum())
         metrics = {**reward_metrics(per_func, self.reward_names, rewards, std_zero),
@@ -413,7 +480,70 @@ class GRPO(Task):
         if output_dir is not None and self.options.log_completions and self.rollout is not None \
                 and self.rollout["step"] == step:
             self.write_completions(output_dir)
+        self.watch(row, step, output_dir is not None)
         return row
+
+    FIRST_STEPS = 3  # the steps whose mean entropy a collapse is measured against
+
+    def watch(self, row: dict, step: int, main: bool) -> None:
+        """Warn once (on the writing rank) when the run may be collapsing (:func:`.rollout.collapse_note`)."""
+        from .rollout import collapse_note
+
+        s, entropy = self.rollouts, row.get("entropy")
+        if len(s.first_entropy) < self.FIRST_STEPS:
+            if entropy is not None:
+                s.first_entropy.append(float(entropy))
+            return
+        r = self.rollout or {}
+        fresh = r.get("step") == step  # a generation's completions are judged once
+        note = collapse_note(entropy, s.first_entropy, r.get("completion_ids", []) if fresh else [],
+                             r.get("texts", ()))
+        if note and not s.warned:
+            s.warned = True
+            if main:
+                import sys
+
+                print(f"warning: step {step}: the policy may be collapsing: {note}; lower --lr, or raise --beta",
+                      file=sys.stderr, flush=True)
+
+    def stops_and_pad(self, tokenizer) -> tuple:
+        """(the stop token ids, the pad id) completions are cut at and padded with."""
+        from cuboid.data.chat import stop_token_ids
+
+        stops = stop_token_ids(tokenizer, self.chat_template)
+        return stops, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else 0)
+
+    def evaluate(self, model, data: dict, *, tokenizer=None, step: int = 0) -> dict:
+        """The mean reward of greedy completions of the eval split's prompts (one each, every rank alike):
+        ``eval_reward``, ``eval_rewards/<fn>/mean`` and ``eval_completions/mean_length`` (TRL's names with its
+        ``eval_`` prefix)."""
+        from . import rollout as R
+        from .grpo_rewards import score
+
+        o = self.options
+        index = data["index"].tolist()
+        stops, pad = self.stops_and_pad(tokenizer)
+        model = model if model is not None else self.model
+        completions = R.eval_completions(model, [self.prompt_ids[i] for i in index],
+                                         max_new_tokens=o.max_completion_length, stops=stops, pad=pad)
+        records = [self.records[i] for i in index]
+        raw = [r[o.prompt_column] for r in records]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
+        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
+                         timeout_s=o.reward_timeout_s)
+        rewards = advantages(per_func, self.reward_weights, 1, "none")[0]
+        out = {"eval_reward": _finite(torch.nanmean(rewards))}
+        for i, name in enumerate(self.reward_names):
+            out[f"eval_rewards/{name}/mean"] = _finite(torch.nanmean(per_func[:, i]))
+        out["eval_completions/mean_length"] = R.length_metrics(completions, stops)["completions/mean_length"]
+        return out
+
+    def summary(self, history: Sequence[dict]) -> dict:
+        """What the run's ``done:`` line adds: ``reward``, the mean over the last (up to) 10 steps' rewards."""
+        last = [r["reward"] for r in history[-10:] if r.get("reward") is not None]
+        return {"reward": sum(last) / len(last)} if last else {}
 
     def write_completions(self, output_dir) -> None:
         """One line a completion: step, prompt (as given), completion (text), completion_ids, reward, each
@@ -424,9 +554,9 @@ class GRPO(Task):
         r, G = self.rollout, self.options.num_generations
         path = Path(output_dir) / "completions.jsonl"
         if not self.logged and path.exists():  # this run's first write: keep the earlier steps a resume keeps
-            kept = [line for line in path.read_text().splitlines() if line.strip()
-                    and json.loads(line)["step"] < r["step"]]
-            path.write_text("".join(line + "\n" for line in kept))
+            from .rollout import cut_log
+
+            cut_log(path, r["step"])
         self.logged = True
         with open(path, "a") as f:
             for j, text in enumerate(r["texts"]):

@@ -11,8 +11,10 @@ gets ``[{"role": "assistant", "content": text}]`` as TRL does);
 columns of the prompts' records, one list each. ``None``: the function does not
 apply to that completion (ignored in the weighted sum). Importing
 ``MODULE:FUNCTION`` runs the user's code (docs/architecture.md, "What cuboid
-trusts"); a function that raises, returns the wrong length or a value that is
-not a number stops the run with one sentence naming it.
+trusts"); a function that raises (its file:line shown), calls ``exit()``,
+hangs past the timeout (``--timeout-s`` unless ``reward_timeout_s``), returns
+the wrong length or a value that is not a finite number (a string, NaN, inf)
+stops the run with one sentence naming it, the row and the step.
 """
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ def load_reward(spec) -> tuple:
     file: ``rewards.py:fn``)."""
     if callable(spec):
         return spec, getattr(spec, "__name__", type(spec).__name__)
-    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+    module_name, _, fn_name = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not module_name or not fn_name.isidentifier():  # from the right: a path may hold ':' (my:file.py:fn)
         raise TaskError(f"--reward {spec!r}: give MODULE:FUNCTION (a module on the path or a .py file)")
-    module_name, fn_name = spec.split(":")
     try:
         if module_name.endswith(".py"):
             path = os.path.abspath(module_name)
@@ -48,12 +50,41 @@ def load_reward(spec) -> tuple:
             if os.getcwd() not in sys.path:  # a module beside the run, as `python -m` finds it
                 sys.path.insert(0, os.getcwd())
             module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 (the user's module: any error is reported in one sentence)
-        raise TaskError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: {e}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 (the user's module: any error, exit() too, in one sentence)
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename][1:]
+        shown = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        raise TaskError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+                        f"{' '.join(str(e).split())}{shown}") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise TaskError(f"--reward {spec}: {module_name} has no function {fn_name}")
     return fn, fn_name
+
+
+def is_spec(text: str) -> bool:
+    """Whether ``text`` reads as MODULE:FUNCTION: a ``.py`` file or a dotted module name, then ':' and a name."""
+    module, _, fn = text.strip().rpartition(":")
+    return bool(module) and fn.isidentifier() and (module.endswith(".py")
+                                                   or all(part.isidentifier() for part in module.split(".")))
+
+
+def split_specs(text: str) -> list:
+    """The MODULE:FUNCTION specs of ``text`` joined by ';' (a checkpoint's record, ``--reward a.py:f;b:g``): a ';'
+    separates two only where the text before it reads as a whole spec (:func:`is_spec`), so a path may hold ';'
+    or ':' (``my;dir/r.py:fn``, ``path/to/my:file.py:fn``)."""
+    found, start = [], 0
+    for at, ch in enumerate(text):
+        if ch == ";" and is_spec(text[start:at]):
+            found.append(text[start:at].strip())
+            start = at + 1
+    rest = text[start:].strip()
+    if rest and not is_spec(rest) and found:  # not specs after all: load_reward names each piece it cannot read
+        return [spec.strip() for spec in text.split(";") if spec.strip()]
+    return found + ([rest] if rest else [])
 
 
 def load_rewards(specs: Sequence) -> tuple:
@@ -83,32 +114,156 @@ def parse_weights(text, n: int) -> torch.Tensor:
 
 
 def score(funcs: Sequence[Callable], names: Sequence[str], prompts: list, completions: list,
-          completion_ids: list, columns: Optional[dict] = None) -> torch.Tensor:
+          completion_ids: list, columns: Optional[dict] = None, *, step: Optional[int] = None,
+          timeout_s: Optional[float] = None) -> torch.Tensor:
     """(B, F) float64 rewards, NaN where a function returned None; a one-sentence error naming the function
-    that raised or returned something else than B numbers or Nones."""
+    (and ``step``) that raised (its own file:line), exited, ran past ``timeout_s`` seconds (None: the collective
+    timeout, ``--timeout-s``), or returned something else than B finite numbers or Nones (naming the row)."""
     columns = columns or {}
+    at = f" at step {step}" if step is not None else ""
+    if timeout_s is None:
+        from cuboid.parallel.timeouts import timeout_s as collective_timeout
+
+        timeout_s = collective_timeout()
     out = torch.full((len(completions), len(funcs)), float("nan"), dtype=torch.float64)
     for i, (fn, name) in enumerate(zip(funcs, names)):
-        try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # noqa: BLE001 (the user's function)
-            raise TaskError(f"reward function {name} raised {type(e).__name__}: {e}") from None
-        try:
-            values = list(values)
-        except TypeError:
-            raise TaskError(f"reward function {name} returned {type(values).__name__}, not a list") from None
+        values = call_user(fn, f"reward function {name}", at, timeout_s, prompts=prompts, completions=completions,
+                           completion_ids=completion_ids, **columns)
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TaskError(f"reward function {name} returned {type(values).__name__}, not a list{at}")
+        values = list(values)
         if len(values) != len(completions):
             raise TaskError(f"reward function {name} returned {len(values)} rewards for {len(completions)} "
-                            "completions")
+                            f"completions{at}")
         for j, v in enumerate(values):
-            if v is None:
-                continue
-            try:
-                v = float(v)
-            except (TypeError, ValueError):
-                raise TaskError(f"reward function {name} returned {v!r} (not a number or None) for completion "
-                                f"{j}") from None
-            if math.isnan(v):
-                continue
-            out[j, i] = v
+            if v is not None:
+                out[j, i] = reward_value(v, name, j, at)
     return out
+
+
+def reward_value(v, name: str, row: int, at: str = "") -> float:
+    """One reward as a float: a real number (a bool, an int, a float, a one-element tensor or numpy value), finite;
+    a string, NaN or inf is refused naming the function and the row (TRL's None is how a function abstains)."""
+    if isinstance(v, (str, bytes)):
+        raise TaskError(f"reward function {name} returned the string {v!r} for completion {row}{at}: return a "
+                        "number (or None where it does not apply)")
+    try:
+        f = float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise TaskError(f"reward function {name} returned {v!r} (not a number or None) for completion "
+                        f"{row}{at}") from None
+    if not math.isfinite(f):
+        raise TaskError(f"reward function {name} returned {f} for completion {row}{at}: rewards must be finite "
+                        "(return None where it does not apply)")
+    return f
+
+
+class _Late(BaseException):
+    """Raised in the main thread by the watchdog's signal: the user's function ran past its time."""
+
+
+def call_user(fn: Callable, what: str, at: str, timeout_s: Optional[float], **kwargs):
+    """``fn(**kwargs)`` (user code), bounded by ``timeout_s`` seconds (None or 0: no bound): its value, or a
+    one-line TaskError saying ``what`` raised (the exception and the user's file:line), called ``exit()``, or
+    did not return in time. Ctrl-C (KeyboardInterrupt) goes on as it is.
+
+    From the main thread (a run's) the function runs there, as a reward function expects (math_verify's own
+    timeouts set SIGALRM, which only the main thread may), and a watchdog thread interrupts it with SIGURG
+    (ignored by default, so a late one harms nothing); elsewhere it runs in a thread of its own, waited for."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    if timeout_s and main and hasattr(signal, "SIGURG") and hasattr(signal, "pthread_kill"):
+        kind, got = _on_main(fn, timeout_s, kwargs)
+    else:
+        kind, got = _in_thread(fn, timeout_s, kwargs, what)
+    if kind == "value":
+        return got
+    if kind == "late":
+        raise TaskError(f"{what} did not return within {timeout_s:g} s{at} (a reward function that hangs; "
+                        "--timeout-s bounds it)")
+    if isinstance(got, KeyboardInterrupt):
+        raise got
+    if isinstance(got, SystemExit):
+        raise TaskError(f"{what} called exit({got.code!r}){where(got, fn)}{at}: user code must return, not "
+                        "end the run") from None
+    message = " ".join(str(got).split())
+    raise TaskError(f"{what} raised {type(got).__name__}{': ' + message if message else ''}{where(got, fn)}{at}") \
+        from None
+
+
+def _on_main(fn: Callable, timeout_s: float, kwargs: dict) -> tuple:
+    """``fn(**kwargs)`` in this (the main) thread, a watchdog's SIGURG raising :class:`_Late` past ``timeout_s``:
+    ("value", v), ("error", exception) or ("late", None)."""
+    import signal
+    import threading
+
+    guard, state = threading.Lock(), {"running": True, "fired": False}
+    main = threading.main_thread().ident
+
+    def fire() -> None:
+        with guard:
+            if state["running"]:
+                state["fired"] = True
+                signal.pthread_kill(main, signal.SIGURG)
+
+    def on_signal(signum, frame) -> None:
+        if state["fired"]:
+            raise _Late
+        if callable(previous):
+            previous(signum, frame)
+
+    previous = signal.signal(signal.SIGURG, on_signal)
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    try:
+        try:
+            timer.start()
+            return "value", fn(**kwargs)
+        finally:
+            with guard:
+                state["running"] = False
+            timer.cancel()
+    except _Late:
+        return "late", None
+    except BaseException as e:  # noqa: BLE001 (user code: exit() and the like end the run in one line)
+        return "error", e
+    finally:
+        signal.signal(signal.SIGURG, previous)
+
+
+def _in_thread(fn: Callable, timeout_s: Optional[float], kwargs: dict, what: str) -> tuple:
+    """``fn(**kwargs)`` in a thread of its own, waited for at most ``timeout_s`` seconds (a hung one is left
+    behind, a daemon): ("value", v), ("error", exception) or ("late", None)."""
+    import threading
+
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # noqa: BLE001 (user code)
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"cuboid {what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s if timeout_s else None)
+    if worker.is_alive():
+        return "late", None
+    return ("error", box["error"]) if "error" in box else ("value", box.get("value"))
+
+
+def where(e: BaseException, fn: Callable) -> str:
+    """`` (file:line)`` of the user's frame an exception came from: the deepest in ``fn``'s own file, else the
+    deepest of all ('' without a traceback)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # past call_user's own frame
+    if not frames:
+        return ""
+    code = getattr(getattr(fn, "__code__", None), "co_filename", None) or \
+        getattr(getattr(type(fn).__call__, "__code__", None), "co_filename", None)
+    own = [f for f in frames if f.filename == code]
+    f = (own or frames)[-1]
+    return f" ({f.filename}:{f.lineno})"

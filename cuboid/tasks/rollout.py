@@ -52,9 +52,10 @@ def _dp(model):
 
 
 def sample(model, prompts: Sequence[list], *, num_generations: int, step: int, seed: int, max_new_tokens: int,
-           temperature: float, top_p: float, top_k: int, stops: Sequence[int], pad: int) -> list:
+           temperature: float, top_p: float, top_k: int, stops: Sequence[int], pad: int, greedy: bool = False) -> list:
     """The global batch's completions (``len(prompts) * G`` lists of token ids, each cut after its first stop
-    token), this dp rank sampling its share of the rows and every rank returning all of them."""
+    token), this dp rank sampling its share of the rows (``greedy``: the most likely tokens) and every rank
+    returning all of them."""
     core = unwrap(model)
     mesh, dp, rank = _dp(model)
     rows = len(prompts) * num_generations
@@ -69,7 +70,7 @@ def sample(model, prompts: Sequence[list], *, num_generations: int, step: int, s
         p = prompts[j // num_generations]
         ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, longest - len(p):] = 1
-    out = core.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+    out = core.generate(ids, mask, max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=temperature,
                         top_p=top_p, top_k=top_k, eos_token_id=list(stops) or None, pad_token_id=pad,
                         seed=[row_seed(seed, step, j) for j in mine])
     zero.reshard(core)  # ZeRO-3: free what a forward without backward left gathered
@@ -131,8 +132,9 @@ def logps_of(model, batch: dict, *, reference: bool = False) -> torch.Tensor:
     try:
         if reference:
             if not carries_adapters(core):
-                raise TaskError("task grpo with beta > 0 needs --lora: the reference policy is the base with the "
-                                "adapters off (a full fine-tune keeps no copy of it)")
+                raise TaskError("task grpo with beta > 0 needs a reference policy: LoRA adapters (the base, adapters "
+                                "off) or a frozen copy of the starting model (task.with_model(..., reference=copy); "
+                                "cuboid finetune makes one)")
             with adapters_off(core):
                 logps = core(**inputs, logprobs=True).token_logps
         else:
@@ -158,3 +160,154 @@ def length_metrics(completions: Sequence[list], stops: Sequence[int]) -> dict:
 
 def finite_or_none(x: float) -> Optional[float]:
     return x if x is not None and math.isfinite(x) else None
+
+
+def encode(t: torch.Tensor) -> dict:
+    """A tensor as JSON values, bit for bit: dtype, shape and its bytes in base64 (read back by :func:`decode`;
+    no pickle)."""
+    import base64
+
+    t = t.detach().cpu().contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode()}
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "bool": torch.bool,
+           "bfloat16": torch.bfloat16, "float16": torch.float16, "int32": torch.int32}
+
+
+def decode(d: dict) -> torch.Tensor:
+    """The tensor :func:`encode` wrote; a one-line TaskError when the record is not one."""
+    import base64
+
+    try:
+        dtype, shape = _DTYPES[d["dtype"]], [int(n) for n in d["shape"]]
+        raw = bytearray(base64.b64decode(d["data"], validate=True))
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat.reshape(shape).clone()
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise TaskError(f"a saved rollout tensor is unreadable ({type(e).__name__}: {e})") from None
+
+
+class Rollouts:
+    """The rollouts a GRPO run holds between steps, as a batch source's state: the current generation (``current``:
+    its step, batch with ``old_logps``/``ref_logps``, prompts, texts, completion ids, rewards, advantages and
+    logged figures), reused for ``num_iterations`` steps, and the tokens sampled so far (TRL's ``num_tokens``).
+
+    :meth:`state_dict` is JSON values (tensors through :func:`encode`, bit for bit) that the loop keeps in a
+    checkpoint's trainer state; :meth:`load_state_dict` restores them, so a run resumed between a generation's
+    iterations trains on the same rollouts as the uninterrupted run instead of sampling new ones."""
+
+    TENSORS = ("per_func", "rewards", "advantages")
+
+    def __init__(self) -> None:
+        self.current: Optional[dict] = None
+        self.num_tokens = 0
+        self.first_entropy: list = []  # the run's first steps' entropy, what a collapse is measured against
+        self.warned = False            # the collapse warning given
+
+    def state_dict(self, keep_current: bool = True) -> dict:
+        """``{"num_tokens", "current"}``; ``current`` None when there is none or ``keep_current`` is False."""
+        r = self.current
+        current = None
+        if r is not None and keep_current:
+            current = {k: v for k, v in r.items() if k not in self.TENSORS and k != "batch"}
+            current.update({k: encode(r[k]) for k in self.TENSORS})
+            current["batch"] = {k: encode(v) for k, v in r["batch"].items()}
+        return {"num_tokens": self.num_tokens, "current": current, "first_entropy": list(self.first_entropy),
+                "warned": self.warned}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_tokens = int(state.get("num_tokens", 0))
+        self.first_entropy = [float(e) for e in state.get("first_entropy", [])]
+        self.warned = bool(state.get("warned", False))
+        saved = state.get("current")
+        if saved is None:
+            self.current = None
+            return
+        current = {k: v for k, v in saved.items() if k not in self.TENSORS and k != "batch"}
+        current.update({k: decode(saved[k]) for k in self.TENSORS})
+        current["batch"] = {k: decode(v) for k, v in saved["batch"].items()}
+        self.current = current
+
+
+def cut_log(path, step: int) -> None:
+    """Keep the lines of the completions log ``path`` (``completions.jsonl``, appended step by step) before
+    ``step`` (a resume keeps the steps it resumes after), read a line at a time and cut in place (the log is
+    never held in memory). A last line a kill left cut off (no newline, not JSON) is dropped with a warning
+    naming the file; an unreadable line before it is a one-line error naming the file and line."""
+    import json
+    import sys
+
+    with open(path, "r+b") as f:
+        offset, number, cut = 0, 0, None
+        for raw in iter(f.readline, b""):
+            number += 1
+            if not raw.strip():
+                offset += len(raw)
+                continue
+            try:
+                line = json.loads(raw)
+                ok = isinstance(line, dict) and isinstance(line.get("step"), int)
+            except ValueError:
+                ok = False
+            if not ok:
+                if raw.endswith(b"\n") and f.read(1):
+                    raise TaskError(f"{path}:{number}: not a completions log line (a JSON object with its step); "
+                                    "fix or remove the file to resume")
+                print(f"warning: {path}: dropped its cut-off last line {number} (a write interrupted)",
+                      file=sys.stderr, flush=True)
+                cut = offset
+                break
+            if line["step"] >= step:
+                cut = offset
+                break
+            offset += len(raw)
+            if not raw.endswith(b"\n"):  # a whole last line the kill left without its newline
+                f.seek(0, 2)
+                f.write(b"\n")
+                offset += 1
+        if cut is not None:
+            f.truncate(cut)
+
+
+COLLAPSE_RATIO, COLLAPSE_RISE, REPEAT_SHARE = 2.0, 0.3, 0.5
+
+
+def collapse_note(entropy: Optional[float], first: Sequence[float], completions: Sequence[list], texts=()) -> \
+        Optional[str]:
+    """What says a run may be collapsing, in a sentence, or None: the entropy at least
+    :data:`COLLAPSE_RATIO` times (and :data:`COLLAPSE_RISE` nats above) the mean of the run's first steps'
+    (``first``), or degenerate completions: at least :data:`REPEAT_SHARE` of their tokens (32 or more) the token
+    before them again."""
+    if entropy is not None and first:
+        base = sum(first) / len(first)
+        if entropy >= COLLAPSE_RATIO * base and entropy - base >= COLLAPSE_RISE:
+            return (f"the entropy rose to {entropy:.3g} from {base:.3g} over the first {len(first)} step(s) "
+                    f"({entropy / max(base, 1e-12):.1f}x)")
+    pairs = sum(max(len(c) - 1, 0) for c in completions)
+    if pairs >= 32:
+        repeats = sum(a == b for c in completions for a, b in zip(c, c[1:]))
+        if repeats >= REPEAT_SHARE * pairs:
+            sample = next((t for t in texts if t), "")
+            return (f"degenerate completions: {repeats / pairs:.0%} of their tokens repeat the one before"
+                    + (f" (e.g. {sample[:40]!r})" if sample else ""))
+    return None
+
+
+def eval_completions(model, prompts: Sequence[list], *, max_new_tokens: int, stops: Sequence[int], pad: int,
+                     chunk: int = 64) -> list:
+    """Greedy completions of ``prompts`` (one each), ``chunk`` prompts a dp rank at a time: the prompts padded
+    to a multiple of the dp size with the last one (its fillers dropped), each rank sampling its share."""
+    _, dp, _ = _dp(model)
+    core, out = unwrap(model), []
+    was_training = core.training
+    core.eval()
+    for start in range(0, len(prompts), chunk * dp):
+        part = list(prompts[start:start + chunk * dp])
+        filled = part + [part[-1]] * (-len(part) % dp)
+        got = sample(model, filled, num_generations=1, step=0, seed=0, max_new_tokens=max_new_tokens,
+                     temperature=1.0, top_p=1.0, top_k=0, stops=stops, pad=pad, greedy=True)
+        out.extend(got[:len(part)])
+    core.train(was_training)
+    return out

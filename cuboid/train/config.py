@@ -65,7 +65,8 @@ class FinetuneConfig:
     text_column: str = "text"
     label_column: str = "label"
     image_column: str = "image"
-    eval_fraction: float = 0.1            # held out when the data has no validation split (0: no eval)
+    eval_fraction: Optional[float] = None  # held out without a validation split (None: the task's, 0.1; GRPO 0;
+                                          # 0: no eval)
     eval_data: Any = None                 # a source of its own for the eval split (a file, a folder, a Dataset)
     log_every: int = 10
     progress: bool = True

@@ -34,7 +34,15 @@ def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Op
         ax2.plot([r["step"] for r in evals], [r.get(metric) for r in evals], "o-", color="C2")
     logged = [r for r in rows if "eval_loss" not in r and r.get(metric) is not None]  # a training metric (reward)
     if logged and not evals:
-        ax2.plot([r["step"] for r in logged], [r[metric] for r in logged], color="C2")
+        steps, values = [r["step"] for r in logged], [r[metric] for r in logged]
+        k = window(len(values))
+        ax2.plot(steps, values, color="C2", alpha=0.3, label=metric)
+        ax2.plot(steps, moving_mean(values, k), color="C2", label=f"{metric}, moving mean of {k} steps")
+        scored = [r for r in rows if r.get(f"eval_{metric}") is not None]  # (GRPO's eval_reward)
+        if scored:
+            ax2.plot([r["step"] for r in scored], [r[f"eval_{metric}"] for r in scored], "o-", color="C3",
+                     label=f"eval {metric}")
+        ax2.legend()
     ax1.set_xlabel("step"), ax1.set_ylabel("loss"), ax1.legend(), ax1.grid(alpha=0.3)
     ax2.set_xlabel("step"), ax2.set_ylabel(axis_label(metric, evaluated=not (logged and not evals))), ax2.grid(alpha=0.3)
     fig.suptitle(f"cuboid finetune: {metrics_path.parent}")
@@ -42,3 +50,19 @@ def plot_curves(metrics_path: Path, png: Path, metric: str = "perplexity") -> Op
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return str(png)
+
+
+def window(n: int) -> int:
+    """The moving mean's width for ``n`` points: a tenth of them, 1 to 50."""
+    return max(1, min(50, n // 10))
+
+
+def moving_mean(values: list, k: int) -> list:
+    """Each value's mean with the up to ``k - 1`` before it (the first ``k - 1`` over what there is)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= k:
+            total -= values[i - k]
+        out.append(total / min(i + 1, k))
+    return out

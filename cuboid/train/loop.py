@@ -217,9 +217,11 @@ def load_data_and_model(r: Run) -> None:
     if cfg.streaming:
         return load_stream_and_model(r)
     check_prepared(cfg.data, {f: getattr(cfg, f) for f, *_ in PREPARED_FLAGS.values()})  # flags it cannot apply
-    train_ds, eval_ds = train_eval_split(load_source(cfg.data), cfg.eval_fraction, cfg.seed, cfg.eval_data)
+    train_ds, eval_ds = train_eval_split(load_source(cfg.data), eval_fraction(cfg), cfg.seed, cfg.eval_data)
     if eval_ds is None:
-        log("cuboid finetune: --eval-fraction 0 and no validation split: this run evaluates nothing")
+        log("cuboid finetune: --eval-fraction 0 and no validation split: this run evaluates nothing"
+            if cfg.eval_fraction is not None else f"cuboid finetune: task {cfg.task.label} trains on every example "
+            "and the data has no validation split: no eval (--eval-fraction F holds some out)")
     num_labels = None
     if (cfg.task.classes if cfg.task is not None else cfg.label_column in train_ds.column_names):
         # a preset's head is sized by the data (ids 0..K-1 over both splits); a folder's is its own
@@ -237,6 +239,14 @@ def load_data_and_model(r: Run) -> None:
     r.batches = GlobalBatches(train_data, r.cfg.batch_size // per, seed=cfg.seed,
                               width_multiple=width_multiple(r.plan))
     r.train_examples, r.eval_examples = len(train_ds), len(eval_ds) if eval_ds is not None else 0
+
+
+def eval_fraction(cfg: FinetuneConfig) -> float:
+    """The fraction held out for evaluation: ``--eval-fraction``, else the task's (0.1; GRPO trains on every
+    prompt, as TRL does, unless a fraction is asked for)."""
+    if cfg.eval_fraction is not None:
+        return cfg.eval_fraction
+    return cfg.task.eval_fraction if cfg.task is not None else tasks.Task.eval_fraction
 
 
 def fit_to_data(r: Run, examples: int) -> None:
@@ -379,7 +389,21 @@ def optimization(r: Run) -> None:
     r.scaler = torch.amp.GradScaler(r.device.type) if r.plan.dtype == "fp16" else None
     if not r.streaming:  # what the data gains from the model as it starts (DPO: the reference's log-probs)
         r.batches.tensors, r.eval_data = r.task.with_model(r.model, [r.batches.tensors, r.eval_data], device=r.device,
-                                                           dtype=r.plan.dtype, lora=cfg.lora is not None)
+                                                           dtype=r.plan.dtype, lora=cfg.lora is not None,
+                                                           reference=reference_copy(r))
+
+
+def reference_copy(r: Run) -> Optional[nn.Module]:
+    """A frozen copy of the policy as it starts, loaded again for the same plan (so sharded as the policy is),
+    for a task that asks for one (GRPO's beta > 0 without LoRA: TRL's reference model); None otherwise."""
+    if not r.task.wants_reference(lora=r.cfg.lora is not None):
+        return None
+    if isinstance(r.cfg.model, nn.Module):
+        raise ValueError(f"task {r.task.label} with a reference model loads it again: give the model as a preset "
+                         "or a folder (or train LoRA adapters: the reference is the base)")
+    reference = load_model(r.cfg, r.task, None, r.device, r.plan, r.mesh)[0]
+    reference.requires_grad_(False)
+    return reference.eval()
 
 
 def resume(r: Run) -> None:
@@ -407,6 +431,7 @@ def resume(r: Run) -> None:
             raise ValueError(f"{r.resumed_from} was written by a --streaming run: resume it with --streaming")
         else:
             r.batches.position = int(saved["data"]["position"])
+        r.task.load_state_dict(saved.get("task", {}))  # GRPO: the generation the next step reuses
         log(f"resumed from {r.resumed_from} at step {r.start}" + (f" (restart {restart})" if restart else ""))
     elif restart:
         log(f"restart {restart}: no complete checkpoint in {r.output_dir}, starting from step 0")
@@ -500,8 +525,10 @@ def steps(r: Run, bar, stop: StopOnInterrupt) -> None:
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}: lower --lr or use --dtype fp32")
         if r.eval_data is not None and (step % r.eval_every == 0 or step == r.steps):
-            r.last_eval = evaluate(r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"],
-                                                         r.mesh.size("dp")), r.mesh, r.plan.dtype, task=r.task)
+            own = r.task.evaluate(r.model, r.eval_data, tokenizer=r.tokenizer, step=step)  # (GRPO's rewards)
+            r.last_eval = own if own is not None else evaluate(
+                r.model, eval_batches(r.eval_data, max(r.micro, 64), r.mesh.coords["dp"], r.mesh.size("dp")), r.mesh,
+                r.plan.dtype, task=r.task)
             row.update(r.last_eval)
         record(r, row)
         if bar is not None:
@@ -566,6 +593,9 @@ def save(r: Run, step: int) -> Path:
         data = {"position": r.batches.position}
     state = {"step": step, "data": data, "plan": r.plan.to_dict(), "run_id": r.run_id,
              "run": run_settings(r.cfg, r.task, r.steps)}
+    kept = r.task.state_dict()  # what the task holds between steps (GRPO's rollouts)
+    if kept:
+        state["task"] = kept
     r.callbacks.fire("on_save_begin", r, step, path)
     with r.callbacks.save_files(r, step):
         if r.cfg.lora is not None:
@@ -603,8 +633,8 @@ def finish(r: Run) -> dict:
         ckpt.save(r.model, final, tokenizer=r.tokenizer, config_fields=r.hf_fields,
                   generation_config=r.generation_config)
     r.mesh.barrier()
-    summary = {"step": r.steps, "task": r.task.describe(), **r.last_eval, "checkpoint": str(final_ckpt.resolve()),
-               "model": str(final.resolve())}
+    summary = {"step": r.steps, "task": r.task.describe(), **r.task.summary(r.history), **r.last_eval,
+               "checkpoint": str(final_ckpt.resolve()), "model": str(final.resolve())}
     if r.mesh.is_main:
         if cfg.plot:
             summary["plot"] = plot_curves(r.metrics_path, (r.output_dir / "curves.png").resolve(), r.task.metric)
