@@ -20,6 +20,7 @@ cuboid/train/loop.py). Under ``torchrun`` use its own ``--max-restarts``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -327,7 +328,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
-            return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+            with launcher_lock(values.get("output_dir") or FinetuneConfig.output_dir):
+                return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
     try:
         run(FinetuneConfig(**values, callbacks=args.callbacks))
     except Interrupted as e:  # Ctrl-C: the step is saved
@@ -336,6 +338,21 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             print(interrupted_line(e, argv, args.module), file=sys.stderr, flush=True)
         return EXIT_CODE
     return 0
+
+
+@contextlib.contextmanager
+def launcher_lock(output_dir: str):
+    """The output folder's run lock held by the launcher for the whole launch, restarts included, before a
+    worker starts (:func:`cuboid.train.resume.lock_output_dir`); its workers are told they belong to it."""
+    from cuboid.train.resume import LOCK_ENV, lock_output_dir, unlock_output_dir
+
+    lock_output_dir(Path(output_dir))
+    os.environ[LOCK_ENV] = f"{os.getpid()}:{Path(output_dir).resolve()}"
+    try:
+        yield
+    finally:
+        os.environ.pop(LOCK_ENV, None)
+        unlock_output_dir(Path(output_dir))
 
 
 def gpu_count() -> int:

@@ -57,8 +57,9 @@ from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_option
 from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
-from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
-                                 new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
+from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, holds_output_dir,
+                                 interrupted, load_checkpoint, lock_output_dir, new_recipe, own_checkpoints,
+                                 restart_count, resume_folder, run_id_of, run_settings, unlock_output_dir,
                                  write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, width_multiple
@@ -157,17 +158,24 @@ def finetune(model: Union[str, nn.Module] = "vit-debug", data: Any = "digits", *
 
 
 def run(cfg: FinetuneConfig) -> dict:
-    """The whole run (module docstring); the final metrics."""
-    r = start(checked(cfg))
-    load_data_and_model(r)
-    special_tokens(r)
-    batching(r)
-    optimization(r)
-    resume(r)
-    announce(r)
-    with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
-        train(r, stop)
-        return finish(r)
+    """The whole run (module docstring); the final metrics. The output folder's run lock, taken first
+    (:func:`start`), is let go of however the run ends."""
+    cfg = checked(cfg)
+    outer = holds_output_dir(Path(cfg.output_dir))  # a run started inside another leaves the other's lock be
+    try:
+        r = start(cfg)
+        load_data_and_model(r)
+        special_tokens(r)
+        batching(r)
+        optimization(r)
+        resume(r)
+        announce(r)
+        with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
+            train(r, stop)
+            return finish(r)
+    finally:
+        if not outer:
+            unlock_output_dir(Path(cfg.output_dir))
 
 
 def start(cfg: FinetuneConfig) -> Run:
@@ -190,6 +198,7 @@ def start(cfg: FinetuneConfig) -> Run:
         init_distributed(timeout_s=cfg.timeout_s)  # before the mesh: every group it makes gets this timeout
     mesh = Mesh.build(plan)
     restart = restart_count(mesh)
+    decided_on_rank0(mesh, lambda: lock_output_dir(Path(cfg.output_dir)))  # one run at a time, before any write
     run_id = check_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, mesh, restart)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

@@ -327,3 +327,96 @@ def new_recipe(optimizer, scheduler, peak_lr: float) -> None:
     for g, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
         g["lr"] = base * f(scheduler.last_epoch)
     scheduler._last_lr = [g["lr"] for g in groups]
+
+
+# ---------------------------------------------------------------- one run at a time in an output folder
+
+LOCK_FILE = ".cuboid-lock"  # flock'ed for a run's life; its text names the holder (pid, host, start time)
+LOCK_ENV = "CUBOID_OUTPUT_LOCK"  # set by the launcher that holds the lock: "<pid>:<folder>", for its workers
+_HELD: dict = {}  # resolved output folder -> the open lock file this process holds
+
+
+def _holder(file: Path) -> dict:
+    """The lock file's record of its holder, read as data ({} when absent or unreadable)."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _dead(holder: dict) -> bool:
+    """Whether ``holder`` names a process of this host that is gone (a stale lock: a fork of it may keep the
+    flock after the pid that wrote the record died)."""
+    import socket
+
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _try_lock(file: Path):
+    """The open ``file`` with an exclusive flock taken, or None when another process holds it."""
+    import fcntl
+
+    f = open(file, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def lock_output_dir(out: Path) -> None:
+    """Take ``out``'s run lock for this process's life (or until :func:`unlock_output_dir`), before the run
+    writes anything there; a one-line ValueError naming the holder (pid, host, start time) when another live
+    run holds it (this process too: a second run started inside a first). A lock whose recorded holder is a
+    dead process of this host is taken over. The workers of the launcher that holds it (:data:`LOCK_ENV`)
+    pass: they are its run, restarts included."""
+    import socket
+    import time
+
+    out = Path(out)
+    key = str(out.resolve())
+    file = out / LOCK_FILE
+    launcher, _, folder = os.environ.get(LOCK_ENV, "").partition(":")
+    if folder == key and str(_holder(file).get("pid")) == launcher:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    f = _try_lock(file)
+    if f is None and _dead(_holder(file)):
+        file.unlink(missing_ok=True)  # a new file (inode): the dead run's flock holds the old one only
+        f = _try_lock(file)
+    if f is None:
+        h = _holder(file)
+        who = (f"pid {h.get('pid')} on {h.get('host')}, started {h.get('started')}" if h
+               else "another process (its record not written yet)")
+        raise ValueError(f"--output-dir {out} is in use by a run that is still going ({who}; lock {file}): "
+                         "wait for it to end, or pick another --output-dir")
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}) + "\n")
+    f.flush()
+    _HELD[key] = f
+
+
+def holds_output_dir(out: Path) -> bool:
+    """Whether this process holds ``out``'s run lock."""
+    return str(Path(out).resolve()) in _HELD
+
+
+def unlock_output_dir(out: Path) -> None:
+    """Let go of ``out``'s run lock if this process holds it (the file stays: removing it would let a
+    process that opened it meanwhile lock a file no one else sees)."""
+    f = _HELD.pop(str(Path(out).resolve()), None)
+    if f is not None:
+        f.close()
