@@ -57,7 +57,7 @@ import torch
 from cuboid.data.chat import DataError, TextEncoder, common_prefix, head_ids, render, require_template
 
 __all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_sequences", "pair_rows",
-           "pair_dataset", "prepared_pairs", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
+           "pair_dataset", "prepared_pairs", "whole_pairs", "pair_tensors", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -159,12 +159,26 @@ def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_templat
     return seqs
 
 
+def whole_pairs(ds, tokenizer, max_length: int, chat_template: Optional[str] = None) -> tuple:
+    """(pairs, keep): per record whose two sequences both fit in ``max_length`` tokens whole, its
+    ``((chosen ids, answer start), (rejected ids, answer start))``; ``keep`` a bool per record (False: the
+    pair is longer, dropped as TRL's RewardTrainer drops it). Each sequence is tokenized only as far as its
+    first ``max_length`` + 1 tokens (:func:`tokenize_pair`), so a long record costs no more than a kept one."""
+    seqs, keep = [], []
+    for example in ds:
+        p, c, r = tokenize_pair(example, tokenizer, chat_template, max_length)
+        keep.append(len(p) + max(len(c), len(r)) <= max_length)
+        if keep[-1]:
+            seqs.append([(p + c, len(p)), (p + r, len(p))])
+    return seqs, keep
+
+
 def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
               pad_id: int = 0, stats: Optional[PairStats] = None) -> dict:
     """The pairs of a split (rows with prompt/chosen/rejected) as tensors with a pair dimension (module
     docstring): ``input_ids``, ``attention_mask``, ``labels`` (P, 2, L). ``stats`` (a :class:`PairStats`)
     counts the examples, the dropped and the truncated ones."""
-    return _tensors(pair_sequences(ds, tokenizer, max_length, chat_template, stats), pad_id)
+    return pair_tensors(pair_sequences(ds, tokenizer, max_length, chat_template, stats), pad_id)
 
 
 def pair_dataset(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
@@ -200,10 +214,10 @@ def prepared_pairs(ds, pad_id: int = 0, max_length: Optional[int] = None) -> dic
             start = next((k for k, x in enumerate(lab) if x != -100), len(lab))
             pair.append((row, start))
         seqs.append(pair)
-    return _tensors(seqs, pad_id)
+    return pair_tensors(seqs, pad_id)
 
 
-def _tensors(seqs: list, pad_id: int) -> dict:
+def pair_tensors(seqs: list, pad_id: int) -> dict:
     """(P, 2, L) ``input_ids``, ``attention_mask``, ``labels`` of :func:`pair_sequences`' pairs."""
     width = max(len(ids) for pair in seqs for ids, _ in pair)
     P = len(seqs)

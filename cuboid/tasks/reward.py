@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from cuboid.data import formats
-from cuboid.data.pairs import PairStats, flatten, pair_rows, pairs_of_rows
+from cuboid.data.pairs import PairStats, flatten, pairs_of_rows, pair_tensors, whole_pairs
 
 from .base import Task, TaskError, register
 
@@ -80,17 +80,19 @@ class Reward(Task):
         formats.need_tokenizer(tokenizer, self.name)
         stats = stats if stats is not None else PairStats()
         length = min(seq_len or 1024, config.n_positions)
-        rows = pair_rows(ds, tokenizer, None, self.options.chat_template, formats.pad_id(tokenizer), stats)
-        keep = rows["attention_mask"].sum(-1).amax(-1) <= length  # (P,) TRL drops a pair that is too long
-        out = {k: rows[k][keep] for k in ("input_ids", "attention_mask")}
+        seqs, kept = whole_pairs(ds, tokenizer, length, self.options.chat_template)  # TRL drops a longer pair
+        keep = torch.tensor(kept, dtype=torch.bool)  # (P,) of the records
+        stats.examples += len(kept)
+        if not bool(keep.any()):
+            raise formats.DataError(f"no preference pair fits --max-length {length} (all {len(keep)} are longer)")
+        rows = pair_tensors(seqs, formats.pad_id(tokenizer))  # (kept pairs, 2, L <= length)
+        out = {k: rows[k] for k in ("input_ids", "attention_mask")}
         if "margin" in ds.column_names:
             margin = torch.tensor([float(m) for m in ds["margin"]], dtype=torch.float32)
             if len(margin) != len(keep):
                 raise TaskError("task reward: the margin column has another length than the pairs")
             out["margin"] = margin[keep].unsqueeze(1).expand(-1, 2).contiguous()
         stats.dropped += int((~keep).sum())
-        if not bool(keep.any()):
-            raise formats.DataError(f"no preference pair fits --max-length {length} (all {len(keep)} are longer)")
         return formats.trim_padding(out)
 
     def before_step(self, batch: dict, step: int, *, tokenizer=None, seed: int = 0) -> dict:
