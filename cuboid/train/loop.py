@@ -58,7 +58,7 @@ from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, holds_output_dir,
-                                 interrupted, load_checkpoint, lock_output_dir, new_recipe, own_checkpoints,
+                                 interrupted, keep_metrics, load_checkpoint, lock_output_dir, new_recipe, own_checkpoints,
                                  restart_count, resume_folder, run_id_of, run_settings, unlock_output_dir,
                                  write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
@@ -405,9 +405,9 @@ def resume(r: Run) -> None:
     if skipped:
         log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
     if r.mesh.is_main and r.metrics_path.exists():
-        kept = [line for line in r.metrics_path.read_text().splitlines()
-                if r.resumed_from is not None and line.strip() and json.loads(line)["step"] <= r.start]
-        r.metrics_path.write_text("".join(line + "\n" for line in kept))
+        note = keep_metrics(r.metrics_path, r.start if r.resumed_from is not None else None)
+        if note:
+            log(note)
 
 
 def routes(model) -> bool:

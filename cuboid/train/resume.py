@@ -203,6 +203,33 @@ def check_resume_into(checkpoint: Path, out: Path) -> None:
                          "--output-dir, give an empty one, or pass --overwrite-output-dir to write over it")
 
 
+def keep_metrics(path: Path, step: Optional[int]) -> Optional[str]:
+    """Rewrite the metrics log ``path`` with its rows up to ``step`` (None: none, a fresh log), atomically (a
+    temporary file renamed over it). A line that is not a JSON row (the last one, cut off by a kill mid-append)
+    is dropped; the warning that names the file and its lines is returned (None: nothing was dropped)."""
+    kept, bad = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            at = row["step"] if isinstance(row, dict) else None
+        except (ValueError, KeyError):
+            at = None
+        if not isinstance(at, (int, float)):
+            bad.append(number)
+        elif step is not None and at <= step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    if not bad:
+        return None
+    which = f"line {bad[0]}" if len(bad) == 1 else f"lines {', '.join(map(str, bad))}"
+    return (f"warning: {path} {which} not a metrics row (cut off by a kill mid-write?): dropped"
+            if step is not None else None)
+
+
 def verify_once(verify, path: Path, mesh: Mesh) -> None:
     """``verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
     from cuboid.zoo.checkpoint import CheckpointError

@@ -211,3 +211,21 @@ def test_a_lock_whose_holder_died_is_taken_over(tmp_path):
         unlock_output_dir(out)
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_a_metrics_line_cut_off_by_a_kill_is_dropped_on_resume_with_a_warning(images, tmp_path, capsys):
+    """Issue 65, item 5.3: a kill mid-append leaves half a row last in metrics.jsonl; the resume drops it,
+    says so naming the file and line, and writes the log anew (no temporary file left)."""
+    out = tmp_path / "out"
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, log_every=1, **OPTS)
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "loss": 0.12')  # the kill came mid-line
+    capsys.readouterr()
+    result = cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=3, log_every=1, resume="latest",
+                             **OPTS)
+    assert result["step"] == 3
+    err = capsys.readouterr().err
+    assert f"warning: {metrics} line 3 not a metrics row" in err, err
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".metrics")) == []
