@@ -273,12 +273,20 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
          f"--max-restarts={max_restarts}", "--module", module, *argv])
+    import shutil
+    import tempfile
+
+    os.environ[FAILURES_ENV] = folder = tempfile.mkdtemp(prefix="cuboid-failures-")
     try:
         run(launch)
     except SignalException:  # Ctrl-C (or a kill): the workers were told and said their line
         return 130
-    except Exception as e:  # ChildFailedError: the failing rank already printed its error
+    except Exception as e:  # ChildFailedError: the failing rank recorded its error (record_failure)
         failures = getattr(e, "failures", None)
+        headline = failure_headline(Path(folder))
+        if failures and headline is not None and headline[1]:  # a bad value: one line, exit code 2 (a bug's
+            print(headline[0], file=sys.stderr, flush=True)       # traceback, its rank's, ends in its line)
+            return 2
         if failures:
             # a rank that failed on a bad value exits 2; the others may be killed after it
             codes = {f.exitcode for f in failures.values()}
@@ -294,7 +302,80 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
             print(f"cuboid finetune: error: worker rank {rank} {how}{used}", file=sys.stderr)
             return 1
         raise
+    finally:
+        os.environ.pop(FAILURES_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+FAILURES_ENV = "CUBOID_FAILURES"  # the launcher's folder where each failing worker records its error
+
+
+def collateral(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it came from) is a collective that failed because a peer went away or
+    stalled: the consequence of another rank's failure, not a cause."""
+    from cuboid.parallel.comm import CollectiveError
+
+    seen = 0
+    while e is not None and seen < 8:
+        low = str(e).lower()
+        if isinstance(e, CollectiveError) or any(k in low for k in ("closed by peer", "connection reset",
+                                                                    "broken pipe", "connection closed")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def record_failure(e: BaseException, user: bool) -> bool:
+    """Under cuboid's launcher: this worker's error written to the launcher's :data:`FAILURES_ENV` folder, for
+    :func:`failure_headline`; the traceback of an error that is neither a bad value (``user``) nor
+    :func:`collateral` is printed here, prefixed with the rank. False (nothing done) outside the launcher."""
+    import json
+    import time
+    import traceback
+
+    from cuboid.cli import message
+
+    folder = os.environ.get(FAILURES_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"rank": rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "time": time.time(),
+              "type": type(e).__name__, "message": message(e), "user": user, "collateral": collateral(e)}
+    if not user and not record["collateral"]:
+        lines = traceback.format_exception(type(e), e, e.__traceback__)
+        print("".join(f"[rank {rank}] {line}" for line in "".join(lines).splitlines(True)), end="",
+              file=sys.stderr, flush=True)
+    tmp = Path(folder) / f".rank-{rank}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(folder) / f"rank-{rank}.json")
+    return True
+
+
+def failure_headline(folder: Path):
+    """(line, whether a bad value) of the first error the workers of the last attempt recorded that was not
+    :func:`collateral` (None: none was recorded): rank 0's as one ``cuboid finetune: error:`` line, as every
+    rank failing alike says it; another rank's prefixed with its rank (``[rank 1] ValueError: ...``)."""
+    import json
+
+    records = []
+    for file in folder.glob("rank-*.json"):
+        try:
+            records.append(json.loads(file.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    last = max(r["restart"] for r in records)
+    causes = sorted((r for r in records if r["restart"] == last and not r["collateral"]),
+                    key=lambda r: (r["time"], r["rank"]))
+    if not causes:
+        return None
+    first = causes[0]
+    same_on_0 = any(r["rank"] == 0 and r["message"] == first["message"] for r in causes)
+    if first["user"] and same_on_0:
+        return f"cuboid finetune: error: {first['message']}", True
+    return f"[rank {first['rank']}] {first['type']}: {first['message']}", first["user"]
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
