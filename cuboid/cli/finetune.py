@@ -253,6 +253,7 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     that many times; the workers see ``TORCHELASTIC_RESTART_COUNT`` and resume.
     """
     import logging
+    import signal
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import get_args_parser, run
@@ -279,8 +280,8 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     os.environ[FAILURES_ENV] = folder = tempfile.mkdtemp(prefix="cuboid-failures-")
     try:
         run(launch)
-    except SignalException:  # Ctrl-C (or a kill): the workers were told and said their line
-        return 130
+    except SignalException as e:  # Ctrl-C: the workers were told and said their line; SIGTERM ended them
+        return 143 if e.sigval == signal.SIGTERM else 130
     except Exception as e:  # ChildFailedError: the failing rank recorded its error (record_failure)
         failures = getattr(e, "failures", None)
         headline = failure_headline(Path(folder))
@@ -383,7 +384,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
     from cuboid.loading.model import check_local_processes
     from cuboid.loading.planner import is_auto
-    from cuboid.train.interrupt import EXIT_CODE, Interrupted, interrupted_line
+    from cuboid.train.interrupt import (EXIT_CODE, SIGTERM_EXIT_CODE, Interrupted, Terminated, TerminateOnSigterm,
+                                        interrupted_line, terminated_line)
     from cuboid.train.loop import run
 
     values = resolve(args)
@@ -409,15 +411,24 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
-            with launcher_lock(values.get("output_dir") or FinetuneConfig.output_dir):
-                return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+            out = values.get("output_dir") or FinetuneConfig.output_dir
+            with launcher_lock(out):
+                rc = _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+            if rc == SIGTERM_EXIT_CODE:
+                print(terminated_line(out, argv, args.module), file=sys.stderr, flush=True)
+            return rc
+    argv = args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]
     try:
-        run(FinetuneConfig(**values, callbacks=args.callbacks))
+        with contextlib.nullcontext() if under_launcher else TerminateOnSigterm():  # (a worker: at once)
+            run(FinetuneConfig(**values, callbacks=args.callbacks))
     except Interrupted as e:  # Ctrl-C: the step is saved
         if os.environ.get("RANK", "0") == "0":
-            argv = args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]
             print(interrupted_line(e, argv, args.module), file=sys.stderr, flush=True)
         return EXIT_CODE
+    except Terminated:  # SIGTERM: stopped at once; the newest complete checkpoint is named
+        print(terminated_line(values.get("output_dir") or FinetuneConfig.output_dir, argv, args.module),
+              file=sys.stderr, flush=True)
+        return SIGTERM_EXIT_CODE
     return 0
 
 
