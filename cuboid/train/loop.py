@@ -171,8 +171,12 @@ def run(cfg: FinetuneConfig) -> dict:
         resume(r)
         announce(r)
         with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
-            train(r, stop)
-            return finish(r)
+            try:
+                train(r, stop)
+                return finish(r)
+            except BaseException as e:  # (the trackers end their runs: killed, failed)
+                r.callbacks.fire("on_train_abort", r, e)
+                raise
     finally:
         if not outer:
             unlock_output_dir(Path(cfg.output_dir))
