@@ -58,9 +58,9 @@ from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, holds_output_dir,
-                                 interrupted, keep_metrics, load_checkpoint, lock_output_dir, new_recipe, own_checkpoints,
-                                 restart_count, resume_folder, run_id_of, run_settings, unlock_output_dir,
-                                 write_run_file)
+                                 interrupted, keep_metrics, load_checkpoint, lock_output_dir, new_recipe,
+                                 own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
+                                 unlock_output_dir, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
