@@ -253,7 +253,9 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     that many times; the workers see ``TORCHELASTIC_RESTART_COUNT`` and resume.
     """
     import logging
+    import shutil
     import signal
+    import tempfile
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import get_args_parser, run
@@ -274,9 +276,6 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
          f"--max-restarts={max_restarts}", "--module", module, *argv])
-    import shutil
-    import tempfile
-
     os.environ[FAILURES_ENV] = folder = tempfile.mkdtemp(prefix="cuboid-failures-")
     try:
         run(launch)

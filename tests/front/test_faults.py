@@ -185,6 +185,15 @@ def test_an_error_on_one_rank_is_the_headline(data, tmp_path, where):
     assert tracebacks == ([] if where == "raise" else ["[rank 1] Traceback (most recent call last):"]), p.stderr
 
 
+def test_a_bad_value_every_rank_meets_is_one_line_as_ever(data, tmp_path):
+    """Every rank refuses the same value: rank 0's one line, without a rank, exit 2."""
+    p = subprocess.run([sys.executable, "-m", "cuboid", *cli_args(data), "--output-dir", str(tmp_path / "run"),
+                        "--label-column", "digit"], capture_output=True, text=True, timeout=RUN_TIMEOUT, env=ENV)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and lines == ["cuboid finetune: error: column 'digit' not found (columns: image, label); "
+                                           "set --label-column"], p.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- in-process pieces (no launcher)
 
 
