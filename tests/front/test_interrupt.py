@@ -123,7 +123,6 @@ def test_dp2_ranks_stop_after_the_same_step_without_a_traceback(job, tmp_path):
     assert complete(out / f"checkpoint-{step}") and not (out / "final").exists()
 
 
-@pytest.mark.slow
 def test_sigterm_says_so_names_the_checkpoint_and_exits_143(job, tmp_path):
     """Issue 65, item 5.6: SIGTERM stops the run at once (no save of its own) with one line naming the newest
     complete checkpoint and the command that resumes, exit code 143 (128 + 15): one process, and dp=2 with

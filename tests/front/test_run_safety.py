@@ -139,7 +139,6 @@ def _second_runs(out, images, capsys) -> list:
     return said + [str(e.value)]
 
 
-@pytest.mark.slow
 def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_dp2_resume_after_it_goes(images, tmp_path, capsys,
                                                                                       monkeypatch):
     """Issue 65, item 5.1: a run holds its output folder's lock for its life. Started while it trains (from its

@@ -124,7 +124,6 @@ def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
                              "MlflowException: "), err
 
 
-@pytest.mark.slow
 def test_ctrl_c_ends_the_tracker_runs_as_killed_with_every_row(tmp_path):
     """Issue 65, item 5.6: Ctrl-C after step 3: the MLflow run ends KILLED (it stayed RUNNING), and trackio's
     and MLflow's stores hold the three rows metrics.jsonl holds."""
