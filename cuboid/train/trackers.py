@@ -150,14 +150,24 @@ class Trackio:
         self.run.log(metrics, step=step)
 
     def close(self, status: str = "FINISHED") -> None:
+        """trackio's ``finish`` (the module's: it writes the rows still queued and forgets the run, so trackio's
+        exit hook has none to finish); what it says of rows it could not write (printed, or warned) is one
+        warning line each, its progress line aside."""
         import contextlib
         import io
+        import warnings
 
         import trackio
 
-        with contextlib.redirect_stdout(io.StringIO()):
-            trackio.finish()  # (the module's: it writes the rows still queued and forgets the run, so trackio's
-            #                   exit hook has none to finish)
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trackio.finish()
+        notes = [str(w.message) for w in caught] + [line for line in said.getvalue().splitlines()
+                                                    if line.strip() and "Run finished" not in line]
+        for note in notes:
+            print(f"warning: --report-to trackio: {' '.join(note.strip(' *').split())}", file=sys.stderr,
+                  flush=True)
 
 
 class TensorBoard:

@@ -145,3 +145,26 @@ def test_ctrl_c_ends_the_tracker_runs_as_killed_with_every_row(tmp_path):
     assert store["mlflow"]["status"] == "KILLED", store["mlflow"]["status"]
     for name in ("trackio", "mlflow"):
         assert [s for s, _ in store[name]["loss"]] == [1, 2, 3], (name, store[name]["loss"])
+
+
+def test_what_trackio_says_of_unwritten_rows_is_shown(monkeypatch, capsys):
+    """Issue 65, item 5.6: trackio's finish() prints (to the stdout cuboid hides its banners from) or warns that
+    rows are still buffered or were not sent; each is a warning line on stderr, not lost."""
+    if not trackers.installed("trackio"):
+        pytest.skip("trackio is not installed")
+    import warnings
+
+    import trackio
+
+    def finish():
+        print("* Run finished. Uploading logs to Trackio (please wait...)")
+        print("* Some logs could not be sent to the remote server (it may still be starting up).")
+        warnings.warn("Could not flush all logs within 30s. Some data may be buffered locally.")
+
+    monkeypatch.setattr(trackio, "finish", finish)
+    tracker = object.__new__(trackers.Trackio)
+    tracker.close("KILLED")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: --report-to trackio: Could not flush all logs within 30s. Some data may be buffered "
+                   "locally.", "warning: --report-to trackio: Some logs could not be sent to the remote server (it "
+                   "may still be starting up)."], err
