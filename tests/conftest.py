@@ -218,6 +218,13 @@ SLOW = [
      "tests/front/test_generate_chat.py::test_prompts_file_holds_one_conversation_a_line",
      "tests/front/test_generate_chat.py::test_chat_needs_a_template_and_system_needs_chat",
      "tests/front/test_generate_cli.py::test_generate_streams_one_prompt_and_batches_a_file"),
+    ("issue 65's reliability checks that launch dp=2 or stop a run by a signal, 15-40 s each: the stale lock's "
+     "takeover, a bad value raised on one rank of a dp=2 launch and the cut-off metrics line stay",
+     "tests/front/test_run_safety.py::test_a_second_run_into_a_busy_output_dir_*",
+     "tests/front/test_interrupt.py::test_sigterm_says_so_names_the_checkpoint_and_exits_143",
+     "tests/front/test_trackers.py::test_ctrl_c_ends_the_tracker_runs_as_killed_with_every_row",
+     "tests/front/test_faults.py::test_an_error_on_one_rank_is_the_headline[crash]",
+     "tests/front/test_faults.py::test_a_bad_value_every_rank_meets_is_one_line_as_ever"),
     ("a save killed mid-write, and the damaged-checkpoint fuzz loop, 12-19 s each: the failed-write test and the "
      "fuzz harness's own tests stay",
      "tests/checkpoint/test_atomic.py::test_killed_save_leaves_the_previous_checkpoint",

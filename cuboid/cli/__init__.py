@@ -282,6 +282,10 @@ def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), modu
         check_numbers(parser, args)
         return args.func(args)
     except USER_ERRORS as e:
+        from cuboid.cli.finetune import record_failure
+
+        if record_failure(e, user=True):  # a worker of `cuboid finetune`'s launch: the launcher says it
+            return 2
         if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike: one line, from rank 0
             print(f"cuboid {command}: error: {message(e)}", file=sys.stderr)
         return 2
@@ -291,6 +295,12 @@ def main(argv: Optional[Sequence[str]] = None, *, callbacks: Sequence = (), modu
                 " at once, without saving: --resume latest continues from the newest complete checkpoint in "
                 "--output-dir, if there is one" if command == "finetune" else ""), file=sys.stderr)
         return 130
+    except Exception as e:  # a worker of a launch: its traceback unless it only saw another rank fail
+        from cuboid.cli.finetune import record_failure
+
+        if not record_failure(e, user=False):
+            raise
+        return 1
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

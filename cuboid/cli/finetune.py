@@ -20,6 +20,7 @@ cuboid/train/loop.py). Under ``torchrun`` use its own ``--max-restarts``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -275,6 +276,9 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     that many times; the workers see ``TORCHELASTIC_RESTART_COUNT`` and resume.
     """
     import logging
+    import shutil
+    import signal
+    import tempfile
 
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.run import get_args_parser, run
@@ -295,12 +299,17 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
     launch = get_args_parser().parse_args(
         ["--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--rdzv-endpoint=127.0.0.1:0",
          f"--max-restarts={max_restarts}", "--module", module, *argv])
+    os.environ[FAILURES_ENV] = folder = tempfile.mkdtemp(prefix="cuboid-failures-")
     try:
         run(launch)
-    except SignalException:  # Ctrl-C (or a kill): the workers were told and said their line
-        return 130
-    except Exception as e:  # ChildFailedError: the failing rank already printed its error
+    except SignalException as e:  # Ctrl-C: the workers were told and said their line; SIGTERM ended them
+        return 143 if e.sigval == signal.SIGTERM else 130
+    except Exception as e:  # ChildFailedError: the failing rank recorded its error (record_failure)
         failures = getattr(e, "failures", None)
+        headline = failure_headline(Path(folder))
+        if failures and headline is not None and headline[1]:  # a bad value: one line, exit code 2 (a bug's
+            print(headline[0], file=sys.stderr, flush=True)       # traceback, its rank's, ends in its line)
+            return 2
         if failures:
             # a rank that failed on a bad value exits 2; the others may be killed after it
             codes = {f.exitcode for f in failures.values()}
@@ -316,7 +325,80 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0, module: str = "c
             print(f"cuboid finetune: error: worker rank {rank} {how}{used}", file=sys.stderr)
             return 1
         raise
+    finally:
+        os.environ.pop(FAILURES_ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+FAILURES_ENV = "CUBOID_FAILURES"  # the launcher's folder where each failing worker records its error
+
+
+def collateral(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it came from) is a collective that failed because a peer went away or
+    stalled: the consequence of another rank's failure, not a cause."""
+    from cuboid.parallel.comm import CollectiveError
+
+    seen = 0
+    while e is not None and seen < 8:
+        low = str(e).lower()
+        if isinstance(e, CollectiveError) or any(k in low for k in ("closed by peer", "connection reset",
+                                                                    "broken pipe", "connection closed")):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def record_failure(e: BaseException, user: bool) -> bool:
+    """Under cuboid's launcher: this worker's error written to the launcher's :data:`FAILURES_ENV` folder, for
+    :func:`failure_headline`; the traceback of an error that is neither a bad value (``user``) nor
+    :func:`collateral` is printed here, prefixed with the rank. False (nothing done) outside the launcher."""
+    import json
+    import time
+    import traceback
+
+    from cuboid.cli import message
+
+    folder = os.environ.get(FAILURES_ENV)
+    if not folder or not os.path.isdir(folder):
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"rank": rank, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "time": time.time(),
+              "type": type(e).__name__, "message": message(e), "user": user, "collateral": collateral(e)}
+    if not user and not record["collateral"]:
+        lines = traceback.format_exception(type(e), e, e.__traceback__)
+        print("".join(f"[rank {rank}] {line}" for line in "".join(lines).splitlines(True)), end="",
+              file=sys.stderr, flush=True)
+    tmp = Path(folder) / f".rank-{rank}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(folder) / f"rank-{rank}.json")
+    return True
+
+
+def failure_headline(folder: Path):
+    """(line, whether a bad value) of the first error the workers of the last attempt recorded that was not
+    :func:`collateral` (None: none was recorded): rank 0's as one ``cuboid finetune: error:`` line, as every
+    rank failing alike says it; another rank's prefixed with its rank (``[rank 1] ValueError: ...``)."""
+    import json
+
+    records = []
+    for file in folder.glob("rank-*.json"):
+        try:
+            records.append(json.loads(file.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    last = max(r["restart"] for r in records)
+    causes = sorted((r for r in records if r["restart"] == last and not r["collateral"]),
+                    key=lambda r: (r["time"], r["rank"]))
+    if not causes:
+        return None
+    first = causes[0]
+    same_on_0 = any(r["rank"] == 0 and r["message"] == first["message"] for r in causes)
+    if first["user"] and same_on_0:
+        return f"cuboid finetune: error: {first['message']}", True
+    return f"[rank {first['rank']}] {first['type']}: {first['message']}", first["user"]
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -324,7 +406,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     on as a :class:`~cuboid.parallel.Plan`; under a launcher, ``auto`` is the trainer's to search."""
     from cuboid.loading.model import check_local_processes
     from cuboid.loading.planner import is_auto
-    from cuboid.train.interrupt import EXIT_CODE, Interrupted, interrupted_line
+    from cuboid.train.interrupt import (EXIT_CODE, SIGTERM_EXIT_CODE, Interrupted, Terminated, TerminateOnSigterm,
+                                        interrupted_line, terminated_line)
     from cuboid.train.loop import run
 
     values = resolve(args)
@@ -350,15 +433,40 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             argv = [a for a in sys.argv[1:]]
             if "finetune" not in argv:
                 argv = ["finetune", *argv]
-            return _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+            out = values.get("output_dir") or FinetuneConfig.output_dir
+            with launcher_lock(out):
+                rc = _launch(plan.world_size, _strip_nproc(argv), restarts or 0, module=args.module)
+            if rc == SIGTERM_EXIT_CODE:
+                print(terminated_line(out, argv, args.module), file=sys.stderr, flush=True)
+            return rc
+    argv = args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]
     try:
-        run(FinetuneConfig(**values, callbacks=args.callbacks))
+        with contextlib.nullcontext() if under_launcher else TerminateOnSigterm():  # (a worker: at once)
+            run(FinetuneConfig(**values, callbacks=args.callbacks))
     except Interrupted as e:  # Ctrl-C: the step is saved
         if os.environ.get("RANK", "0") == "0":
-            argv = args.argv if getattr(args, "argv", None) is not None else sys.argv[1:]
             print(interrupted_line(e, argv, args.module), file=sys.stderr, flush=True)
         return EXIT_CODE
+    except Terminated:  # SIGTERM: stopped at once; the newest complete checkpoint is named
+        print(terminated_line(values.get("output_dir") or FinetuneConfig.output_dir, argv, args.module),
+              file=sys.stderr, flush=True)
+        return SIGTERM_EXIT_CODE
     return 0
+
+
+@contextlib.contextmanager
+def launcher_lock(output_dir: str):
+    """The output folder's run lock held by the launcher for the whole launch, restarts included, before a
+    worker starts (:func:`cuboid.train.resume.lock_output_dir`); its workers are told they belong to it."""
+    from cuboid.train.resume import LOCK_ENV, lock_output_dir, unlock_output_dir
+
+    lock_output_dir(Path(output_dir))
+    os.environ[LOCK_ENV] = f"{os.getpid()}:{Path(output_dir).resolve()}"
+    try:
+        yield
+    finally:
+        os.environ.pop(LOCK_ENV, None)
+        unlock_output_dir(Path(output_dir))
 
 
 def gpu_count() -> int:

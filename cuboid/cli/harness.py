@@ -95,15 +95,21 @@ def make_lm(model, tokenizer, max_length: Optional[int] = None):
                 out.append(sum(s for s, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows])))
             return out
 
+        def fit(self, ids: list, new: int) -> tuple:
+            """(the context ids kept, the tokens to generate) within the model's positions: the context keeps
+            its last ``max_length - new`` tokens, as the harness's ``hf`` model does, but at least half the
+            positions (a model of <= 256 positions under the default ``max_gen_toks`` of 256 would keep
+            none), and the generation is cut to the positions left."""
+            ids = ids[-max(self.max_length - new, self.max_length // 2, 1):]
+            return ids, max(1, min(new, self.max_length - len(ids)))
+
         def generate_until(self, requests, disable_tqdm: bool = False) -> list:
             out = []
             for context, options in [r.args for r in requests]:
                 options = dict(options or {})
                 until = options.pop("until", None) or [self.tok_decode([self.eot_token_id])]
                 until = [until] if isinstance(until, str) else list(until)
-                new = int(options.pop("max_gen_toks", 256))
-                ids = self.tok_encode(context)[-(self.max_length - new):] if new < self.max_length else \
-                    self.tok_encode(context)[-1:]
+                ids, new = self.fit(self.tok_encode(context), int(options.pop("max_gen_toks", 256)))
                 prompt = torch.tensor([ids], device=self.at)
                 tokens = self.model.generate(prompt, torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
                                              eos_token_id=[self.eot_token_id],

@@ -127,21 +127,37 @@ def encode_conversation_head(messages: Sequence[dict], tokenizer, template: str,
     turns that start within them."""
     if markers is None:
         markers = has_generation_markers(template)
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or (m.get("content") is None and not m.get("tool_calls")):
-            role = m.get("role", "?") if isinstance(m, dict) else type(m).__name__
-            raise DataError(f"a conversation's turn {i + 1} ({role}) has no 'content': each message is "
-                            "{'role': ..., 'content': ...}")
+    check_turns(messages)
     try:
         if markers:
             return _marked(messages, tokenizer, template, tools, n)
         return _prefix_split(messages, tokenizer, template, tools, n)
     except Exception as e:  # noqa: BLE001 - the template's own errors (jinja2's) are one line; others are ours
-        if type(e).__module__.split(".")[0] != "jinja2":
-            raise
-        first = next((str(m.get("content"))[:40] for m in messages if isinstance(m, dict)), "")
-        raise DataError(f"the chat template failed on the conversation that starts {first!r}: "
-                        f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+        raise template_failure(e, messages) from None
+
+
+def check_turns(messages: Sequence[dict], what: str = "a conversation") -> None:
+    """A one-line :class:`DataError` for a turn that is not ``{'role': ..., 'content': ...}``: not a dict, no
+    ``content`` (and no tool calls), or a content that is neither text nor a list of parts."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or (m.get("content") is None and not m.get("tool_calls")):
+            role = m.get("role", "?") if isinstance(m, dict) else type(m).__name__
+            raise DataError(f"{what}'s turn {i + 1} ({role}) has no 'content': each message is "
+                            "{'role': ..., 'content': ...}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise DataError(f"{what}'s turn {i + 1} ({m.get('role', '?')}) has a content of type "
+                            f"{type(content).__name__} ({content!r:.40}): a content is text (or a list of parts)")
+
+
+def template_failure(e: Exception, messages: Sequence[dict]) -> DataError:
+    """The chat template's own error (jinja2's: a sandbox refusal, an undefined name) as one line naming the
+    conversation; any other error is not the data's and is raised as it is."""
+    if type(e).__module__.split(".")[0] != "jinja2":
+        raise e
+    first = next((str(m.get("content"))[:40] for m in messages if isinstance(m, dict)), "")
+    return DataError(f"the chat template failed on the conversation that starts {first!r}: "
+                     f"{type(e).__name__}: {' '.join(str(e).split())}")
 
 
 def _render_spans(messages: Sequence[dict], tokenizer, template: str, tools) -> Optional[tuple[str, list]]:

@@ -50,14 +50,16 @@ even number of rows; the preference tasks refuse a part with an odd one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from cuboid.data.chat import DataError, TextEncoder, common_prefix, head_ids, render, require_template
+from cuboid.data.chat import (DataError, TextEncoder, check_turns, common_prefix, head_ids, render,
+                              require_template, template_failure)
 
 __all__ = ["PairStats", "extract_prompt", "is_conversation", "tokenize_pair", "pair_sequences", "pair_rows",
-           "pair_dataset", "prepared_pairs", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
+           "pair_dataset", "prepared_pairs", "whole_pairs", "pair_tensors", "flatten", "pairs_of_rows", "PAIR_COLUMNS"]
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
@@ -94,6 +96,10 @@ def _record(example: dict) -> tuple:
         if key not in example:
             raise DataError(f"a preference record needs chosen and rejected columns (and a prompt), got "
                             f"{', '.join(example)}")
+    missing = [k for k in ("chosen", "rejected") if example[k] is None]
+    if missing:
+        raise DataError(f"the record has no {' and no '.join(missing)}: a preference record has a chosen and a "
+                        "rejected answer (and a prompt), strings or message lists")
     chosen, rejected = example["chosen"], example["rejected"]
     prompt = example.get("prompt")
     if prompt is None or is_conversation(prompt) != is_conversation(chosen):
@@ -113,8 +119,17 @@ def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None,
         template = require_template(tokenizer, chat_template)
         tools = example.get("tools")
 
+        for what, value in (("the prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, (list, tuple)):
+                raise DataError(f"{what} is a {type(value).__name__} beside message lists: prompt, chosen and "
+                                "rejected must be all strings or all conversations (message lists)")
+            check_turns(value, what)
+
         def ids(messages, **kw):
-            text = render(tokenizer, messages, template, tools, **kw)
+            try:
+                text = render(tokenizer, messages, template, tools, **kw)
+            except Exception as e:  # noqa: BLE001 - the template's own errors are one line (template_failure)
+                raise template_failure(e, messages) from None
             return head_ids(text, n, TextEncoder(tokenizer, special=False))
 
         p = ids(prompt, add_generation_prompt=True)
@@ -133,15 +148,58 @@ def tokenize_pair(example: dict, tokenizer, chat_template: Optional[str] = None,
     return p[:shared], pc[shared:], pr[shared:]
 
 
+def located_pair(ds, i: int, example: dict, tokenizer, chat_template, max_length, source) -> tuple:
+    """:func:`tokenize_pair` of record ``i`` of ``ds``, its DataError prefixed with where the record is."""
+    try:
+        return tokenize_pair(example, tokenizer, chat_template, max_length)
+    except DataError as e:
+        raise DataError(f"{record_where(ds, i, source)}: {e}") from None
+
+
+def record_where(ds, i: int, source=None) -> str:
+    """Where record ``i`` of ``ds`` (a split of ``source``'s) is, as an editor shows it: ``data FILE, line N``
+    (1-based) for a JSON-lines file (the first line that holds that record), ``data FILE, row N`` for another
+    file, else ``record N`` of the split. Run on an error only: it reads the file."""
+    import json
+    import os
+
+    path = Path(source) if isinstance(source, (str, os.PathLike)) and os.path.isfile(source) else None
+    indices = getattr(ds, "_indices", None)  # a shuffled split's rows point into the source's
+    row = int(indices.column(0)[i].as_py()) if indices is not None else i
+    if path is not None and path.suffix.lower() == ".jsonl":
+        want = _without_nulls(ds[i])
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    if line.strip() and _without_nulls(json.loads(line)) == want:
+                        return f"data {path}, line {number}"
+                except ValueError:
+                    continue
+    if path is not None and indices is not None:
+        return f"data {path}, line {row + 2}" if path.suffix.lower() == ".csv" else f"data {path}, row {row + 1}"
+    return f"data {path}, record {i + 1} of its split" if path is not None else f"record {row + 1}"
+
+
+def _without_nulls(value):
+    """``value`` without the None entries of its dicts: a record as its file wrote it (a dataset gives every
+    record the keys any record has, None where it had none)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
 def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
-                   stats: Optional[PairStats] = None) -> list:
+                   stats: Optional[PairStats] = None, source=None) -> list:
     """Per kept pair, ``((chosen ids, answer start), (rejected ids, answer start))`` (module docstring);
-    ``stats`` counts the examples, the dropped and the truncated ones."""
+    ``stats`` counts the examples, the dropped and the truncated ones. A bad record is a one-line DataError
+    that names it (:func:`record_where`: ``source``'s file and line)."""
     stats = stats if stats is not None else PairStats()
     seqs = []
-    for example in ds:
+    for i, example in enumerate(ds):
         stats.examples += 1
-        p, c, r = tokenize_pair(example, tokenizer, chat_template, max_length)
+        p, c, r = located_pair(ds, i, example, tokenizer, chat_template, max_length, source)
         if max_length is not None and len(p) >= max_length:
             stats.dropped += 1
             continue
@@ -159,12 +217,26 @@ def pair_sequences(ds, tokenizer, max_length: Optional[int] = None, chat_templat
     return seqs
 
 
+def whole_pairs(ds, tokenizer, max_length: int, chat_template: Optional[str] = None, source=None) -> tuple:
+    """(pairs, keep): per record whose two sequences both fit in ``max_length`` tokens whole, its
+    ``((chosen ids, answer start), (rejected ids, answer start))``; ``keep`` a bool per record (False: the
+    pair is longer, dropped as TRL's RewardTrainer drops it). Each sequence is tokenized only as far as its
+    first ``max_length`` + 1 tokens (:func:`tokenize_pair`), so a long record costs no more than a kept one."""
+    seqs, keep = [], []
+    for i, example in enumerate(ds):
+        p, c, r = located_pair(ds, i, example, tokenizer, chat_template, max_length, source)
+        keep.append(len(p) + max(len(c), len(r)) <= max_length)
+        if keep[-1]:
+            seqs.append([(p + c, len(p)), (p + r, len(p))])
+    return seqs, keep
+
+
 def pair_rows(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
-              pad_id: int = 0, stats: Optional[PairStats] = None) -> dict:
+              pad_id: int = 0, stats: Optional[PairStats] = None, source=None) -> dict:
     """The pairs of a split (rows with prompt/chosen/rejected) as tensors with a pair dimension (module
     docstring): ``input_ids``, ``attention_mask``, ``labels`` (P, 2, L). ``stats`` (a :class:`PairStats`)
     counts the examples, the dropped and the truncated ones."""
-    return _tensors(pair_sequences(ds, tokenizer, max_length, chat_template, stats), pad_id)
+    return pair_tensors(pair_sequences(ds, tokenizer, max_length, chat_template, stats, source), pad_id)
 
 
 def pair_dataset(ds, tokenizer, max_length: Optional[int] = None, chat_template: Optional[str] = None,
@@ -200,10 +272,10 @@ def prepared_pairs(ds, pad_id: int = 0, max_length: Optional[int] = None) -> dic
             start = next((k for k, x in enumerate(lab) if x != -100), len(lab))
             pair.append((row, start))
         seqs.append(pair)
-    return _tensors(seqs, pad_id)
+    return pair_tensors(seqs, pad_id)
 
 
-def _tensors(seqs: list, pad_id: int) -> dict:
+def pair_tensors(seqs: list, pad_id: int) -> dict:
     """(P, 2, L) ``input_ids``, ``attention_mask``, ``labels`` of :func:`pair_sequences`' pairs."""
     width = max(len(ids) for pair in seqs for ids, _ in pair)
     P = len(seqs)

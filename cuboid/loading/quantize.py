@@ -109,12 +109,31 @@ def from_folder(path, *, dtype, device, transform, head: Optional[str] = None,
             keys = set(folder.keys())
             parts = {f"weight{sfx}": folder.get_tensor(stored[0] + sfx) for sfx in ("",) + BNB_SUFFIXES
                      if stored[0] + sfx in keys}
-            layer.set_quantized(NF4Weight.from_state_dict(parts, "weight").to(device))
+            layer.set_quantized(_stored_nf4(parts, f"{path}: {stored[0]}").to(device))
             continue
         full = row.view([folder.get_slice(n) for n in stored])[:]  # one tensor, from the mapped file
         layer.set_full(torch.as_tensor(full).to(device=device, dtype=layer.nf4_dtype))
         del full
     return model
+
+
+def _stored_nf4(parts: dict, where: str) -> NF4Weight:
+    """A stored 4-bit weight's tensors (``weight``, ``weight.absmax``, ..., its quant state) as an
+    :class:`NF4Weight`; a one-line CheckpointError naming ``where`` (the folder and the tensor) when they are
+    damaged or in a layout cuboid's NF4 layers do not hold (a blocksize other than bitsandbytes' default)."""
+    from cuboid.kernels.nf4 import BLOCKSIZE
+    from cuboid.zoo.checkpoint.format import CheckpointError
+
+    try:
+        qw = NF4Weight.from_state_dict(parts, "weight")
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        what = f"no {e.args[0]!r} entry" if isinstance(e, KeyError) else " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"{where}: its 4-bit quant state is not readable ({what})") from None
+    if qw.blocksize != BLOCKSIZE:
+        raise CheckpointError(f"{where}: quantized with blocksize {qw.blocksize}; cuboid's NF4 layers hold "
+                              f"bitsandbytes' default blocksize {BLOCKSIZE} only (dequantize the folder, or "
+                              f"save it with blocksize {BLOCKSIZE})")
+    return qw
 
 
 def quantize_model(model: nn.Module) -> nn.Module:

@@ -106,13 +106,15 @@ class DPO(Task):
     def row_length(self, prep: dict) -> int:
         return min(prep.get("seq_len") or 1024, prep["config"].n_positions)  # (TRL's max_length: 1024)
 
-    def rows(self, ds, *, config, tokenizer=None, seq_len=None, stats: Optional[PairStats] = None, **_) -> dict:
+    def rows(self, ds, *, config, tokenizer=None, seq_len=None, stats: Optional[PairStats] = None, source=None,
+             **_) -> dict:
         formats.check_split(ds)
         length = self.row_length({"seq_len": seq_len, "config": config})
         if formats.pretokenized(ds):  # a cuboid prepare folder: interleaved rows
             return prepared_pairs(ds, formats.pad_id(tokenizer), length)
         formats.need_tokenizer(tokenizer, self.name)
-        return pair_rows(ds, tokenizer, length, self.options.chat_template, formats.pad_id(tokenizer), stats)
+        return pair_rows(ds, tokenizer, length, self.options.chat_template, formats.pad_id(tokenizer), stats,
+                         source)
 
     def dataset_rows(self, ds, tokenizer, max_length: int, *, text_column: Optional[str] = None,
                      packing: bool = False):

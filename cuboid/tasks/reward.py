@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from cuboid.data import formats
-from cuboid.data.pairs import PairStats, flatten, pair_rows, pairs_of_rows
+from cuboid.data.pairs import PairStats, flatten, pairs_of_rows, pair_tensors, record_where, whole_pairs
 
 from .base import Task, TaskError, register
 
@@ -50,6 +50,18 @@ class RewardOptions:
         "help": "weight of the mean squared sum of a pair's rewards in the loss, centring them on 0 (TRL's)"})
     chat_template: Optional[str] = field(default=None, metadata={
         "help": "a Jinja chat template file used instead of the tokenizer's"})
+
+
+def margins(ds, source=None) -> list:
+    """The ``margin`` column as floats; a one-line DataError naming the record whose margin is not a number."""
+    out = []
+    for i, m in enumerate(ds["margin"]):
+        try:
+            out.append(float(m))
+        except (TypeError, ValueError):
+            raise formats.DataError(f"{record_where(ds, i, source)}: margin {m!r} is not a number (a pair's margin "
+                                    "is a number; leave the column out for none)") from None
+    return out
 
 
 @register
@@ -75,22 +87,25 @@ class Reward(Task):
 
     # ------------------------------------------------------------ data
 
-    def rows(self, ds, *, config, tokenizer=None, seq_len=None, stats: Optional[PairStats] = None, **_) -> dict:
+    def rows(self, ds, *, config, tokenizer=None, seq_len=None, stats: Optional[PairStats] = None, source=None,
+             **_) -> dict:
         formats.check_split(ds)
         formats.need_tokenizer(tokenizer, self.name)
         stats = stats if stats is not None else PairStats()
         length = min(seq_len or 1024, config.n_positions)
-        rows = pair_rows(ds, tokenizer, None, self.options.chat_template, formats.pad_id(tokenizer), stats)
-        keep = rows["attention_mask"].sum(-1).amax(-1) <= length  # (P,) TRL drops a pair that is too long
-        out = {k: rows[k][keep] for k in ("input_ids", "attention_mask")}
+        seqs, kept = whole_pairs(ds, tokenizer, length, self.options.chat_template, source)  # TRL drops a longer pair
+        keep = torch.tensor(kept, dtype=torch.bool)  # (P,) of the records
+        stats.examples += len(kept)
+        if not bool(keep.any()):
+            raise formats.DataError(f"no preference pair fits --max-length {length} (all {len(keep)} are longer)")
+        rows = pair_tensors(seqs, formats.pad_id(tokenizer))  # (kept pairs, 2, L <= length)
+        out = {k: rows[k] for k in ("input_ids", "attention_mask")}
         if "margin" in ds.column_names:
-            margin = torch.tensor([float(m) for m in ds["margin"]], dtype=torch.float32)
+            margin = torch.tensor(margins(ds, source), dtype=torch.float32)
             if len(margin) != len(keep):
                 raise TaskError("task reward: the margin column has another length than the pairs")
             out["margin"] = margin[keep].unsqueeze(1).expand(-1, 2).contiguous()
         stats.dropped += int((~keep).sum())
-        if not bool(keep.any()):
-            raise formats.DataError(f"no preference pair fits --max-length {length} (all {len(keep)} are longer)")
         return formats.trim_padding(out)
 
     def before_step(self, batch: dict, step: int, *, tokenizer=None, seed: int = 0) -> dict:

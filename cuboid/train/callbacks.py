@@ -14,7 +14,10 @@ a no-op by default. Every rank calls every event, in the loop's order:
 - ``on_save_file(run, step, name)``: the writing rank (rank 0) has put file ``name`` into the save's
   temporary folder (:mod:`cuboid.zoo.checkpoint.folder`: the folder is renamed into place when complete);
 - ``on_save(run, step, path)``: the checkpoint is committed and every rank has returned from the save;
-- ``on_train_end(run, summary)``: ``final/`` is written; ``summary`` is what ``finetune`` returns.
+- ``on_train_end(run, summary)``: ``final/`` is written; ``summary`` is what ``finetune`` returns;
+- ``on_train_abort(run, error)``: training began but stops on ``error`` instead (an exception, Ctrl-C's
+  :class:`~cuboid.train.interrupt.Interrupted`, SIGTERM's ``Terminated``), which is raised on after it; each
+  rank calls it for its own error (the experiment trackers close their runs, as killed or failed).
 
 ``run`` is the loop's state (:class:`cuboid.train.loop.Run`): ``cfg``, ``plan``, ``mesh``, ``restart`` (how
 often the job was restarted), ``model``, ``optimizer``, ``scheduler``, ``output_dir``. Callbacks read it;
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 EVENTS = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_save_begin", "on_save_file", "on_save",
-          "on_train_end")
+          "on_train_end", "on_train_abort")
 
 
 class TrainerCallback:
@@ -55,6 +58,9 @@ class TrainerCallback:
         pass
 
     def on_train_end(self, run: Any, summary: dict) -> None:
+        pass
+
+    def on_train_abort(self, run: Any, error: BaseException) -> None:
         pass
 
 

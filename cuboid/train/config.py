@@ -217,7 +217,9 @@ def with_flags(task, flags: dict):
 
 def data_options(cfg: FinetuneConfig, config, tokenizer=None) -> dict:
     """The keyword arguments of a task's rows for this run (:func:`cuboid.tasks.prepare`): the model's
-    config, the tokenizer, the columns, the row length and packing."""
+    config, the tokenizer, the columns, the row length, packing, and the data's path (``source``: a bad
+    record's error names its file and line)."""
     return dict(config=config, tokenizer=tokenizer, seq_len=cfg.seq_len, text_column=cfg.text_column,
                 label_column=cfg.label_column, image_column=cfg.image_column,
-                num_labels=getattr(config, "num_labels", None), packing=cfg.packing)
+                num_labels=getattr(config, "num_labels", None), packing=cfg.packing,
+                source=cfg.data if isinstance(cfg.data, (str, os.PathLike)) else None)

@@ -19,9 +19,11 @@ import threading
 from pathlib import Path
 import torch
 
-__all__ = ["Interrupted", "StopOnInterrupt", "EXIT_CODE"]
+__all__ = ["Interrupted", "StopOnInterrupt", "EXIT_CODE", "Terminated", "TerminateOnSigterm", "SIGTERM_EXIT_CODE",
+           "terminated_line"]
 
 EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 
 
 class Interrupted(KeyboardInterrupt):
@@ -95,4 +97,46 @@ def resume_command(argv: list, module: str = "cuboid") -> str:
 def interrupted_line(e: Interrupted, argv: list, module: str = "cuboid") -> str:
     """The one line ``cuboid finetune`` prints when Ctrl-C stopped it."""
     return (f"cuboid finetune: interrupted after step {e.step} of {e.steps}: saved {e.checkpoint}; resume with: "
+            f"{resume_command(argv, module)}")
+
+
+class Terminated(BaseException):
+    """A run ended by SIGTERM (a scheduler's stop, ``kill``): it stops at once, as it would without a handler,
+    and ``cuboid finetune`` says so in one line (:func:`terminated_line`) and exits 143."""
+
+
+class TerminateOnSigterm:
+    """Within (main thread only): SIGTERM raises :class:`Terminated`; the previous handler comes back on exit.
+    The workers of a launch keep the default (the agent's SIGTERM ends them at once: a second Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self._previous, self._installed = None, False
+
+    @staticmethod
+    def _handler(signum, frame) -> None:
+        raise Terminated()
+
+    def __enter__(self) -> "TerminateOnSigterm":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
+
+
+def terminated_line(output_dir, argv: list, module: str = "cuboid") -> str:
+    """The one line ``cuboid finetune`` prints when SIGTERM stopped it: the newest complete checkpoint of the
+    run that last started in ``output_dir`` (what a resume takes) and the command that resumes, or that none
+    was saved."""
+    from cuboid.train.resume import folder_run_id, resolve_resume
+
+    out = Path(output_dir)
+    found = resolve_resume("latest", out, folder_run_id(out)) if out.is_dir() else None
+    if found is None:
+        return f"cuboid finetune: stopped by SIGTERM before a checkpoint was saved in {out}"
+    return (f"cuboid finetune: stopped by SIGTERM, checkpoint {found} is the newest complete one; resume with: "
             f"{resume_command(argv, module)}")

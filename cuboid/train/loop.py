@@ -57,9 +57,10 @@ from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_option
 from cuboid.loading.model import load, plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare, unwrap
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
-from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, interrupted, load_checkpoint,
-                                 new_recipe, own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
-                                 starting_folder, tidied_on_failure, write_run_file)
+from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, holds_output_dir,
+                                 interrupted, keep_metrics, load_checkpoint, lock_output_dir, new_recipe,
+                                 own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
+                                 starting_folder, tidied_on_failure, unlock_output_dir, write_run_file)
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, set_cpu_threads, threads_kept, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
@@ -168,16 +169,28 @@ def run(cfg: FinetuneConfig) -> dict:
 
 
 def _run(cfg: FinetuneConfig) -> dict:
-    r = start(checked(cfg))
-    load_data_and_model(r)
-    special_tokens(r)
-    batching(r)
-    optimization(r)
-    resume(r)
-    announce(r)
-    with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
-        train(r, stop)
-        return finish(r)
+    """:func:`run`'s steps. The output folder's run lock, taken first (:func:`start`), is let go of however the
+    run ends."""
+    cfg = checked(cfg)
+    outer = holds_output_dir(Path(cfg.output_dir))  # a run started inside another leaves the other's lock be
+    try:
+        r = start(cfg)
+        load_data_and_model(r)
+        special_tokens(r)
+        batching(r)
+        optimization(r)
+        resume(r)
+        announce(r)
+        with StopOnInterrupt() as stop:  # a first Ctrl-C stops after a step (or lets the final save end the run)
+            try:
+                train(r, stop)
+                return finish(r)
+            except BaseException as e:  # (the trackers end their runs: killed, failed)
+                r.callbacks.fire("on_train_abort", r, e)
+                raise
+    finally:
+        if not outer:
+            unlock_output_dir(Path(cfg.output_dir))
 
 
 def start(cfg: FinetuneConfig) -> Run:
@@ -200,6 +213,7 @@ def start(cfg: FinetuneConfig) -> Run:
         init_distributed(timeout_s=cfg.timeout_s)  # before the mesh: every group it makes gets this timeout
     mesh = Mesh.build(plan)
     restart = restart_count(mesh)
+    decided_on_rank0(mesh, lambda: lock_output_dir(Path(cfg.output_dir)))  # one run at a time, before any write
     run_id = check_output_dir(Path(cfg.output_dir), cfg.resume, cfg.overwrite_output_dir, mesh, restart)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -442,9 +456,9 @@ def resume(r: Run) -> None:
     if skipped:
         log(f"restart {restart}: ignored the interrupted save(s) {', '.join(skipped)}")
     if r.mesh.is_main and r.metrics_path.exists():
-        kept = [line for line in r.metrics_path.read_text().splitlines()
-                if r.resumed_from is not None and line.strip() and json.loads(line)["step"] <= r.start]
-        r.metrics_path.write_text("".join(line + "\n" for line in kept))
+        note = keep_metrics(r.metrics_path, r.start if r.resumed_from is not None else None)
+        if note:
+            log(note)
 
 
 def routes(model) -> bool:

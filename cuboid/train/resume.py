@@ -225,6 +225,33 @@ def check_resume_into(checkpoint: Path, out: Path) -> None:
                          "--output-dir, give an empty one, or pass --overwrite-output-dir to write over it")
 
 
+def keep_metrics(path: Path, step: Optional[int]) -> Optional[str]:
+    """Rewrite the metrics log ``path`` with its rows up to ``step`` (None: none, a fresh log), atomically (a
+    temporary file renamed over it). A line that is not a JSON row (the last one, cut off by a kill mid-append)
+    is dropped; the warning that names the file and its lines is returned (None: nothing was dropped)."""
+    kept, bad = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            at = row["step"] if isinstance(row, dict) else None
+        except (ValueError, KeyError):
+            at = None
+        if not isinstance(at, (int, float)):
+            bad.append(number)
+        elif step is not None and at <= step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    if not bad:
+        return None
+    which = f"line {bad[0]}" if len(bad) == 1 else f"lines {', '.join(map(str, bad))}"
+    return (f"warning: {path} {which} not a metrics row (cut off by a kill mid-write?): dropped"
+            if step is not None else None)
+
+
 def verify_once(verify, path: Path, mesh: Mesh) -> None:
     """``verify(path)`` on rank 0 (one read of every byte, not one per rank); every rank raises its error."""
     from cuboid.zoo.checkpoint import CheckpointError
@@ -397,8 +424,9 @@ def tidy_failed(out: Path, before: FolderBefore) -> None:
     if not out.is_dir():
         return
     new = {p.name for p in out.iterdir()} - before.names
-    if new - {RUN_FILE, f".{RUN_FILE}.tmp"}:
+    if new - {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE}:
         return  # the run left something of its own: keep it all
+    # (a new run lock goes too: the failed run let go of it, and a run refused meanwhile did not wait on it)
     for name in new:
         (out / name).unlink(missing_ok=True)
     if before.run_file is not None and (out / RUN_FILE).is_file() and (out / RUN_FILE).read_bytes() != before.run_file:
@@ -411,3 +439,96 @@ def tidy_failed(out: Path, before: FolderBefore) -> None:
                 break
             if p == before.created:
                 break
+
+
+# ---------------------------------------------------------------- one run at a time in an output folder
+
+LOCK_FILE = ".cuboid-lock"  # flock'ed for a run's life; its text names the holder (pid, host, start time)
+LOCK_ENV = "CUBOID_OUTPUT_LOCK"  # set by the launcher that holds the lock: "<pid>:<folder>", for its workers
+_HELD: dict = {}  # resolved output folder -> the open lock file this process holds
+
+
+def _holder(file: Path) -> dict:
+    """The lock file's record of its holder, read as data ({} when absent or unreadable)."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _dead(holder: dict) -> bool:
+    """Whether ``holder`` names a process of this host that is gone (a stale lock: a fork of it may keep the
+    flock after the pid that wrote the record died)."""
+    import socket
+
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _try_lock(file: Path):
+    """The open ``file`` with an exclusive flock taken, or None when another process holds it."""
+    import fcntl
+
+    f = open(file, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def lock_output_dir(out: Path) -> None:
+    """Take ``out``'s run lock for this process's life (or until :func:`unlock_output_dir`), before the run
+    writes anything there; a one-line ValueError naming the holder (pid, host, start time) when another live
+    run holds it (this process too: a second run started inside a first). A lock whose recorded holder is a
+    dead process of this host is taken over. The workers of the launcher that holds it (:data:`LOCK_ENV`)
+    pass: they are its run, restarts included."""
+    import socket
+    import time
+
+    out = Path(out)
+    key = str(out.resolve())
+    file = out / LOCK_FILE
+    launcher, _, folder = os.environ.get(LOCK_ENV, "").partition(":")
+    if folder == key and str(_holder(file).get("pid")) == launcher:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    f = _try_lock(file)
+    if f is None and _dead(_holder(file)):
+        file.unlink(missing_ok=True)  # a new file (inode): the dead run's flock holds the old one only
+        f = _try_lock(file)
+    if f is None:
+        h = _holder(file)
+        who = (f"pid {h.get('pid')} on {h.get('host')}, started {h.get('started')}" if h
+               else "another process (its record not written yet)")
+        raise ValueError(f"--output-dir {out} is in use by a run that is still going ({who}; lock {file}): "
+                         "wait for it to end, or pick another --output-dir")
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}) + "\n")
+    f.flush()
+    _HELD[key] = f
+
+
+def holds_output_dir(out: Path) -> bool:
+    """Whether this process holds ``out``'s run lock."""
+    return str(Path(out).resolve()) in _HELD
+
+
+def unlock_output_dir(out: Path) -> None:
+    """Let go of ``out``'s run lock if this process holds it (the file stays: removing it would let a
+    process that opened it meanwhile lock a file no one else sees)."""
+    f = _HELD.pop(str(Path(out).resolve()), None)
+    if f is not None:
+        f.close()

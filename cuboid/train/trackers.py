@@ -149,14 +149,25 @@ class Trackio:
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """trackio's ``finish`` (the module's: it writes the rows still queued and forgets the run, so trackio's
+        exit hook has none to finish); what it says of rows it could not write (printed, or warned) is one
+        warning line each, its progress line aside."""
         import contextlib
         import io
+        import warnings
 
         import trackio
 
-        with contextlib.redirect_stdout(io.StringIO()):
-            trackio.finish()  # (the module's: it also forgets the run, so trackio's exit hook has none to finish)
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trackio.finish()
+        notes = [str(w.message) for w in caught] + [line for line in said.getvalue().splitlines()
+                                                    if line.strip() and "Run finished" not in line]
+        for note in notes:
+            print(f"warning: --report-to trackio: {' '.join(note.strip(' *').split())}", file=sys.stderr,
+                  flush=True)
 
 
 class TensorBoard:
@@ -179,7 +190,7 @@ class TensorBoard:
             self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         self.writer.close()
 
 
@@ -200,8 +211,8 @@ class WandB:
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, status: str = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class MLflow:
@@ -236,16 +247,18 @@ class MLflow:
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()
                                                     if math.isfinite(v)])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)  # FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED
 
 
 KINDS = {"trackio": Trackio, "tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 
 class Reporter(TrainerCallback):
-    """Opens the trackers when training begins, sends each ``metrics.jsonl`` row, closes them at the end; on
-    rank 0 only (the others hold nothing)."""
+    """Opens the trackers when training begins, sends each ``metrics.jsonl`` row, closes them at the end (a run
+    that stops early: as KILLED after Ctrl-C or SIGTERM, FAILED after an error); on rank 0 only (the others
+    hold nothing). A tracker that cannot start is a one-line error; one that fails later is one warning line
+    and gets no more rows (``metrics.jsonl`` has them all)."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = tuple(names)
@@ -256,19 +269,46 @@ class Reporter(TrainerCallback):
             return
         params = hyperparameters(run)
         for name in self.names:
-            tracker = KINDS[name](run, params)
+            try:
+                tracker = KINDS[name](run, params)
+            except Exception as e:  # noqa: BLE001 - a tracker's own failure (a bad URI, a store it cannot write)
+                raise ValueError(f"--report-to {name}: the tracker did not start: {_line(e)}") from None
+            tracker.name = name
             self.open.append(tracker)
             print(f"report to {name}: {tracker.where}", file=sys.stderr, flush=True)
 
     def on_log(self, run, row: dict) -> None:
         metrics = metrics_of(row)
-        for tracker in self.open:
-            tracker.log(metrics, int(row["step"]))
+        for tracker in list(self.open):
+            try:
+                tracker.log(metrics, int(row["step"]))
+            except Exception as e:  # noqa: BLE001 - the run goes on; the tracker is left out from here on
+                self.open.remove(tracker)
+                print(f"warning: --report-to {tracker.name} failed at step {row['step']}: {_line(e)}; it gets no "
+                      f"more rows (metrics.jsonl has them)", file=sys.stderr, flush=True)
+                self._close(tracker, "FAILED")
 
     def on_train_end(self, run, summary: dict) -> None:
         self.close()
 
-    def close(self) -> None:
-        while self.open:
-            self.open.pop().close()
+    def on_train_abort(self, run, error: BaseException) -> None:
+        from cuboid.train.interrupt import Terminated
 
+        self.close("KILLED" if isinstance(error, (KeyboardInterrupt, Terminated)) else "FAILED")
+
+    def close(self, status: str = "FINISHED") -> None:
+        while self.open:
+            self._close(self.open.pop(), status)
+
+    @staticmethod
+    def _close(tracker, status: str) -> None:
+        try:
+            tracker.close(status)
+        except Exception as e:  # noqa: BLE001 - closing must not hide the run's own end
+            print(f"warning: --report-to {tracker.name} did not close: {_line(e)}", file=sys.stderr, flush=True)
+
+
+def _line(e: BaseException) -> str:
+    """An error's first line with its type (a tracker's messages run to many lines)."""
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__

@@ -31,7 +31,7 @@ from cuboid.train.callbacks import TrainerCallback
 
 STEPS, BATCH, SAVE_EVERY, LR = 6, 8, 2, 5e-3
 FAULT_ENV = "CUBOID_FAULT"
-FAULT_POINTS = ("step", "save", "saved")
+FAULT_POINTS = ("step", "save", "saved", "raise", "crash")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class Fault:
     - ``step``: in the model's forward of step ``step``, while the other ranks are in that step's collectives;
     - ``save``: while ``checkpoint-<step>`` is being written: the writing rank (rank 0) once the second file
       is in the temporary folder, any other rank as the save begins;
-    - ``saved``: once ``checkpoint-<step>`` is committed and every rank has returned from the save.
+    - ``saved``: once ``checkpoint-<step>`` is committed and every rank has returned from the save;
+    - ``raise``, ``crash``: the rank raises a ValueError (a bad value), a RuntimeError (a bug) as step ``step``
+      begins, alone: the others meet its absence in that step's collectives.
     """
 
     rank: int
@@ -92,6 +94,9 @@ class FaultCallback(TrainerCallback):
         self.fault = Fault.pick(self.faults, run.mesh.rank, run.restart)
 
     def on_step_begin(self, run, step: int) -> None:
+        for where, kind in (("raise", ValueError), ("crash", RuntimeError)):
+            if self.fault is not None and self.fault.at(where, step):
+                raise kind(f"rank {run.mesh.rank} was told to fail at step {step} ({FAULT_ENV})")
         if self.fault is not None and self.fault.at("step", step):
             self.dying = run.model.register_forward_pre_hook(lambda *_: kill())
 

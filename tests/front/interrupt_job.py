@@ -5,7 +5,8 @@
 ``CUBOID_SIGINT=rank:step[:who]`` (:class:`SigintCallback`): at the end of step ``step`` rank ``rank`` sends
 SIGINT: ``self`` (default) to its own process only, as a signal that reached one worker; ``twice`` to itself
 twice (the second aborts); ``agent`` to its parent, the elastic agent, as a terminal's Ctrl-C reaches a
-launched job (the agent forwards it to every worker). ``CUBOID_SIGINT_LOG=FOLDER``: each rank writes the
+launched job (the agent forwards it to every worker); ``term``, ``agent-term``: SIGTERM instead, to itself, to
+the agent (a scheduler's stop). ``CUBOID_SIGINT_LOG=FOLDER``: each rank writes the
 last step it finished to ``FOLDER/rank<R>``, so a test sees where every rank stopped.
 """
 from __future__ import annotations
@@ -36,8 +37,14 @@ class SigintCallback(TrainerCallback):
                                                                                        "0")):
             return
         self.sent = True
-        if self.who == "agent":
-            os.kill(os.getppid(), signal.SIGINT)
+        if self.who in ("agent", "agent-term"):
+            os.kill(os.getppid(), signal.SIGTERM if self.who == "agent-term" else signal.SIGINT)
+            if self.who == "agent-term":
+                time.sleep(5)  # ended by the agent's SIGTERM here, before another step could save
+            return
+        if self.who == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
             return
         os.kill(os.getpid(), signal.SIGINT)
         if self.who == "twice":

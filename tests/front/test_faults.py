@@ -167,6 +167,33 @@ def test_two_launchers_end_like_one_node(data, reference_dp, tmp_path):
     assert_identical(out, reference_dp)
 
 
+@pytest.mark.parametrize("where", ["raise", "crash"])
+def test_an_error_on_one_rank_is_the_headline(data, tmp_path, where):
+    """Issue 65, item 5.4: rank 1 alone raises at step 2 (a bad value, or a bug); rank 0 only meets its absence.
+    The last line names rank 1's error with its rank; rank 0's collateral "peer closed" error is not shown;
+    a bad value prints no traceback, a bug prints rank 1's (prefixed with its rank) and no other."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    p = subprocess.run([sys.executable, "-m", "tests.front.fault_job", *cli_args(data), "--output-dir",
+                        str(tmp_path / "run"), "--timeout-s", "60"], capture_output=True, text=True,
+                       timeout=RUN_TIMEOUT, env={**ENV, "CUBOID_FAULT": f"1:2:{where}", "PYTHONPATH": path})
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    kind, code = ("ValueError", 2) if where == "raise" else ("RuntimeError", 1)
+    headline = f"[rank 1] {kind}: rank 1 was told to fail at step 2 (CUBOID_FAULT)"
+    assert p.returncode == code and headline in lines[-2:], p.stderr[-3000:]
+    assert "closed" not in p.stderr and "CollectiveError" not in p.stderr and "[rank 0]" not in p.stderr, p.stderr
+    tracebacks = [line for line in lines if "Traceback" in line]
+    assert tracebacks == ([] if where == "raise" else ["[rank 1] Traceback (most recent call last):"]), p.stderr
+
+
+def test_a_bad_value_every_rank_meets_is_one_line_as_ever(data, tmp_path):
+    """Every rank refuses the same value: rank 0's one line, without a rank, exit 2."""
+    p = subprocess.run([sys.executable, "-m", "cuboid", *cli_args(data), "--output-dir", str(tmp_path / "run"),
+                        "--label-column", "digit"], capture_output=True, text=True, timeout=RUN_TIMEOUT, env=ENV)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and lines == ["cuboid finetune: error: column 'digit' not found (columns: image, label); "
+                                           "set --label-column"], p.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- in-process pieces (no launcher)
 
 

@@ -115,3 +115,36 @@ def test_harness_matches_lm_eval_hf_one_device_and_tp2(tmp_path, capsys, monkeyp
     tp = _figures(json.loads(p.stdout.strip().splitlines()[-1]))
     for k, v in ours["tiny_choice"].items():
         assert abs(tp["tiny_choice"][k] - v) <= 1e-4, (k, tp["tiny_choice"][k], v)
+
+
+def test_generate_until_fits_a_model_of_few_positions(tmp_path):
+    """Issue 65, item 5.6: a 64-position model under the harness's default max_gen_toks (256) generates within
+    its positions (its context keeps at least half of them); a small max_gen_toks keeps the last
+    ``positions - max_gen_toks`` context tokens, as the harness's ``hf`` model does."""
+    import transformers as T
+
+    import cuboid
+    from cuboid.cli.harness import make_lm
+
+    folder = F.hf_gpt2_folder(tmp_path / "gpt")
+    model, tok = cuboid.load(str(folder)), T.AutoTokenizer.from_pretrained(folder)
+    lm = make_lm(model, tok)
+    asked = []
+    generate = lm.model.generate
+
+    def spy(prompt, *a, max_new_tokens, **k):
+        asked.append((prompt.shape[1], max_new_tokens))
+        return generate(prompt, *a, max_new_tokens=max_new_tokens, **k)
+
+    lm.model.generate = spy
+
+    class Request:
+        def __init__(self, *args):
+            self.args = args
+
+    long = "the cat " * 100
+    out = lm.generate_until([Request("the cat sat on", {"until": ["\n"]}), Request(long, {"until": ["\n"]}),
+                             Request(long, {"until": ["\n"], "max_gen_toks": 8})])
+    assert len(out) == 3 and all(isinstance(t, str) for t in out)
+    short = len(tok.encode("the cat sat on"))
+    assert asked == [(short, 64 - short), (32, 32), (56, 8)], asked

@@ -121,3 +121,19 @@ def test_dp2_ranks_stop_after_the_same_step_without_a_traceback(job, tmp_path):
     assert [line for line in lines(err) if "interrupted" in line][0].startswith(
         f"cuboid finetune: interrupted after step {step} of 40: saved {out / f'checkpoint-{step}'}"), err
     assert complete(out / f"checkpoint-{step}") and not (out / "final").exists()
+
+
+def test_sigterm_says_so_names_the_checkpoint_and_exits_143(job, tmp_path):
+    """Issue 65, item 5.6: SIGTERM stops the run at once (no save of its own) with one line naming the newest
+    complete checkpoint and the command that resumes, exit code 143 (128 + 15): one process, and dp=2 with
+    the signal sent to the launcher's agent, as a scheduler stops a job."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    for plan, who in (("dp=1", "term"), ("dp=2", "agent-term")):
+        out = tmp_path / plan
+        argv = ["finetune", *job, "--steps", "12", "--save-every", "2", "--plan", plan, "--output-dir", str(out)]
+        p = subprocess.run([sys.executable, "-m", "tests.front.interrupt_job", *argv], capture_output=True,
+                           text=True, timeout=300, env={**ENV, "CUBOID_SIGINT": f"0:3:{who}", "PYTHONPATH": path})
+        assert p.returncode == 143 and "Traceback" not in p.stderr, (plan, p.returncode, p.stderr[-3000:])
+        assert lines(p.stderr)[-1] == (
+            f"cuboid finetune: stopped by SIGTERM, checkpoint {out / 'checkpoint-2'} is the newest complete one; "
+            f"resume with: python -m tests.front.interrupt_job {shlex.join(argv)} --resume latest"), p.stderr[-3000:]

@@ -177,3 +177,73 @@ def test_plans_past_the_enumeration_bound_say_so_at_once(capsys):
     assert main(["plans", "--model", "gpt2", "--gpus", "4096"]) == 2
     assert one_line(capsys).startswith("cuboid plans: error: --gpus 4096: must be in [1, 1024]")
     assert time.perf_counter() - t0 < 10
+
+
+def _reward_folder(folder):
+    """A tiny random one-output Qwen2ForSequenceClassification with the chat tokenizer."""
+    import transformers as T
+
+    from . import chat_fixtures as CF
+
+    tok = CF.chat_tokenizer(folder, "qwen2")
+    cfg = T.Qwen2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                        intermediate_size=48, vocab_size=len(tok), max_position_embeddings=256, num_labels=1,
+                        tie_word_embeddings=True, pad_token_id=None, eos_token_id=tok.eos_token_id)
+    T.Qwen2ForSequenceClassification(cfg).save_pretrained(str(folder))
+    return folder
+
+
+def test_bad_preference_records_are_one_line_naming_file_and_line(qwen, tmp_path, capsys):  # noqa: F811
+    """Issue 65, item 5.5: DPO's and reward's records checked as SFT's, each failure one line with the file and
+    the record's 1-based line: a row without chosen, a turn whose content is a number, a turn without one, a
+    template the sandbox refuses, a null margin; and SFT's content of 5 as well."""
+    from . import chat_fixtures as CF
+    from . import dpo_fixtures as DF
+
+    good = DF.conversation_pairs(8)
+
+    def damaged(name, line, change):
+        rows = json.loads(json.dumps(good))
+        rows[line - 1] = change(rows[line - 1])
+        return CF.write_jsonl(rows, tmp_path / f"{name}.jsonl")
+
+    def content(value):
+        def change(r):
+            r["chosen"][0]["content"] = value
+            if value is None:
+                del r["chosen"][0]["content"]
+            return r
+        return change
+
+    cases = [(damaged("no-chosen", 4, lambda r: {"rejected": r["rejected"]}), 4, "the record has no chosen"),
+             (damaged("content-5", 6, content(5)), 6, "chosen's turn 1 (assistant) has a content of type int (5)"),
+             (damaged("no-content", 7, content(None)), 7, "chosen's turn 1 (assistant) has no 'content'")]
+    bad = tmp_path / "sandbox.jinja"
+    bad.write_text("{{ messages.__class__.__mro__ }}")
+    rm = _reward_folder(tmp_path / "rm")
+    run = ["--steps", "1", "--batch-size", "2", "--no-progress", "--no-plot", "--overwrite-output-dir"]
+    for task, model in (("dpo", qwen), ("reward", rm)):
+        for path, line, want in cases:
+            rc = main(["finetune", "--task", task, "--model", str(model), "--data", str(path), "--output-dir",
+                       str(tmp_path / "out"), *run])
+            said = one_line(capsys)
+            assert rc == 2 and f"data {path}, line {line}: {want}" in said, (task, path.name, said)
+        rc = main(["finetune", "--task", f"{task},chat_template={bad}", "--model", str(model), "--data",
+                   str(CF.write_jsonl(good, tmp_path / "good.jsonl")), "--output-dir", str(tmp_path / "out"), *run])
+        said = one_line(capsys)
+        assert rc == 2 and "the chat template failed on the conversation that starts" in said \
+            and "SecurityError: access to attribute '__class__'" in said and ", line " in said, said
+    rows = DF.string_pairs(6)
+    for r in rows:
+        r["margin"] = 0.5
+    rows[2]["margin"] = None
+    path = CF.write_jsonl(rows, tmp_path / "margin.jsonl")
+    assert main(["finetune", "--task", "reward", "--model", str(rm), "--data", str(path), "--output-dir",
+                 str(tmp_path / "out"), *run]) == 2
+    assert f"data {path}, line 3: margin None is not a number" in one_line(capsys)
+    sft = CF.messages_rows(6)
+    sft[4]["messages"][1]["content"] = 5
+    path = CF.write_jsonl(sft, tmp_path / "sft.jsonl")
+    assert main(["finetune", "--task", "sft", "--model", str(qwen), "--data", str(path), "--output-dir",
+                 str(tmp_path / "out"), *run]) == 2
+    assert "turn 2 (user) has a content of type int (5)" in one_line(capsys)

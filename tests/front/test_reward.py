@@ -146,6 +146,52 @@ def test_too_long_pairs_are_dropped_as_trl_does(reward_folder):
     assert torch.equal(cut["margin"], full["margin"][kept])
 
 
+def test_a_long_record_is_tokenized_and_padded_only_as_far_as_the_length_kept(reward_folder, monkeypatch):
+    """Issue 65, item 5.2: 201 pairs, one with a 0.5 MB answer, at --max-length 64: no tensor is built wider
+    than the length kept (the split's longest record made every row that wide, 3.4 GB at the issue's sizes),
+    and no text is tokenized much past it; the long pair is dropped, the rest are the unbounded rows."""
+    import datasets
+    import transformers as T
+
+    from cuboid.data import chat
+    from cuboid.tasks import get
+    from cuboid.zoo import config_of
+
+    tok = T.AutoTokenizer.from_pretrained(reward_folder)
+    rows = string_pairs(201)
+    rows[100] = {**rows[100], "chosen": " " + "word " * 100_000}  # 0.5 MB
+    limit, config = 64, config_of("llama-debug", n_positions=256)
+    built, encoded = [], []
+    full, zeros, call = torch.full, torch.zeros, chat.TextEncoder.__call__
+
+    def spy_full(size, *a, **k):
+        built.append(tuple(size))
+        return full(size, *a, **k)
+
+    def spy_zeros(*size, **k):
+        built.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
+        return zeros(*size, **k)
+
+    def spy_call(self, texts):
+        encoded.append(max(map(len, [texts] if isinstance(texts, str) else texts), default=0))
+        return call(self, texts)
+
+    monkeypatch.setattr(torch, "full", spy_full)
+    monkeypatch.setattr(torch, "zeros", spy_zeros)
+    monkeypatch.setattr(chat.TextEncoder, "__call__", spy_call)
+    cut = get("reward")().rows(datasets.Dataset.from_list(rows), config=config, tokenizer=tok, seq_len=limit)
+    widest = max(s[-1] for s in built if len(s) == 3)
+    assert widest <= limit, f"a (P, 2, {widest}) tensor was built for --max-length {limit}"
+    assert max(encoded) < 20_000, f"a text of {max(encoded)} characters was tokenized for --max-length {limit}"
+    monkeypatch.undo()
+    rows.pop(100)
+    whole = get("reward")().rows(datasets.Dataset.from_list(rows), config=config, tokenizer=tok)
+    kept = whole["attention_mask"].sum(-1).amax(-1) <= limit
+    assert cut["input_ids"].shape[:2] == (int(kept.sum()), 2) and 0 < int(kept.sum()) < 200
+    assert torch.equal(cut["input_ids"], whole["input_ids"][kept][..., :cut["input_ids"].shape[-1]])
+    assert torch.equal(cut["margin"], whole["margin"][kept])
+
+
 def test_train_step_on_hand_built_pairs_is_trls_loss():
     """The batch a test builds by hand: rows interleaved (2i chosen, 2i + 1 rejected of pair i), a margin per row
     (the chosen row's is read), padding with the model's pad id; the step's loss and metrics are TRL's formulas."""

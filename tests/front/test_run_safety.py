@@ -5,6 +5,7 @@ one sentence for ``--resume latest`` with nothing to resume and for ``--steps`` 
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -124,3 +125,108 @@ def test_a_plan_past_the_machine_s_processes_starts_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "100000 processes" in err[0] and "CUBOID_MAX_LOCAL_PROCESSES" in err[0]
     assert time.perf_counter() - t0 < 30 and not (tmp_path / "out").exists()
+
+
+def _second_runs(out, images, capsys) -> list:
+    """What a second run into ``out`` says while a first holds it: (exit code, stderr lines) of the CLI with
+    one process and with a dp=2 launch, and the Python API's error."""
+    said = []
+    for plan in ("dp=1", "dp=2"):
+        capsys.readouterr()
+        rc = main(["finetune", "--model", "vit-debug", "--data", str(images), "--output-dir", str(out), "--plan",
+                   plan, "--steps", "2", "--batch-size", "4", "--overwrite-output-dir", "--no-progress", "--no-plot"])
+        said.append((rc, capsys.readouterr().err.strip().splitlines()))
+    with pytest.raises(ValueError) as e:
+        cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, resume="latest", **OPTS)
+    return said + [str(e.value)]
+
+
+def test_a_second_run_into_a_busy_output_dir_is_refused_and_a_dp2_resume_after_it_goes(images, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Issue 65, item 5.1: a run holds its output folder's lock for its life. Started while it trains (from its
+    step-1 callback), a second run, one process or a dp=2 launch, fresh or resuming, is refused in one line
+    naming the holder, and writes nothing; once the first ended, a dp=2 run resumes there (the launcher's
+    workers are its run)."""
+    import os
+    import socket
+
+    from cuboid.train.callbacks import TrainerCallback
+    from cuboid.train.resume import LOCK_FILE
+
+    out = tmp_path / "out"
+    seen = {}
+
+    class SecondRun(TrainerCallback):
+        def on_step_end(self, run, step, row):
+            if step == 1:
+                seen["files"] = sorted(p.name for p in out.iterdir())
+                seen["said"] = _second_runs(out, images, capsys)
+                seen["after"] = sorted(p.name for p in out.iterdir())
+
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=3, log_every=1,
+                    callbacks=[SecondRun()], **OPTS)
+    (rc1, err1), (rc2, err2), api = seen["said"]
+    for rc, err in ((rc1, err1), (rc2, err2)):
+        assert rc == 2 and len(err) == 1, err
+        assert f"pid {os.getpid()} on {socket.gethostname()}, started " in err[0] and "in use by a run" in err[0]
+    assert f"pid {os.getpid()}" in api
+    assert seen["after"] == seen["files"]  # the second runs wrote nothing
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and _steps(out) == [2, 3]  # the first run's own, whole
+    assert (out / LOCK_FILE).is_file()
+
+    capsys.readouterr()
+    argv = ["finetune", "--model", "vit-debug", "--data", str(images), "--output-dir", str(out), "--plan", "dp=2",
+            "--steps", "4", "--batch-size", "4", "--save-every", "1", "--resume", "latest", "--no-progress",
+            "--no-plot"]
+    monkeypatch.setattr(sys, "argv", ["cuboid", *argv])  # what the launched workers run
+    assert main(argv) == 0
+    assert _steps(out) == [3, 4] and run_id_of(out / "checkpoint-4") == run_id_of(out / "checkpoint-3")
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_lock_whose_holder_died_is_taken_over(tmp_path):
+    """The recorded holder is dead though its flock lives on (a forked child kept the file open): the lock is
+    taken over; a live holder's is not."""
+    import os
+    import signal
+    import subprocess
+
+    from cuboid.train.resume import LOCK_FILE, lock_output_dir, unlock_output_dir
+
+    out = tmp_path / "out"
+    code = ("import os, sys, time\nfrom pathlib import Path\nfrom cuboid.train.resume import lock_output_dir\n"
+            "lock_output_dir(Path(sys.argv[1]))\nchild = os.fork()\nif child == 0:\n"
+            "    null = os.open(os.devnull, os.O_WRONLY)\n    os.dup2(null, 1)\n    os.dup2(null, 2)\n"
+            "    time.sleep(120)\n"
+            "else:\n    print(child, flush=True)\n")
+    child = int(subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                               check=True, timeout=120).stdout)
+    try:
+        recorded = json.loads((out / LOCK_FILE).read_text())["pid"]
+        assert recorded != child
+        lock_output_dir(out)
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+        with pytest.raises(ValueError, match=f"in use by a run that is still going .pid {os.getpid()} "):
+            lock_output_dir(out)  # a live holder's lock, this process's too
+        unlock_output_dir(out)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_a_metrics_line_cut_off_by_a_kill_is_dropped_on_resume_with_a_warning(images, tmp_path, capsys):
+    """Issue 65, item 5.3: a kill mid-append leaves half a row last in metrics.jsonl; the resume drops it,
+    says so naming the file and line, and writes the log anew (no temporary file left)."""
+    out = tmp_path / "out"
+    cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=2, log_every=1, **OPTS)
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "loss": 0.12')  # the kill came mid-line
+    capsys.readouterr()
+    result = cuboid.finetune("vit-debug", str(images), output_dir=str(out), steps=3, log_every=1, resume="latest",
+                             **OPTS)
+    assert result["step"] == 3
+    err = capsys.readouterr().err
+    assert f"warning: {metrics} line 3 not a metrics row" in err, err
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".metrics")) == []

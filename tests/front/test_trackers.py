@@ -105,3 +105,66 @@ def test_each_tracker_holds_the_loss_curve_and_config_one_device_and_dp2(tmp_pat
         # rank 0 alone reported: one offline W&B run, one trackio run (the reader checks), one event file
         assert len(list((out / "wandb").glob("offline-run-*"))) == 1
         assert len([f for f in (out / "tensorboard").iterdir() if f.name.startswith("events")]) == 1
+
+
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path, capsys, monkeypatch):
+    """Issue 65, item 5.6: an MLflow server that does not answer: one line naming the tracker, exit 2 (was a
+    110-line traceback)."""
+    if not trackers.installed("mlflow"):
+        pytest.skip("mlflow is not installed")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/")  # (the discard port: nothing listens)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    rc = main(["finetune", "--model", "vit-debug", "--data", "digits", "--steps", "1", "--batch-size", "16",
+               "--report-to", "mlflow", "--output-dir", str(tmp_path / "out"), "--no-progress", "--no-plot",
+               "--plan", "dp=1"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("cuboid finetune: error: --report-to mlflow: the tracker did not start: "
+                             "MlflowException: "), err
+
+
+def test_ctrl_c_ends_the_tracker_runs_as_killed_with_every_row(tmp_path):
+    """Issue 65, item 5.6: Ctrl-C after step 3: the MLflow run ends KILLED (it stayed RUNNING), and trackio's
+    and MLflow's stores hold the three rows metrics.jsonl holds."""
+    for name in ("trackio", "mlflow"):
+        if not trackers.installed(name):
+            pytest.skip(f"{name} is not installed")
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "tests.front.interrupt_job", "finetune", "--model", "vit-debug",
+                        "--data", "digits", "--steps", "10", "--batch-size", "16", "--log-every", "1",
+                        "--eval-every", "100", "--report-to", "trackio,mlflow", "--plan", "dp=1", "--output-dir",
+                        str(out), "--no-progress", "--no-plot"], capture_output=True, text=True, timeout=300,
+                       env={**ENV, "CUBOID_SIGINT": "0:3", "PYTHONPATH": str(root)})
+    assert p.returncode == 130, p.stderr[-3000:]
+    reader = _read(out, ("trackio", "mlflow"))
+    got, err = reader.communicate(timeout=180)
+    assert reader.returncode == 0, err
+    store = json.loads(got.strip().splitlines()[-1])
+    assert store["mlflow"]["status"] == "KILLED", store["mlflow"]["status"]
+    for name in ("trackio", "mlflow"):
+        assert [s for s, _ in store[name]["loss"]] == [1, 2, 3], (name, store[name]["loss"])
+
+
+def test_what_trackio_says_of_unwritten_rows_is_shown(monkeypatch, capsys):
+    """Issue 65, item 5.6: trackio's finish() prints (to the stdout cuboid hides its banners from) or warns that
+    rows are still buffered or were not sent; each is a warning line on stderr, not lost."""
+    if not trackers.installed("trackio"):
+        pytest.skip("trackio is not installed")
+    import warnings
+
+    import trackio
+
+    def finish():
+        print("* Run finished. Uploading logs to Trackio (please wait...)")
+        print("* Some logs could not be sent to the remote server (it may still be starting up).")
+        warnings.warn("Could not flush all logs within 30s. Some data may be buffered locally.")
+
+    monkeypatch.setattr(trackio, "finish", finish)
+    tracker = object.__new__(trackers.Trackio)
+    tracker.close("KILLED")
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: --report-to trackio: Could not flush all logs within 30s. Some data may be buffered "
+                   "locally.", "warning: --report-to trackio: Some logs could not be sent to the remote server (it "
+                   "may still be starting up)."], err

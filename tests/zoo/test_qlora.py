@@ -256,3 +256,37 @@ def test_a_lora_models_save_loads_back_with_its_adapters(folders, tmp_path):
     assert all(torch.equal(params[n], p) for n, p in model.named_parameters())
     with torch.no_grad():
         assert torch.equal(back(x).logits, want)
+
+
+def test_a_damaged_or_blocksize_128_quant_state_is_one_line_naming_the_tensor(folders, tmp_path):
+    """Issue 65, item 5.6: a tensor whose quant state is not JSON, and a valid folder quantized with blocksize
+    128 (cuboid's NF4 layers hold bitsandbytes' default 64): each a one-line CheckpointError naming the folder
+    and the tensor (a traceback from inside the layers before)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cuboid.kernels.nf4 import quantize_nf4
+    from cuboid.zoo.checkpoint.format import CheckpointError
+
+    root, _ = folders
+    name = "model.layers.1.mlp.down_proj.weight"
+    for case in ("damaged", "blocksize-128"):
+        folder = tmp_path / case
+        shutil.copytree(root / "bnb4", folder)
+        (file,) = folder.glob("*.safetensors")
+        tensors = load_file(file)
+        if case == "damaged":
+            tensors[f"{name}.quant_state.bitsandbytes__nf4"] = torch.tensor(list(b'{"quant_type": "nf4"'),
+                                                                            dtype=torch.uint8)
+            want = "its 4-bit quant state is not readable"
+        else:
+            full = torch.randn(128, 256, dtype=torch.bfloat16)
+            for k, v in quantize_nf4(full, blocksize=128).state_dict(prefix=name).items():
+                tensors[k] = v
+            want = "quantized with blocksize 128; cuboid's NF4 layers hold bitsandbytes' default blocksize 64"
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError) as e:
+            cuboid.load(folder, dtype=torch.float32)
+        assert str(e.value).startswith(f"{folder}: {name}: {want}"), str(e.value)
+        assert "\n" not in str(e.value)
