@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
 
         task = _task_of(args)  # a bad option: an error before any model loads
         model, tokenizer = load_model_and_tokenizer(args)
-        from cuboid.train.loop import configure
+        from cuboid.train.models import configure
 
         configure(model, task, tokenizer)  # what the task gives its model (reward: the tokenizer's pad id)
         task = with_reference(task, model, args.model)

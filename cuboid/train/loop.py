@@ -52,11 +52,12 @@ from cuboid.train.callbacks import Callbacks
 from cuboid.train.curves import plot_curves
 from cuboid import tasks
 from cuboid.data.formats import (PREPARED_FLAGS, GlobalBatches, check_prepared, eval_batches, load_source,
-                                 load_tokenizer, model_inputs, num_classes, real_tokens, train_eval_split)
-from cuboid.train.config import OPTIMIZERS, FinetuneConfig, checked, data_options
-from cuboid.loading.model import load, plan_of
+                                 model_inputs, num_classes, real_tokens, train_eval_split)
+from cuboid.train.config import FinetuneConfig, checked, data_options
+from cuboid.loading.model import plan_of
 from cuboid.parallel import Mesh, Plan, comm, init_distributed, prepare, unwrap
 from cuboid.train.interrupt import Interrupted, StopOnInterrupt
+from cuboid.train.models import load_model, make_optimizer
 from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_rank0, holds_output_dir,
                                  interrupted, keep_metrics, load_checkpoint, lock_output_dir, new_recipe,
                                  own_checkpoints, restart_count, resume_folder, run_id_of, run_settings,
@@ -64,7 +65,7 @@ from cuboid.train.resume import (changed_settings, check_output_dir, decided_on_
 from cuboid.train.schedule import lr_lambda, scaled_lr, warmup_steps
 from cuboid.train.sizes import padding_line, set_cpu_threads, threads_kept, width_multiple
 from cuboid.train.step import all_reduce_sum, evaluate, train_step
-from cuboid.zoo import PRESETS, after_step, build, config_of, count_parameters, family_of, set_options, spec_of
+from cuboid.zoo import after_step, build, count_parameters, spec_of
 
 __all__ = ["FinetuneConfig", "Run", "finetune", "run", "make_optimizer"]
 
@@ -76,28 +77,6 @@ def _is_main() -> bool:
 def log(msg: str) -> None:
     if _is_main():
         print(msg, file=sys.stderr, flush=True)
-
-
-def make_optimizer(name: str, model: nn.Module, lr: float, weight_decay: float):
-    """AdamW / LAMB / LARS / Muon with biases and norms excluded from decay (and from LAMB/LARS trust ratios).
-
-    Built the plain way: under tensor parallelism the optimizers read each
-    parameter's placement to see whole-tensor norms.
-    """
-    from cuboid.parallel import optim
-
-    groups = optim.exclude_bias_and_norm(model, weight_decay)
-    if name == "adamw":
-        return optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
-    if name == "lamb":
-        return optim.LAMB(groups, lr=lr, weight_decay=weight_decay)
-    if name == "lars":
-        return optim.LARS(groups, lr=lr, weight_decay=weight_decay)
-    if name == "muon":  # Moonlight's RMS matching: the hidden matrices' steps at AdamW's size, one lr for both
-        from cuboid.parallel.muon import Muon
-
-        return Muon(groups, lr=lr, weight_decay=weight_decay, adamw_lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; optimizers: {', '.join(OPTIMIZERS)}")
 
 
 @dataclass
@@ -302,75 +281,6 @@ def load_stream_and_model(r: Run) -> None:
         rows=max(cfg.batch_size // dp, 1), shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
         width_multiple=width_multiple(r.plan))
     r.eval_data = model_inputs(eval_tensors, routes(r.model))
-
-
-MODEL_OPTIONS = ("moe_bias_update_rate",)  # run options a family reads off its model's config (zoo.set_options)
-
-
-def load_model(cfg: FinetuneConfig, task: Optional[tasks.Task], num_labels: Optional[int], device, plan: Plan,
-               mesh: Mesh):
-    """(model, tokenizer, task): a preset gets the task's head; a folder keeps its own.
-
-    Presets and folders are built on meta and sharded for ``plan`` before
-    allocation (:func:`cuboid.loading.model.load`); a module passed in is sharded as it is.
-    """
-    from cuboid.parallel import shard
-
-    if isinstance(cfg.model, nn.Module):
-        plan.validate(cfg.model.config)
-        if cfg.quantize is not None:
-            raise ValueError("--quantize applies to a preset or a folder that cuboid reads, not to a model object")
-        model = shard(cfg.model, plan, mesh, spec_of(cfg.model))
-        if cfg.lora is not None:
-            from cuboid.zoo.lora import attach
-
-            attach(model, cfg.lora, seed=cfg.seed)
-        tokenizer = load_tokenizer(cfg.tokenizer)
-    elif os.path.isdir(str(cfg.model)):
-        from cuboid.loading.model import head_for
-
-        tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        model = load(cfg.model, plan, device=device, mesh=mesh, seed=cfg.seed, lora=cfg.lora,
-                     quantize=cfg.quantize, **head_for(cfg.model, task, num_labels, tokenizer, lora=cfg.lora))
-    else:
-        if cfg.model not in PRESETS:
-            raise ValueError(f"unknown model {cfg.model!r}: give a preset ({', '.join(PRESETS)}) "
-                             "or a local Hugging Face folder")
-        overrides = {}
-        if task is not None:
-            overrides["head"] = task.heads[0]
-        if num_labels is not None and hasattr(config_of(cfg.model), "num_labels"):
-            overrides["num_labels"] = num_labels
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        if task is not None:  # what the task gives its model beside the head (reward: one output, the pad id)
-            overrides.update(task.model_config(config_of(cfg.model, **overrides), tokenizer))
-        model = load(cfg.model, plan, device=device, seed=cfg.seed, mesh=mesh, lora=cfg.lora, quantize=cfg.quantize,
-                     **overrides)
-    task = task_of(model, task)
-    configure(model, task, tokenizer)
-    options = {k: getattr(cfg, k) for k in MODEL_OPTIONS if getattr(cfg, k)}
-    if options:  # the run's options that are the model family's (its config's fields)
-        set_options(unwrap(model), **options)
-    return model, tokenizer, task
-
-
-def configure(model: nn.Module, task: tasks.Task, tokenizer) -> None:
-    """A loaded model given the config fields its task sets (:meth:`~cuboid.tasks.Task.model_config`: reward's
-    pad id, which its head reads each row's last token by); a head of another size is a one-sentence error."""
-    from cuboid.parallel import unwrap
-
-    core = unwrap(model)
-    changes = {k: v for k, v in task.model_config(core.config, tokenizer).items() if getattr(core.config, k) != v}
-    if "num_labels" in changes:
-        raise ValueError(f"task {task.label} trains a head of {changes['num_labels']} output(s); this model's has "
-                         f"{core.config.num_labels}")
-    if changes:
-        core.config = core.config.replace(**changes)
-
-
-def task_of(model: nn.Module, task: Optional[tasks.Task]) -> tasks.Task:
-    """The task the model's head does (``task`` when given); a one-sentence error when it is another's."""
-    return tasks.for_model(family_of(model).name, model.config.head, task)
 
 
 def batching(r: Run) -> None:
