@@ -224,7 +224,8 @@ SLOW = [
      "tests/front/test_interrupt.py::test_sigterm_says_so_names_the_checkpoint_and_exits_143",
      "tests/front/test_trackers.py::test_ctrl_c_ends_the_tracker_runs_as_killed_with_every_row",
      "tests/front/test_faults.py::test_an_error_on_one_rank_is_the_headline[crash]",
-     "tests/front/test_faults.py::test_a_bad_value_every_rank_meets_is_one_line_as_ever"),
+     "tests/front/test_faults.py::test_a_bad_value_every_rank_meets_is_one_line_as_ever",
+     "tests/front/test_reward.py::test_a_long_record_is_bounded_by_the_length_kept_under_dp2"),
     ("a save killed mid-write, and the damaged-checkpoint fuzz loop, 12-19 s each: the failed-write test and the "
      "fuzz harness's own tests stay",
      "tests/checkpoint/test_atomic.py::test_killed_save_leaves_the_previous_checkpoint",

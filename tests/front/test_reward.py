@@ -246,3 +246,49 @@ def test_finetune_reward_lowers_the_loss_and_final_loads(reward_folder, tmp_path
     ours = cuboid.load(str(final)).eval()
     with torch.no_grad():
         assert torch.allclose(hf(input_ids=ids).logits, ours(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def _widest_reward_rows(folder: str, data: str, out: str, limit: int) -> int:
+    """On each rank of a dp=2 fine-tune (``cuboid.finetune`` under the launched world): the widest (P, 2, L)
+    tensor the reward task's tokenization built (spied only while ``Reward.rows`` runs)."""
+    import cuboid
+    from cuboid.tasks import reward
+
+    built, full, zeros, rows = [], torch.full, torch.zeros, reward.Reward.rows
+
+    def spy_full(size, *a, **k):
+        built.append(tuple(size))
+        return full(size, *a, **k)
+
+    def spy_zeros(*size, **k):
+        built.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
+        return zeros(*size, **k)
+
+    def spied(self, *a, **k):
+        torch.full, torch.zeros = spy_full, spy_zeros
+        try:
+            return rows(self, *a, **k)
+        finally:
+            torch.full, torch.zeros = full, zeros
+
+    reward.Reward.rows = spied
+    try:
+        cuboid.finetune(folder, data, task="reward", plan="dp=2", steps=1, batch_size=4, seq_len=limit,
+                        output_dir=out, progress=False, plot=False, eval_fraction=0.0)
+    finally:
+        reward.Reward.rows = rows
+    return max(s[-1] for s in built if len(s) == 3)
+
+
+def test_a_long_record_is_bounded_by_the_length_kept_under_dp2(reward_folder, tmp_path):
+    """Issue 65, item 5.2 under dp=2: every rank tokenizes its pairs only as far as --max-length (one pair of 40
+    pairs has a 100 kB answer; before, each rank built (P, 2, ~20,000) tensors)."""
+    from ..parallel.launch import run_world
+
+    rows = string_pairs(40)
+    rows[7] = {**rows[7], "chosen": " " + "word " * 20_000}
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    widest = run_world(_widest_reward_rows, 2, str(reward_folder), str(data), str(tmp_path / "run"), 64,
+                       timeout=300)
+    assert max(widest) <= 64, f"a (P, 2, {max(widest)}) tensor was built for --max-length 64 on a dp=2 rank"
