@@ -61,3 +61,31 @@ def test_reward_paths_with_colon_and_semicolon(tmp_path):
     assert task.reward_names == ["fn", "other"]
     assert GRPO(reward=task.options.reward).reward_names == ["fn", "other"]  # the record read back
     assert GRPO(reward=f"{folder / 'r.py'}:fn").reward_names == ["fn"]
+
+
+def test_a_resume_cuts_the_completions_log_without_reading_it_whole(tmp_path, monkeypatch):
+    """Issue 65, item 5: the first write after a resume keeps the log's earlier steps by reading it a line at a
+    time (the whole log was read into memory: ``Path.read_text``), so a large log costs a line."""
+    import json
+    import pathlib
+
+    import torch
+
+    from cuboid import tasks
+
+    log = tmp_path / "completions.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "completion": "x" * 1000}) + "\n" for s in (1, 1, 2, 3, 4)))
+    task = tasks.get("grpo")()
+    task.reward_names = []
+    task.rollout = {"step": 3, "texts": ["a"], "prompts": ["p"], "completion_ids": [[1]],
+                    "rewards": torch.zeros(1), "per_func": torch.zeros(1, 0), "advantages": torch.zeros(1)}
+
+    def whole(*a, **k):
+        raise AssertionError("the completions log was read whole")
+
+    monkeypatch.setattr(pathlib.Path, "read_text", whole)
+    monkeypatch.setattr(pathlib.Path, "read_bytes", whole)
+    task.write_completions(tmp_path)
+    monkeypatch.undo()
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [1, 1, 2, 3], steps
