@@ -146,6 +146,21 @@ def test_too_long_pairs_are_dropped_as_trl_does(reward_folder):
     assert torch.equal(cut["margin"], full["margin"][kept])
 
 
+def _shape_spies(built: list) -> tuple:
+    """Stand-ins for ``torch.full`` and ``torch.zeros`` that append each tensor's shape to ``built``."""
+    full, zeros = torch.full, torch.zeros
+
+    def spy_full(size, *a, **k):
+        built.append(tuple(size))
+        return full(size, *a, **k)
+
+    def spy_zeros(*size, **k):
+        built.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
+        return zeros(*size, **k)
+
+    return spy_full, spy_zeros
+
+
 def test_a_long_record_is_tokenized_and_padded_only_as_far_as_the_length_kept(reward_folder, monkeypatch):
     """Issue 65, item 5.2: 201 pairs, one with a 0.5 MB answer, at --max-length 64: no tensor is built wider
     than the length kept (the split's longest record made every row that wide, 3.4 GB at the issue's sizes),
@@ -162,15 +177,8 @@ def test_a_long_record_is_tokenized_and_padded_only_as_far_as_the_length_kept(re
     rows[100] = {**rows[100], "chosen": " " + "word " * 100_000}  # 0.5 MB
     limit, config = 64, config_of("llama-debug", n_positions=256)
     built, encoded = [], []
-    full, zeros, call = torch.full, torch.zeros, chat.TextEncoder.__call__
-
-    def spy_full(size, *a, **k):
-        built.append(tuple(size))
-        return full(size, *a, **k)
-
-    def spy_zeros(*size, **k):
-        built.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
-        return zeros(*size, **k)
+    call = chat.TextEncoder.__call__
+    spy_full, spy_zeros = _shape_spies(built)
 
     def spy_call(self, texts):
         encoded.append(max(map(len, [texts] if isinstance(texts, str) else texts), default=0))
@@ -255,14 +263,7 @@ def _widest_reward_rows(folder: str, data: str, out: str, limit: int) -> int:
     from cuboid.tasks import reward
 
     built, full, zeros, rows = [], torch.full, torch.zeros, reward.Reward.rows
-
-    def spy_full(size, *a, **k):
-        built.append(tuple(size))
-        return full(size, *a, **k)
-
-    def spy_zeros(*size, **k):
-        built.append(tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else size)
-        return zeros(*size, **k)
+    spy_full, spy_zeros = _shape_spies(built)
 
     def spied(self, *a, **k):
         torch.full, torch.zeros = spy_full, spy_zeros
