@@ -375,19 +375,12 @@ class TensorSequenceSplit:
     """
 
     def __init__(self, model: nn.Module, spec, mesh) -> None:
-        from .layers import LayerNorm, RMSNorm
-        from .tensor.d1 import ColumnLinear, RowLinear
-
         self.model, self.spec, self.mesh = model, spec, mesh
         self.group, self.tp = mesh.group("tp"), mesh.size("tp")
         self._embed_args = tuple(inspect.signature(model.embed).parameters)
         self.active = True  # False inside :meth:`unsplit` (the pipeline's stages read it too)
-        for block in getattr(model, spec.blocks):
-            for mod in block.modules():
-                if isinstance(mod, (ColumnLinear, RowLinear)):
-                    mod.seq_dim = 1
-                elif isinstance(mod, (LayerNorm, RMSNorm)):
-                    mod.seq_group = self.group
+        for mod, name, _ in self._sharded():
+            setattr(mod, name, 1 if name == "seq_dim" else self.group)
 
     def _sharded(self) -> list:
         """(module, attribute, value) of every setting that shards the blocks' tokens over ``tp``."""

@@ -411,8 +411,8 @@ def unscale_(scaler, optimizer) -> None:
 
 
 def param_tags(model: nn.Module) -> dict:
-    """Each parameter's tags (``placement``, ``layer_ref``: parallel/layers.py) by name: what a wrap that makes new parameter
-    objects (FSDP2's DTensors) puts back with :func:`retag`."""
+    """Each parameter's tags (``placement``, ``layer_ref``: parallel/layers.py) by name: what a wrap that makes
+    new parameter objects (FSDP2's DTensors) puts back with :func:`retag`."""
     return {n: (getattr(p, "placement", None), getattr(p, "layer_ref", None)) for n, p in model.named_parameters()}
 
 
@@ -420,8 +420,6 @@ def retag(model: nn.Module, tags: dict) -> None:
     """Put :func:`param_tags`' tags back on the parameters of the same names."""
     for name, p in model.named_parameters():
         p.placement, p.layer_ref = tags[name]
-
-
 
 
 def shard_experts_over_edp(experts, expert_group, device_type: str, reshard_after_forward=None) -> set:
@@ -471,7 +469,7 @@ def shard_parameters(model: nn.Module, group, blocks: str = "blocks", *, experts
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     model.register_forward_hook(_reshard_without_grad)  # after FSDP2's own post-forward hook
     retag(model, tags)
-    return comm.guard_fsdp(model)
+    return comm.guard_fsdp(model)  # a stalled gather or reduce-scatter names rank, group and op
 
 
 def _reshard_without_grad(module: nn.Module, args, output):
@@ -486,7 +484,7 @@ def _reshard_without_grad(module: nn.Module, args, output):
     """
     if not torch.is_grad_enabled():
         module.reshard()
-    return output  # a stalled gather or reduce-scatter names rank, group and op
+    return output
 
 
 def reshard(model: nn.Module) -> None:
