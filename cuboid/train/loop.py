@@ -223,6 +223,8 @@ def load_data_and_model(r: Run) -> None:
     r.model, r.tokenizer, r.task = load_model(cfg, cfg.task, num_labels, r.device, r.plan, r.mesh)
     prep = data_options(cfg, r.model.config, r.tokenizer)
     train_data = tasks.prepare(train_ds, r.task, **prep)
+    if cfg.eval_data is not None:  # a bad eval record's error names the eval file, not the training data's
+        prep = dict(prep, source=cfg.eval_data if isinstance(cfg.eval_data, (str, os.PathLike)) else None)
     r.eval_data = None if eval_ds is None else model_inputs(tasks.prepare(eval_ds, r.task, **prep), routes(r.model))
     per = r.task.rows_per_example  # GRPO: completions a prompt; the batch size counts rows
     if cfg.batch_size % per:

@@ -27,8 +27,7 @@ def cpu_threads(env: dict, cores: int, local_processes: int = 1, quota: Optional
     chose (``OMP_NUM_THREADS`` in ``env``). ``cores``: those the process may run on
     (``os.sched_getaffinity``), ``quota``: the cgroup's CPU limit in cores, ``load``: the machine's
     one-minute load average, of which the run's own processes are taken to be ``local_processes``. Threads
-    beyond the idle cores wait on each other: a run whose threads shared two busy cores with other work
-    took 10x longer a step than with one thread, for the same loss."""
+    beyond the idle cores wait on each other (bench/RESULTS.md has the measured cost)."""
     if env.get("OMP_NUM_THREADS"):
         return None, None
     usable = float(cores)

@@ -138,6 +138,8 @@ def base_quantization(model: nn.Module) -> Optional[dict]:
     (what they dequantize to)."""
     from cuboid.parallel.quant import quantized_layers
 
+    from cuboid.kernels.nf4 import BLOCKSIZE  # the NF4 layers' values per scale
+
     layers = [layer for _, layer in quantized_layers(model)]
     if not layers:
         return None
@@ -146,7 +148,7 @@ def base_quantization(model: nn.Module) -> Optional[dict]:
     return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
             "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": bool(double),
             "bnb_4bit_compute_dtype": str(layer.nf4_dtype).removeprefix("torch."),
-            "bnb_4bit_quant_storage": "uint8", "blocksize": 64}
+            "bnb_4bit_quant_storage": "uint8", "blocksize": BLOCKSIZE}
 
 
 def recorded_quantization(folder) -> Optional[dict]:
