@@ -443,14 +443,7 @@ class GRPO(Task):
                                top_k=o.top_k, stops=stops, pad=pad)
         G = o.num_generations
         records = [self.records[index[j // G]] for j in range(len(completions))]
-        raw = [r[o.prompt_column] for r in records]
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
-        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
-        from .grpo_rewards import score
-
-        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
-                         timeout_s=o.reward_timeout_s)
+        raw, texts, per_func = self._scored(records, completions, tokenizer, step)
         rewards, adv, std_zero = advantages(per_func, self.reward_weights, G, o.scale_rewards)
         cut = [R.truncated(c, stops) for c in completions]
         masked = cut if o.mask_truncated_completions else [False] * len(cut)
@@ -518,7 +511,6 @@ class GRPO(Task):
         ``eval_reward``, ``eval_rewards/<fn>/mean`` and ``eval_completions/mean_length`` (TRL's names with its
         ``eval_`` prefix)."""
         from . import rollout as R
-        from .grpo_rewards import score
 
         o = self.options
         index = data["index"].tolist()
@@ -526,13 +518,7 @@ class GRPO(Task):
         model = model if model is not None else self.model
         completions = R.eval_completions(model, [self.prompt_ids[i] for i in index],
                                          max_new_tokens=o.max_completion_length, stops=stops, pad=pad)
-        records = [self.records[i] for i in index]
-        raw = [r[o.prompt_column] for r in records]
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
-        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
-        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
-                         timeout_s=o.reward_timeout_s)
+        raw, texts, per_func = self._scored([self.records[i] for i in index], completions, tokenizer, step)
         rewards = advantages(per_func, self.reward_weights, 1, "none")[0]
         out = {"eval_reward": _finite(torch.nanmean(rewards))}
         for i, name in enumerate(self.reward_names):
@@ -544,6 +530,21 @@ class GRPO(Task):
         """What the run's ``done:`` line adds: ``reward``, the mean over the last (up to) 10 steps' rewards."""
         last = [r["reward"] for r in history[-10:] if r.get("reward") is not None]
         return {"reward": sum(last) / len(last)} if last else {}
+
+    def _scored(self, records: list, completions: list, tokenizer, step: int) -> tuple:
+        """(prompts as given, completion texts, (B, F) rewards) of ``completions`` of the prompts of ``records``
+        (one record a completion): the texts decoded, given to the reward functions as TRL does (a
+        conversational prompt's completion as an assistant turn), with the records' other columns."""
+        from .grpo_rewards import score
+
+        o = self.options
+        raw = [r[o.prompt_column] for r in records]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [[{"role": "assistant", "content": t}] if not isinstance(p, str) else t for p, t in zip(raw, texts)]
+        columns = {k: [r[k] for r in records] for k in records[0] if k != o.prompt_column}
+        per_func = score(self.reward_funcs, self.reward_names, raw, given, completions, columns, step=step,
+                         timeout_s=o.reward_timeout_s)
+        return raw, texts, per_func
 
     def write_completions(self, output_dir) -> None:
         """One line a completion: step, prompt (as given), completion (text), completion_ids, reward, each

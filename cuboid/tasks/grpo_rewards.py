@@ -125,6 +125,33 @@ def score(funcs: Sequence[Callable], names: Sequence[str], prompts: list, comple
         from cuboid.parallel.timeouts import timeout_s as collective_timeout
 
         timeout_s = collective_timeout()
+    failure = None
+    try:
+        out = _scores(funcs, names, prompts, completions, completion_ids, columns, at, timeout_s)
+    except TaskError as e:
+        failure, out = e, None
+    _agree_on_failure(failure, at)
+    return out
+
+
+def _agree_on_failure(failure: Optional[Exception], at: str) -> None:
+    """Every rank scores the same completions with user code, which may fail on one rank alone (its files,
+    its clock): the ranks agree (one all-reduce of a flag over the world) and all raise together, so no rank
+    goes on into the next collective while another has stopped."""
+    import torch.distributed as dist
+
+    failed = failure is not None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([float(failed)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not failed:
+            raise TaskError(f"a reward function failed on another rank{at} (its line is that rank's)")
+    if failed:
+        raise failure
+
+
+def _scores(funcs, names, prompts, completions, completion_ids, columns, at, timeout_s) -> torch.Tensor:
+    """:func:`score`'s work on this rank: each function called on the completions, its values checked."""
     out = torch.full((len(completions), len(funcs)), float("nan"), dtype=torch.float64)
     for i, (fn, name) in enumerate(zip(funcs, names)):
         values = call_user(fn, f"reward function {name}", at, timeout_s, prompts=prompts, completions=completions,

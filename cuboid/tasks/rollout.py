@@ -303,11 +303,13 @@ def eval_completions(model, prompts: Sequence[list], *, max_new_tokens: int, sto
     core, out = unwrap(model), []
     was_training = core.training
     core.eval()
-    for start in range(0, len(prompts), chunk * dp):
-        part = list(prompts[start:start + chunk * dp])
-        filled = part + [part[-1]] * (-len(part) % dp)
-        got = sample(model, filled, num_generations=1, step=0, seed=0, max_new_tokens=max_new_tokens,
-                     temperature=1.0, top_p=1.0, top_k=0, stops=stops, pad=pad, greedy=True)
-        out.extend(got[:len(part)])
-    core.train(was_training)
+    try:
+        for start in range(0, len(prompts), chunk * dp):
+            part = list(prompts[start:start + chunk * dp])
+            filled = part + [part[-1]] * (-len(part) % dp)
+            got = sample(model, filled, num_generations=1, step=0, seed=0, max_new_tokens=max_new_tokens,
+                         temperature=1.0, top_p=1.0, top_k=0, stops=stops, pad=pad, greedy=True)
+            out.extend(got[:len(part)])
+    finally:
+        core.train(was_training)
     return out

@@ -132,3 +132,38 @@ def test_a_module_that_fails_on_import_names_its_line(tmp_path):
     (tmp_path / "quits.py").write_text("import sys\nsys.exit(3)\n")
     with pytest.raises(TaskError, match="importing .*quits.py failed: SystemExit: 3"):
         load_reward(f"{tmp_path / 'quits.py'}:fn")
+
+
+def _rank_one_fails(prompts, completions, **kw):
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise OSError("a file only rank 1 lacks")
+    return [1.0] * len(completions)
+
+
+def _score_on_each_rank():
+    import torch.distributed as dist
+
+    from cuboid.parallel.mesh import init_distributed
+    from cuboid.tasks.base import TaskError
+    from cuboid.tasks.grpo_rewards import score
+
+    init_distributed()
+    try:
+        score([_rank_one_fails], ["local"], ["p"], ["c"], [[1]], step=3, timeout_s=30)
+        out = "scored"
+    except TaskError as e:
+        out = str(e)
+    dist.barrier()  # (every rank gets here: none is left in a collective)
+    return out
+
+
+def test_a_reward_function_failing_on_one_rank_stops_every_rank():
+    """Every rank scores the completions with the user's functions; one that fails on one rank alone (its own
+    files) ends every rank with a line, rather than leaving the others in the step's next collective."""
+    from ..parallel.launch import run_world
+
+    zero, one = run_world(_score_on_each_rank, 2, timeout=120)
+    assert "local" in one and "a file only rank 1 lacks" in one, one
+    assert "failed on another rank at step 3" in zero, zero
