@@ -34,30 +34,45 @@ class Interrupted(KeyboardInterrupt):
         self.step, self.steps, self.checkpoint = step, steps, Path(checkpoint)
 
 
-class StopOnInterrupt:
+class SignalScope:
+    """Within: ``_handler`` handles ``signum`` (main thread only: outside it there are no signals, and nothing
+    is installed); the previous handler comes back on exit."""
+
+    signum = signal.SIGINT
+
+    def __init__(self) -> None:
+        self._previous, self._installed = None, False
+
+    def _handler(self, signum, frame) -> None:  # pragma: no cover - each scope's own
+        raise NotImplementedError
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
+
+
+class StopOnInterrupt(SignalScope):
     """Within: the first SIGINT sets :attr:`requested`; a second raises ``KeyboardInterrupt``. The previous
     handler comes back on exit. Outside the main thread (no signals there) it installs nothing."""
 
+    signum = signal.SIGINT
+
     def __init__(self) -> None:
+        super().__init__()
         self.requested = False
-        self._previous = None
-        self._installed = False
 
     def _handler(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
 
-    def __enter__(self) -> "StopOnInterrupt":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
 
     def agreed(self, world_size: int, device: torch.device) -> bool:
         """Whether any rank was asked to stop: this rank's flag, all-reduced (max) over the world when it
@@ -105,27 +120,15 @@ class Terminated(BaseException):
     and ``cuboid finetune`` says so in one line (:func:`terminated_line`) and exits 143."""
 
 
-class TerminateOnSigterm:
+class TerminateOnSigterm(SignalScope):
     """Within (main thread only): SIGTERM raises :class:`Terminated`; the previous handler comes back on exit.
-    The workers of a launch keep the default (the agent's SIGTERM ends them at once: a second Ctrl-C)."""
+    Launched workers keep the default SIGTERM action (they end at once when the agent stops them)."""
 
-    def __init__(self) -> None:
-        self._previous, self._installed = None, False
+    signum = signal.SIGTERM
 
     @staticmethod
     def _handler(signum, frame) -> None:
         raise Terminated()
-
-    def __enter__(self) -> "TerminateOnSigterm":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-            self._installed = False
 
 
 def terminated_line(output_dir, argv: list, module: str = "cuboid") -> str:
